@@ -1,0 +1,140 @@
+"""The one exception tree of agentrl.
+
+Every error agentrl raises on purpose derives from `AgentRLError`, so a caller can catch them all
+at once, or one branch at a time. Messages say what failed, what was given and what to do next.
+This module holds no logic beyond the classes; it is imported by everything and imports nothing.
+
+    AgentRLError
+    ├── ConfigError                  a config file, key or value is wrong
+    │   └── UnknownNameError         a registry name or key matched nothing (carries suggestions)
+    ├── FeatureUnavailableError      a part that is not built yet, or whose optional extra is missing
+    ├── EnvError                     an environment was used against its contract
+    │   └── EnvContractError         `check_env` found a violation
+    ├── ToolError                    a tool failed; `fault` says whose fault it was
+    │   ├── ToolArgumentError        the model passed arguments that do not fit the schema
+    │   └── ToolInfrastructureError  the machinery behind the tool failed (sandbox down, timeout)
+    ├── ToolCallParseError           model text that looked like a tool call but is not one
+    ├── SandboxError                 a sandbox backend cannot do what was asked
+    │   ├── SandboxUnavailableError  the isolation tools it needs are missing
+    │   └── SandboxClosedError       the session was already closed
+    ├── InferenceError               an LLM server or the router failed
+    │   └── ServerUnavailableError   no healthy server answered in time
+    ├── DatasetError                 a dataset file or row is malformed
+    ├── TrainerError                 the trainer cannot proceed
+    └── WeightSyncError              a weight push failed
+        └── ChecksumError            a bucket arrived corrupted
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "AgentRLError",
+    "ChecksumError",
+    "ConfigError",
+    "DatasetError",
+    "EnvContractError",
+    "EnvError",
+    "FeatureUnavailableError",
+    "InferenceError",
+    "SandboxClosedError",
+    "SandboxError",
+    "SandboxUnavailableError",
+    "ServerUnavailableError",
+    "ToolArgumentError",
+    "ToolCallParseError",
+    "ToolError",
+    "ToolInfrastructureError",
+    "TrainerError",
+    "UnknownNameError",
+    "WeightSyncError",
+]
+
+
+class AgentRLError(Exception):
+    """Base of every error agentrl raises on purpose."""
+
+
+class ConfigError(AgentRLError, ValueError):
+    """A configuration is invalid. `errors` holds every problem found, one line each."""
+
+    def __init__(self, message: str, errors: list[str] | None = None) -> None:
+        super().__init__(message)
+        self.errors: list[str] = list(errors) if errors else [message]
+
+
+class UnknownNameError(ConfigError, LookupError):
+    """A name matched no registry entry or config key; `suggestions` holds the closest ones."""
+
+    def __init__(self, message: str, suggestions: list[str] | None = None) -> None:
+        super().__init__(message)
+        self.suggestions: list[str] = list(suggestions or [])
+
+
+class FeatureUnavailableError(AgentRLError, NotImplementedError):
+    """The requested part is not built yet, or needs an optional extra that is not installed."""
+
+
+class EnvError(AgentRLError):
+    """An environment was used against its contract (for example `step` before `reset`)."""
+
+
+class EnvContractError(EnvError):
+    """`agentrl.envs.check_env` found that an environment breaks the Env contract."""
+
+
+class ToolError(AgentRLError):
+    """A tool call failed. `fault` is "model" (bad call) or "infra" (the machinery failed)."""
+
+    fault: str = "model"
+
+
+class ToolArgumentError(ToolError):
+    """The model's arguments do not fit the tool's schema; the message is shown to the model."""
+
+    fault = "model"
+
+
+class ToolInfrastructureError(ToolError):
+    """The machinery behind a tool failed: sandbox down, service timeout, lost connection."""
+
+    fault = "infra"
+
+
+class ToolCallParseError(AgentRLError):
+    """Text that looked like a tool call could not be parsed into one."""
+
+
+class SandboxError(AgentRLError):
+    """A sandbox backend cannot do what was asked."""
+
+
+class SandboxUnavailableError(SandboxError):
+    """The isolation tools a backend needs are missing; the message names what to install."""
+
+
+class SandboxClosedError(SandboxError):
+    """An operation was attempted on a sandbox session that is already closed."""
+
+
+class InferenceError(AgentRLError):
+    """An LLM server, client or the router failed."""
+
+
+class ServerUnavailableError(InferenceError):
+    """No healthy inference server answered within the deadline."""
+
+
+class DatasetError(AgentRLError):
+    """A dataset file or row is malformed; the message names the file and the row."""
+
+
+class TrainerError(AgentRLError):
+    """The trainer cannot proceed (bad batch, diverged loss, missing checkpoint)."""
+
+
+class WeightSyncError(AgentRLError):
+    """A weight push from the trainer to the inference servers failed."""
+
+
+class ChecksumError(WeightSyncError):
+    """A weight bucket's checksum did not match what the sender computed."""

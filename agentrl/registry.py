@@ -1,0 +1,217 @@
+"""Lazy name tables so that YAML and the command line can name things.
+
+One `Registry` per kind (env, tool, sandbox, tool-call parser, advantage estimator, inference
+engine) maps a short name to a `"package.module:Object"` target that is imported only when the
+name is resolved, so importing agentrl loads no optional dependency. User code adds entries with
+the `register` decorator; anywhere a name is accepted, a `"package.module:Object"` path works too.
+An unknown name fails with the closest matches and the command that lists them.
+
+This module does not know what the objects are; the layers that own them decide how to build them.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from agentrl.errors import UnknownNameError
+
+__all__ = [
+    "ADVANTAGE_ESTIMATORS",
+    "ENVS",
+    "INFERENCE_ENGINES",
+    "REGISTRIES",
+    "SANDBOXES",
+    "TOOLS",
+    "TOOL_PARSERS",
+    "Registry",
+    "RegistryEntry",
+    "closest_names",
+    "import_object",
+]
+
+T = TypeVar("T")
+
+
+def closest_names(name: str, candidates: list[str] | tuple[str, ...], n: int = 3) -> list[str]:
+    """The candidates closest to `name` (edit-distance style), best first."""
+    return difflib.get_close_matches(name, list(candidates), n=n, cutoff=0.5)
+
+
+def import_object(path: str) -> Any:
+    """Import `"package.module:Object"` (or `"package.module:Outer.Inner"`) and return the object."""
+    module_name, sep, attr_path = path.partition(":")
+    if not sep or not module_name or not attr_path:
+        raise UnknownNameError(
+            f"'{path}' is not an import path; write it as 'package.module:Object'."
+        )
+    try:
+        obj: Any = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        raise UnknownNameError(
+            f"Cannot import module '{module_name}' named by '{path}': {exc}. "
+            "Check the spelling, or install the package that provides it."
+        ) from exc
+    for part in attr_path.split("."):
+        try:
+            obj = getattr(obj, part)
+        except AttributeError as exc:
+            raise UnknownNameError(
+                f"Module '{module_name}' has no attribute '{attr_path}' (from '{path}')."
+            ) from exc
+    return obj
+
+
+@dataclass(frozen=True, slots=True)
+class RegistryEntry:
+    """One name in a registry: where its object lives, and a one-line description."""
+
+    name: str
+    target: str | Any
+    description: str = ""
+
+    @property
+    def is_lazy(self) -> bool:
+        return isinstance(self.target, str)
+
+
+class Registry:
+    """A lazy `name -> object` table for one kind of thing.
+
+    >>> ENVS.resolve("arithmetic")            # imports agentrl.envs.arithmetic on first use
+    >>> ENVS.resolve("my_pkg.envs:MyEnv")     # any import path works where a name does
+    >>> @ENVS.register("my_env")
+    ... class MyEnv(agentrl.Env): ...
+    """
+
+    def __init__(self, kind: str, list_command: str, builtins: dict[str, tuple[str, str]]) -> None:
+        self.kind = kind
+        self.list_command = list_command
+        self._entries: dict[str, RegistryEntry] = {
+            name: RegistryEntry(name, target, desc) for name, (target, desc) in builtins.items()
+        }
+        self._cache: dict[str, Any] = {}
+
+    # ── lookup ──────────────────────────────────────────────────────────────────────────────
+    def names(self) -> list[str]:
+        return sorted(self._entries)
+
+    def entries(self) -> list[RegistryEntry]:
+        return [self._entries[n] for n in self.names()]
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._entries
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.names())
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def resolve(self, name: str) -> Any:
+        """The object registered under `name`, or at the import path `name`."""
+        if not isinstance(name, str) or not name:
+            raise UnknownNameError(f"A {self.kind} name must be a non-empty string, got {name!r}.")
+        if name in self._cache:
+            return self._cache[name]
+        entry = self._entries.get(name)
+        if entry is None:
+            if ":" in name:
+                obj = import_object(name)
+            else:
+                raise self._unknown(name)
+        else:
+            obj = import_object(entry.target) if entry.is_lazy else entry.target
+        self._cache[name] = obj
+        return obj
+
+    def _unknown(self, name: str) -> UnknownNameError:
+        matches = closest_names(name, self.names())
+        hint = f" Did you mean '{matches[0]}'?" if matches else ""
+        return UnknownNameError(
+            f"Unknown {self.kind} '{name}'.{hint} Run '{self.list_command}' to see them all, "
+            f"or give an import path 'package.module:Object'.",
+            suggestions=matches,
+        )
+
+    # ── registration ────────────────────────────────────────────────────────────────────────
+    def add(self, name: str, target: str | Any, description: str = "", *, overwrite: bool = False) -> None:
+        """Register `target` (an object or a lazy `"module:Object"` path) under `name`."""
+        if not name or not isinstance(name, str):
+            raise ValueError(f"A {self.kind} name must be a non-empty string, got {name!r}.")
+        if name in self._entries and not overwrite:
+            existing = self._entries[name].target
+            if existing is target:
+                return
+            raise ValueError(
+                f"{self.kind} '{name}' is already registered (to {existing!r}); "
+                "pick another name or pass overwrite=True."
+            )
+        if not description and not isinstance(target, str):
+            description = _first_doc_line(target)
+        self._entries[name] = RegistryEntry(name, target, description)
+        self._cache.pop(name, None)
+
+    def register(self, name: str | None = None, *, overwrite: bool = False) -> Callable[[T], T]:
+        """Decorator: register the decorated class or function under `name` (default: its name)."""
+
+        def decorate(obj: T) -> T:
+            self.add(name or getattr(obj, "__name__", ""), obj, overwrite=overwrite)
+            return obj
+
+        return decorate
+
+    def __repr__(self) -> str:
+        return f"Registry({self.kind!r}, {len(self)} entries)"
+
+
+def _first_doc_line(obj: Any) -> str:
+    doc = (getattr(obj, "__doc__", None) or "").strip()
+    return doc.splitlines()[0] if doc else ""
+
+
+# ── the tables ──────────────────────────────────────────────────────────────────────────────
+# Each built-in entry is (import path, one-line description). tests/unit/test_registry.py resolves
+# every entry, so a table can never name something that does not exist.
+
+ENVS = Registry(
+    "env",
+    "agentrl envs list",
+    {
+        "arithmetic": (
+            "agentrl.envs.arithmetic:ArithmeticEnv",
+            "Multi-step arithmetic word problems solved with a calculator tool.",
+        ),
+    },
+)
+
+TOOLS = Registry(
+    "tool",
+    "agentrl tools list",
+    {
+        "calculator": (
+            "agentrl.tools.calculator:calculator",
+            "Evaluate an arithmetic expression exactly (no code execution).",
+        ),
+    },
+)
+
+SANDBOXES = Registry("sandbox", "agentrl sandbox list", {})
+
+TOOL_PARSERS = Registry("tool-call parser", "agentrl tools parsers", {})
+
+ADVANTAGE_ESTIMATORS = Registry("advantage estimator", "agentrl validate --help", {})
+
+INFERENCE_ENGINES = Registry("inference engine", "agentrl serve --help", {})
+
+REGISTRIES: dict[str, Registry] = {
+    "env": ENVS,
+    "tool": TOOLS,
+    "sandbox": SANDBOXES,
+    "tool_parser": TOOL_PARSERS,
+    "advantage_estimator": ADVANTAGE_ESTIMATORS,
+    "inference_engine": INFERENCE_ENGINES,
+}

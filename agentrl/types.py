@@ -1,0 +1,329 @@
+"""Core data types shared by every layer: messages, tool calls, sampling, generations, trajectories.
+
+These are plain dataclasses and TypedDicts, cheap to build in hot loops and easy to serialise to
+JSON. The centre is `Trajectory`, the token ledger of one episode (DESIGN.md §4): for every token
+its origin, its turn, its rollout logprob and the policy version that sampled it. Nothing here
+talks to a model, an environment or a sandbox; that is what the layers above do.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass, field
+from enum import Enum, IntEnum
+from typing import Any, Literal, TypedDict
+
+__all__ = [
+    "Action",
+    "ExecResult",
+    "Fault",
+    "FinishReason",
+    "Generation",
+    "Message",
+    "SamplingParams",
+    "TokenOrigin",
+    "ToolCall",
+    "ToolResult",
+    "ToolSchema",
+    "Trajectory",
+]
+
+Role = Literal["system", "user", "assistant", "tool"]
+Fault = Literal["model", "infra"]
+
+
+class Message(TypedDict, total=False):
+    """One chat message, in the shape Hugging Face chat templates and OpenAI APIs accept."""
+
+    role: Role
+    content: str
+    tool_calls: list[dict[str, Any]]
+    tool_call_id: str
+    name: str
+    reasoning_content: str
+
+
+class ToolSchema(TypedDict):
+    """An OpenAI function-tool schema: `{"type": "function", "function": {...}}`."""
+
+    type: Literal["function"]
+    function: dict[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class ToolCall:
+    """A tool call parsed from model text.
+
+    `arguments` is the decoded JSON object; `raw` is the exact text it was parsed from, kept so that
+    the sampled tokens never need to be re-rendered from the parsed form.
+    """
+
+    name: str
+    arguments: dict[str, Any]
+    id: str = ""
+    raw: str = ""
+
+    def to_message_dict(self) -> dict[str, Any]:
+        """The OpenAI/HF `tool_calls` entry for this call."""
+        return {
+            "id": self.id,
+            "type": "function",
+            "function": {"name": self.name, "arguments": self.arguments},
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class Action:
+    """One assistant turn as the environment receives it in `Env.step`.
+
+    `text` is the decoded assistant message; `tool_calls` are the calls parsed from it;
+    `parse_errors` describes text that looked like a tool call but was malformed (the environment
+    answers each with an error message, so the model can learn from it).
+    """
+
+    text: str
+    tool_calls: tuple[ToolCall, ...] = ()
+    parse_errors: tuple[str, ...] = ()
+
+    def to_message(self) -> Message:
+        msg: Message = {"role": "assistant", "content": self.text}
+        if self.tool_calls:
+            msg["tool_calls"] = [c.to_message_dict() for c in self.tool_calls]
+        return msg
+
+
+@dataclass(frozen=True, slots=True)
+class ToolResult:
+    """What a tool call produced: the text the model sees, and whose fault a failure was."""
+
+    content: str
+    fault: Fault | None = None
+    tool_name: str = ""
+    tool_call_id: str = ""
+    duration_s: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return self.fault is None
+
+    def to_message(self) -> Message:
+        msg: Message = {"role": "tool", "content": self.content}
+        if self.tool_call_id:
+            msg["tool_call_id"] = self.tool_call_id
+        if self.tool_name:
+            msg["name"] = self.tool_name
+        return msg
+
+
+@dataclass(frozen=True, slots=True)
+class ExecResult:
+    """The outcome of running a command or program in a sandbox.
+
+    `killed_reason` is None for a normal exit, else one of "timeout", "memory", "output",
+    "signal" or "cpu" (why the sandbox ended the process).
+    """
+
+    stdout: str
+    stderr: str
+    exit_code: int | None
+    timed_out: bool = False
+    killed_reason: str | None = None
+    duration_s: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return self.exit_code == 0 and self.killed_reason is None
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """How a server samples one generation."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    max_tokens: int = 512
+    stop_token_ids: tuple[int, ...] = ()
+    stop: tuple[str, ...] = ()
+    seed: int | None = None
+    logprobs: bool = True
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+
+
+@dataclass(frozen=True, slots=True)
+class Generation:
+    """A server's answer to one token-in request: the sampled ids and their logprobs.
+
+    `finish_reason` is "stop" (EOS or stop sequence), "length" (max_tokens) or "abort" (the server
+    cancelled the request, e.g. for a weight update). `weight_version` is the policy version of
+    the weights that sampled these tokens.
+    """
+
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: Literal["stop", "length", "abort"]
+    weight_version: int = 0
+    server_id: str = ""
+
+    def __post_init__(self) -> None:
+        if self.logprobs and len(self.logprobs) != len(self.token_ids):
+            raise ValueError(
+                f"Generation has {len(self.token_ids)} tokens but {len(self.logprobs)} logprobs"
+            )
+
+
+class TokenOrigin(IntEnum):
+    """Where a token in the ledger came from. Only SAMPLED tokens are trained on."""
+
+    PROMPT = 0
+    SAMPLED = 1
+    TEMPLATE = 2
+    TOOL = 3
+
+
+class FinishReason(str, Enum):
+    """Why an episode ended."""
+
+    DONE = "done"
+    MAX_TURNS = "max_turns"
+    MAX_LENGTH = "max_length"
+    TIMEOUT = "timeout"
+    ERROR = "error"
+
+
+@dataclass
+class Trajectory:
+    """The token ledger of one episode.
+
+    Parallel lists hold one entry per token: `token_ids`, `origins` (a `TokenOrigin`), `turns`
+    (0 for the first prompt, k for tokens produced or appended at turn k), `logprobs` (the rollout
+    logprob for sampled tokens, 0.0 elsewhere) and `versions` (the policy version that sampled the
+    token, -1 for tokens that were not sampled). `response_mask` is 1 exactly on sampled tokens.
+
+    `fault` marks why an episode that ended in `error` failed: "infra" episodes are masked out of
+    the loss by the trainer instead of being scored 0 (`trainable` is False); "model" errors are the
+    policy's own and are trained on.
+    """
+
+    token_ids: list[int] = field(default_factory=list)
+    origins: list[int] = field(default_factory=list)
+    turns: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    messages: list[Message] = field(default_factory=list)
+    reward: float | None = None
+    finish_reason: FinishReason | None = None
+    fault: Fault | None = None
+    error: str | None = None
+    episode_id: str = ""
+    group_id: str = ""
+    data_source: str = ""
+    metrics: dict[str, float] = field(default_factory=dict)
+    info: dict[str, Any] = field(default_factory=dict)
+
+    # ── building ────────────────────────────────────────────────────────────────────────────
+    def extend(
+        self,
+        token_ids: Sequence[int],
+        origin: TokenOrigin,
+        turn: int,
+        logprobs: Sequence[float] | None = None,
+        version: int = -1,
+    ) -> None:
+        """Append tokens of one origin. Sampled tokens need their logprobs and policy version."""
+        n = len(token_ids)
+        if origin == TokenOrigin.SAMPLED:
+            if logprobs is None or len(logprobs) != n:
+                got = "none" if logprobs is None else len(logprobs)
+                raise ValueError(f"{n} sampled tokens need {n} rollout logprobs, got {got}")
+            if version < 0:
+                raise ValueError(f"sampled tokens need a policy version >= 0, got {version}")
+            self.logprobs.extend(float(x) for x in logprobs)
+            self.versions.extend([version] * n)
+        else:
+            if logprobs is not None:
+                raise ValueError(f"only sampled tokens carry logprobs, not {origin.name} tokens")
+            self.logprobs.extend([0.0] * n)
+            self.versions.extend([-1] * n)
+        self.token_ids.extend(int(t) for t in token_ids)
+        self.origins.extend([int(origin)] * n)
+        self.turns.extend([turn] * n)
+
+    # ── views ───────────────────────────────────────────────────────────────────────────────
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def response_mask(self) -> list[int]:
+        """1 on sampled tokens, 0 elsewhere."""
+        sampled = int(TokenOrigin.SAMPLED)
+        return [1 if o == sampled else 0 for o in self.origins]
+
+    @property
+    def prompt_length(self) -> int:
+        """Number of tokens before the first sampled token (the whole ledger if none)."""
+        sampled = int(TokenOrigin.SAMPLED)
+        for i, o in enumerate(self.origins):
+            if o == sampled:
+                return i
+        return len(self.origins)
+
+    @property
+    def num_sampled(self) -> int:
+        return sum(self.response_mask)
+
+    @property
+    def num_turns(self) -> int:
+        return max(self.turns, default=0)
+
+    @property
+    def trainable(self) -> bool:
+        """False when the episode failed for infrastructure reasons and must be masked out."""
+        return self.fault != "infra"
+
+    def tokens_of(self, origin: TokenOrigin) -> list[int]:
+        return [t for t, o in zip(self.token_ids, self.origins, strict=True) if o == int(origin)]
+
+    # ── checking and serialising ────────────────────────────────────────────────────────────
+    def validate(self) -> None:
+        """Raise ValueError if the ledger's invariants do not hold."""
+        n = len(self.token_ids)
+        lengths = {
+            "origins": len(self.origins),
+            "turns": len(self.turns),
+            "logprobs": len(self.logprobs),
+            "versions": len(self.versions),
+        }
+        bad = {k: v for k, v in lengths.items() if v != n}
+        if bad:
+            raise ValueError(f"ledger has {n} tokens but per-token lists of lengths {bad}")
+        sampled = int(TokenOrigin.SAMPLED)
+        for i, (o, lp, v) in enumerate(zip(self.origins, self.logprobs, self.versions, strict=True)):
+            if o not in (0, 1, 2, 3):
+                raise ValueError(f"token {i} has unknown origin {o}")
+            if o == sampled and (v < 0 or math.isnan(lp) or lp > 1e-6):
+                raise ValueError(f"sampled token {i} has version {v} and logprob {lp}")
+            if o != sampled and (v != -1 or lp != 0.0):
+                raise ValueError(f"non-sampled token {i} carries version {v} or logprob {lp}")
+        if any(b < a for a, b in zip(self.turns, self.turns[1:], strict=False)):
+            raise ValueError("turn numbers must never decrease along the ledger")
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["finish_reason"] = self.finish_reason.value if self.finish_reason else None
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Trajectory:
+        d = dict(d)
+        if d.get("finish_reason") is not None:
+            d["finish_reason"] = FinishReason(d["finish_reason"])
+        return cls(**d)
