@@ -31,6 +31,8 @@ __all__ = [
     "RegistryEntry",
     "closest_names",
     "import_object",
+    "register_env",
+    "register_tool",
 ]
 
 T = TypeVar("T")
@@ -215,3 +217,8 @@ REGISTRIES: dict[str, Registry] = {
     "advantage_estimator": ADVANTAGE_ESTIMATORS,
     "inference_engine": INFERENCE_ENGINES,
 }
+
+register_env = ENVS.register
+"""Decorator: `@agentrl.register_env("my_env")` makes a class nameable as `env=my_env`."""
+register_tool = TOOLS.register
+"""Decorator: `@agentrl.register_tool("my_tool")` makes a tool nameable in configs."""

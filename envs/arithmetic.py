@@ -1,0 +1,87 @@
+"""`arithmetic`: multi-step arithmetic problems that a small model solves with a calculator tool.
+
+The smallest complete environment in agentrl, and the reference implementation of the `ToolEnv`
+contract: each task is an expression over multi-digit integers ("Compute (4821 * 367) - 9124"),
+generated from the reset seed or read from a verl-format dataset row. The agent may call the
+`calculator` tool any number of times and must end with a final answer in `\\boxed{...}`; the reward
+is 1.0 when that answer equals the exact value, else 0.0. It needs no sandbox and no network.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+from fractions import Fraction
+from typing import Any
+
+from agentrl.envs.tool_env import ToolEnv
+from agentrl.tools.calculator import calculator, evaluate_expression, format_number
+from agentrl.tools.core import ToolContext
+
+__all__ = ["ArithmeticEnv", "extract_final_answer", "make_arithmetic_row"]
+
+SYSTEM_PROMPT = (
+    "You are a careful assistant. Use the calculator tool for every computation, "
+    "then give the final answer as \\boxed{NUMBER}."
+)
+
+_BOXED_RE = re.compile(r"\\boxed\{\s*([^{}]*?)\s*\}")
+_NUMBER_RE = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
+
+
+def make_arithmetic_row(seed: int, *, num_terms: int = 3, digits: int = 4) -> dict[str, Any]:
+    """A verl-format dataset row for one problem, fully determined by `seed`."""
+    rng = random.Random(seed)
+    lo, hi = 10 ** (digits - 1), 10**digits - 1
+    expr = str(rng.randint(lo, hi))
+    for i in range(num_terms - 1):
+        op = rng.choice(["+", "-", "*"] if i else ["*"])
+        operand = rng.randint(lo, hi) if op != "*" else rng.randint(11, 10 ** max(2, digits - 1))
+        expr = f"({expr} {op} {operand})" if i < num_terms - 2 else f"{expr} {op} {operand}"
+    answer = format_number(evaluate_expression(expr))
+    return {
+        "prompt": [
+            {"role": "system", "content": SYSTEM_PROMPT},
+            {"role": "user", "content": f"Compute {expr}."},
+        ],
+        "data_source": "agentrl/arithmetic",
+        "reward_model": {"style": "rule", "ground_truth": answer},
+        "extra_info": {"seed": seed, "expression": expr},
+    }
+
+
+def extract_final_answer(text: str) -> str | None:
+    """The content of the last `\\boxed{...}`; else the last number in the text; else None."""
+    boxed = _BOXED_RE.findall(text)
+    if boxed:
+        return boxed[-1]
+    numbers = _NUMBER_RE.findall(text)
+    return numbers[-1] if numbers else None
+
+
+def _as_number(text: str) -> Fraction | None:
+    try:
+        return Fraction(text.replace(",", "").strip())
+    except (ValueError, ZeroDivisionError):
+        return None
+
+
+class ArithmeticEnv(ToolEnv):
+    """Arithmetic word problems with a calculator tool (see the module docstring)."""
+
+    def __init__(self, *, max_turns: int = 6, num_terms: int = 3, digits: int = 4,
+                 tool_timeout_s: float = 10.0) -> None:
+        super().__init__([calculator], max_turns=max_turns, tool_timeout_s=tool_timeout_s)
+        self.num_terms = num_terms
+        self.digits = digits
+
+    def generate_row(self, seed: int | None) -> dict[str, Any]:
+        return make_arithmetic_row(seed or 0, num_terms=self.num_terms, digits=self.digits)
+
+    def score(self, final_text: str, row: dict[str, Any], ctx: ToolContext) -> float:
+        truth = _as_number(str(row.get("reward_model", {}).get("ground_truth", "")))
+        answer = extract_final_answer(final_text)
+        if truth is None or answer is None:
+            return 0.0
+        given = _as_number(answer)
+        return 1.0 if given is not None and given == truth else 0.0

@@ -1,0 +1,164 @@
+"""The environment contract: `agentrl.Env`, a `gymnasium.Env` whose observations are chat messages.
+
+    obs, info = env.reset(seed=0, options={"row": dataset_row})
+    # obs: list of chat messages (the prompt); info["tools"]: the tool schemas the agent may call
+    obs, reward, terminated, truncated, info = env.step(action)
+    # action: the assistant turn (`agentrl.types.Action`: text + parsed tool calls)
+    # obs: the new messages to append (tool results, feedback)
+
+`areset`/`astep`/`aclose` are the async twins the AgentLoop awaits. By default they run the sync
+methods in a worker thread; environments that call tools implement the async side natively (see
+`ToolEnv`) so thousands of episodes share one event loop, and then the sync methods drive it on a
+private loop. Environments know nothing of the trainer or of tokens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any, ClassVar, SupportsFloat
+
+import gymnasium
+import numpy as np
+
+from agentrl.types import Action, Message
+
+__all__ = ["ActionSpace", "ChatSpace", "Env"]
+
+_ROLES = ("system", "user", "assistant", "tool")
+
+
+class ChatSpace(gymnasium.Space[list]):
+    """The space of chat-message lists: each a dict with a known `role` and string `content`."""
+
+    def __init__(self, seed: int | np.random.Generator | None = None) -> None:
+        super().__init__(shape=None, dtype=None, seed=seed)
+
+    @property
+    def is_np_flattenable(self) -> bool:
+        return False
+
+    def contains(self, x: Any) -> bool:
+        return isinstance(x, list) and all(_is_message(m) for m in x)
+
+    def sample(self, mask: Any = None, probability: Any = None) -> list[Message]:
+        words = ("add", "the", "numbers", "what", "is", "seven", "tool", "result")
+        n = int(self.np_random.integers(1, 8))
+        text = " ".join(words[int(i)] for i in self.np_random.integers(0, len(words), size=n))
+        return [{"role": "user", "content": text}]
+
+    def __repr__(self) -> str:
+        return "ChatSpace()"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, ChatSpace)
+
+
+class ActionSpace(gymnasium.Space[Action]):
+    """The space of assistant turns: `Action` objects (text plus parsed tool calls)."""
+
+    def __init__(self, seed: int | np.random.Generator | None = None) -> None:
+        super().__init__(shape=None, dtype=None, seed=seed)
+
+    @property
+    def is_np_flattenable(self) -> bool:
+        return False
+
+    def contains(self, x: Any) -> bool:
+        return isinstance(x, Action) and isinstance(x.text, str)
+
+    def sample(self, mask: Any = None, probability: Any = None) -> Action:
+        """A plain-text answer with no tool call (random digits), so any env can take it."""
+        return Action(text=f"The answer is {int(self.np_random.integers(0, 1000))}.")
+
+    def __repr__(self) -> str:
+        return "ActionSpace()"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, ActionSpace)
+
+
+def _is_message(m: Any) -> bool:
+    return (
+        isinstance(m, dict)
+        and m.get("role") in _ROLES
+        and isinstance(m.get("content", ""), str)
+    )
+
+
+class Env(gymnasium.Env[list, Action]):
+    """Base class of agentrl environments (a `gymnasium.Env`; see the module docstring).
+
+    Subclasses implement `reset` and `step` (sync), or `areset` and `astep` (async) and inherit
+    sync versions that drive them. `reset(options={"row": row})` starts an episode on a dataset
+    row in verl's format; without a row an environment may generate a task from `seed`.
+    `info["tools"]` from `reset` lists the OpenAI tool schemas the agent may call.
+    """
+
+    metadata: ClassVar[dict[str, Any]] = {"render_modes": []}
+    observation_space = ChatSpace()
+    action_space = ActionSpace()
+
+    # ── async twins: default to running the sync methods in a thread ────────────────────────
+    async def areset(
+        self, *, seed: int | None = None, options: dict[str, Any] | None = None
+    ) -> tuple[list[Message], dict[str, Any]]:
+        """Async `reset`. Override it (and leave `reset` alone) for natively async environments."""
+        if type(self).reset is Env.reset:
+            raise NotImplementedError(f"{type(self).__name__} must implement reset or areset.")
+        return await asyncio.to_thread(self.reset, seed=seed, options=options)
+
+    async def astep(
+        self, action: Action
+    ) -> tuple[list[Message], SupportsFloat, bool, bool, dict[str, Any]]:
+        """Async `step`. Override it (and leave `step` alone) for natively async environments."""
+        if type(self).step is Env.step:
+            raise NotImplementedError(f"{type(self).__name__} must implement step or astep.")
+        return await asyncio.to_thread(self.step, action)
+
+    async def aclose(self) -> None:
+        """Async `close`; closing twice must be harmless."""
+        if type(self).close is not Env.close:
+            await asyncio.to_thread(self.close)
+
+    # ── sync side: drives the async twins when only those are implemented ───────────────────
+    def reset(
+        self, *, seed: int | None = None, options: dict[str, Any] | None = None
+    ) -> tuple[list[Message], dict[str, Any]]:
+        if type(self).areset is Env.areset:
+            raise NotImplementedError(f"{type(self).__name__} must implement reset or areset.")
+        return self._drive(self.areset(seed=seed, options=options))
+
+    def step(self, action: Action) -> tuple[list[Message], SupportsFloat, bool, bool, dict[str, Any]]:
+        if type(self).astep is Env.astep:
+            raise NotImplementedError(f"{type(self).__name__} must implement step or astep.")
+        return self._drive(self.astep(action))
+
+    def close(self) -> None:
+        if type(self).aclose is not Env.aclose:
+            self._drive(self.aclose())
+        loop = self.__dict__.pop("_private_loop", None)
+        if loop is not None and not loop.is_closed():
+            loop.close()
+
+    def _drive(self, coro: Any) -> Any:
+        """Run a coroutine of this env to completion on the env's own private event loop.
+
+        One loop per env keeps loop-bound resources (subprocess pipes, HTTP clients) valid across
+        calls. Calling the sync API from inside a running event loop would deadlock it, so that is
+        refused with the async alternative named.
+        """
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            pass
+        else:
+            coro.close()
+            raise RuntimeError(
+                f"{type(self).__name__}.reset/step were called from inside a running event loop; "
+                "use `await env.areset(...)` / `await env.astep(...)` there instead."
+            )
+        loop = self.__dict__.get("_private_loop")
+        if loop is None or loop.is_closed():
+            loop = asyncio.new_event_loop()
+            self.__dict__["_private_loop"] = loop
+        return loop.run_until_complete(coro)

@@ -1,0 +1,186 @@
+"""`ToolEnv`: the base of environments whose agent calls tools until it gives a final answer.
+
+A subclass says three things: how a dataset row becomes the first messages (`initial_messages`),
+which tools the agent may call (`tools`), and how the final answer is scored (`score`). ToolEnv
+does the rest natively in async: per-episode tool lifecycle (create on reset, release when the
+episode ends or the env closes, always), running the calls of one turn concurrently with a deadline
+each, turning unknown tools, bad arguments and malformed calls into tool messages the model can
+learn from, and counting them by fault class in `info["metrics"]`.
+
+An episode terminates when the assistant answers without calling a tool (or a tool sets
+`ctx.state["done"]`), and is truncated after `max_turns` assistant turns (reward 0). It does not
+tokenise anything, sample from a model or decide budgets in tokens; the AgentLoop does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from collections.abc import Sequence
+from typing import Any
+
+import gymnasium
+from agentrl.envs.core import Env
+from agentrl.tools.core import Tool, ToolContext
+
+from agentrl.errors import EnvError
+from agentrl.types import Action, Message, ToolCall, ToolResult
+
+__all__ = ["ToolEnv"]
+
+_log = logging.getLogger(__name__)
+
+
+class ToolEnv(Env):
+    """Base class for tool-using environments (see the module docstring)."""
+
+    def __init__(
+        self,
+        tools: Sequence[Tool] = (),
+        *,
+        max_turns: int = 8,
+        tool_timeout_s: float = 30.0,
+    ) -> None:
+        if max_turns < 1:
+            raise ValueError(f"max_turns must be >= 1, got {max_turns}")
+        names = [t.tool_name for t in tools]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise ValueError(f"Two tools share the name(s) {dupes}; tool names must be unique.")
+        self.tools: dict[str, Tool] = {t.tool_name: t for t in tools}
+        self.max_turns = max_turns
+        self.tool_timeout_s = tool_timeout_s
+        self._ctx: ToolContext | None = None
+        self._row: dict[str, Any] | None = None
+        self._turn = 0
+        self._done = False
+        self._metrics: dict[str, float] = {}
+
+    # ── what subclasses provide ─────────────────────────────────────────────────────────────
+    def generate_row(self, seed: int | None) -> dict[str, Any]:
+        """A task row for `reset` without `options["row"]`; by default a row is required."""
+        raise EnvError(
+            f"{type(self).__name__}.reset needs a dataset row: call reset(options={{'row': row}})."
+        )
+
+    def initial_messages(self, row: dict[str, Any]) -> list[Message]:
+        """The first messages of the episode; by default the row's verl-style `prompt`."""
+        prompt = row.get("prompt")
+        if isinstance(prompt, str):
+            return [{"role": "user", "content": prompt}]
+        if isinstance(prompt, list) and prompt:
+            return [dict(m) for m in prompt]  # type: ignore[misc]
+        raise EnvError(
+            f"Dataset row has no usable 'prompt' (got {type(prompt).__name__}); "
+            "a row needs 'prompt' as a list of chat messages or a string."
+        )
+
+    def score(self, final_text: str, row: dict[str, Any], ctx: ToolContext) -> float:
+        """The reward of an episode that ended with `final_text` as the answer."""
+        raise NotImplementedError(f"{type(self).__name__} must implement score().")
+
+    async def create_context(self, episode_id: str, row: dict[str, Any]) -> ToolContext:
+        """The per-episode tool context; override to attach a sandbox session."""
+        return ToolContext(episode_id=episode_id)
+
+    async def release_context(self, ctx: ToolContext) -> None:
+        """Free what `create_context` made (after every tool's `release`)."""
+
+    # ── the contract ────────────────────────────────────────────────────────────────────────
+    async def areset(
+        self, *, seed: int | None = None, options: dict[str, Any] | None = None
+    ) -> tuple[list[Message], dict[str, Any]]:
+        gymnasium.Env.reset(self, seed=seed)  # seeds self.np_random the standard way
+        gen_seed = seed
+        await self._end_episode()
+        options = options or {}
+        row = options.get("row")
+        if row is None:
+            if gen_seed is None:
+                gen_seed = int(self.np_random.integers(0, 2**31 - 1))
+            row = self.generate_row(gen_seed)
+        if not isinstance(row, dict):
+            raise EnvError(f"options['row'] must be a dict (a dataset row), got {type(row).__name__}.")
+        messages = self.initial_messages(row)
+        episode_id = str(options.get("episode_id") or uuid.uuid4().hex)
+        ctx = await self.create_context(episode_id, row)
+        created: list[Tool] = []
+        try:
+            for t in self.tools.values():
+                await t.create(ctx)
+                created.append(t)
+        except BaseException:
+            for t in created:
+                await _quietly(t.release(ctx))
+            await _quietly(self.release_context(ctx))
+            raise
+        self._ctx, self._row, self._turn, self._done = ctx, row, 0, False
+        self._metrics = {"tool_calls": 0, "tool_errors_model": 0, "tool_errors_infra": 0, "parse_errors": 0}
+        info = {"tools": [t.schema for t in self.tools.values()], "episode_id": episode_id}
+        return messages, info
+
+    async def astep(self, action: Action) -> tuple[list[Message], float, bool, bool, dict[str, Any]]:
+        if self._ctx is None or self._row is None:
+            raise EnvError(f"{type(self).__name__}.step was called before reset; call reset first.")
+        if self._done:
+            raise EnvError(f"{type(self).__name__}.step was called after the episode ended; call reset.")
+        if not isinstance(action, Action):
+            raise EnvError(
+                f"step expects an agentrl.types.Action, got {type(action).__name__}; "
+                "wrap model text as Action(text=...)."
+            )
+        self._turn += 1
+        ctx, row = self._ctx, self._row
+        messages: list[Message] = []
+        for err in action.parse_errors:
+            self._metrics["parse_errors"] += 1
+            messages.append({"role": "tool", "content": f"Error: {err}"})
+        results = await asyncio.gather(*(self._call(c, ctx) for c in action.tool_calls))
+        for r in results:
+            self._metrics["tool_calls"] += 1
+            if r.fault:
+                self._metrics[f"tool_errors_{r.fault}"] += 1
+            messages.append(r.to_message())
+
+        reward = 0.0
+        called = bool(action.tool_calls or action.parse_errors)
+        terminated = not called or bool(ctx.state.get("done"))
+        truncated = not terminated and self._turn >= self.max_turns
+        if terminated:
+            reward = float(self.score(action.text, row, ctx))
+        info: dict[str, Any] = {"metrics": dict(self._metrics), "turn": self._turn}
+        if terminated or truncated:
+            await self._end_episode()
+            self._done = True
+        return messages, reward, terminated, truncated, info
+
+    async def aclose(self) -> None:
+        await self._end_episode()
+
+    # ── internals ───────────────────────────────────────────────────────────────────────────
+    async def _call(self, call: ToolCall, ctx: ToolContext) -> ToolResult:
+        t = self.tools.get(call.name)
+        if t is None:
+            available = ", ".join(sorted(self.tools)) or "none"
+            return ToolResult(
+                f"Error: there is no tool named '{call.name}'. Available tools: {available}.",
+                fault="model", tool_name=call.name, tool_call_id=call.id,
+            )
+        return await t.invoke(call.arguments, ctx, tool_call_id=call.id, timeout_s=self.tool_timeout_s)
+
+    async def _end_episode(self) -> None:
+        ctx, self._ctx = self._ctx, None
+        if ctx is None:
+            return
+        for t in self.tools.values():
+            await _quietly(t.release(ctx))
+        await _quietly(self.release_context(ctx))
+
+
+async def _quietly(coro: Any) -> None:
+    """Await a cleanup step; its failure is logged, never allowed to stop the other cleanups."""
+    try:
+        await coro
+    except Exception:  # cleanup must go on for the remaining resources
+        _log.exception("cleanup step failed")
