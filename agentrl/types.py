@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
-from enum import Enum, IntEnum
+from enum import IntEnum, StrEnum
 from typing import Any, Literal, TypedDict
 
 __all__ = [
@@ -189,7 +189,7 @@ class TokenOrigin(IntEnum):
     TOOL = 3
 
 
-class FinishReason(str, Enum):
+class FinishReason(StrEnum):
     """Why an episode ended."""
 
     DONE = "done"

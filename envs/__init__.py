@@ -17,7 +17,6 @@ from typing import Any
 from agentrl.envs.checker import check_env
 from agentrl.envs.core import ActionSpace, ChatSpace, Env
 from agentrl.envs.tool_env import ToolEnv
-
 from agentrl.errors import ConfigError
 from agentrl.registry import ENVS
 

@@ -18,9 +18,9 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import gymnasium
-from agentrl.envs.core import ActionSpace, ChatSpace, Env
 from gymnasium.utils.env_checker import check_env as gymnasium_check_env
 
+from agentrl.envs.core import ActionSpace, ChatSpace, Env
 from agentrl.errors import EnvContractError, EnvError
 from agentrl.types import Action
 

@@ -125,7 +125,9 @@ class Env(gymnasium.Env[list, Action]):
         self, *, seed: int | None = None, options: dict[str, Any] | None = None
     ) -> tuple[list[Message], dict[str, Any]]:
         if type(self).areset is Env.areset:
-            raise NotImplementedError(f"{type(self).__name__} must implement reset or areset.")
+            # A subclass implementing `reset` calls super().reset(seed=seed) to seed `np_random`,
+            # the gymnasium idiom; that is all the base class does then.
+            return super().reset(seed=seed, options=options)  # type: ignore[return-value]
         return self._drive(self.areset(seed=seed, options=options))
 
     def step(self, action: Action) -> tuple[list[Message], SupportsFloat, bool, bool, dict[str, Any]]:

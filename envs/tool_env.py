@@ -21,10 +21,10 @@ from collections.abc import Sequence
 from typing import Any
 
 import gymnasium
-from agentrl.envs.core import Env
-from agentrl.tools.core import Tool, ToolContext
 
+from agentrl.envs.core import Env
 from agentrl.errors import EnvError
+from agentrl.tools.core import Tool, ToolContext
 from agentrl.types import Action, Message, ToolCall, ToolResult
 
 __all__ = ["ToolEnv"]
@@ -121,10 +121,10 @@ class ToolEnv(Env):
         return messages, info
 
     async def astep(self, action: Action) -> tuple[list[Message], float, bool, bool, dict[str, Any]]:
-        if self._ctx is None or self._row is None:
-            raise EnvError(f"{type(self).__name__}.step was called before reset; call reset first.")
         if self._done:
             raise EnvError(f"{type(self).__name__}.step was called after the episode ended; call reset.")
+        if self._ctx is None or self._row is None:
+            raise EnvError(f"{type(self).__name__}.step was called before reset; call reset first.")
         if not isinstance(action, Action):
             raise EnvError(
                 f"step expects an agentrl.types.Action, got {type(action).__name__}; "

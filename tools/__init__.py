@@ -13,10 +13,9 @@ if __name__ != "agentrl.tools":
 
 from typing import Any
 
-from agentrl.tools.core import FunctionTool, Tool, ToolContext, tool
-
 from agentrl.errors import ConfigError
 from agentrl.registry import TOOLS
+from agentrl.tools.core import FunctionTool, Tool, ToolContext, tool
 
 __all__ = ["FunctionTool", "Tool", "ToolContext", "make_tool", "tool"]
 

