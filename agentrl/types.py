@@ -9,7 +9,7 @@ talks to a model, an environment or a sandbox; that is what the layers above do.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from enum import Enum, IntEnum
 from typing import Any, Literal, TypedDict
