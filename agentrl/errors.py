@@ -14,6 +14,7 @@ This module holds no logic beyond the classes; it is imported by everything and 
     │   ├── ToolArgumentError        the model passed arguments that do not fit the schema
     │   └── ToolInfrastructureError  the machinery behind the tool failed (sandbox down, timeout)
     ├── ToolCallParseError           model text that looked like a tool call but is not one
+    ├── ChatTemplateError            a chat template cannot render the messages it was given
     ├── SandboxError                 a sandbox backend cannot do what was asked
     │   ├── SandboxUnavailableError  the isolation tools it needs are missing
     │   └── SandboxClosedError       the session was already closed
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 __all__ = [
     "AgentRLError",
+    "ChatTemplateError",
     "ChecksumError",
     "ConfigError",
     "DatasetError",
@@ -102,6 +104,10 @@ class ToolInfrastructureError(ToolError):
 
 class ToolCallParseError(AgentRLError):
     """Text that looked like a tool call could not be parsed into one."""
+
+
+class ChatTemplateError(AgentRLError, ValueError):
+    """A chat template could not render messages (bad role order, missing fields, no template)."""
 
 
 class SandboxError(AgentRLError):

@@ -203,7 +203,28 @@ TOOLS = Registry(
 
 SANDBOXES = Registry("sandbox", "agentrl sandbox list", {})
 
-TOOL_PARSERS = Registry("tool-call parser", "agentrl tools parsers", {})
+TOOL_PARSERS = Registry(
+    "tool-call parser",
+    "agentrl tools parsers",
+    {
+        "hermes": (
+            "agentrl.tools.parsers:HermesParser",
+            "Hermes/Qwen2.5/Qwen3 calls: <tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call>.",
+        ),
+        "llama3": (
+            "agentrl.tools.parsers:Llama3Parser",
+            "Llama-3 JSON calls {\"name\": ..., \"parameters\": {...}}, bare or after <|python_tag|>.",
+        ),
+        "mistral": (
+            "agentrl.tools.parsers:MistralParser",
+            "Mistral calls: [TOOL_CALLS][{...}] or [TOOL_CALLS]name[ARGS]{...}.",
+        ),
+        "retool": (
+            "agentrl.tools.parsers:RetoolParser",
+            "ReTool code blocks (```python or <code>) as calls to the python tool.",
+        ),
+    },
+)
 
 ADVANTAGE_ESTIMATORS = Registry("advantage estimator", "agentrl validate --help", {})
 

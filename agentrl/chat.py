@@ -1,0 +1,393 @@
+"""The chat-template side of the token ledger: first prompts and delta-tokenised follow-ups.
+
+`ChatTemplate` wraps a Hugging Face tokenizer (and optionally a replacement Jinja template) and
+turns messages into token ids with the model's own template. `ConversationTokenizer` keeps one
+episode's ledger (`agentrl.types.Trajectory`) append-only: the first prompt is rendered whole,
+sampled tokens go in exactly as the server returned them, and every later batch of messages (tool
+results, user feedback) is rendered on its own as a *delta*, so that the ids sent at turn k+1
+extend the ids of turn k exactly (DESIGN.md §4). Nothing sampled is ever re-tokenised.
+
+How a delta is found. A fixed dummy conversation `[system?, user, assistant(MARK)]` is rendered
+with and without the new messages; the text after `MARK` is "the closing of an assistant turn,
+then the new messages, then the generation prompt". Looking only after the marker makes the
+delta immune to templates that rewrite earlier turns (Qwen3 drops past `<think>` blocks). The
+closing tokens the model already sampled (it usually stops *on* `<|im_end|>` or `</s>`) are
+dropped from the front; the rest (`"\n"` after `<|im_end|>`, or the whole closing marker after a
+generation cut by length) is appended as TEMPLATE.
+
+Origins. The first prompt is PROMPT. In a delta, a token whose characters overlap a new message's
+`content` is TOOL (whatever the role: everything the environment said is TOOL), every other
+token (role markers, `<tool_response>` wrappers, closings, the generation prompt) is TEMPLATE. The
+content spans are located by rendering the delta a second time with sentinel contents; when a
+template transforms content so that this fails, a plain left-to-right search is the fallback.
+Tokenisers without offset mapping mark every appended token TEMPLATE. Either way, only sampled
+tokens are ever SAMPLED.
+
+Prefix stability. Re-rendering the whole conversation does not always reproduce the ledger, and
+the ledger is right: it holds what the model saw. `ConversationTokenizer` compares the two after
+each delta (when `verify=True`) and counts disagreements in `trajectory.metrics
+["template_mismatch"]` (details in `trajectory.info["template_mismatches"]`); it never raises for
+them. Known cases, found by tests/unit/test_chat.py with the real tokenizers:
+
+- Qwen2.5: prefix-stable for tool results and user feedback.
+- Qwen3: drops the `<think>` block of every assistant turn before the latest real user message,
+  and renders a past turn with empty reasoning without its `<think></think>` wrapper, so a user
+  follow-up, or thinking disabled (`enable_thinking=False` puts an empty think block into the
+  generation prompt), makes the re-render differ. Tool-only episodes with non-empty reasoning
+  are stable.
+- Mistral-Nemo: the system message is rendered only inside the *last* user message, and only
+  when that message ends the conversation, so it vanishes from a re-render once the assistant
+  has answered; `[AVAILABLE_TOOLS]` is rendered before the last user message, so it moves when
+  user feedback arrives. Tool call ids must be 9 characters (the template raises otherwise), tool
+  results are pasted unescaped into `[TOOL_RESULTS]{"content": ..., "call_id": ...}`, an empty
+  tools list renders a broken `[AVAILABLE_TOOLS][[/AVAILABLE_TOOLS]` (we pass `None` instead), and
+  a user message straight after tool results is refused. There is no generation prompt.
+
+This module does not parse tool calls (agentrl.tools.parsers does) and does not talk to servers.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from agentrl.errors import ChatTemplateError
+from agentrl.types import Generation, Message, TokenOrigin, ToolSchema, Trajectory
+
+__all__ = ["ChatTemplate", "ConversationTokenizer", "TokenDelta"]
+
+log = logging.getLogger(__name__)
+
+# Unlikely to occur in real text, free of characters any template treats specially.
+_MARK = "AGENTRL-DELTA-MARK-5f0c2a"
+_DUMMY_USER = "AGENTRL-DELTA-USER-5f0c2a"
+_SENTINEL = "AGENTRL-CONTENT-{}-5f0c2a"
+
+
+@dataclass(frozen=True, slots=True)
+class TokenDelta:
+    """Tokens to append to a ledger after a sampled turn, each with its origin.
+
+    `text` is the rendered text the ids were tokenised from, including any closing tokens the
+    model had already sampled (`skipped` of them, which are not in `token_ids`).
+    """
+
+    token_ids: list[int]
+    origins: list[TokenOrigin]
+    text: str
+    skipped: int = 0
+
+    def runs(self) -> list[tuple[TokenOrigin, list[int]]]:
+        """Consecutive runs of one origin, in order: what `Trajectory.extend` takes."""
+        out: list[tuple[TokenOrigin, list[int]]] = []
+        for tok, origin in zip(self.token_ids, self.origins, strict=True):
+            if out and out[-1][0] == origin:
+                out[-1][1].append(tok)
+            else:
+                out.append((origin, [tok]))
+        return out
+
+
+class ChatTemplate:
+    """A model's chat template, rendering messages to ids the way the model was trained on.
+
+    `template` replaces the tokenizer's own Jinja template (for models that ship none, or one
+    without tool support); `template_kwargs` are passed to every render (for example
+    `enable_thinking=False` for Qwen3).
+    """
+
+    def __init__(self, tokenizer: Any, template: str | None = None, **template_kwargs: Any) -> None:
+        if template is None and not getattr(tokenizer, "chat_template", None):
+            name = getattr(tokenizer, "name_or_path", type(tokenizer).__name__)
+            raise ChatTemplateError(
+                f"Tokenizer '{name}' has no chat template; pass one with ChatTemplate(tokenizer, "
+                "template=...)."
+            )
+        self.tokenizer = tokenizer
+        self.template = template
+        self.template_kwargs = template_kwargs
+        # Probe once: the closing of an assistant turn, and proof that the template can render
+        # the dummy conversation the deltas are built on.
+        text = self.render([*self._dummy(None), {"role": "assistant", "content": _MARK}],
+                           add_generation_prompt=False)
+        self.closing_text = _after_mark(text)
+        self.closing_ids = self.encode(self.closing_text)
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, template: str | None = None, **template_kwargs: Any) -> ChatTemplate:
+        """Load the tokenizer at `path` (a local directory or hub id) and wrap it."""
+        from transformers import AutoTokenizer
+
+        return cls(AutoTokenizer.from_pretrained(str(path)), template, **template_kwargs)
+
+    # ── rendering ───────────────────────────────────────────────────────────────────────────
+    def render(
+        self,
+        messages: Sequence[Message] | Sequence[Mapping[str, Any]],
+        tools: Sequence[ToolSchema] | None = None,
+        *,
+        add_generation_prompt: bool = True,
+    ) -> str:
+        """The template's text for `messages` (and tool schemas in OpenAI format)."""
+        try:
+            return self.tokenizer.apply_chat_template(
+                [dict(m) for m in messages],
+                tools=list(tools) if tools else None,  # Mistral renders [] as a broken tool list
+                chat_template=self.template,
+                add_generation_prompt=add_generation_prompt,
+                tokenize=False,
+                **self.template_kwargs,
+            )
+        except Exception as exc:  # jinja's TemplateError, raise_exception(), missing keys
+            raise ChatTemplateError(
+                f"The chat template could not render {len(messages)} messages "
+                f"(roles {[m.get('role') for m in messages]}): {exc}"
+            ) from exc
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of rendered text; special tokens come from the text, none are added."""
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def encode_prompt(
+        self,
+        messages: Sequence[Message] | Sequence[Mapping[str, Any]],
+        tools: Sequence[ToolSchema] | None = None,
+        *,
+        add_generation_prompt: bool = True,
+    ) -> list[int]:
+        """Ids of a whole conversation, as `apply_chat_template(..., tokenize=True)` gives them."""
+        return self.encode(self.render(messages, tools, add_generation_prompt=add_generation_prompt))
+
+    # ── deltas ──────────────────────────────────────────────────────────────────────────────
+    def encode_delta(
+        self,
+        new_messages: Sequence[Message] | Sequence[Mapping[str, Any]],
+        *,
+        sampled_ids: Sequence[int] = (),
+        tools: Sequence[ToolSchema] | None = None,
+        system: Message | Mapping[str, Any] | None = None,
+        add_generation_prompt: bool = True,
+    ) -> TokenDelta:
+        """The tokens that follow a sampled assistant turn: its closing, `new_messages`, and
+        the generation prompt.
+
+        `sampled_ids` are the ids already in the ledger (only the tail matters): closing tokens
+        the model sampled itself are not repeated. `tools` and `system` are the conversation's,
+        so that templates which render them next to the latest user message (Mistral) do so in
+        the delta too.
+        """
+        base = [*self._dummy(system), {"role": "assistant", "content": _MARK}]
+        new = [dict(m) for m in new_messages]
+        text = _after_mark(self.render(base + new, tools, add_generation_prompt=add_generation_prompt))
+        spans = self._content_spans(base, new, text, tools, add_generation_prompt)
+
+        closing_len = _common_prefix_len(text, self.closing_text)
+        enc = self._encode_with_offsets(text)
+        ids: list[int] = enc[0]
+        offsets: list[tuple[int, int]] | None = enc[1]
+        n_closing = 0
+        if offsets is None:
+            n_closing = len(self.closing_ids) if text.startswith(self.closing_text) else 0
+        else:
+            while n_closing < len(ids) and offsets[n_closing][1] <= closing_len:
+                n_closing += 1
+        skip = 0
+        tail = list(sampled_ids[-n_closing:]) if n_closing else []
+        for k in range(min(n_closing, len(tail)), 0, -1):
+            if tail[-k:] == ids[:k]:
+                skip = k
+                break
+
+        if offsets is None:
+            origins = [TokenOrigin.TEMPLATE] * len(ids)
+        else:
+            origins = [
+                TokenOrigin.TOOL if any(s < e2 and s2 < e for s2, e2 in spans) else TokenOrigin.TEMPLATE
+                for s, e in offsets
+            ]
+        return TokenDelta(ids[skip:], origins[skip:], text, skip)
+
+    def _dummy(self, system: Message | Mapping[str, Any] | None) -> list[dict[str, Any]]:
+        head = [dict(system)] if system else []
+        return [*head, {"role": "user", "content": _DUMMY_USER}]
+
+    def _content_spans(
+        self,
+        base: list[dict[str, Any]],
+        new: list[dict[str, Any]],
+        text: str,
+        tools: Sequence[ToolSchema] | None,
+        add_generation_prompt: bool,
+    ) -> list[tuple[int, int]]:
+        """Character spans of the new messages' contents inside the delta text."""
+        contents = [m.get("content") for m in new]
+        slots = [i for i, c in enumerate(contents) if isinstance(c, str) and c]
+        if not slots:
+            return []
+        masked = [dict(m) for m in new]
+        for i in slots:
+            masked[i]["content"] = _SENTINEL.format(i)
+        try:
+            masked_text = _after_mark(self.render(base + masked, tools, add_generation_prompt=add_generation_prompt))
+        except ChatTemplateError:
+            masked_text = ""
+        spans: list[tuple[int, int]] = []
+        pos_masked = pos_real = 0
+        ok = bool(masked_text)
+        for i in slots:
+            at = masked_text.find(_SENTINEL.format(i), pos_masked) if ok else -1
+            if at < 0:
+                ok = False
+                break
+            pos_real += at - pos_masked
+            content = str(contents[i])
+            spans.append((pos_real, pos_real + len(content)))
+            pos_real += len(content)
+            pos_masked = at + len(_SENTINEL.format(i))
+        if ok and _splice(masked_text, slots, contents) == text:
+            return spans
+        # The template transformed content; fall back to finding each content in order.
+        spans, pos = [], 0
+        for i in slots:
+            content = str(contents[i])
+            at = text.find(content, pos)
+            if at >= 0:
+                spans.append((at, at + len(content)))
+                pos = at + len(content)
+        return spans
+
+    def _encode_with_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]] | None]:
+        if getattr(self.tokenizer, "is_fast", False):
+            enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+            return list(enc["input_ids"]), [tuple(o) for o in enc["offset_mapping"]]
+        return self.encode(text), None
+
+
+def _after_mark(text: str) -> str:
+    at = text.find(_MARK)
+    if at < 0:
+        raise ChatTemplateError(
+            "The chat template dropped the content of an assistant message, so deltas cannot be "
+            "located; use a template that renders assistant content verbatim."
+        )
+    return text[at + len(_MARK):]
+
+
+def _common_prefix_len(a: Sequence[Any], b: Sequence[Any]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def _splice(masked: str, slots: list[int], contents: list[Any]) -> str:
+    """Put the real contents back in place of the sentinels (to check the spans are right)."""
+    out = masked
+    for i in reversed(slots):
+        out = out.replace(_SENTINEL.format(i), contents[i], 1)
+    return out
+
+
+class ConversationTokenizer:
+    """One episode's conversation and its token ledger, kept in step.
+
+    >>> conv = ConversationTokenizer(template, trajectory)
+    >>> ids = conv.start(messages, tools)            # PROMPT tokens, turn 0
+    >>> conv.add_generation(generation, message)     # SAMPLED tokens, turn 1
+    >>> ids = conv.add_messages(tool_messages)       # TEMPLATE/TOOL tokens, turn 1; send `ids`
+
+    `ids` returned at each step is the whole ledger, and always extends the previous one.
+    `message` is the assistant message for the conversation (content without tool-call markup,
+    plus `tool_calls`, as `Action.to_message()` gives it); it is used only to re-render the
+    conversation for `verify`, never to produce tokens.
+    """
+
+    def __init__(self, template: ChatTemplate, trajectory: Trajectory | None = None, *, verify: bool = True) -> None:
+        self.template = template
+        self.trajectory = trajectory if trajectory is not None else Trajectory()
+        self.verify = verify
+        self.tools: list[ToolSchema] | None = None
+        self.turn = 0
+        self._started = False
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.trajectory.token_ids
+
+    @property
+    def messages(self) -> list[Message]:
+        return self.trajectory.messages
+
+    def start(self, messages: Sequence[Message], tools: Sequence[ToolSchema] | None = None) -> list[int]:
+        """Render the first prompt into an empty ledger and return its ids."""
+        if self._started or len(self.trajectory):
+            raise ValueError("ConversationTokenizer.start() needs an empty trajectory; it was called twice")
+        self.tools = list(tools) if tools else None
+        ids = self.template.encode_prompt(messages, self.tools)
+        self.trajectory.extend(ids, TokenOrigin.PROMPT, 0)
+        self.trajectory.messages.extend(dict(m) for m in messages)  # type: ignore[misc]
+        if self.verify:
+            self.trajectory.metrics.setdefault("template_mismatch", 0.0)
+        self._started = True
+        return list(self.trajectory.token_ids)
+
+    def add_generation(self, generation: Generation, message: Message | None = None) -> None:
+        """Append a sampled turn exactly as the server returned it; starts a new turn."""
+        if not self._started:
+            raise ValueError("call ConversationTokenizer.start() before add_generation()")
+        self.turn += 1
+        self.trajectory.extend(
+            generation.token_ids,
+            TokenOrigin.SAMPLED,
+            self.turn,
+            logprobs=generation.logprobs,
+            version=generation.weight_version,
+        )
+        if message is None:
+            text = self.template.tokenizer.decode(generation.token_ids, skip_special_tokens=True)
+            message = {"role": "assistant", "content": text}
+        self.trajectory.messages.append(message)
+
+    def add_messages(self, messages: Sequence[Message]) -> list[int]:
+        """Append new messages after the last sampled turn; return the ids to send next."""
+        if not self._started:
+            raise ValueError("call ConversationTokenizer.start() before add_messages()")
+        first = self.trajectory.messages[0] if self.trajectory.messages else None
+        system = first if first is not None and first.get("role") == "system" else None
+        delta = self.template.encode_delta(
+            messages, sampled_ids=self.trajectory.token_ids, tools=self.tools, system=system
+        )
+        for origin, ids in delta.runs():
+            self.trajectory.extend(ids, origin, self.turn)
+        self.trajectory.messages.extend(dict(m) for m in messages)  # type: ignore[misc]
+        if self.verify:
+            self.check()
+        return list(self.trajectory.token_ids)
+
+    def check(self) -> bool:
+        """Compare the ledger with a full re-render of the conversation; count a disagreement.
+
+        Returns True when they agree. A template that cannot render the whole conversation
+        (Mistral refuses some role orders) counts as a disagreement too.
+        """
+        ledger = self.trajectory.token_ids
+        reason = ""
+        try:
+            full = self.template.encode_prompt(self.trajectory.messages, self.tools)
+        except ChatTemplateError as exc:
+            full, reason = [], f"re-render failed: {exc}"
+        if not reason and full == ledger:
+            return True
+        if not reason:
+            pos = _common_prefix_len(ledger, full)
+            reason = f"ledger has {len(ledger)} ids, re-render {len(full)}; first difference at {pos}"
+        m = self.trajectory.metrics
+        m["template_mismatch"] = m.get("template_mismatch", 0.0) + 1.0
+        self.trajectory.info.setdefault("template_mismatches", []).append({"turn": self.turn, "reason": reason})
+        log.debug("chat template is not prefix-stable at turn %d: %s", self.turn, reason)
+        return False
