@@ -1,0 +1,307 @@
+"""The AgentLoop: one episode of a model acting in an environment, as an explicit state machine.
+
+    PENDING ──► GENERATING ──► PROCESSING_TOOLS ──► GENERATING ──► ... ──► TERMINATED
+
+PENDING resets the env and renders the first prompt; GENERATING sends the ledger's ids to the
+inference client (token in, token out) and appends the sampled ids exactly as returned;
+PROCESSING_TOOLS parses the turn into an `Action`, steps the env (which runs the turn's tool calls
+concurrently) and appends the env's messages as a delta-tokenised suffix. One handler per state.
+
+Budgets end an episode with a reason recorded in the trajectory: `done` (the env terminated it),
+`max_turns` (the env truncated it, or the loop's turn budget ran out), `max_length` (the token
+budget is spent), `timeout` (the wall-clock budget is spent) or `error`. Every await has a deadline
+bounded by what is left of the episode's time. Failures of the machinery (server down, env crash,
+timeout) set `fault="infra"`, so the trainer masks the episode instead of scoring it 0; nothing is
+dropped, every episode returns a trajectory. The loop closes the env when the episode ends.
+
+It knows nothing of training, batching or weight pushes; `RolloutWorker` runs many loops at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from agentrl.chat import ChatTemplate, ConversationTokenizer
+from agentrl.errors import AgentRLError
+from agentrl.types import Action, FinishReason, Generation, Message, SamplingParams, Trajectory
+
+__all__ = ["AgentLoop", "AgentLoopConfig", "EpisodeState", "GenerateClient", "end_of_turn_ids"]
+
+log = logging.getLogger(__name__)
+
+_END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "</s>", "<|endoftext|>")
+
+
+class GenerateClient(Protocol):
+    """What the loop needs from inference: `agentrl.inference.InferenceClient` satisfies it."""
+
+    async def generate(
+        self, prompt_ids: list[int], sampling: SamplingParams, *, session_id: str, timeout_s: float | None = None
+    ) -> Generation: ...
+
+
+class ActionParser(Protocol):
+    def parse(self, text: str) -> Action: ...
+
+
+class EpisodeState(enum.Enum):
+    PENDING = "pending"
+    GENERATING = "generating"
+    PROCESSING_TOOLS = "processing_tools"
+    TERMINATED = "terminated"
+
+
+@dataclass(frozen=True)
+class AgentLoopConfig:
+    """Budgets and sampling of one episode (the `rollout` section of the run config)."""
+
+    max_turns: int = 4
+    max_tokens_per_turn: int = 256
+    max_total_tokens: int = 2048
+    temperature: float = 1.0
+    top_p: float = 1.0
+    episode_timeout_s: float = 600.0
+    request_timeout_s: float = 300.0
+    close_timeout_s: float = 30.0
+    verify_template: bool = False
+    """Re-render the whole conversation after each delta to count template mismatches (slow)."""
+
+    @classmethod
+    def from_rollout_config(cls, rollout: Any) -> AgentLoopConfig:
+        return cls(
+            max_turns=rollout.max_turns,
+            max_tokens_per_turn=rollout.max_tokens_per_turn,
+            max_total_tokens=rollout.max_total_tokens,
+            temperature=rollout.temperature,
+            top_p=rollout.top_p,
+            episode_timeout_s=rollout.episode_timeout_s,
+            request_timeout_s=rollout.request_timeout_s,
+        )
+
+
+def end_of_turn_ids(tokenizer: Any) -> tuple[int, ...]:
+    """The ids that end an assistant turn for this tokenizer (EOS plus known end-of-turn tokens)."""
+    ids: set[int] = set()
+    eos = getattr(tokenizer, "eos_token_id", None)
+    if isinstance(eos, int):
+        ids.add(eos)
+    vocab = tokenizer.get_vocab()
+    ids.update(vocab[t] for t in _END_OF_TURN_TOKENS if t in vocab)
+    return tuple(sorted(ids))
+
+
+@dataclass
+class _Episode:
+    """The mutable state of one episode, passed from handler to handler."""
+
+    env: Any
+    conv: ConversationTokenizer
+    row: dict[str, Any] | None
+    seed: int | None
+    deadline: float
+    action: Action | None = None
+    turns: int = 0
+    reward: float = 0.0
+    last_info: dict[str, Any] = field(default_factory=dict)
+    timings: dict[str, float] = field(default_factory=lambda: {"generate_s": 0.0, "env_s": 0.0})
+
+    @property
+    def trajectory(self) -> Trajectory:
+        return self.conv.trajectory
+
+    def time_left(self) -> float:
+        return self.deadline - time.monotonic()
+
+
+class _EpisodeOver(Exception):
+    """Raised inside a handler to end the episode with a reason (and maybe a fault)."""
+
+    def __init__(self, reason: FinishReason, fault: str | None = None, error: str | None = None) -> None:
+        super().__init__(reason.value)
+        self.reason, self.fault, self.error = reason, fault, error
+
+
+class AgentLoop:
+    """Runs episodes: `await loop.run_episode(env, row=row)` returns the episode's `Trajectory`."""
+
+    def __init__(
+        self,
+        client: GenerateClient,
+        template: ChatTemplate,
+        parser: ActionParser,
+        config: AgentLoopConfig | None = None,
+        *,
+        stop_token_ids: tuple[int, ...] | None = None,
+    ) -> None:
+        self.client = client
+        self.template = template
+        self.parser = parser
+        self.config = config or AgentLoopConfig()
+        tokenizer = template.tokenizer
+        self.stop_token_ids = stop_token_ids if stop_token_ids is not None else end_of_turn_ids(tokenizer)
+        self._handlers = {
+            EpisodeState.PENDING: self._on_pending,
+            EpisodeState.GENERATING: self._on_generating,
+            EpisodeState.PROCESSING_TOOLS: self._on_processing_tools,
+        }
+
+    # ── driver ──────────────────────────────────────────────────────────────────────────────
+    async def run_episode(
+        self,
+        env: Any,
+        *,
+        row: dict[str, Any] | None = None,
+        seed: int | None = None,
+        episode_id: str | None = None,
+        group_id: str = "",
+    ) -> Trajectory:
+        """Play one episode to the end; never raises for an episode failure (see the module doc)."""
+        cfg = self.config
+        trajectory = Trajectory(episode_id=episode_id or uuid.uuid4().hex, group_id=group_id)
+        if row is not None:
+            trajectory.data_source = str(row.get("data_source", ""))
+        ep = _Episode(
+            env=env,
+            conv=ConversationTokenizer(self.template, trajectory, verify=cfg.verify_template),
+            row=row,
+            seed=seed,
+            deadline=time.monotonic() + cfg.episode_timeout_s,
+        )
+        started = time.perf_counter()
+        state = EpisodeState.PENDING
+        try:
+            while state is not EpisodeState.TERMINATED:
+                state = await self._handlers[state](ep)
+        except _EpisodeOver as over:
+            self._finish(ep, over.reason, over.fault, over.error)
+        except asyncio.CancelledError:
+            self._finish(ep, FinishReason.ERROR, "infra", "the episode was cancelled")
+            raise
+        except Exception as exc:  # a bug anywhere must not lose the episode: record it, mask it
+            log.exception("episode %s failed in state %s", trajectory.episode_id, state.value)
+            self._finish(ep, FinishReason.ERROR, "infra", f"{type(exc).__name__}: {exc}")
+        finally:
+            await self._close_env(ep)
+            trajectory.metrics["episode_s"] = time.perf_counter() - started
+        return trajectory
+
+    # ── handlers, one per state ─────────────────────────────────────────────────────────────
+    async def _on_pending(self, ep: _Episode) -> EpisodeState:
+        options: dict[str, Any] = {"episode_id": ep.trajectory.episode_id}
+        if ep.row is not None:
+            options["row"] = ep.row
+        messages, info = await self._await(ep, ep.env.areset(seed=ep.seed, options=options), "env reset")
+        ids = ep.conv.start(messages, info.get("tools") or None)
+        if len(ids) >= self.config.max_total_tokens:
+            raise _EpisodeOver(FinishReason.MAX_LENGTH)
+        return EpisodeState.GENERATING
+
+    async def _on_generating(self, ep: _Episode) -> EpisodeState:
+        cfg = self.config
+        budget = min(cfg.max_tokens_per_turn, cfg.max_total_tokens - len(ep.trajectory))
+        if budget <= 0:
+            raise _EpisodeOver(FinishReason.MAX_LENGTH)
+        sampling = SamplingParams(
+            temperature=cfg.temperature, top_p=cfg.top_p, max_tokens=budget, stop_token_ids=self.stop_token_ids
+        )
+        timeout = min(cfg.request_timeout_s, ep.time_left())
+        if timeout <= 0:
+            raise _EpisodeOver(FinishReason.TIMEOUT, "infra", "no time left for the next generation")
+        t0 = time.perf_counter()
+        try:
+            generation = await asyncio.wait_for(
+                self.client.generate(
+                    list(ep.trajectory.token_ids), sampling, session_id=ep.trajectory.episode_id, timeout_s=timeout
+                ),
+                timeout,
+            )
+        except TimeoutError:
+            raise self._timeout_or_error(ep, "generation", timeout) from None
+        except AgentRLError as exc:
+            raise _EpisodeOver(FinishReason.ERROR, "infra", f"generation failed: {exc}") from exc
+        finally:
+            ep.timings["generate_s"] += time.perf_counter() - t0
+        if generation.finish_reason == "abort":
+            raise _EpisodeOver(FinishReason.ERROR, "infra", "the server aborted the generation")
+        if not generation.token_ids:
+            generation = Generation([], [], generation.finish_reason, generation.weight_version)
+        text = self._decode_turn(generation.token_ids)
+        ep.action = self.parser.parse(text)
+        ep.conv.add_generation(generation, ep.action.to_message())
+        ep.turns += 1
+        if generation.finish_reason == "length" and len(ep.trajectory) >= cfg.max_total_tokens:
+            raise _EpisodeOver(FinishReason.MAX_LENGTH)
+        return EpisodeState.PROCESSING_TOOLS
+
+    async def _on_processing_tools(self, ep: _Episode) -> EpisodeState:
+        assert ep.action is not None  # set by _on_generating, the only way into this state
+        t0 = time.perf_counter()
+        try:
+            obs, reward, terminated, truncated, info = await self._await(ep, ep.env.astep(ep.action), "env step")
+        finally:
+            ep.timings["env_s"] += time.perf_counter() - t0
+        ep.reward += float(reward)
+        ep.last_info = info if isinstance(info, dict) else {}
+        if terminated:
+            raise _EpisodeOver(FinishReason.DONE)
+        if truncated or ep.turns >= self.config.max_turns:
+            raise _EpisodeOver(FinishReason.MAX_TURNS)
+        ids = ep.conv.add_messages(_as_messages(obs))
+        if len(ids) >= self.config.max_total_tokens:
+            raise _EpisodeOver(FinishReason.MAX_LENGTH)
+        return EpisodeState.GENERATING
+
+    # ── helpers ─────────────────────────────────────────────────────────────────────────────
+    async def _await(self, ep: _Episode, coro: Any, what: str) -> Any:
+        timeout = ep.time_left()
+        if timeout <= 0:
+            coro.close()
+            raise _EpisodeOver(FinishReason.TIMEOUT, "infra", f"no time left for the {what}")
+        try:
+            return await asyncio.wait_for(coro, timeout)
+        except TimeoutError:
+            raise self._timeout_or_error(ep, what, timeout) from None
+        except AgentRLError as exc:
+            raise _EpisodeOver(FinishReason.ERROR, "infra", f"{what} failed: {exc}") from exc
+
+    def _timeout_or_error(self, ep: _Episode, what: str, timeout: float) -> _EpisodeOver:
+        if ep.time_left() <= 0:
+            return _EpisodeOver(FinishReason.TIMEOUT, "infra", f"the episode ran out of time during the {what}")
+        return _EpisodeOver(FinishReason.ERROR, "infra", f"the {what} did not finish within {timeout:.1f} s")
+
+    def _decode_turn(self, token_ids: list[int]) -> str:
+        """Decode a sampled turn for the parser: special tokens kept, the end-of-turn token dropped."""
+        ids = token_ids[:-1] if token_ids and token_ids[-1] in self.stop_token_ids else token_ids
+        return self.template.tokenizer.decode(ids, skip_special_tokens=False)
+
+    def _finish(self, ep: _Episode, reason: FinishReason, fault: str | None, error: str | None) -> None:
+        t = ep.trajectory
+        t.finish_reason = reason
+        t.fault = fault  # type: ignore[assignment]
+        t.error = error
+        t.reward = ep.reward
+        env_metrics = ep.last_info.get("metrics", {}) if isinstance(ep.last_info, dict) else {}
+        t.metrics.update({k: float(v) for k, v in env_metrics.items() if isinstance(v, (int, float))})
+        t.metrics.update(ep.timings)
+        t.metrics["turns"] = float(ep.turns)
+        t.metrics["sampled_tokens"] = float(t.num_sampled)
+        t.metrics["total_tokens"] = float(len(t))
+
+    async def _close_env(self, ep: _Episode) -> None:
+        try:
+            await asyncio.wait_for(ep.env.aclose(), self.config.close_timeout_s)
+        except Exception as exc:  # closing must never lose the trajectory
+            log.warning("closing the env of episode %s failed: %s", ep.trajectory.episode_id, exc)
+            ep.trajectory.metrics["env_close_failed"] = 1.0
+
+
+def _as_messages(obs: Any) -> list[Message]:
+    if isinstance(obs, list):
+        return obs
+    raise AgentRLError(f"env.step must return a list of messages as its observation, got {type(obs).__name__}")

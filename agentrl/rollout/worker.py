@@ -1,0 +1,97 @@
+"""`RolloutWorker`: many AgentLoop episodes at once on one asyncio event loop, grouped for GRPO.
+
+A batch is a list of dataset rows (or `None` for environments that generate their own task from
+the seed); each row is rolled out `samples_per_prompt` times as one group that shares a
+`group_id` and an env seed (so every sample of a group sees the same task; diversity comes from
+sampling). Concurrency is capped by a semaphore: callers may ask for any number of episodes and
+wait, rather than fail, when the cap is reached. Every episode returns a trajectory, failed ones
+included (marked with their fault), so nothing is silently dropped.
+
+Each episode gets a fresh environment from `env_factory`, closed by the AgentLoop at its end.
+Placement on Ray, weight pushes and staleness belong to the orchestration layer, not here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Any
+
+from agentrl.rollout.agent_loop import AgentLoop
+from agentrl.types import Trajectory
+
+__all__ = ["RolloutWorker", "group_seed"]
+
+
+def group_seed(base_seed: int, index: int) -> int:
+    """A stable 31-bit seed for the `index`-th group of a run seeded with `base_seed`."""
+    digest = hashlib.blake2b(f"{base_seed}:{index}".encode(), digest_size=4).digest()
+    return int.from_bytes(digest, "little") & 0x7FFFFFFF
+
+
+class RolloutWorker:
+    """Runs groups of episodes concurrently (see the module docstring)."""
+
+    def __init__(self, loop: AgentLoop, env_factory: Callable[[], Any], *, max_concurrent: int = 256) -> None:
+        if max_concurrent < 1:
+            raise ValueError(f"max_concurrent must be >= 1, got {max_concurrent}")
+        self.loop = loop
+        self.env_factory = env_factory
+        self.max_concurrent = max_concurrent
+        self._slots = asyncio.Semaphore(max_concurrent)
+        self.in_flight = 0
+
+    async def run_episode(self, row: dict[str, Any] | None, *, seed: int, group_id: str, episode_id: str) -> Trajectory:
+        async with self._slots:
+            self.in_flight += 1
+            try:
+                env = self.env_factory()
+                return await self.loop.run_episode(env, row=row, seed=seed, group_id=group_id, episode_id=episode_id)
+            finally:
+                self.in_flight -= 1
+
+    async def run_group(
+        self, row: dict[str, Any] | None, samples: int, *, seed: int, group_id: str
+    ) -> list[Trajectory]:
+        """`samples` episodes of one prompt, in sample order."""
+        return list(
+            await asyncio.gather(
+                *(
+                    self.run_episode(row, seed=seed, group_id=group_id, episode_id=f"{group_id}-{i}")
+                    for i in range(samples)
+                )
+            )
+        )
+
+    async def run_batch(
+        self, rows: Sequence[dict[str, Any] | None], samples_per_prompt: int, *, seed: int = 0, first_index: int = 0
+    ) -> list[list[Trajectory]]:
+        """Every group of the batch, in row order (waits for the slowest)."""
+        return list(
+            await asyncio.gather(
+                *(
+                    self.run_group(row, samples_per_prompt, seed=group_seed(seed, first_index + i),
+                                   group_id=f"g{first_index + i}")
+                    for i, row in enumerate(rows)
+                )
+            )
+        )
+
+    async def stream_groups(
+        self, rows: Sequence[dict[str, Any] | None], samples_per_prompt: int, *, seed: int = 0, first_index: int = 0
+    ) -> AsyncIterator[list[Trajectory]]:
+        """Yield each group as soon as all its samples are done (for asynchronous training)."""
+        tasks = [
+            asyncio.create_task(
+                self.run_group(row, samples_per_prompt, seed=group_seed(seed, first_index + i),
+                               group_id=f"g{first_index + i}")
+            )
+            for i, row in enumerate(rows)
+        ]
+        try:
+            for next_done in asyncio.as_completed(tasks):
+                yield await next_done
+        finally:
+            for t in tasks:
+                t.cancel()
