@@ -81,11 +81,12 @@ def format_number(value: Fraction) -> str:
 
 
 @tool
-def calculator(expression: str) -> str:
+async def calculator(expression: str) -> str:
     """Evaluate an arithmetic expression exactly and return the result.
 
     Args:
         expression: The expression, e.g. "(1234 * 5678) - 91". Supports + - * / // % ** and
             parentheses.
     """
+    # Bounded work (length, exponent and digit caps), so it runs inline rather than in a thread.
     return format_number(evaluate_expression(expression))

@@ -26,6 +26,7 @@ call exceeded its deadline). This module does not parse tool calls out of text; 
 from __future__ import annotations
 
 import asyncio
+import copy
 import inspect
 import json
 import re
@@ -96,6 +97,7 @@ class Tool:
         self._description = description or summary
         self._args_model, self._ctx_param = _arguments_model(fn, name, arg_docs)
         self._is_async = inspect.iscoroutinefunction(fn)
+        self._schema = self._build_schema()
 
     @property
     def tool_name(self) -> str:
@@ -104,6 +106,9 @@ class Tool:
     @property
     def schema(self) -> ToolSchema:
         """The OpenAI function-tool schema, derived from the signature and docstring."""
+        return copy.deepcopy(self._schema)
+
+    def _build_schema(self) -> ToolSchema:
         params = self._args_model.model_json_schema()
         params.pop("title", None)
         for prop in params.get("properties", {}).values():
@@ -135,7 +140,7 @@ class Tool:
             problems = "; ".join(
                 f"'{'.'.join(str(p) for p in e['loc']) or '(arguments)'}': {e['msg']}" for e in exc.errors()
             )
-            expected = ", ".join(self.schema["function"]["parameters"]["properties"]) or "none"
+            expected = ", ".join(self._schema["function"]["parameters"]["properties"]) or "none"
             raise ToolArgumentError(
                 f"Invalid arguments for '{self._tool_name}': {problems}. Expected arguments: {expected}."
             ) from exc

@@ -24,6 +24,7 @@ import enum
 import logging
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -34,6 +35,8 @@ from agentrl.types import Action, FinishReason, Generation, Message, SamplingPar
 __all__ = ["AgentLoop", "AgentLoopConfig", "EpisodeState", "GenerateClient", "end_of_turn_ids"]
 
 log = logging.getLogger(__name__)
+
+_RENDER_POOL = ThreadPoolExecutor(max_workers=1, thread_name_prefix="agentrl-render")
 
 _END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "</s>", "<|endoftext|>")
 
@@ -197,7 +200,7 @@ class AgentLoop:
         if ep.row is not None:
             options["row"] = ep.row
         messages, info = await self._await(ep, ep.env.areset(seed=ep.seed, options=options), "env reset")
-        ids = ep.conv.start(messages, info.get("tools") or None)
+        ids = await self._render(ep.conv.start, messages, info.get("tools") or None)
         if len(ids) >= self.config.max_total_tokens:
             raise _EpisodeOver(FinishReason.MAX_LENGTH)
         return EpisodeState.GENERATING
@@ -252,12 +255,22 @@ class AgentLoop:
             raise _EpisodeOver(FinishReason.DONE)
         if truncated or ep.turns >= self.config.max_turns:
             raise _EpisodeOver(FinishReason.MAX_TURNS)
-        ids = ep.conv.add_messages(_as_messages(obs))
+        ids = await self._render(ep.conv.add_messages, _as_messages(obs))
         if len(ids) >= self.config.max_total_tokens:
             raise _EpisodeOver(FinishReason.MAX_LENGTH)
         return EpisodeState.GENERATING
 
     # ── helpers ─────────────────────────────────────────────────────────────────────────────
+    async def _render(self, fn: Any, *args: Any) -> list[int]:
+        """Run chat-template work (Jinja + tokenizer, ~1 ms) on the render thread.
+
+        When a thousand episodes become ready at once, doing this inline would block the event
+        loop for seconds (asyncio runs every ready callback before it looks at timers or sockets);
+        on one worker thread the loop stays responsive to server and sandbox I/O. One thread,
+        because the work holds the GIL anyway and a queue keeps the order fair.
+        """
+        return await asyncio.get_running_loop().run_in_executor(_RENDER_POOL, fn, *args)
+
     async def _await(self, ep: _Episode, coro: Any, what: str) -> Any:
         timeout = ep.time_left()
         if timeout <= 0:
