@@ -167,7 +167,9 @@ def _sequence_scores(rewards: torch.Tensor) -> torch.Tensor:
         return rewards
     if rewards.dim() == 2:
         return rewards.sum(-1)
-    raise ValueError(f"rewards must be (batch,) scores or (batch, seq_len) token rewards; got {tuple(rewards.shape)}.")
+    raise ValueError(
+        f"rewards must be (batch,) scores or (batch, seq_len) token rewards; got {tuple(rewards.shape)}."
+    )
 
 
 def _group_stats(scores: torch.Tensor, gid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -237,7 +239,9 @@ def rloo(
     return _broadcast(adv, response_mask)
 
 
-def _discounted_returns(token_rewards: torch.Tensor, response_mask: torch.Tensor, gamma: float) -> torch.Tensor:
+def _discounted_returns(
+    token_rewards: torch.Tensor, response_mask: torch.Tensor, gamma: float
+) -> torch.Tensor:
     """G_t = r_t + γ·G_next over response tokens, right to left, skipping masked positions.
 
     Skipping (rather than resetting at) masked tokens keeps a multi-turn trajectory one chain: the
@@ -327,7 +331,9 @@ def gae(
     `index` is ignored. Returns (advantages, returns).
     """
     if values.shape != response_mask.shape:
-        raise ValueError(f"values {tuple(values.shape)} must match response_mask {tuple(response_mask.shape)}.")
+        raise ValueError(
+            f"values {tuple(values.shape)} must match response_mask {tuple(response_mask.shape)}."
+        )
     token_rewards = _token_rewards(rewards, response_mask)
     mask = response_mask.to(token_rewards.dtype)
     values = values.detach().to(token_rewards.dtype)
@@ -377,7 +383,9 @@ def ppo_policy_loss(
     if clip_high is None:
         clip_high = clip_low
     if clip_c is not None and clip_c <= 1.0:
-        raise ValueError(f"dual-clip constant clip_c must be > 1.0, got {clip_c}; or pass None to disable it.")
+        raise ValueError(
+            f"dual-clip constant clip_c must be > 1.0, got {clip_c}; or pass None to disable it."
+        )
     log_ratio = (log_prob - old_log_prob).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
     ratio = torch.exp(log_ratio)
     loss_unclipped = -advantages * ratio
@@ -594,8 +602,10 @@ def rollout_correction(
         weights = ratio * inside
     else:
         seq_log = masked_mean(log_ratio, mask, dim=-1)
-        keep = ((seq_log >= math.log(low) if low > 0 else torch.ones_like(seq_log, dtype=torch.bool))
-                & (seq_log <= math.log(high))).to(mask.dtype)
+        keep = (
+            (seq_log >= math.log(low) if low > 0 else torch.ones_like(seq_log, dtype=torch.bool))
+            & (seq_log <= math.log(high))
+        ).to(mask.dtype)
         new_mask = mask * keep.unsqueeze(-1)
         weights = ratio.clamp(max=high) * keep.unsqueeze(-1)
     weights = weights * new_mask
@@ -648,7 +658,9 @@ def stop_properly_penalty(scores: torch.Tensor, stopped: torch.Tensor, *, coef: 
     constant coef when coef < 0; samples that stopped properly keep their score.
     """
     if coef > 1:
-        raise ValueError(f"stop_properly_penalty coef must be <= 1 (a scale in [0, 1] or a negative reward), got {coef}.")
+        raise ValueError(
+            f"stop_properly_penalty coef must be <= 1 (a scale in [0, 1] or a negative reward), got {coef}."
+        )
     truncated_score = scores * coef if coef >= 0 else torch.full_like(scores, coef)
     return torch.where(stopped.bool(), scores, truncated_score)
 

@@ -443,7 +443,12 @@ def test_trainer_exports_are_sorted_and_importable():
 
 def test_every_registered_estimator_lives_in_algos():
     assert set(ADVANTAGE_ESTIMATORS.names()) == {
-        "gae", "grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline"
+        "gae",
+        "grpo",
+        "dr_grpo",
+        "rloo",
+        "reinforce_pp",
+        "reinforce_pp_baseline",
     }
     for name in ADVANTAGE_ESTIMATORS:
         assert ADVANTAGE_ESTIMATORS.resolve(name) is getattr(algos, name)
