@@ -675,7 +675,7 @@ def dynamic_group_filter(scores: torch.Tensor, index: torch.Tensor | Sequence[Ha
     scores = _sequence_scores(scores).float()
     gid = _group_index(index, scores.shape[0], scores.device)
     if gid.numel() == 0:
-        return torch.zeros(0, dtype=torch.long)
+        return torch.zeros(0, dtype=torch.long, device=scores.device)
     n_groups = int(gid.max().item()) + 1
     hi = scores.new_full((n_groups,), -math.inf).scatter_reduce(0, gid, scores, "amax")
     lo = scores.new_full((n_groups,), math.inf).scatter_reduce(0, gid, scores, "amin")

@@ -38,6 +38,7 @@ __all__ = [
     "block_causal_mask",
     "compute_entropy",
     "compute_token_logprobs",
+    "pack_micro_batches",
     "pack_trajectories",
     "packed_to_padded",
     "pad_trajectories",
@@ -277,6 +278,23 @@ def split_micro_batches(lengths: Sequence[int], max_tokens: int) -> list[list[in
         if not overflow:
             return sorted((sorted(b) for b in bins if b), key=lambda b: b[0])
         k += 1
+
+
+def pack_micro_batches(
+    trajectories: Sequence[Trajectory], max_tokens: int, *, device: torch.device | str = "cpu"
+) -> list[PackedBatch]:
+    """Split trajectories into balanced micro-batches of at most `max_tokens` tokens and pack each.
+
+    Each batch's `indices` point into `trajectories`, so per-sequence values (scores, advantages)
+    can be gathered for it and results scattered back.
+    """
+    bins = split_micro_batches([len(t.token_ids) for t in trajectories], max_tokens)
+    batches = []
+    for members in bins:
+        batch = pack_trajectories([trajectories[i] for i in members], device=device)
+        batch.indices = list(members)
+        batches.append(batch)
+    return batches
 
 
 # ── logits to per-token values ──────────────────────────────────────────────────────────────────

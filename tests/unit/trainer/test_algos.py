@@ -289,6 +289,26 @@ def test_gspo_gradient_is_the_sequence_ratio_gradient():
     close(log_prob.grad, [[-math.sqrt(2.0) / 2, -math.sqrt(2.0) / 2, 0.0]])
 
 
+def test_gspo_on_packed_segments_equals_gspo_on_rows():
+    g = torch.Generator().manual_seed(0)
+    log_prob = torch.randn(2, 3, generator=g) * 0.1
+    old_log_prob = torch.randn(2, 3, generator=g) * 0.1
+    adv = torch.tensor([[1.0, 1.0, 1.0], [-1.0, -1.0, -1.0]])
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
+    rows, _ = algos.gspo_policy_loss(log_prob, old_log_prob, adv, mask, clip_low=0.05, clip_high=0.05)
+    keep = mask.bool()  # packing drops the padding: 5 tokens in segments 0, 0, 0, 1, 1
+    packed, _ = algos.gspo_policy_loss(
+        log_prob[keep][None],
+        old_log_prob[keep][None],
+        adv[keep][None],
+        torch.ones(1, 5),
+        clip_low=0.05,
+        clip_high=0.05,
+        segment_ids=torch.tensor([[0, 0, 0, 1, 1]]),
+    )
+    close(packed, rows)
+
+
 def test_value_loss_by_hand():
     values = torch.tensor([[1.0, 2.0]])
     old = torch.tensor([[1.0, 1.0]])

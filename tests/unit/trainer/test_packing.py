@@ -24,6 +24,7 @@ from agentrl.trainer.packing import (
     block_causal_mask,
     compute_entropy,
     compute_token_logprobs,
+    pack_micro_batches,
     pack_trajectories,
     packed_to_padded,
     pad_trajectories,
@@ -129,6 +130,15 @@ def test_split_micro_batches_covers_everything_within_budget(lengths, budget):
         assert len(bins) <= max(1, 2 * math.ceil(sum(lengths) / budget))
 
 
+def test_pack_micro_batches_keeps_the_original_indices():
+    trajs = [make_traj((P, [k] * n), (S, [k])) for k, n in enumerate([7, 1, 5, 3])]  # 8, 2, 6, 4 tokens
+    batches = pack_micro_batches(trajs, max_tokens=10)
+    # total 20 -> 2 bins: 8 then 6 go to separate bins, 4 joins the 6, 2 joins the 8
+    assert [b.indices for b in batches] == [[0, 1], [2, 3]]
+    assert [b.num_tokens for b in batches] == [10, 10]
+    assert batches[1].input_ids[0, :6].tolist() == [2] * 6  # trajectory 2 leads its micro-batch
+
+
 # ── logprobs and entropy ────────────────────────────────────────────────────────────────────────
 def test_token_logprobs_and_entropy_by_hand():
     logits = torch.tensor([[0.0, math.log(3.0)]])  # softmax = (1/4, 3/4)
@@ -157,6 +167,16 @@ def test_chunked_scoring_matches_the_plain_formula_with_gradients():
     torch.testing.assert_close(lp, ref_lp)
     torch.testing.assert_close(h, ref_h)
     torch.testing.assert_close(grad, ref_grad)
+
+
+def test_bf16_logits_are_scored_in_fp32():
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(5, 300, generator=g).to(torch.bfloat16)
+    labels = torch.randint(0, 300, (5,), generator=g)
+    lp = compute_token_logprobs(logits, labels)
+    assert lp.dtype == torch.float32
+    ref = torch.log_softmax(logits.float(), -1).gather(-1, labels[:, None]).squeeze(-1)
+    torch.testing.assert_close(lp, ref)
 
 
 # ── packed == padded on a real model ────────────────────────────────────────────────────────────
