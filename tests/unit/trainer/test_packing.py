@@ -11,6 +11,7 @@ detection off, which `test_default_use_cache_leaks_across_sequences` pins down.
 
 from __future__ import annotations
 
+import functools
 import math
 from pathlib import Path
 
@@ -183,7 +184,9 @@ def test_bf16_logits_are_scored_in_fp32():
 needs_model = pytest.mark.skipif(not TINY_QWEN2.exists(), reason=f"{TINY_QWEN2} is not on this machine")
 
 
+@functools.cache
 def load_tiny(attn: str):
+    # one model per attention path for the whole module; every test zeroes the gradients it uses
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(TINY_QWEN2, dtype=torch.float32, attn_implementation=attn)
