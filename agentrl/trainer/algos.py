@@ -89,7 +89,7 @@ def masked_whiten(
     if divide_std:
         var = masked_sum(centred * centred, m) / (n - 1).clamp(min=1.0)
         out = out / (var.sqrt() + eps)
-    return out * m
+    return torch.where(m > 0, out * m, torch.zeros_like(out))
 
 
 def _per_sequence_sum(
@@ -107,6 +107,17 @@ def _per_sequence_sum(
     return sums, counts
 
 
+def _sequence_mean_per_token(
+    values: torch.Tensor, mask: torch.Tensor, segment_ids: torch.Tensor | None
+) -> torch.Tensor:
+    """Each token gets the masked mean of `values` over its own sequence (0 for empty sequences)."""
+    sums, counts = _per_sequence_sum(values, mask, segment_ids)
+    means = sums / counts.clamp(min=1.0)
+    if segment_ids is None:
+        return means.unsqueeze(-1).expand_as(values)
+    return means[segment_ids.long()].reshape(values.shape)
+
+
 # ── loss aggregation ────────────────────────────────────────────────────────────────────────────
 def aggregate_loss(
     loss_mat: torch.Tensor,
@@ -115,6 +126,7 @@ def aggregate_loss(
     *,
     max_len: int | None = None,
     segment_ids: torch.Tensor | None = None,
+    denominator: float | torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Reduce a per-token loss to a scalar.
 
@@ -126,9 +138,15 @@ def aggregate_loss(
     The sequence means count only sequences with at least one unmasked token; rows of a 2D batch
     are the sequences, or `segment_ids` (one id per token, 0..S-1) names them in a packed batch.
     An empty mask gives 0.
+
+    `denominator` replaces the count divided by (tokens for `token-mean`, sequences otherwise).
+    With gradient accumulation, give every micro-batch the count of the whole mini-batch (summed
+    over data-parallel ranks too): the micro-batch losses then add up to the full-batch loss.
     """
     if mode == "token-mean":
-        return masked_mean(loss_mat, mask)
+        if denominator is None:
+            return masked_mean(loss_mat, mask)
+        return masked_sum(loss_mat, mask) / _positive(denominator)
     if mode not in LOSS_AGG_MODES:
         raise ValueError(f"Unknown loss_agg_mode '{mode}'; use one of {', '.join(LOSS_AGG_MODES)}.")
     sums, counts = _per_sequence_sum(loss_mat, mask, segment_ids)
@@ -142,7 +160,17 @@ def aggregate_loss(
                 f"the max response length; got {max_len!r}."
             )
         per_seq = sums / float(max_len)
-    return (per_seq * present).sum() / present.sum().clamp(min=1.0)
+    if denominator is None:
+        return (per_seq * present).sum() / present.sum().clamp(min=1.0)
+    return (per_seq * present).sum() / _positive(denominator)
+
+
+def _positive(denominator: float | torch.Tensor) -> float | torch.Tensor:
+    if float(denominator) <= 0:
+        raise ValueError(
+            f"loss denominator must be positive, got {float(denominator)}; pass None to use the batch's own count."
+        )
+    return denominator
 
 
 # ── advantage estimators ────────────────────────────────────────────────────────────────────────
@@ -368,6 +396,7 @@ def ppo_policy_loss(
     max_len: int | None = None,
     is_weights: torch.Tensor | None = None,
     segment_ids: torch.Tensor | None = None,
+    denominator: float | torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """PPO clipped surrogate (Schulman et al. 2017) with clip-higher and dual clip.
 
@@ -376,6 +405,7 @@ def ppo_policy_loss(
     low-probability tokens with A > 0 can grow further. Dual clip (Ye et al. 2020) bounds the loss
     of tokens with A < 0 by -A·c (c > 1): l_t = min(l_t, -A_t·c), so a huge ratio on a bad token
     cannot blow the update up. `is_weights` (from `rollout_correction`) multiply l_t.
+    `loss_agg_mode`, `max_len`, `segment_ids` and `denominator` go to `aggregate_loss`.
 
     Metrics: `pg_clipfrac` (tokens where the clip is active), `pg_clipfrac_lower` (where the dual
     clip is active), `ppo_kl` (mean of logπ_old - logπ, the k1 estimate of KL(old‖new)).
@@ -399,7 +429,14 @@ def ppo_policy_loss(
         loss_mat = torch.where(dual_active, bound, loss_mat)
     if is_weights is not None:
         loss_mat = loss_mat * is_weights.detach()
-    loss = aggregate_loss(loss_mat, response_mask, loss_agg_mode, max_len=max_len, segment_ids=segment_ids)
+    loss = aggregate_loss(
+        loss_mat,
+        response_mask,
+        loss_agg_mode,
+        max_len=max_len,
+        segment_ids=segment_ids,
+        denominator=denominator,
+    )
     metrics = {
         "pg_loss": loss.detach(),
         "pg_clipfrac": clipfrac.detach(),
@@ -420,6 +457,7 @@ def gspo_policy_loss(
     loss_agg_mode: str = "seq-mean-token-mean",
     max_len: int | None = None,
     segment_ids: torch.Tensor | None = None,
+    denominator: float | torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """GSPO (Zheng et al. 2025, "Group Sequence Policy Optimization"): clip a sequence-level ratio.
 
@@ -430,18 +468,20 @@ def gspo_policy_loss(
     paper) because s_i is a geometric mean. Metrics as in `ppo_policy_loss`.
     """
     diff = log_prob - old_log_prob
-    if segment_ids is None:
-        seq_sum, seq_count = _per_sequence_sum(diff.detach(), response_mask, None)
-        seq_log_ratio = (seq_sum / seq_count.clamp(min=1.0)).unsqueeze(-1)
-    else:
-        seq_sum, seq_count = _per_sequence_sum(diff.detach(), response_mask, segment_ids)
-        seq_log_ratio = (seq_sum / seq_count.clamp(min=1.0))[segment_ids.long()]
+    seq_log_ratio = _sequence_mean_per_token(diff.detach(), response_mask, segment_ids)
     log_ratio = (log_prob - log_prob.detach() + seq_log_ratio).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
     ratio = torch.exp(log_ratio)
     loss_unclipped = -advantages * ratio
     loss_clipped = -advantages * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
     loss_mat = torch.maximum(loss_unclipped, loss_clipped)
-    loss = aggregate_loss(loss_mat, response_mask, loss_agg_mode, max_len=max_len, segment_ids=segment_ids)
+    loss = aggregate_loss(
+        loss_mat,
+        response_mask,
+        loss_agg_mode,
+        max_len=max_len,
+        segment_ids=segment_ids,
+        denominator=denominator,
+    )
     metrics = {
         "pg_loss": loss.detach(),
         "pg_clipfrac": masked_mean((loss_clipped > loss_unclipped).float(), response_mask).detach(),
@@ -459,6 +499,8 @@ def value_loss(
     clip_range: float = 0.2,
     loss_agg_mode: str = "token-mean",
     max_len: int | None = None,
+    segment_ids: torch.Tensor | None = None,
+    denominator: float | torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Clipped critic loss (PPO as in OpenAI baselines): ½·max((V - R)², (V_clip - R)²).
 
@@ -469,7 +511,14 @@ def value_loss(
     err_unclipped = (values - returns) ** 2
     err_clipped = (clipped - returns) ** 2
     loss_mat = 0.5 * torch.maximum(err_unclipped, err_clipped)
-    loss = aggregate_loss(loss_mat, response_mask, loss_agg_mode, max_len=max_len)
+    loss = aggregate_loss(
+        loss_mat,
+        response_mask,
+        loss_agg_mode,
+        max_len=max_len,
+        segment_ids=segment_ids,
+        denominator=denominator,
+    )
     metrics = {
         "vf_loss": loss.detach(),
         "vf_clipfrac": masked_mean((err_clipped > err_unclipped).float(), response_mask).detach(),
@@ -526,10 +575,14 @@ def kl_loss(
     kind: str = "k3",
     loss_agg_mode: str = "token-mean",
     max_len: int | None = None,
+    segment_ids: torch.Tensor | None = None,
+    denominator: float | torch.Tensor | None = None,
 ) -> torch.Tensor:
     """KL in the loss (GRPO, Shao et al. 2024): aggregate(KL_t), to be added as β·kl_loss."""
     kl = kl_penalty(log_prob, ref_log_prob, kind)
-    return aggregate_loss(kl, response_mask, loss_agg_mode, max_len=max_len)
+    return aggregate_loss(
+        kl, response_mask, loss_agg_mode, max_len=max_len, segment_ids=segment_ids, denominator=denominator
+    )
 
 
 class FixedKLController:
@@ -571,6 +624,7 @@ def rollout_correction(
     mode: str = "tis",
     low: float = 0.5,
     high: float = 2.0,
+    segment_ids: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
     """Importance weights for the gap between the inference engine and the trainer.
 
@@ -582,7 +636,8 @@ def rollout_correction(
     - `seq-mask-tis`: sequences whose geometric-mean ratio exp(mean_t log ρ_t) lies outside
       [low, high] are masked out whole; the others get w_t = min(ρ_t, high).
 
-    Returns (weights, new_mask, metrics), weights detached. Metrics over the original mask:
+    Sequences are the rows, or the `segment_ids` of a packed batch. Returns (weights, new_mask,
+    metrics), weights detached. Metrics over the original mask:
     `is_ratio_mean/min/max`, `is_ess` (normalised effective sample size (Σρ)²/(n·Σρ²), 1 when
     the engines agree), `rollout_kl_k3` (k3 estimate of KL(π_rollout‖π_train)) and
     `masked_fraction` (share of tokens the correction removed).
@@ -601,17 +656,18 @@ def rollout_correction(
         new_mask = mask * inside
         weights = ratio * inside
     else:
-        seq_log = masked_mean(log_ratio, mask, dim=-1)
-        keep = (
-            (seq_log >= math.log(low) if low > 0 else torch.ones_like(seq_log, dtype=torch.bool))
-            & (seq_log <= math.log(high))
-        ).to(mask.dtype)
-        new_mask = mask * keep.unsqueeze(-1)
-        weights = ratio.clamp(max=high) * keep.unsqueeze(-1)
+        seq_log = _sequence_mean_per_token(log_ratio, mask, segment_ids)
+        keep = seq_log <= math.log(high)
+        if low > 0:
+            keep = keep & (seq_log >= math.log(low))
+        new_mask = mask * keep.to(mask.dtype)
+        weights = ratio.clamp(max=high) * new_mask
     weights = weights * new_mask
     n = mask.sum()
     big, small = torch.finfo(ratio.dtype).max, torch.finfo(ratio.dtype).min
     has = n > 0
+    if ratio.numel() == 0:
+        ratio, mask = ratio.new_zeros(1), mask.new_zeros(1)
     zero = ratio.new_zeros(())
     sum_r = masked_sum(ratio, mask)
     sum_r2 = masked_sum(ratio * ratio, mask)

@@ -33,6 +33,9 @@ def test_masked_mean_ignores_masked_nan_and_is_zero_on_empty_mask():
 def test_masked_whiten_of_a_single_or_constant_entry_is_zero():
     close(algos.masked_whiten(torch.tensor([5.0, 7.0]), torch.tensor([1, 0])), [0.0, 0.0])
     close(algos.masked_whiten(torch.tensor([2.0, 2.0, 2.0]), torch.ones(3)), [0.0, 0.0, 0.0])
+    # (1, 3) -> mean 2, unbiased std √2; the masked NaN stays out and comes back as 0
+    out = algos.masked_whiten(torch.tensor([1.0, float("nan"), 3.0]), torch.tensor([1, 0, 1]))
+    close(out, [-1 / math.sqrt(2), 0.0, 1 / math.sqrt(2)])
 
 
 LOSS = torch.tensor([[1.0, 2.0, 3.0], [4.0, 9.0, 9.0], [7.0, 7.0, 7.0]])
@@ -64,6 +67,19 @@ def test_aggregate_packed_segments_match_rows():
         algos.aggregate_loss(flat, torch.ones(4), "seq-mean-token-sum-norm", max_len=4, segment_ids=segments),
         1.25,
     )
+
+
+@pytest.mark.parametrize(("mode", "count"), [("token-mean", 4), ("seq-mean-token-mean", 2)])
+def test_micro_batch_losses_add_up_to_the_full_batch_loss(mode, count):
+    # split LOSS into micro-batches {row 0} and {rows 1, 2}; each divides by the whole batch's
+    # count (4 tokens, or 2 non-empty sequences), so their sum is the full-batch loss
+    full = algos.aggregate_loss(LOSS, MASK, mode)
+    parts = algos.aggregate_loss(LOSS[:1], MASK[:1], mode, denominator=count) + algos.aggregate_loss(
+        LOSS[1:], MASK[1:], mode, denominator=count
+    )
+    close(parts, full)
+    with pytest.raises(ValueError, match="denominator"):
+        algos.aggregate_loss(LOSS, MASK, mode, denominator=0)
 
 
 @pytest.mark.parametrize("mode", algos.LOSS_AGG_MODES)
@@ -395,6 +411,19 @@ def test_seq_mask_tis_masks_whole_sequences_by_geometric_mean():
     close(mask, [[1, 1, 1], [1, 1, 0], [0, 0, 0]])
     close(weights, [[2.0, 0.25, 1.0], [1.2, 1.5, 0.0], [0.0, 0.0, 0.0]])
     close(metrics["masked_fraction"], 2 / 7)
+
+
+def test_seq_mask_tis_on_packed_segments_equals_rows():
+    keep = IS_MASK.bool()  # packing drops padding: 7 tokens in segments 0,0,0,1,1,2,2
+    weights, mask, _ = algos.rollout_correction(
+        IS_RATIOS.log()[keep][None],
+        torch.zeros(1, 7),
+        torch.ones(1, 7),
+        mode="seq-mask-tis",
+        segment_ids=torch.tensor([[0, 0, 0, 1, 1, 2, 2]]),
+    )
+    close(mask, [[1, 1, 1, 1, 1, 0, 0]])
+    close(weights, [[2.0, 0.25, 1.0, 1.2, 1.5, 0.0, 0.0]])
 
 
 def test_mismatch_metrics_by_hand():
