@@ -478,6 +478,27 @@ def test_dynamic_group_filter_keeps_only_varied_groups():
     assert algos.dynamic_group_filter(torch.ones(4), torch.tensor([0, 0, 1, 1])).tolist() == []
 
 
+# ── empty masks everywhere ──────────────────────────────────────────────────────────────────────
+def _masked_losses(x: torch.Tensor, mask: torch.Tensor) -> dict[str, torch.Tensor]:
+    other = torch.full_like(x, -3.0)
+    return {
+        "ppo": algos.ppo_policy_loss(x, other, torch.ones_like(x), mask, clip_c=3.0)[0],
+        "gspo": algos.gspo_policy_loss(x, other, torch.ones_like(x), mask)[0],
+        "value": algos.value_loss(x, other, torch.ones_like(x), mask)[0],
+        "kl": algos.kl_loss(x, other, mask),
+        "sum-norm": algos.aggregate_loss(x, mask, "seq-mean-token-sum-norm", max_len=8),
+        "whiten": algos.masked_whiten(x, mask).sum(),
+    }
+
+
+def test_every_masked_loss_is_zero_with_zero_gradient_on_an_empty_mask():
+    x = torch.randn(3, 4, generator=torch.Generator().manual_seed(0)).requires_grad_(True)
+    for name, loss in _masked_losses(x, torch.zeros(3, 4)).items():
+        (grad,) = torch.autograd.grad(loss, x, allow_unused=True)
+        assert loss.item() == 0.0, name
+        assert grad is None or (grad == 0).all(), name
+
+
 # ── package surface ─────────────────────────────────────────────────────────────────────────────
 def _isort_key(name: str) -> tuple[int, str]:
     # ruff's RUF022 order: CONSTANTS, then Classes, then functions
