@@ -226,7 +226,36 @@ TOOL_PARSERS = Registry(
     },
 )
 
-ADVANTAGE_ESTIMATORS = Registry("advantage estimator", "agentrl validate --help", {})
+ADVANTAGE_ESTIMATORS = Registry(
+    "advantage estimator",
+    "agentrl validate --help",
+    {
+        "gae": (
+            "agentrl.trainer.algos:gae",
+            "Generalised advantage estimation with a learned critic (PPO).",
+        ),
+        "grpo": (
+            "agentrl.trainer.algos:grpo",
+            "Group-relative: reward minus group mean, divided by group std.",
+        ),
+        "dr_grpo": (
+            "agentrl.trainer.algos:dr_grpo",
+            "Group-relative without std division (Dr. GRPO).",
+        ),
+        "rloo": (
+            "agentrl.trainer.algos:rloo",
+            "REINFORCE leave-one-out: reward minus the mean of the other samples of its group.",
+        ),
+        "reinforce_pp": (
+            "agentrl.trainer.algos:reinforce_pp",
+            "REINFORCE++: discounted returns whitened over the batch, no critic, no groups.",
+        ),
+        "reinforce_pp_baseline": (
+            "agentrl.trainer.algos:reinforce_pp_baseline",
+            "REINFORCE++-baseline: group mean as baseline, then divided by the batch std.",
+        ),
+    },
+)
 
 INFERENCE_ENGINES = Registry("inference engine", "agentrl serve --help", {})
 

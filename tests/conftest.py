@@ -46,3 +46,15 @@ def assets() -> Path:
     if not SHARED_ASSETS.is_dir():
         pytest.skip(f"shared assets not found at {SHARED_ASSETS}; set AGENTRL_ASSETS")
     return SHARED_ASSETS
+
+
+# Property tests explore new inputs locally, but CI replays a fixed set so a run can never fail by
+# luck; a failure hypothesis finds locally is fixed, not re-rolled.
+try:
+    from hypothesis import settings as _hypothesis_settings
+
+    _hypothesis_settings.register_profile("ci", derandomize=True, print_blob=True)
+    if os.environ.get("CI"):
+        _hypothesis_settings.load_profile("ci")
+except ImportError:  # hypothesis is a dev extra
+    pass

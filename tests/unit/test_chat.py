@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import unicodedata
 from pathlib import Path
 from typing import Any
 
@@ -260,7 +261,9 @@ def test_qwen25_any_content_matches_full_rerender(
     assert sent[1] == template.encode_prompt(conv.messages[:-1], TOOLS)
     assert conv.trajectory.metrics["template_mismatch"] == 0.0
     tool_text = template.tokenizer.decode(conv.trajectory.tokens_of(TokenOrigin.TOOL))
-    assert content.strip() in tool_text and feedback.strip() in tool_text
+    # The Qwen tokenizer NFC-normalises its input (U+F900 comes back as U+8C48), so compare normalised text.
+    nfc = lambda s: unicodedata.normalize("NFC", s).strip()  # noqa: E731
+    assert nfc(content) in tool_text and nfc(feedback) in tool_text
 
 
 # ── templates that are not prefix-stable ───────────────────────────────────────────────────────

@@ -1,0 +1,360 @@
+"""From a list of `Trajectory` to model-ready tensors: packed without padding, or padded.
+
+Packing concatenates the token ledgers into one row: `position_ids` restart at 0 for every
+sequence and `cu_seqlens` marks the boundaries, so attention kernels that understand packed
+input (flash-attention's varlen kernels; in Hugging Face transformers ≥ 5, the `sdpa` and `eager`
+paths too, which detect restarting `position_ids` when no `attention_mask` and no cache are
+given) never attend across sequences. For kernels that do not, `block_causal_mask` builds the
+equivalent explicit 4D mask. `split_micro_batches` cuts a batch into token-budget micro-batches of
+balanced length.
+
+Every per-token tensor is aligned with next-token prediction: position t holds what the logits at
+t are scored against, i.e. token t+1 of the same sequence (`labels`), whether that token is
+trained on (`loss_mask`, the response mask shifted left and zeroed for untrainable trajectories)
+and its rollout logprob. The last position of each sequence predicts nothing and is masked.
+`compute_token_logprobs` and `compute_entropy` turn logits into those per-token values at the
+sampling temperature, a chunk of tokens at a time.
+
+This module does not run models or compute advantages; see `algos` for that.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from agentrl.types import Trajectory
+
+__all__ = [
+    "PackedBatch",
+    "PaddedBatch",
+    "block_causal_mask",
+    "compute_entropy",
+    "compute_token_logprobs",
+    "pack_micro_batches",
+    "pack_trajectories",
+    "packed_to_padded",
+    "pad_trajectories",
+    "padded_to_packed",
+    "split_micro_batches",
+]
+
+
+@dataclass
+class PackedBatch:
+    """Sequences concatenated into one row; every per-token tensor has shape (1, total_tokens).
+
+    `cu_seqlens` (int32, S+1 entries) holds the cumulative sequence lengths, `segment_ids` the
+    sequence number of each token (for `algos.aggregate_loss(..., segment_ids=...)`), `indices`
+    the position of each sequence in the list that was packed.
+    """
+
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    labels: torch.Tensor
+    loss_mask: torch.Tensor
+    rollout_logprobs: torch.Tensor
+    segment_ids: torch.Tensor
+    cu_seqlens: torch.Tensor
+    seq_lengths: list[int]
+    indices: list[int]
+
+    @property
+    def max_seqlen(self) -> int:
+        return max(self.seq_lengths, default=0)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[-1])
+
+    def model_inputs(self) -> dict[str, Any]:
+        """Keyword arguments for a Hugging Face causal LM forward on this packed row.
+
+        No attention mask and no cache: that is what makes transformers detect the packed
+        sequences from the restarting `position_ids`; a cache (`use_cache=True`, the config
+        default) would silently turn the detection off and let sequences attend to each other.
+        """
+        return {"input_ids": self.input_ids, "position_ids": self.position_ids, "use_cache": False}
+
+
+@dataclass
+class PaddedBatch:
+    """Sequences right-padded to the longest one; per-token tensors have shape (batch, max_len)."""
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    position_ids: torch.Tensor
+    labels: torch.Tensor
+    loss_mask: torch.Tensor
+    rollout_logprobs: torch.Tensor
+    seq_lengths: list[int]
+    indices: list[int]
+
+    def model_inputs(self) -> dict[str, Any]:
+        """Keyword arguments for a Hugging Face causal LM forward on this padded batch."""
+        return {
+            "input_ids": self.input_ids,
+            "attention_mask": self.attention_mask,
+            "position_ids": self.position_ids,
+            "use_cache": False,
+        }
+
+
+# ── building batches ────────────────────────────────────────────────────────────────────────────
+def _shifted_rows(traj: Trajectory, pos: int) -> tuple[list[int], list[float], list[float]]:
+    """(labels, loss_mask, rollout_logprobs) of one trajectory, aligned with next-token logits."""
+    n = len(traj.token_ids)
+    if n == 0:
+        raise ValueError(
+            f"trajectory {pos} (episode '{traj.episode_id}') has no tokens; drop it before packing."
+        )
+    if not (len(traj.origins) == len(traj.logprobs) == n):
+        raise ValueError(
+            f"trajectory {pos} (episode '{traj.episode_id}') has {n} tokens but {len(traj.origins)} "
+            f"origins and {len(traj.logprobs)} logprobs; build it with Trajectory.extend."
+        )
+    keep = 1.0 if traj.trainable else 0.0
+    mask = traj.response_mask
+    labels = [*traj.token_ids[1:], 0]
+    loss_mask = [float(m) * keep for m in mask[1:]] + [0.0]
+    logprobs = [*(float(x) for x in traj.logprobs[1:]), 0.0]
+    return labels, loss_mask, logprobs
+
+
+def pack_trajectories(
+    trajectories: Sequence[Trajectory], *, device: torch.device | str = "cpu"
+) -> PackedBatch:
+    """Concatenate trajectories into one padding-free row (see the module docstring)."""
+    if not trajectories:
+        raise ValueError("cannot pack an empty list of trajectories.")
+    ids: list[int] = []
+    positions: list[int] = []
+    labels: list[int] = []
+    loss_mask: list[float] = []
+    logprobs: list[float] = []
+    segments: list[int] = []
+    lengths: list[int] = []
+    for i, traj in enumerate(trajectories):
+        lab, msk, lps = _shifted_rows(traj, i)
+        n = len(traj.token_ids)
+        ids.extend(traj.token_ids)
+        positions.extend(range(n))
+        labels.extend(lab)
+        loss_mask.extend(msk)
+        logprobs.extend(lps)
+        segments.extend([i] * n)
+        lengths.append(n)
+    cu = [0]
+    for n in lengths:
+        cu.append(cu[-1] + n)
+
+    def row(values: list, dtype: torch.dtype) -> torch.Tensor:
+        return torch.tensor(values, dtype=dtype, device=device).unsqueeze(0)
+
+    return PackedBatch(
+        input_ids=row(ids, torch.long),
+        position_ids=row(positions, torch.long),
+        labels=row(labels, torch.long),
+        loss_mask=row(loss_mask, torch.float32),
+        rollout_logprobs=row(logprobs, torch.float32),
+        segment_ids=row(segments, torch.long),
+        cu_seqlens=torch.tensor(cu, dtype=torch.int32, device=device),
+        seq_lengths=lengths,
+        indices=list(range(len(trajectories))),
+    )
+
+
+def pad_trajectories(
+    trajectories: Sequence[Trajectory], *, pad_token_id: int = 0, device: torch.device | str = "cpu"
+) -> PaddedBatch:
+    """Right-pad trajectories to the longest one: the layout to compare packing against."""
+    if not trajectories:
+        raise ValueError("cannot pad an empty list of trajectories.")
+    rows = [_shifted_rows(t, i) for i, t in enumerate(trajectories)]
+    lengths = [len(t.token_ids) for t in trajectories]
+    batch, width = len(trajectories), max(lengths)
+    input_ids = torch.full((batch, width), pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros((batch, width), dtype=torch.long)
+    labels = torch.zeros((batch, width), dtype=torch.long)
+    loss_mask = torch.zeros((batch, width), dtype=torch.float32)
+    logprobs = torch.zeros((batch, width), dtype=torch.float32)
+    for i, (traj, (lab, msk, lps), n) in enumerate(zip(trajectories, rows, lengths, strict=True)):
+        input_ids[i, :n] = torch.tensor(traj.token_ids)
+        attention_mask[i, :n] = 1
+        labels[i, :n] = torch.tensor(lab)
+        loss_mask[i, :n] = torch.tensor(msk)
+        logprobs[i, :n] = torch.tensor(lps)
+    position_ids = torch.arange(width).expand(batch, width).clone()
+    return PaddedBatch(
+        input_ids=input_ids.to(device),
+        attention_mask=attention_mask.to(device),
+        position_ids=position_ids.to(device),
+        labels=labels.to(device),
+        loss_mask=loss_mask.to(device),
+        rollout_logprobs=logprobs.to(device),
+        seq_lengths=lengths,
+        indices=list(range(batch)),
+    )
+
+
+# ── moving values between the two layouts ───────────────────────────────────────────────────────
+def packed_to_padded(values: torch.Tensor, cu_seqlens: torch.Tensor, fill: float = 0.0) -> torch.Tensor:
+    """(1, N, ...) packed values -> (S, max_len, ...) right-padded with `fill`."""
+    if values.dim() < 2 or values.shape[0] != 1:
+        raise ValueError(f"packed values have shape (1, N, ...); got {tuple(values.shape)}.")
+    flat = values[0]
+    bounds = cu_seqlens.tolist()
+    lengths = [b - a for a, b in itertools.pairwise(bounds)]
+    out = flat.new_full((len(lengths), max(lengths, default=0), *flat.shape[1:]), fill)
+    for i, (start, n) in enumerate(zip(bounds, lengths, strict=False)):
+        out[i, :n] = flat[start : start + n]
+    return out
+
+
+def padded_to_packed(values: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """(S, max_len, ...) right-padded values -> (1, N, ...) packed (padding dropped)."""
+    bounds = cu_seqlens.tolist()
+    pieces = [values[i, : b - a] for i, (a, b) in enumerate(itertools.pairwise(bounds))]
+    return torch.cat(pieces, dim=0).unsqueeze(0)
+
+
+def block_causal_mask(cu_seqlens: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """An explicit (1, 1, N, N) additive mask: causal within each sequence, -inf across them.
+
+    For attention paths that do not detect packed `position_ids`. It costs N² memory, so prefer
+    the detection (or a varlen kernel) for long rows. Works with HF `eager` and `sdpa`.
+    """
+    bounds = cu_seqlens.tolist()
+    n = bounds[-1]
+    seg = torch.zeros(n, dtype=torch.long, device=cu_seqlens.device)
+    for i, (a, b) in enumerate(itertools.pairwise(bounds)):
+        seg[a:b] = i
+    idx = torch.arange(n, device=cu_seqlens.device)
+    allowed = (seg[:, None] == seg[None, :]) & (idx[None, :] <= idx[:, None])
+    mask = torch.zeros((n, n), dtype=dtype, device=cu_seqlens.device)
+    mask.masked_fill_(~allowed, torch.finfo(dtype).min)
+    return mask[None, None]
+
+
+# ── micro-batches ───────────────────────────────────────────────────────────────────────────────
+def split_micro_batches(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
+    """Split sequences into as few micro-batches of at most `max_tokens` tokens as greedy finds.
+
+    Longest-processing-time-first: start from k = ⌈Σ lengths / max_tokens⌉ bins, give each
+    sequence, longest first, to the least-loaded bin, and retry with k + 1 bins if one overflows.
+    Bins end up close to equal in tokens, so data-parallel ranks and micro-steps take similar time.
+    Returns lists of indices into `lengths`, each sorted, ordered by their first index.
+    """
+    if max_tokens <= 0:
+        raise ValueError(f"max_tokens must be positive, got {max_tokens}.")
+    too_long = [(i, n) for i, n in enumerate(lengths) if n > max_tokens]
+    if too_long:
+        i, n = too_long[0]
+        raise ValueError(
+            f"sequence {i} has {n} tokens, more than the micro-batch budget of {max_tokens}; raise "
+            "max_tokens_per_micro_batch to at least the max sequence length, or shorten the episodes."
+        )
+    if not lengths:
+        return []
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    k = max(1, math.ceil(sum(lengths) / max_tokens))
+    while True:
+        heap = [(0, b) for b in range(k)]
+        bins: list[list[int]] = [[] for _ in range(k)]
+        overflow = False
+        for i in order:
+            load, b = heapq.heappop(heap)
+            load += lengths[i]
+            overflow |= load > max_tokens
+            bins[b].append(i)
+            heapq.heappush(heap, (load, b))
+        if not overflow:
+            return sorted((sorted(b) for b in bins if b), key=lambda b: b[0])
+        k += 1
+
+
+def pack_micro_batches(
+    trajectories: Sequence[Trajectory], max_tokens: int, *, device: torch.device | str = "cpu"
+) -> list[PackedBatch]:
+    """Split trajectories into balanced micro-batches of at most `max_tokens` tokens and pack each.
+
+    Each batch's `indices` point into `trajectories`, so per-sequence values (scores, advantages)
+    can be gathered for it and results scattered back.
+    """
+    bins = split_micro_batches([len(t.token_ids) for t in trajectories], max_tokens)
+    batches = []
+    for members in bins:
+        batch = pack_trajectories([trajectories[i] for i in members], device=device)
+        batch.indices = list(members)
+        batches.append(batch)
+    return batches
+
+
+# ── logits to per-token values ──────────────────────────────────────────────────────────────────
+def _chunked(
+    fn: Callable[..., torch.Tensor], logits: torch.Tensor, *extra: torch.Tensor, chunk_size: int
+) -> torch.Tensor:
+    """Apply `fn` to chunks of tokens; under autograd each chunk is recomputed in backward, so the
+    fp32 softmax of only one chunk is alive at a time instead of one for the whole batch."""
+    if chunk_size <= 0:
+        raise ValueError(f"chunk_size must be positive, got {chunk_size}.")
+    lead = logits.shape[:-1]
+    flat = logits.reshape(-1, logits.shape[-1])
+    flat_extra = [e.reshape(-1) for e in extra]
+    outs = []
+    for start in range(0, flat.shape[0], chunk_size):
+        args = (flat[start : start + chunk_size], *(e[start : start + chunk_size] for e in flat_extra))
+        if torch.is_grad_enabled() and flat.requires_grad:
+            outs.append(checkpoint(fn, *args, use_reentrant=False))
+        else:
+            outs.append(fn(*args))
+    if not outs:
+        return flat.new_zeros(lead, dtype=torch.float32)
+    return torch.cat(outs).reshape(lead)
+
+
+def _check_temperature(temperature: float) -> None:
+    if temperature <= 0:
+        raise ValueError(
+            f"temperature must be > 0 to score tokens, got {temperature}; for greedy rollouts use 1.0."
+        )
+
+
+def compute_token_logprobs(
+    logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0, *, chunk_size: int = 2048
+) -> torch.Tensor:
+    """log softmax(logits / T)[label] per position, in fp32: logit_y/T - logsumexp(logits/T).
+
+    `logits` is (..., vocab) and `labels` (...); the result has the shape of `labels`. Scoring at
+    the sampling temperature T is what makes these comparable to the inference engine's logprobs.
+    """
+    _check_temperature(temperature)
+    if logits.shape[:-1] != labels.shape:
+        raise ValueError(f"logits {tuple(logits.shape)} do not match labels {tuple(labels.shape)}.")
+
+    def score(chunk: torch.Tensor, chunk_labels: torch.Tensor) -> torch.Tensor:
+        z = chunk.float() / temperature
+        picked = z.gather(-1, chunk_labels.long().unsqueeze(-1)).squeeze(-1)
+        return picked - torch.logsumexp(z, dim=-1)
+
+    return _chunked(score, logits, labels, chunk_size=chunk_size)
+
+
+def compute_entropy(
+    logits: torch.Tensor, temperature: float = 1.0, *, chunk_size: int = 2048
+) -> torch.Tensor:
+    """Entropy of softmax(logits / T) per position, in fp32: H = logsumexp(z) - Σ softmax(z)·z."""
+    _check_temperature(temperature)
+
+    def entropy(chunk: torch.Tensor) -> torch.Tensor:
+        z = chunk.float() / temperature
+        return torch.logsumexp(z, dim=-1) - (torch.softmax(z, dim=-1) * z).sum(-1)
+
+    return _chunked(entropy, logits, chunk_size=chunk_size)
