@@ -249,14 +249,16 @@ class ChatTemplate:
             pos_masked = at + len(_SENTINEL.format(i))
         if ok and _splice(masked_text, slots, contents) == text:
             return spans
-        # The template transformed content; fall back to finding each content in order.
+        # The template transformed content; fall back to finding each content (or its stripped
+        # form, for templates that trim) in order. Content not found is left TEMPLATE.
         spans, pos = [], 0
         for i in slots:
-            content = str(contents[i])
-            at = text.find(content, pos)
-            if at >= 0:
-                spans.append((at, at + len(content)))
-                pos = at + len(content)
+            for content in dict.fromkeys((str(contents[i]), str(contents[i]).strip())):
+                at = text.find(content, pos) if content else -1
+                if at >= 0:
+                    spans.append((at, at + len(content)))
+                    pos = at + len(content)
+                    break
         return spans
 
     def _encode_with_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]] | None]:
@@ -314,6 +316,7 @@ class ConversationTokenizer:
         self.tools: list[ToolSchema] | None = None
         self.turn = 0
         self._started = False
+        self._after_generation = False
 
     @property
     def token_ids(self) -> list[int]:
@@ -352,11 +355,18 @@ class ConversationTokenizer:
             text = self.template.tokenizer.decode(generation.token_ids, skip_special_tokens=True)
             message = {"role": "assistant", "content": text}
         self.trajectory.messages.append(message)
+        self._after_generation = True
 
     def add_messages(self, messages: Sequence[Message]) -> list[int]:
         """Append new messages after the last sampled turn; return the ids to send next."""
         if not self._started:
             raise ValueError("call ConversationTokenizer.start() before add_messages()")
+        if not self._after_generation:
+            # A delta closes an assistant turn; without one it would invent an empty reply.
+            raise ValueError(
+                "add_messages() must follow add_generation(): new messages close the assistant "
+                "turn before them. Append the generation (even an empty one) first."
+            )
         first = self.trajectory.messages[0] if self.trajectory.messages else None
         system = first if first is not None and first.get("role") == "system" else None
         delta = self.template.encode_delta(
@@ -364,6 +374,7 @@ class ConversationTokenizer:
         )
         for origin, ids in delta.runs():
             self.trajectory.extend(ids, origin, self.turn)
+        self._after_generation = False
         self.trajectory.messages.extend(dict(m) for m in messages)  # type: ignore[misc]
         if self.verify:
             self.check()

@@ -307,8 +307,9 @@ def test_mistral_system_message_vanishes_from_rerender(templates: dict[str, Chat
 
 def test_mistral_user_after_tool_results_is_counted_not_raised(templates: dict[str, ChatTemplate]) -> None:
     template = templates["mistral"]
-    conv, _ = run_episode(template, TOOL_EPISODE[:1], system=False)
-    ids = conv.add_messages([{"role": "user", "content": "Now 13*7?"}])
+    assistant, [result] = TOOL_EPISODE[0]
+    conv, sent = run_episode(template, [(assistant, [result, {"role": "user", "content": "Now 13*7?"}])], system=False)
+    ids = sent[-1]
     # The template renders [AVAILABLE_TOOLS] before the latest user message, so the delta has them
     # again; the whole conversation (user right after tool results) is refused by the template.
     assert template.tokenizer.decode(ids).count("[AVAILABLE_TOOLS]") == 2
@@ -354,3 +355,48 @@ def test_start_twice_and_out_of_order_calls_are_refused(templates: dict[str, Cha
     conv.start([{"role": "user", "content": "hi"}])
     with pytest.raises(ValueError, match="twice"):
         conv.start([{"role": "user", "content": "hi"}])
+    with pytest.raises(ValueError, match="must follow add_generation"):
+        conv.add_messages([tool_msg("1", "c0000000a")])
+    conv.add_generation(Generation([], [], "stop", 0))  # an empty reply is still a reply
+    ids = conv.add_messages([{"role": "user", "content": "again"}])
+    assert conv.template.tokenizer.decode(ids).endswith(
+        "<|im_start|>assistant\n<|im_end|>\n<|im_start|>user\nagain<|im_end|>\n<|im_start|>assistant\n"
+    )
+    with pytest.raises(ValueError, match="must follow add_generation"):
+        conv.add_messages([tool_msg("1", "c0000000a")])
+
+
+class SlowTokenizer:
+    """The real tokenizer seen as a slow one: no offset mapping."""
+
+    is_fast = False
+
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+        self.chat_template = inner.chat_template
+
+    def __call__(self, text: str, **kwargs: Any) -> Any:
+        kwargs.pop("return_offsets_mapping", None)
+        return self._inner(text, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+
+def test_slow_tokenizer_gives_same_ids_all_template(templates: dict[str, ChatTemplate]) -> None:
+    fast = templates["qwen2.5"]
+    slow = ChatTemplate(SlowTokenizer(fast.tokenizer))
+    new = [tool_msg("84", "c0000000a")]
+    a = fast.encode_delta(new, sampled_ids=[151645])
+    b = slow.encode_delta(new, sampled_ids=[151645])
+    assert b.token_ids == a.token_ids and b.skipped == a.skipped == 1
+    assert set(b.origins) == {TokenOrigin.TEMPLATE}
+    assert TokenOrigin.TOOL in a.origins
+
+
+def test_content_transformed_by_the_template_falls_back_to_search(templates: dict[str, ChatTemplate]) -> None:
+    trimming = CHATML.replace("{{ m.content }}", "{{ m.content | trim }}")
+    template = ChatTemplate(templates["qwen2.5"].tokenizer, template=trimming)
+    delta = template.encode_delta([{"role": "user", "content": "  spaced out  "}], sampled_ids=[151645])
+    runs = [(o, template.tokenizer.decode(ids)) for o, ids in delta.runs()]
+    assert (TokenOrigin.TOOL, "spaced out") in runs
