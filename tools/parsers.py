@@ -158,7 +158,11 @@ def _json_type(value: Any) -> str:
 
 # ── Hermes / Qwen ───────────────────────────────────────────────────────────────────────────────
 class HermesParser(ToolCallParser):
-    """Hermes-style calls used by Qwen2.5 and Qwen3: `<tool_call>{json}</tool_call>`, one per block."""
+    """Hermes-style calls used by Qwen2.5 and Qwen3: `<tool_call>{json}</tool_call>`, one per block.
+
+    Blocks inside a Qwen3 `<think>...</think>` are drafts, not calls: only text after the thinking
+    is searched (a turn cut inside its thinking therefore has no calls).
+    """
 
     name = "hermes"
     expected_format = (
@@ -169,7 +173,7 @@ class HermesParser(ToolCallParser):
 
     def _parse(self, text: str) -> Action:
         items: list[tuple[int, int, ToolCall | str]] = []
-        pos = 0
+        pos = _end_of_thinking(text, self.open_tag)
         while len(items) <= self.max_calls:
             start = text.find(self.open_tag, pos)
             if start < 0:
@@ -200,6 +204,20 @@ class HermesParser(ToolCallParser):
                 items.append((start, block_end, self._error(index, str(exc))))
             pos = block_end
         return self._collect(text, items)
+
+
+def _end_of_thinking(text: str, call_tag: str) -> int:
+    """Where a leading `<think>` block ends (0 if there is none, len(text) if it never closes).
+
+    Thinking opened by the prompt shows only its `</think>`; that counts when no call comes before
+    it, so that a `</think>` inside a call's JSON arguments is not mistaken for one.
+    """
+    close = text.find("</think>")
+    if text.lstrip().startswith("<think>"):
+        return len(text) if close < 0 else close + len("</think>")
+    if close >= 0 and call_tag not in text[:close]:
+        return close + len("</think>")
+    return 0
 
 
 # ── Mistral ─────────────────────────────────────────────────────────────────────────────────────

@@ -103,6 +103,19 @@ def test_hermes_keeps_thinking_and_accepts_string_arguments_and_missing_argument
     assert action.parse_errors == ()
 
 
+def test_hermes_ignores_drafts_inside_thinking() -> None:
+    draft = '<tool_call>{"name": "draft"}</tool_call>'
+    real = '<tool_call>{"name": "real"}</tool_call>'
+    assert calls(HermesParser().parse(f"<think>\nmaybe {draft}\n</think>\n\n{real}")) == [("real", {})]
+    cut = HermesParser().parse(f"<think>\nmaybe {draft} and")
+    assert cut == Action(f"<think>\nmaybe {draft} and")
+    # Thinking opened by the prompt shows only its closing tag.
+    assert calls(HermesParser().parse(f"maybe\n</think>\n\n{real}")) == [("real", {})]
+    # A closing tag inside a call's arguments is just text.
+    inside = '<tool_call>{"name": "f", "arguments": {"s": "</think>"}}</tool_call>'
+    assert calls(HermesParser().parse(inside)) == [("f", {"s": "</think>"})]
+
+
 def test_hermes_final_block_cut_by_stop_string_is_read() -> None:
     action = HermesParser().parse('Ok.\n<tool_call>\n{"name": "f", "arguments": {"x": 1}}\n')
     assert calls(action) == [("f", {"x": 1})]
