@@ -111,13 +111,16 @@ class ChatTemplate:
         self.template_kwargs = template_kwargs
         # Probe once: the closing of an assistant turn, and proof that the template can render
         # the dummy conversation the deltas are built on.
-        text = self.render([*self._dummy(None), {"role": "assistant", "content": _MARK}],
-                           add_generation_prompt=False)
+        text = self.render(
+            [*self._dummy(None), {"role": "assistant", "content": _MARK}], add_generation_prompt=False
+        )
         self.closing_text = _after_mark(text)
         self.closing_ids = self.encode(self.closing_text)
 
     @classmethod
-    def from_pretrained(cls, path: str | Path, template: str | None = None, **template_kwargs: Any) -> ChatTemplate:
+    def from_pretrained(
+        cls, path: str | Path, template: str | None = None, **template_kwargs: Any
+    ) -> ChatTemplate:
         """Load the tokenizer at `path` (a local directory or hub id) and wrap it."""
         from transformers import AutoTokenizer
 
@@ -181,7 +184,13 @@ class ChatTemplate:
         """
         base = [*self._dummy(system), {"role": "assistant", "content": _MARK}]
         new = [dict(m) for m in new_messages]
-        text = _after_mark(self.render(base + new, tools, add_generation_prompt=add_generation_prompt))
+        try:
+            text = _after_mark(self.render(base + new, tools, add_generation_prompt=add_generation_prompt))
+        except ChatTemplateError as exc:
+            roles = [m.get("role") for m in new]
+            raise ChatTemplateError(
+                f"Cannot append messages with roles {roles} after an assistant turn: {exc.__cause__ or exc}"
+            ) from exc
         spans = self._content_spans(base, new, text, tools, add_generation_prompt)
 
         closing_len = _common_prefix_len(text, self.closing_text)
@@ -231,7 +240,9 @@ class ChatTemplate:
         for i in slots:
             masked[i]["content"] = _SENTINEL.format(i)
         try:
-            masked_text = _after_mark(self.render(base + masked, tools, add_generation_prompt=add_generation_prompt))
+            masked_text = _after_mark(
+                self.render(base + masked, tools, add_generation_prompt=add_generation_prompt)
+            )
         except ChatTemplateError:
             masked_text = ""
         spans: list[tuple[int, int]] = []
@@ -275,7 +286,7 @@ def _after_mark(text: str) -> str:
             "The chat template dropped the content of an assistant message, so deltas cannot be "
             "located; use a template that renders assistant content verbatim."
         )
-    return text[at + len(_MARK):]
+    return text[at + len(_MARK) :]
 
 
 def _common_prefix_len(a: Sequence[Any], b: Sequence[Any]) -> int:
@@ -309,7 +320,9 @@ class ConversationTokenizer:
     conversation for `verify`, never to produce tokens.
     """
 
-    def __init__(self, template: ChatTemplate, trajectory: Trajectory | None = None, *, verify: bool = True) -> None:
+    def __init__(
+        self, template: ChatTemplate, trajectory: Trajectory | None = None, *, verify: bool = True
+    ) -> None:
         self.template = template
         self.trajectory = trajectory if trajectory is not None else Trajectory()
         self.verify = verify
@@ -399,6 +412,8 @@ class ConversationTokenizer:
             reason = f"ledger has {len(ledger)} ids, re-render {len(full)}; first difference at {pos}"
         m = self.trajectory.metrics
         m["template_mismatch"] = m.get("template_mismatch", 0.0) + 1.0
-        self.trajectory.info.setdefault("template_mismatches", []).append({"turn": self.turn, "reason": reason})
+        self.trajectory.info.setdefault("template_mismatches", []).append(
+            {"turn": self.turn, "reason": reason}
+        )
         log.debug("chat template is not prefix-stable at turn %d: %s", self.turn, reason)
         return False

@@ -77,7 +77,7 @@ def sample(ct: ConversationTokenizer, message: Message, *, stop: str = "eos") ->
     before = template.render(ct.messages, ct.tools, add_generation_prompt=True)
     after = template.render([*ct.messages, message], ct.tools, add_generation_prompt=False)
     assert after.startswith(before), "test conversation must render prefix-stably up to here"
-    text = after[len(before):]
+    text = after[len(before) :]
     assert text.endswith(template.closing_text)
     ids = template.encode(text[: len(text) - len(template.closing_text)])
     if stop == "eos":
@@ -90,7 +90,11 @@ def tool_msg(content: str, call_id: str, name: str = "calculator") -> Message:
 
 
 def run_episode(
-    template: ChatTemplate, turns: list[tuple[Message, list[Message]]], *, system: bool = True, stop: str = "eos"
+    template: ChatTemplate,
+    turns: list[tuple[Message, list[Message]]],
+    *,
+    system: bool = True,
+    stop: str = "eos",
 ) -> tuple[ConversationTokenizer, list[list[int]]]:
     """Play `turns` (assistant message, then the messages the env answers) and return the ledger
     plus the ids sent before every generation."""
@@ -108,7 +112,11 @@ def run_episode(
 # Ids are 9 alphanumerics because Mistral's template refuses anything else.
 TOOL_EPISODE: list[tuple[Message, list[Message]]] = [
     (
-        {"role": "assistant", "content": "Let me compute.", "tool_calls": [call("calculator", {"expression": "12*7"}, "c0000000a")]},
+        {
+            "role": "assistant",
+            "content": "Let me compute.",
+            "tool_calls": [call("calculator", {"expression": "12*7"}, "c0000000a")],
+        },
         [tool_msg("84", "c0000000a")],
     ),
     (
@@ -217,7 +225,12 @@ def test_mistral_closing_is_eos_and_no_generation_prompt(templates: dict[str, Ch
     delta = template.encode_delta([tool_msg("7", "c0000000a")], sampled_ids=[5, 2])
     assert delta.skipped == 1
     assert delta.text == '</s>[TOOL_RESULTS]{"content": 7, "call_id": "c0000000a"}[/TOOL_RESULTS]'
-    assert template.tokenizer.decode([t for t, o in zip(delta.token_ids, delta.origins, strict=True) if o == TokenOrigin.TOOL]) == "7"
+    assert (
+        template.tokenizer.decode(
+            [t for t, o in zip(delta.token_ids, delta.origins, strict=True) if o == TokenOrigin.TOOL]
+        )
+        == "7"
+    )
     cut = template.encode_delta([tool_msg("7", "c0000000a")], sampled_ids=[5])
     assert cut.token_ids[0] == template.tokenizer.eos_token_id
 
@@ -250,11 +263,17 @@ def test_qwen25_any_content_matches_full_rerender(
     templates: dict[str, ChatTemplate], content: str, feedback: str
 ) -> None:
     template = templates["qwen2.5"]
-    first: Message = {"role": "assistant", "content": "", "tool_calls": [call("calculator", {"expression": "1"}, "c0000000a")]}
+    first: Message = {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [call("calculator", {"expression": "1"}, "c0000000a")],
+    }
     conv, sent = run_episode(
         template,
-        [(first, [tool_msg(content, "c0000000a"), {"role": "user", "content": feedback}]),
-         ({"role": "assistant", "content": "done"}, [])],
+        [
+            (first, [tool_msg(content, "c0000000a"), {"role": "user", "content": feedback}]),
+            ({"role": "assistant", "content": "done"}, []),
+        ],
     )
     assert sent[1][: len(sent[0])] == sent[0]
     assert sent[1] == template.encode_prompt(conv.messages[:-1], TOOLS)
@@ -267,8 +286,10 @@ def test_qwen25_any_content_matches_full_rerender(
 def test_qwen3_user_followup_drops_past_thinking_and_is_counted(templates: dict[str, ChatTemplate]) -> None:
     template = templates["qwen3"]
     turns: list[tuple[Message, list[Message]]] = [
-        ({"role": "assistant", "content": "It is 84.", "reasoning_content": "12*7 is 84."},
-         [{"role": "user", "content": "And 13*7?"}]),
+        (
+            {"role": "assistant", "content": "It is 84.", "reasoning_content": "12*7 is 84."},
+            [{"role": "user", "content": "And 13*7?"}],
+        ),
         ({"role": "assistant", "content": "91.", "reasoning_content": "13*7 is 91."}, []),
     ]
     conv, sent = run_episode(template, turns)
@@ -293,9 +314,16 @@ def test_qwen3_empty_thinking_is_not_prefix_stable(templates: dict[str, ChatTemp
 def test_mistral_system_message_vanishes_from_rerender(templates: dict[str, ChatTemplate]) -> None:
     template = templates["mistral"]
     conv = ConversationTokenizer(template)
-    messages: list[Message] = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "12*7?"}]
+    messages: list[Message] = [
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": "12*7?"},
+    ]
     conv.start(messages, TOOLS)
-    assistant: Message = {"role": "assistant", "content": "", "tool_calls": [call("calculator", {"expression": "12*7"}, "c0000000a")]}
+    assistant: Message = {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [call("calculator", {"expression": "12*7"}, "c0000000a")],
+    }
     text = '[TOOL_CALLS][{"name": "calculator", "arguments": {"expression": "12*7"}, "id": "c0000000a"}]'
     ids = [*template.encode(text), template.tokenizer.eos_token_id]
     conv.add_generation(Generation(ids, [-0.1] * len(ids), "stop", 0), assistant)
@@ -308,7 +336,9 @@ def test_mistral_system_message_vanishes_from_rerender(templates: dict[str, Chat
 def test_mistral_user_after_tool_results_is_counted_not_raised(templates: dict[str, ChatTemplate]) -> None:
     template = templates["mistral"]
     assistant, [result] = TOOL_EPISODE[0]
-    conv, sent = run_episode(template, [(assistant, [result, {"role": "user", "content": "Now 13*7?"}])], system=False)
+    conv, sent = run_episode(
+        template, [(assistant, [result, {"role": "user", "content": "Now 13*7?"}])], system=False
+    )
     ids = sent[-1]
     # The template renders [AVAILABLE_TOOLS] before the latest user message, so the delta has them
     # again; the whole conversation (user right after tool results) is refused by the template.
@@ -317,7 +347,9 @@ def test_mistral_user_after_tool_results_is_counted_not_raised(templates: dict[s
     assert "re-render failed" in conv.trajectory.info["template_mismatches"][0]["reason"]
 
 
-def test_mistral_rejects_tool_call_ids_that_are_not_nine_characters(templates: dict[str, ChatTemplate]) -> None:
+def test_mistral_rejects_tool_call_ids_that_are_not_nine_characters(
+    templates: dict[str, ChatTemplate],
+) -> None:
     with pytest.raises(ChatTemplateError, match="length 9"):
         templates["mistral"].encode_delta([tool_msg("1", "call_1")])
 
@@ -335,7 +367,9 @@ def test_template_override_is_used(templates: dict[str, ChatTemplate]) -> None:
     text = template.render([{"role": "user", "content": "hi"}])
     assert text == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
     assert template.closing_text == "<|im_end|>\n"
-    delta = template.encode_delta([{"role": "user", "content": json.dumps([1])}], sampled_ids=[template.closing_ids[0]])
+    delta = template.encode_delta(
+        [{"role": "user", "content": json.dumps([1])}], sampled_ids=[template.closing_ids[0]]
+    )
     assert tok.decode(delta.token_ids) == "\n<|im_start|>user\n[1]<|im_end|>\n<|im_start|>assistant\n"
 
 
