@@ -164,6 +164,20 @@ class ChatTemplate:
         """Ids of a whole conversation, as `apply_chat_template(..., tokenize=True)` gives them."""
         return self.encode(self.render(messages, tools, add_generation_prompt=add_generation_prompt))
 
+    def decode_turn(self, token_ids: Sequence[int]) -> str:
+        """The text of a sampled turn, as tool-call parsers expect it.
+
+        Special tokens stay (Mistral's `[TOOL_CALLS]` and Llama's `<|python_tag|>` are special);
+        the end-of-turn tokens the model sampled (a prefix of the template's closing, such as
+        `<|im_end|>` or `</s>`) are dropped, so they do not end up in the message content.
+        """
+        ids = list(token_ids)
+        for k in range(min(len(self.closing_ids), len(ids)), 0, -1):
+            if ids[-k:] == self.closing_ids[:k]:
+                ids = ids[:-k]
+                break
+        return self.tokenizer.decode(ids, skip_special_tokens=False)
+
     # ── deltas ──────────────────────────────────────────────────────────────────────────────
     def encode_delta(
         self,

@@ -282,6 +282,63 @@ def test_qwen25_any_content_matches_full_rerender(
     assert content.strip() in tool_text and feedback.strip() in tool_text
 
 
+# ── with the real parsers, as the AgentLoop will use it ──────────────────────────────────────
+@pytest.mark.parametrize(
+    ("name", "parser_name", "first", "final"),
+    [
+        (
+            "qwen2.5",
+            "hermes",
+            'Let me check.\n<tool_call>\n{"name": "calculator", "arguments": {"expression": "12*7"}}\n</tool_call>\n'
+            '<tool_call>\n{"name": "lookup", "arguments": {"word": "ok"}}\n</tool_call>',
+            "84, and 'ok' means fine.",
+        ),
+        (
+            "qwen3",
+            "hermes",
+            '<think>\nTwo lookups.\n</think>\n\n<tool_call>\n{"name": "calculator", "arguments": {"expression": "12*7"}}'
+            '\n</tool_call>\n<tool_call>\n{"name": "lookup", "arguments": {"word": "ok"}}\n</tool_call>',
+            "<think>\nDone.\n</think>\n\n84, and 'ok' means fine.",
+        ),
+        (
+            "mistral",
+            "mistral",
+            '[TOOL_CALLS][{"name": "calculator", "arguments": {"expression": "12*7"}, "id": "k1x9Qa7Zb"}, '
+            '{"name": "lookup", "arguments": {"word": "ok"}, "id": "m2y8Rb6Yc"}]',
+            "84, and 'ok' means fine.",
+        ),
+    ],
+)
+def test_episode_with_parsed_calls_and_tool_results(
+    templates: dict[str, ChatTemplate], name: str, parser_name: str, first: str, final: str
+) -> None:
+    from agentrl.registry import TOOL_PARSERS
+    from agentrl.types import ToolResult
+
+    template = templates[name]
+    parser = TOOL_PARSERS.resolve(parser_name)()
+    conv = ConversationTokenizer(template)
+    sent = [conv.start([{"role": "user", "content": "12*7, and what is 'ok'?"}], TOOLS)]
+    ids = [*template.encode(first), template.closing_ids[0]]
+    text = template.decode_turn(ids)
+    assert text == first
+    action = parser.parse(text)
+    assert [c.name for c in action.tool_calls] == ["calculator", "lookup"] and not action.parse_errors
+    conv.add_generation(Generation(ids, [-1.0] * len(ids), "stop", 1), action.to_message())
+    results = [ToolResult("84", None, c.name, c.id) for c in action.tool_calls]
+    sent.append(conv.add_messages([r.to_message() for r in results]))
+    ids = [*template.encode(final), template.closing_ids[0]]
+    conv.add_generation(
+        Generation(ids, [-1.0] * len(ids), "stop", 1), parser.parse(template.decode_turn(ids)).to_message()
+    )
+    assert sent[1][: len(sent[0])] == sent[0]
+    assert conv.trajectory.metrics["template_mismatch"] == 0.0
+    full = template.encode_prompt(conv.messages, TOOLS, add_generation_prompt=False)
+    # The closing after the final answer is the template's, not sampled: the ledger stops at EOS.
+    assert full[: len(conv.token_ids)] == conv.token_ids
+    assert template.decode_turn([1, 2, 3]) == template.tokenizer.decode([1, 2, 3], skip_special_tokens=False)
+
+
 # ── templates that are not prefix-stable ───────────────────────────────────────────────────────
 def test_qwen3_user_followup_drops_past_thinking_and_is_counted(templates: dict[str, ChatTemplate]) -> None:
     template = templates["qwen3"]
