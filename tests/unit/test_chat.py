@@ -257,29 +257,37 @@ def test_no_new_messages_gives_closing_and_generation_prompt(templates: dict[str
     assert set(delta.origins) == {TokenOrigin.TEMPLATE}
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@pytest.mark.parametrize(
+    ("name", "feedback_ok"),
+    # Qwen3 drops past thinking on user feedback and Mistral refuses a user right after tool
+    # results, so only Qwen2.5 gets user feedback here; the others get tool results alone.
+    [("qwen2.5", True), ("qwen3", False), ("mistral", False)],
+)
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(content=st.text(max_size=60), feedback=st.text(min_size=1, max_size=30))
-def test_qwen25_any_content_matches_full_rerender(
-    templates: dict[str, ChatTemplate], content: str, feedback: str
+def test_any_content_matches_full_rerender(
+    templates: dict[str, ChatTemplate], name: str, feedback_ok: bool, content: str, feedback: str
 ) -> None:
-    template = templates["qwen2.5"]
+    template = templates[name]
     first: Message = {
         "role": "assistant",
         "content": "",
+        "reasoning_content": "Use it.",
         "tool_calls": [call("calculator", {"expression": "1"}, "c0000000a")],
     }
+    observation = [tool_msg(content, "c0000000a")]
+    if feedback_ok:
+        observation.append({"role": "user", "content": feedback})
     conv, sent = run_episode(
-        template,
-        [
-            (first, [tool_msg(content, "c0000000a"), {"role": "user", "content": feedback}]),
-            ({"role": "assistant", "content": "done"}, []),
-        ],
+        template, [(first, observation), ({"role": "assistant", "content": "done"}, [])], system=False
     )
     assert sent[1][: len(sent[0])] == sent[0]
     assert sent[1] == template.encode_prompt(conv.messages[:-1], TOOLS)
     assert conv.trajectory.metrics["template_mismatch"] == 0.0
     tool_text = template.tokenizer.decode(conv.trajectory.tokens_of(TokenOrigin.TOOL))
-    assert content.strip() in tool_text and feedback.strip() in tool_text
+    assert content.strip() in tool_text
+    if feedback_ok:
+        assert feedback.strip() in tool_text
 
 
 # ── with the real parsers, as the AgentLoop will use it ──────────────────────────────────────
