@@ -111,13 +111,16 @@ class ChatTemplate:
         self.template_kwargs = template_kwargs
         # Probe once: the closing of an assistant turn, and proof that the template can render
         # the dummy conversation the deltas are built on.
-        text = self.render([*self._dummy(None), {"role": "assistant", "content": _MARK}],
-                           add_generation_prompt=False)
+        text = self.render(
+            [*self._dummy(None), {"role": "assistant", "content": _MARK}], add_generation_prompt=False
+        )
         self.closing_text = _after_mark(text)
         self.closing_ids = self.encode(self.closing_text)
 
     @classmethod
-    def from_pretrained(cls, path: str | Path, template: str | None = None, **template_kwargs: Any) -> ChatTemplate:
+    def from_pretrained(
+        cls, path: str | Path, template: str | None = None, **template_kwargs: Any
+    ) -> ChatTemplate:
         """Load the tokenizer at `path` (a local directory or hub id) and wrap it."""
         from transformers import AutoTokenizer
 
@@ -161,6 +164,20 @@ class ChatTemplate:
         """Ids of a whole conversation, as `apply_chat_template(..., tokenize=True)` gives them."""
         return self.encode(self.render(messages, tools, add_generation_prompt=add_generation_prompt))
 
+    def decode_turn(self, token_ids: Sequence[int]) -> str:
+        """The text of a sampled turn, as tool-call parsers expect it.
+
+        Special tokens stay (Mistral's `[TOOL_CALLS]` and Llama's `<|python_tag|>` are special);
+        the end-of-turn tokens the model sampled (a prefix of the template's closing, such as
+        `<|im_end|>` or `</s>`) are dropped, so they do not end up in the message content.
+        """
+        ids = list(token_ids)
+        for k in range(min(len(self.closing_ids), len(ids)), 0, -1):
+            if ids[-k:] == self.closing_ids[:k]:
+                ids = ids[:-k]
+                break
+        return self.tokenizer.decode(ids, skip_special_tokens=False)
+
     # ── deltas ──────────────────────────────────────────────────────────────────────────────
     def encode_delta(
         self,
@@ -181,7 +198,13 @@ class ChatTemplate:
         """
         base = [*self._dummy(system), {"role": "assistant", "content": _MARK}]
         new = [dict(m) for m in new_messages]
-        text = _after_mark(self.render(base + new, tools, add_generation_prompt=add_generation_prompt))
+        try:
+            text = _after_mark(self.render(base + new, tools, add_generation_prompt=add_generation_prompt))
+        except ChatTemplateError as exc:
+            roles = [m.get("role") for m in new]
+            raise ChatTemplateError(
+                f"Cannot append messages with roles {roles} after an assistant turn: {exc.__cause__ or exc}"
+            ) from exc
         spans = self._content_spans(base, new, text, tools, add_generation_prompt)
 
         closing_len = _common_prefix_len(text, self.closing_text)
@@ -231,7 +254,9 @@ class ChatTemplate:
         for i in slots:
             masked[i]["content"] = _SENTINEL.format(i)
         try:
-            masked_text = _after_mark(self.render(base + masked, tools, add_generation_prompt=add_generation_prompt))
+            masked_text = _after_mark(
+                self.render(base + masked, tools, add_generation_prompt=add_generation_prompt)
+            )
         except ChatTemplateError:
             masked_text = ""
         spans: list[tuple[int, int]] = []
@@ -249,14 +274,16 @@ class ChatTemplate:
             pos_masked = at + len(_SENTINEL.format(i))
         if ok and _splice(masked_text, slots, contents) == text:
             return spans
-        # The template transformed content; fall back to finding each content in order.
+        # The template transformed content; fall back to finding each content (or its stripped
+        # form, for templates that trim) in order. Content not found is left TEMPLATE.
         spans, pos = [], 0
         for i in slots:
-            content = str(contents[i])
-            at = text.find(content, pos)
-            if at >= 0:
-                spans.append((at, at + len(content)))
-                pos = at + len(content)
+            for content in dict.fromkeys((str(contents[i]), str(contents[i]).strip())):
+                at = text.find(content, pos) if content else -1
+                if at >= 0:
+                    spans.append((at, at + len(content)))
+                    pos = at + len(content)
+                    break
         return spans
 
     def _encode_with_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]] | None]:
@@ -273,7 +300,7 @@ def _after_mark(text: str) -> str:
             "The chat template dropped the content of an assistant message, so deltas cannot be "
             "located; use a template that renders assistant content verbatim."
         )
-    return text[at + len(_MARK):]
+    return text[at + len(_MARK) :]
 
 
 def _common_prefix_len(a: Sequence[Any], b: Sequence[Any]) -> int:
@@ -307,13 +334,16 @@ class ConversationTokenizer:
     conversation for `verify`, never to produce tokens.
     """
 
-    def __init__(self, template: ChatTemplate, trajectory: Trajectory | None = None, *, verify: bool = True) -> None:
+    def __init__(
+        self, template: ChatTemplate, trajectory: Trajectory | None = None, *, verify: bool = True
+    ) -> None:
         self.template = template
         self.trajectory = trajectory if trajectory is not None else Trajectory()
         self.verify = verify
         self.tools: list[ToolSchema] | None = None
         self.turn = 0
         self._started = False
+        self._after_generation = False
 
     @property
     def token_ids(self) -> list[int]:
@@ -352,11 +382,18 @@ class ConversationTokenizer:
             text = self.template.tokenizer.decode(generation.token_ids, skip_special_tokens=True)
             message = {"role": "assistant", "content": text}
         self.trajectory.messages.append(message)
+        self._after_generation = True
 
     def add_messages(self, messages: Sequence[Message]) -> list[int]:
         """Append new messages after the last sampled turn; return the ids to send next."""
         if not self._started:
             raise ValueError("call ConversationTokenizer.start() before add_messages()")
+        if not self._after_generation:
+            # A delta closes an assistant turn; without one it would invent an empty reply.
+            raise ValueError(
+                "add_messages() must follow add_generation(): new messages close the assistant "
+                "turn before them. Append the generation (even an empty one) first."
+            )
         first = self.trajectory.messages[0] if self.trajectory.messages else None
         system = first if first is not None and first.get("role") == "system" else None
         delta = self.template.encode_delta(
@@ -364,6 +401,7 @@ class ConversationTokenizer:
         )
         for origin, ids in delta.runs():
             self.trajectory.extend(ids, origin, self.turn)
+        self._after_generation = False
         self.trajectory.messages.extend(dict(m) for m in messages)  # type: ignore[misc]
         if self.verify:
             self.check()
@@ -388,6 +426,8 @@ class ConversationTokenizer:
             reason = f"ledger has {len(ledger)} ids, re-render {len(full)}; first difference at {pos}"
         m = self.trajectory.metrics
         m["template_mismatch"] = m.get("template_mismatch", 0.0) + 1.0
-        self.trajectory.info.setdefault("template_mismatches", []).append({"turn": self.turn, "reason": reason})
+        self.trajectory.info.setdefault("template_mismatches", []).append(
+            {"turn": self.turn, "reason": reason}
+        )
         log.debug("chat template is not prefix-stable at turn %d: %s", self.turn, reason)
         return False

@@ -87,13 +87,19 @@ class ToolCallParser(ABC):
             return self._parse(text)
         except Exception as exc:  # a parser bug must not end the episode; log it loudly instead
             log.exception("%s parser failed on a %d-character turn", self.name, len(text))
-            return Action(text, (), (f"Your tool calls could not be read ({type(exc).__name__}). {self.expected_format}",))
+            return Action(
+                text,
+                (),
+                (f"Your tool calls could not be read ({type(exc).__name__}). {self.expected_format}",),
+            )
 
     @abstractmethod
     def _parse(self, text: str) -> Action: ...
 
     # ── shared helpers ──────────────────────────────────────────────────────────────────────
-    def _collect(self, text: str, items: list[tuple[int, int, ToolCall | str]], keep_text: bool = False) -> Action:
+    def _collect(
+        self, text: str, items: list[tuple[int, int, ToolCall | str]], keep_text: bool = False
+    ) -> Action:
         """Build the Action from (start, end, call-or-error) items found in `text`."""
         calls: list[ToolCall] = []
         errors: list[str] = []
@@ -147,29 +153,42 @@ def _make_call(obj: Any, index: int, raw: str, arg_keys: tuple[str, ...], keep_i
     if not isinstance(args, dict):
         raise _CallError(f'"{key}" of {name!r} must be a JSON object, got {_json_type(args)}')
     given_id = obj.get("id")
-    ident = given_id if keep_id and isinstance(given_id, str) and _ID_CHARS.fullmatch(given_id) else call_id(index, raw)
+    ident = (
+        given_id
+        if keep_id and isinstance(given_id, str) and _ID_CHARS.fullmatch(given_id)
+        else call_id(index, raw)
+    )
     return ToolCall(name=name.strip(), arguments=args, id=ident, raw=raw)
 
 
 def _json_type(value: Any) -> str:
-    names = {dict: "an object", list: "a list", str: "a string", bool: "a boolean", int: "a number", float: "a number"}
+    names = {
+        dict: "an object",
+        list: "a list",
+        str: "a string",
+        bool: "a boolean",
+        int: "a number",
+        float: "a number",
+    }
     return "null" if value is None else names.get(type(value), type(value).__name__)
 
 
 # ── Hermes / Qwen ───────────────────────────────────────────────────────────────────────────────
 class HermesParser(ToolCallParser):
-    """Hermes-style calls used by Qwen2.5 and Qwen3: `<tool_call>{json}</tool_call>`, one per block."""
+    """Hermes-style calls used by Qwen2.5 and Qwen3: `<tool_call>{json}</tool_call>`, one per block.
+
+    Blocks inside a Qwen3 `<think>...</think>` are drafts, not calls: only text after the thinking
+    is searched (a turn cut inside its thinking therefore has no calls).
+    """
 
     name = "hermes"
-    expected_format = (
-        'Write each call as <tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>.'
-    )
+    expected_format = 'Write each call as <tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>.'
     open_tag = "<tool_call>"
     close_tag = "</tool_call>"
 
     def _parse(self, text: str) -> Action:
         items: list[tuple[int, int, ToolCall | str]] = []
-        pos = 0
+        pos = _end_of_thinking(text, self.open_tag)
         while len(items) <= self.max_calls:
             start = text.find(self.open_tag, pos)
             if start < 0:
@@ -195,11 +214,31 @@ class HermesParser(ToolCallParser):
                 obj, end_json = _decode_json(stripped)
                 if stripped[end_json:].strip():
                     raise _CallError("there is text after the JSON object inside the block")
-                items.append((start, block_end, _make_call(obj, index, text[start:block_end], ("arguments", "parameters"))))
+                items.append(
+                    (
+                        start,
+                        block_end,
+                        _make_call(obj, index, text[start:block_end], ("arguments", "parameters")),
+                    )
+                )
             except _CallError as exc:
                 items.append((start, block_end, self._error(index, str(exc))))
             pos = block_end
         return self._collect(text, items)
+
+
+def _end_of_thinking(text: str, call_tag: str) -> int:
+    """Where a leading `<think>` block ends (0 if there is none, len(text) if it never closes).
+
+    Thinking opened by the prompt shows only its `</think>`; that counts when no call comes before
+    it, so that a `</think>` inside a call's JSON arguments is not mistaken for one.
+    """
+    close = text.find("</think>")
+    if text.lstrip().startswith("<think>"):
+        return len(text) if close < 0 else close + len("</think>")
+    if close >= 0 and call_tag not in text[:close]:
+        return close + len("</think>")
+    return 0
 
 
 # ── Mistral ─────────────────────────────────────────────────────────────────────────────────────
@@ -251,7 +290,9 @@ class MistralParser(ToolCallParser):
                 items.append((start, end, self._error(index, str(exc))))
         return end
 
-    def _read_named(self, text: str, start: int, at: int, items: list[tuple[int, int, ToolCall | str]]) -> int:
+    def _read_named(
+        self, text: str, start: int, at: int, items: list[tuple[int, int, ToolCall | str]]
+    ) -> int:
         index = len(items)
         args_at = text.find("[ARGS]", at)
         nxt = text.find(self.marker, at)
@@ -298,7 +339,10 @@ class Llama3Parser(ToolCallParser):
             at = tag + len(self.python_tag)
         else:
             stripped = text.lstrip()
-            if not (stripped.startswith("{") or (stripped.startswith("[") and stripped[1:].lstrip().startswith("{"))):
+            if not (
+                stripped.startswith("{")
+                or (stripped.startswith("[") and stripped[1:].lstrip().startswith("{"))
+            ):
                 return Action(text.strip())
             start = at = len(text) - len(stripped)
         while at < len(text) and text[at].isspace():

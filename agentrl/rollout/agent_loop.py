@@ -234,7 +234,7 @@ class AgentLoop:
             raise _EpisodeOver(FinishReason.ERROR, "infra", "the server aborted the generation")
         if not generation.token_ids:
             generation = Generation([], [], generation.finish_reason, generation.weight_version)
-        text = self._decode_turn(generation.token_ids)
+        text = self.template.decode_turn(generation.token_ids)
         ep.action = self.parser.parse(text)
         ep.conv.add_generation(generation, ep.action.to_message())
         ep.turns += 1
@@ -287,11 +287,6 @@ class AgentLoop:
         if ep.time_left() <= 0:
             return _EpisodeOver(FinishReason.TIMEOUT, "infra", f"the episode ran out of time during the {what}")
         return _EpisodeOver(FinishReason.ERROR, "infra", f"the {what} did not finish within {timeout:.1f} s")
-
-    def _decode_turn(self, token_ids: list[int]) -> str:
-        """Decode a sampled turn for the parser: special tokens kept, the end-of-turn token dropped."""
-        ids = token_ids[:-1] if token_ids and token_ids[-1] in self.stop_token_ids else token_ids
-        return self.template.tokenizer.decode(ids, skip_special_tokens=False)
 
     def _finish(self, ep: _Episode, reason: FinishReason, fault: str | None, error: str | None) -> None:
         t = ep.trajectory

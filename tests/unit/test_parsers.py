@@ -38,7 +38,12 @@ def tc(name: str, args: dict[str, Any], raw: str, index: int = 0, ident: str = "
 
 # ── common interface ───────────────────────────────────────────────────────────────────────────
 def test_registry_names_resolve_to_the_parsers() -> None:
-    for name, cls in [("hermes", HermesParser), ("mistral", MistralParser), ("llama3", Llama3Parser), ("retool", RetoolParser)]:
+    for name, cls in [
+        ("hermes", HermesParser),
+        ("mistral", MistralParser),
+        ("llama3", Llama3Parser),
+        ("retool", RetoolParser),
+    ]:
         assert TOOL_PARSERS.resolve(name) is cls
         assert cls.name == name
 
@@ -103,6 +108,19 @@ def test_hermes_keeps_thinking_and_accepts_string_arguments_and_missing_argument
     assert action.parse_errors == ()
 
 
+def test_hermes_ignores_drafts_inside_thinking() -> None:
+    draft = '<tool_call>{"name": "draft"}</tool_call>'
+    real = '<tool_call>{"name": "real"}</tool_call>'
+    assert calls(HermesParser().parse(f"<think>\nmaybe {draft}\n</think>\n\n{real}")) == [("real", {})]
+    cut = HermesParser().parse(f"<think>\nmaybe {draft} and")
+    assert cut == Action(f"<think>\nmaybe {draft} and")
+    # Thinking opened by the prompt shows only its closing tag.
+    assert calls(HermesParser().parse(f"maybe\n</think>\n\n{real}")) == [("real", {})]
+    # A closing tag inside a call's arguments is just text.
+    inside = '<tool_call>{"name": "f", "arguments": {"s": "</think>"}}</tool_call>'
+    assert calls(HermesParser().parse(inside)) == [("f", {"s": "</think>"})]
+
+
 def test_hermes_final_block_cut_by_stop_string_is_read() -> None:
     action = HermesParser().parse('Ok.\n<tool_call>\n{"name": "f", "arguments": {"x": 1}}\n')
     assert calls(action) == [("f", {"x": 1})]
@@ -112,7 +130,10 @@ def test_hermes_final_block_cut_by_stop_string_is_read() -> None:
 @pytest.mark.parametrize(
     ("block", "what"),
     [
-        ('{"name": "f", "arguments": {"x": 1}', "it is not valid JSON (Expecting ',' delimiter at character 35)"),
+        (
+            '{"name": "f", "arguments": {"x": 1}',
+            "it is not valid JSON (Expecting ',' delimiter at character 35)",
+        ),
         ('{"arguments": {"x": 1}}', 'it has no "name" string'),
         ('{"name": "", "arguments": {}}', 'it has no "name" string'),
         ('{"name": "f", "arguments": [1, 2]}', "\"arguments\" of 'f' must be a JSON object, got a list"),
@@ -150,7 +171,10 @@ def test_mistral_list_form_keeps_valid_ids_and_replaces_bad_ones() -> None:
     action = MistralParser().parse(text)
     assert action == Action(
         "",
-        (tc("calculator", {"expression": "1+1"}, text, 0, "abc123DEF"), tc("lookup", {"word": "ok"}, text, 1)),
+        (
+            tc("calculator", {"expression": "1+1"}, text, 0, "abc123DEF"),
+            tc("lookup", {"word": "ok"}, text, 1),
+        ),
     )
     assert len(action.tool_calls[1].id) == 9
 
@@ -160,17 +184,27 @@ def test_mistral_named_form_with_and_without_call_id() -> None:
     second = '[TOOL_CALLS]lookup[CALL_ID]a1b2c3d4e[ARGS]{"word": "hi"}'
     action = MistralParser().parse(f"Sure. {first}{second}")
     assert action == Action(
-        "Sure.", (tc("calculator", {"expression": "2*3"}, first, 0), tc("lookup", {"word": "hi"}, second, 1, "a1b2c3d4e"))
+        "Sure.",
+        (
+            tc("calculator", {"expression": "2*3"}, first, 0),
+            tc("lookup", {"word": "hi"}, second, 1, "a1b2c3d4e"),
+        ),
     )
 
 
 @pytest.mark.parametrize(
     ("text", "what"),
     [
-        ('[TOOL_CALLS][{"name": "f", "arguments": {}', "it is not valid JSON (Expecting ',' delimiter at character 30)"),
+        (
+            '[TOOL_CALLS][{"name": "f", "arguments": {}',
+            "it is not valid JSON (Expecting ',' delimiter at character 30)",
+        ),
         ("[TOOL_CALLS][]", "the list of calls is empty"),
         ('[TOOL_CALLS]["f"]', "expected a JSON object, got a string"),
-        ('[TOOL_CALLS][{"name": "f", "arguments": 3}]', "\"arguments\" of 'f' must be a JSON object, got a number"),
+        (
+            '[TOOL_CALLS][{"name": "f", "arguments": 3}]',
+            "\"arguments\" of 'f' must be a JSON object, got a number",
+        ),
         ("[TOOL_CALLS]f{}", "no [ARGS] follows the function name"),
         ("[TOOL_CALLS]not a name[ARGS]{}", "'not a name' is not a function name"),
         ('[TOOL_CALLS]f[ARGS]{"x": }', "it is not valid JSON (Expecting value at character 6)"),
@@ -180,7 +214,9 @@ def test_mistral_named_form_with_and_without_call_id() -> None:
 def test_mistral_malformed_calls_are_explained(text: str, what: str) -> None:
     action = MistralParser().parse(text)
     assert action.tool_calls == ()
-    assert action.parse_errors == (f"Tool call 1 was not understood: {what}. {MistralParser.expected_format}",)
+    assert action.parse_errors == (
+        f"Tool call 1 was not understood: {what}. {MistralParser.expected_format}",
+    )
 
 
 # ── llama3 ─────────────────────────────────────────────────────────────────────────────────────
@@ -189,7 +225,9 @@ def test_llama3_bare_json_and_several_calls() -> None:
     b = '{"name": "lookup", "arguments": {"word": "ok"}}'
     assert Llama3Parser().parse(a) == Action("", (tc("calculator", {"expression": "1+1"}, a),))
     action = Llama3Parser().parse(f"{a}; {b}")
-    assert action == Action("", (tc("calculator", {"expression": "1+1"}, a, 0), tc("lookup", {"word": "ok"}, b, 1)))
+    assert action == Action(
+        "", (tc("calculator", {"expression": "1+1"}, a, 0), tc("lookup", {"word": "ok"}, b, 1))
+    )
     listed = f"[{a}, {b}]"
     assert calls(Llama3Parser().parse(listed)) == calls(action)
 
@@ -212,9 +250,15 @@ def test_llama3_prose_after_calls_stays_text() -> None:
 @pytest.mark.parametrize(
     ("text", "what"),
     [
-        ('{"name": "f", "parameters": {"x": 1}', "it is not valid JSON (Expecting ',' delimiter at character 36)"),
+        (
+            '{"name": "f", "parameters": {"x": 1}',
+            "it is not valid JSON (Expecting ',' delimiter at character 36)",
+        ),
         ('{"parameters": {}}', 'it has no "name" string'),
-        ('{"name": "f", "parameters": "oops"}', "\"parameters\" of 'f' is a string that is not a JSON object"),
+        (
+            '{"name": "f", "parameters": "oops"}',
+            "\"parameters\" of 'f' is a string that is not a JSON object",
+        ),
         ('<|python_tag|>{"name": 3}', 'it has no "name" string'),
         ("<|python_tag|>   ", "nothing follows <|python_tag|>"),
     ],
@@ -231,7 +275,10 @@ def test_retool_fences_and_code_blocks() -> None:
     fence = "```py\nx = 2\nprint(x)\n```"
     text = f"Let me run:\n{block}\nand\n{fence}\nand ```bash\nls\n```"
     action = RetoolParser().parse(text)
-    assert action == Action(text, (tc("python", {"code": "print(1)"}, block, 0), tc("python", {"code": "x = 2\nprint(x)"}, fence, 1)))
+    assert action == Action(
+        text,
+        (tc("python", {"code": "print(1)"}, block, 0), tc("python", {"code": "x = 2\nprint(x)"}, fence, 1)),
+    )
 
 
 def test_retool_unclosed_final_block_and_empty_block() -> None:
@@ -239,7 +286,9 @@ def test_retool_unclosed_final_block_and_empty_block() -> None:
     assert calls(RetoolParser().parse("```python\nprint(4)\n")) == [("python", {"code": "print(4)"})]
     empty = RetoolParser().parse("<code>\n</code>")
     assert empty.tool_calls == ()
-    assert empty.parse_errors == (f"Tool call 1 was not understood: the code block is empty. {RetoolParser.expected_format}",)
+    assert empty.parse_errors == (
+        f"Tool call 1 was not understood: the code block is empty. {RetoolParser.expected_format}",
+    )
 
 
 # ── parsed turns re-render to what was sampled ─────────────────────────────────────────────────
@@ -250,16 +299,27 @@ ASSETS = Path(os.environ.get("AGENTRL_ASSETS", "/work/shared/assets"))
 @pytest.mark.parametrize(
     ("model", "parser", "sampled"),
     [
-        ("qwen2.5-0.5b-instruct", HermesParser(),
-         'Let me see.\n<tool_call>\n{"name": "calculator", "arguments": {"expression": "1+1"}}\n</tool_call>\n'
-         '<tool_call>\n{"name": "lookup", "arguments": {"word": "é"}}\n</tool_call>'),
-        ("qwen3-0.6b", HermesParser(),
-         '<think>\nI need it.\n</think>\n\n<tool_call>\n{"name": "lookup", "arguments": {"word": "x"}}\n</tool_call>'),
-        ("mistral-nemo-instruct-2407", MistralParser(),
-         '[TOOL_CALLS][{"name": "calculator", "arguments": {"expression": "1+1"}, "id": "abcdefghi"}]'),
+        (
+            "qwen2.5-0.5b-instruct",
+            HermesParser(),
+            'Let me see.\n<tool_call>\n{"name": "calculator", "arguments": {"expression": "1+1"}}\n</tool_call>\n'
+            '<tool_call>\n{"name": "lookup", "arguments": {"word": "é"}}\n</tool_call>',
+        ),
+        (
+            "qwen3-0.6b",
+            HermesParser(),
+            '<think>\nI need it.\n</think>\n\n<tool_call>\n{"name": "lookup", "arguments": {"word": "x"}}\n</tool_call>',
+        ),
+        (
+            "mistral-nemo-instruct-2407",
+            MistralParser(),
+            '[TOOL_CALLS][{"name": "calculator", "arguments": {"expression": "1+1"}, "id": "abcdefghi"}]',
+        ),
     ],
 )
-def test_parsed_message_rerenders_to_the_sampled_text(model: str, parser: ToolCallParser, sampled: str) -> None:
+def test_parsed_message_rerenders_to_the_sampled_text(
+    model: str, parser: ToolCallParser, sampled: str
+) -> None:
     from agentrl.chat import ChatTemplate
 
     template = ChatTemplate.from_pretrained(ASSETS / model)
@@ -272,9 +332,41 @@ def test_parsed_message_rerenders_to_the_sampled_text(model: str, parser: ToolCa
 
 # ── fuzzing ────────────────────────────────────────────────────────────────────────────────────
 FRAGMENTS = [
-    "<tool_call>", "</tool_call>", "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]", "<|python_tag|>", "<code>", "</code>",
-    "```python\n", "```", "{", "}", "[", "]", '"name"', '"arguments"', '"parameters"', '"id"', ":", ",", ";",
-    '"f"', '"abc123def"', "null", "1e999", "NaN", "-0", '"\\u0000"', "\\", '"', "\n", " ", "é", "\ud7ff", "x",
+    "<tool_call>",
+    "</tool_call>",
+    "[TOOL_CALLS]",
+    "[ARGS]",
+    "[CALL_ID]",
+    "<|python_tag|>",
+    "<code>",
+    "</code>",
+    "```python\n",
+    "```",
+    "{",
+    "}",
+    "[",
+    "]",
+    '"name"',
+    '"arguments"',
+    '"parameters"',
+    '"id"',
+    ":",
+    ",",
+    ";",
+    '"f"',
+    '"abc123def"',
+    "null",
+    "1e999",
+    "NaN",
+    "-0",
+    '"\\u0000"',
+    "\\",
+    '"',
+    "\n",
+    " ",
+    "é",
+    "\ud7ff",
+    "x",
 ]
 adversarial = st.lists(st.sampled_from(FRAGMENTS) | st.text(max_size=5), max_size=60).map("".join)
 
@@ -327,11 +419,17 @@ def test_huge_inputs_are_handled(parser: ToolCallParser, text: str) -> None:
 
 names = st.from_regex(r"[A-Za-z_][A-Za-z0-9_]{0,20}", fullmatch=True)
 json_values = st.recursive(
-    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=10),
+    st.none()
+    | st.booleans()
+    | st.integers()
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(max_size=10),
     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner, max_size=3),
     max_leaves=10,
 )
-call_lists = st.lists(st.tuples(names, st.dictionaries(st.text(max_size=8), json_values, max_size=4)), min_size=1, max_size=5)
+call_lists = st.lists(
+    st.tuples(names, st.dictionaries(st.text(max_size=8), json_values, max_size=4)), min_size=1, max_size=5
+)
 
 
 @settings(max_examples=100, deadline=None)
@@ -340,7 +438,9 @@ def test_roundtrip_every_family(specs: list[tuple[str, dict[str, Any]]]) -> None
     def dump(x: Any) -> str:
         return json.dumps(x, ensure_ascii=False)
 
-    hermes = "\n".join(f'<tool_call>\n{{"name": {dump(n)}, "arguments": {dump(a)}}}\n</tool_call>' for n, a in specs)
+    hermes = "\n".join(
+        f'<tool_call>\n{{"name": {dump(n)}, "arguments": {dump(a)}}}\n</tool_call>' for n, a in specs
+    )
     mistral_list = "[TOOL_CALLS]" + dump([{"name": n, "arguments": a} for n, a in specs])
     mistral_named = "".join(f"[TOOL_CALLS]{n}[ARGS]{dump(a)}" for n, a in specs)
     llama = "; ".join(dump({"name": n, "parameters": a}) for n, a in specs)
