@@ -201,7 +201,16 @@ TOOLS = Registry(
     },
 )
 
-SANDBOXES = Registry("sandbox", "agentrl sandbox list", {})
+SANDBOXES = Registry(
+    "sandbox",
+    "agentrl sandbox list",
+    {
+        "local": (
+            "agentrl.sandboxes.local:LocalSandbox",
+            "Bubblewrap-isolated subprocesses on this machine, from a warm fork-server pool.",
+        ),
+    },
+)
 
 TOOL_PARSERS = Registry("tool-call parser", "agentrl tools parsers", {})
 

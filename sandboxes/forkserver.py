@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import ctypes
 import io
 import json
 import os
@@ -36,6 +37,7 @@ __all__ = ["main"]
 
 _HEADER = struct.Struct(">I")
 _MEMORY_MARK = b"M"
+_PR_SET_DUMPABLE = 4
 
 
 # ── framing ─────────────────────────────────────────────────────────────────────────────────
@@ -343,6 +345,10 @@ class ForkServer:
             os.setgroups([])
             os.setresgid(gid, gid, gid)
             os.setresuid(self.uid, self.uid, self.uid)
+            # Changing uid made the process non-dumpable, which hides its own /proc files from
+            # it; an exec would reset that, a fork does not. Nothing privileged shares its uid.
+            with contextlib.suppress(Exception):
+                ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_DUMPABLE, 1, 0, 0, 0)
         cwd = req.get("cwd") or self.workdir
         os.chdir(cwd)
         env = dict(self.env)
