@@ -21,6 +21,7 @@ from __future__ import annotations
 import base64
 import contextlib
 import ctypes
+import gc
 import io
 import json
 import os
@@ -425,6 +426,10 @@ def main(argv: list[str]) -> None:
     os.set_inheritable(ctl_in, False)
     os.set_inheritable(ctl_out, False)
     server = ForkServer(config)
+    # Everything imported so far is shared with every child: keep the collector off those pages,
+    # or each child's first collection copies them all (copy-on-write) at the child's expense.
+    gc.collect()
+    gc.freeze()
     _send(ctl_out, {"ready": True, "pid": os.getpid()})
     handlers = {"exec": server.exec, "read": server.read, "write": server.write,
                 "ping": lambda req: {"ok": True}}
