@@ -252,7 +252,9 @@ class LocalSandbox:
         uid = _UID_BASE + next(_uids) % 1000 if self._privileged else None
         tmpdir = None
         fds: list[int] = []
-        env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8"}
+        # The sandbox's interpreter comes first, so `python` in a shell job is the same Python.
+        path = ":".join(dict.fromkeys([os.path.dirname(self.python), "/usr/local/bin", "/usr/bin", "/bin"]))
+        env = {"PATH": path, "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8"}
         try:
             if self.isolation == "bwrap":
                 assert self._bwrap is not None
