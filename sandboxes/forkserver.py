@@ -24,9 +24,10 @@ import ctypes
 import gc
 import io
 import json
+import math
 import os
 import resource
-import selectors
+import select
 import shutil
 import signal
 import struct
@@ -39,6 +40,14 @@ __all__ = ["main"]
 _HEADER = struct.Struct(">I")
 _MEMORY_MARK = b"M"
 _PR_SET_DUMPABLE = 4
+_LIBC: list = []
+
+
+def _libc():
+    """The C library, loaded once in the server (a dlopen per job would cost every job)."""
+    if not _LIBC:
+        _LIBC.append(ctypes.CDLL(None, use_errno=True))
+    return _LIBC[0]
 
 
 # ── framing ─────────────────────────────────────────────────────────────────────────────────
@@ -167,64 +176,72 @@ class ForkServer:
         return result
 
     def _supervise(self, pid, deadline, max_output, in_w, out_r, err_r, st_r, stdin) -> dict:
-        sel = selectors.DefaultSelector()
-        pidfd = os.pidfd_open(pid)
-        sel.register(pidfd, selectors.EVENT_READ, "exit")
-        sel.register(out_r, selectors.EVENT_READ, "out")
-        sel.register(err_r, selectors.EVENT_READ, "err")
-        sel.register(st_r, selectors.EVENT_READ, "status")
+        # poll(2) rather than a selector object: no epoll fd to create and close per job.
+        poller = select.poll()
+        tags: dict[int, str] = {}
+
+        def watch(fd: int, tag: str, mask: int = select.POLLIN) -> None:
+            tags[fd] = tag
+            poller.register(fd, mask)
+
+        def drop(fd: int) -> None:
+            poller.unregister(fd)
+            del tags[fd]
+            os.close(fd)
+
+        watch(os.pidfd_open(pid), "exit")
+        watch(out_r, "out")
+        watch(err_r, "err")
+        watch(st_r, "status")
         if stdin:
             os.set_blocking(in_w, False)
-            sel.register(in_w, selectors.EVENT_WRITE, "in")
+            watch(in_w, "in", select.POLLOUT)
         else:
             os.close(in_w)
-            in_w = -1
         bufs = {"out": bytearray(), "err": bytearray()}
         status = bytearray()
+        swept = False
         killed = None
         exited = False
         total = 0
-
-        def drop(fd: int) -> None:
-            sel.unregister(fd)
-            os.close(fd)
-
-        while sel.get_map():
-            if exited and not any(k.data in ("out", "err", "status") for k in sel.get_map().values()):
+        while tags:
+            if exited and not any(t in ("out", "err", "status") for t in tags.values()):
                 break
             remaining = deadline - time.monotonic()
             if remaining <= 0 and killed is None:
                 killed = "timeout"
                 self._kill_job(pid)
-            events = sel.select(max(remaining, 0) if killed is None else 1.0)
+            wait_ms = max(remaining, 0) * 1000 if killed is None else 1000
+            events = poller.poll(math.ceil(wait_ms))
             if not events and killed is not None:
                 break  # killed, and the pipes did not close within a second: give up on them
-            for key, _ in events:
-                tag = key.data
+            for fd, _ in events:
+                tag = tags.get(fd)
+                if tag is None:
+                    continue
                 if tag == "exit":
-                    drop(pidfd)
+                    drop(fd)
                     exited = True
                     # Whatever the main process left behind (daemons, setsid children) dies with
                     # it, so the pipes reach EOF and the next job starts from nothing.
-                    self._kill_rest(pid)
+                    swept = self._kill_rest(pid)
                 elif tag == "in":
                     try:
-                        n = os.write(in_w, stdin[:65536])
+                        n = os.write(fd, stdin[:65536])
                         stdin = stdin[n:]
                     except OSError:
                         stdin = b""
                     if not stdin:
-                        drop(in_w)
-                        in_w = -1
+                        drop(fd)
                 elif tag == "status":
-                    chunk = os.read(key.fd, 64)
+                    chunk = os.read(fd, 64)
                     status += chunk
                     if not chunk:
-                        drop(key.fd)
+                        drop(fd)
                 else:
-                    chunk = os.read(key.fd, 65536)
+                    chunk = os.read(fd, 65536)
                     if not chunk:
-                        drop(key.fd)
+                        drop(fd)
                         continue
                     if killed == "output":
                         continue
@@ -234,14 +251,11 @@ class ForkServer:
                     if total > max_output and killed is None:
                         killed = "output"
                         self._kill_job(pid)
-        for key in list(sel.get_map().values()):
-            drop(key.fd)
-        sel.close()
-        if in_w != -1:
-            with contextlib.suppress(OSError):
-                os.close(in_w)
+        for fd in list(tags):
+            drop(fd)
         _, wstatus, usage = os.wait4(pid, 0)
-        self._kill_rest(pid)
+        if not swept or killed is not None:
+            self._kill_rest(pid)
         exit_code: int | None
         sig = None
         if os.WIFSIGNALED(wstatus):
@@ -275,12 +289,12 @@ class ForkServer:
             os.kill(pid, signal.SIGKILL)
         self._kill_rest(pid)
 
-    def _kill_rest(self, pid: int) -> None:
-        """Kill every process the job started, however it detached itself."""
+    def _kill_rest(self, pid: int) -> bool:
+        """Kill every process the job started, however it detached itself; True once none is left."""
         if not self.may_kill_all:
             with contextlib.suppress(OSError):
                 os.killpg(pid, signal.SIGKILL)  # the job's own session; setsid escapees survive
-            return
+            return False
         me = os.getpid()
         for _ in range(200):
             with contextlib.suppress(OSError):
@@ -298,8 +312,9 @@ class ForkServer:
                     alive = True
                     break
             if not alive:
-                return
+                return True
             time.sleep(0.001)
+        return False
 
     def _wipe(self) -> None:
         def fix_and_retry(func, path, _exc):
@@ -349,7 +364,7 @@ class ForkServer:
             # Changing uid made the process non-dumpable, which hides its own /proc files from
             # it; an exec would reset that, a fork does not. Nothing privileged shares its uid.
             with contextlib.suppress(Exception):
-                ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_DUMPABLE, 1, 0, 0, 0)
+                _libc().prctl(_PR_SET_DUMPABLE, 1, 0, 0, 0)
         cwd = req.get("cwd") or self.workdir
         os.chdir(cwd)
         env = dict(self.env)
@@ -426,6 +441,7 @@ def main(argv: list[str]) -> None:
     os.set_inheritable(ctl_in, False)
     os.set_inheritable(ctl_out, False)
     server = ForkServer(config)
+    _libc()
     # Everything imported so far is shared with every child: keep the collector off those pages,
     # or each child's first collection copies them all (copy-on-write) at the child's expense.
     gc.collect()
