@@ -60,6 +60,7 @@ def bwrap_argv(
     tmpfs_bytes: int | None = None,
     passwd_fd: int | None = None,
     group_fd: int | None = None,
+    setenv: dict[str, str] | None = None,
 ) -> list[str]:
     """The bwrap arguments (up to and including `--`) for one sandbox; see the module docstring."""
     argv = [bwrap, "--unshare-ipc", "--unshare-pid", "--unshare-net", "--unshare-uts",
@@ -101,6 +102,8 @@ def bwrap_argv(
              *size, "--perms", "1777", "--tmpfs", "/tmp",
              *size, "--perms", "0755", "--tmpfs", SANDBOX_HOME,
              "--remount-ro", "/", "--chdir", SANDBOX_HOME, "--clearenv"]
+    for key, value in (setenv or {}).items():
+        argv += ["--setenv", key, value]
     if privileged:
         argv += ["--cap-drop", "ALL"]
         for cap in _CAPS:

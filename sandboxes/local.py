@@ -20,6 +20,8 @@ Threats covered (each has a test in tests/integration/test_sandbox_adversarial.p
 - Output floods: output is read up to `max_output_bytes`, then the job is killed ("output").
 - Sandboxes seeing each other: separate mount, PID, IPC and network namespaces and uids; a pooled
   sandbox is wiped between jobs and retired if a job leaves SysV IPC objects behind.
+- A job reading an earlier job's code, input, files or output out of the memory it inherits: each
+  request is handled by a fresh fork of a server that never sees job data, and exits after it.
 - Leftovers: `close` kills the namespace and the cgroup, and the tmpfs files vanish with them.
 
 Not covered: kernel exploits (there is no seccomp filter and no VM boundary; use the `docker` or
@@ -35,7 +37,6 @@ from __future__ import annotations
 
 import asyncio
 import atexit
-import base64
 import contextlib
 import itertools
 import json
@@ -77,10 +78,6 @@ def _remove_live_cgroups() -> None:
             cg.remove()
 
 
-def _decode(b64: str) -> str:
-    return base64.b64decode(b64).decode("utf-8", errors="replace")
-
-
 def _check_relative(path: str) -> str:
     """A path inside the work dir, written relative to it; anything that could escape is refused."""
     if not isinstance(path, str) or not path or "\x00" in path:
@@ -113,18 +110,23 @@ class _Worker:
     def stderr_tail(self) -> str:
         return self._stderr.decode(errors="replace").strip()
 
-    async def recv(self) -> dict[str, Any]:
+    async def recv(self) -> tuple[dict[str, Any], list[bytes]]:
+        """One frame: the JSON header and the raw blobs it announces."""
         assert self.proc.stdout is not None
         head = await self.proc.stdout.readexactly(_HEADER.size)
-        body = await self.proc.stdout.readexactly(_HEADER.unpack(head)[0])
-        return json.loads(body)
+        header = json.loads(await self.proc.stdout.readexactly(_HEADER.unpack(head)[0]))
+        blobs = [await self.proc.stdout.readexactly(n) if n else b"" for n in header.get("blobs", [])]
+        return header, blobs
 
-    async def request(self, msg: dict[str, Any], timeout_s: float) -> dict[str, Any]:
+    async def request(self, header: dict[str, Any], blobs: list[bytes],
+                      timeout_s: float) -> tuple[dict[str, Any], list[bytes]]:
         """Send one request and await its answer; the worker is unusable after any failure."""
         assert self.proc.stdin is not None
-        body = json.dumps(msg).encode()
+        body = json.dumps({**header, "blobs": [len(b) for b in blobs]}).encode()
         try:
             self.proc.stdin.write(_HEADER.pack(len(body)) + body)
+            for blob in blobs:
+                self.proc.stdin.write(blob)
             await self.proc.stdin.drain()
             return await asyncio.wait_for(self.recv(), timeout_s)
         except BaseException:
@@ -289,7 +291,7 @@ class LocalSandbox:
                 os.close(fd)
         worker = _Worker(proc, cgroup, tmpdir)
         try:
-            hello = await asyncio.wait_for(worker.recv(), _SPAWN_TIMEOUT_S)
+            hello, _ = await asyncio.wait_for(worker.recv(), _SPAWN_TIMEOUT_S)
             if not hello.get("ready"):
                 raise SandboxError(f"unexpected greeting {hello!r}")
         except (asyncio.IncompleteReadError, asyncio.TimeoutError, SandboxError, ValueError) as exc:
@@ -379,38 +381,38 @@ class LocalSandbox:
     # ── running jobs ────────────────────────────────────────────────────────────────────────
     def _request(self, command: str | None, code: str | None, timeout_s: float,
                  stdin: str | bytes | None, files: Mapping[str, str | bytes] | None,
-                 wipe: bool) -> dict[str, Any]:
+                 wipe: bool) -> tuple[dict[str, Any], list[bytes]]:
+        """The fork server's exec header and blobs: program, stdin, then (path, content) pairs."""
         if (command is None) == (code is None):
             raise ValueError("Pass exactly one of `command` (a shell command) or `code` (Python source).")
         if not (isinstance(timeout_s, (int, float)) and 0 < timeout_s < math.inf):
             raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}.")
-        if isinstance(stdin, str):
-            stdin = stdin.encode()
-        encoded = {}
+        program = command if command is not None else code
+        blobs = [program.encode("utf-8", errors="surrogateescape"),
+                 stdin.encode() if isinstance(stdin, str) else bytes(stdin or b"")]
         for path, data in (files or {}).items():
-            raw = data.encode() if isinstance(data, str) else bytes(data)
-            encoded[_check_relative(path)] = base64.b64encode(raw).decode()
+            blobs.append(_check_relative(path).encode())
+            blobs.append(data.encode() if isinstance(data, str) else bytes(data))
         cpu = self.cpu_time_s if self.cpu_time_s is not None else math.ceil(timeout_s) + 1
         cpu_soft = max(1, math.ceil(cpu))
-        return {
+        header = {
             "op": "exec",
-            "argv": ["/bin/bash", "-c", command] if command is not None else None,
-            "code": code,
-            "stdin": base64.b64encode(stdin).decode() if stdin else None,
-            "files": encoded,
+            "kind": "shell" if command is not None else "python",
             "timeout": float(timeout_s),
             "max_output": self.max_output_bytes,
             "wipe": wipe,
             "rlimits": {"RLIMIT_CPU": [cpu_soft, cpu_soft + 1]},
             "cpu_limit_s": cpu_soft,
         }
+        return header, blobs
 
-    async def _run(self, worker: _Worker, req: dict[str, Any]) -> tuple[ExecResult, bool]:
+    async def _run(self, worker: _Worker, req: tuple[dict[str, Any], list[bytes]]) -> tuple[ExecResult, bool]:
         """Run one exec request; returns the result and whether the worker may be reused."""
+        header, blobs = req
         oom_before = worker.cgroup.oom_kills() if worker.cgroup else 0
         start = time.monotonic()
         try:
-            res = await worker.request(req, req["timeout"] + _GRACE_S)
+            res, (out, err) = await worker.request(header, blobs, header["timeout"] + _GRACE_S)
         except asyncio.TimeoutError:
             await worker.kill()
             return ExecResult("", "", None, True, "timeout", time.monotonic() - start), False
@@ -422,12 +424,16 @@ class LocalSandbox:
             return ExecResult("", f"[sandbox process died: {reason}]", None, False, reason,
                               time.monotonic() - start), False
         duration = time.monotonic() - start
+        if "error" in res:
+            await worker.kill()
+            raise SandboxError(f"The local sandbox failed to run the job: {res['error']}")
         killed = res["killed_reason"]
         if killed in (None, "signal") and res.get("signal") == 9 and worker.cgroup is not None \
                 and worker.cgroup.oom_kills() > oom_before:
             killed = "memory"
         result = ExecResult(
-            stdout=_decode(res["stdout"]), stderr=_decode(res["stderr"]), exit_code=res["exit_code"],
+            stdout=out.decode("utf-8", errors="replace"), stderr=err.decode("utf-8", errors="replace"),
+            exit_code=res["exit_code"],
             timed_out=killed == "timeout", killed_reason=killed, duration_s=duration,
         )
         return result, bool(res.get("clean", True))
@@ -519,28 +525,26 @@ class LocalSession:
             result, _ = await self._owner._run(worker, req)
             return result
 
-    async def _file_op(self, msg: dict[str, Any]) -> dict[str, Any]:
+    async def _file_op(self, header: dict[str, Any], blobs: list[bytes]) -> tuple[dict[str, Any], list[bytes]]:
         async with self._lock:
             worker = self._live()
             try:
-                res = await worker.request(msg, 60)
+                return await worker.request(header, blobs, 60)
             except (asyncio.TimeoutError, asyncio.IncompleteReadError, ConnectionError) as exc:
                 await worker.kill()
                 raise SandboxError(f"The sandbox session stopped answering ({type(exc).__name__}).") from exc
-        return res
 
     async def read_file(self, path: str) -> bytes:
         """The bytes of `path` (relative to the work dir); FileNotFoundError/PermissionError if it fails."""
-        res = await self._file_op({"op": "read", "path": _check_relative(path), "max_bytes": 256 << 20})
+        res, blobs = await self._file_op({"op": "read", "max_bytes": 256 << 20}, [_check_relative(path).encode()])
         if not res["ok"]:
             raise _file_error(path, res["error"])
-        return base64.b64decode(res["data"])
+        return blobs[0]
 
     async def write_file(self, path: str, data: str | bytes) -> None:
         """Write `data` to `path` (relative to the work dir), creating parent directories."""
         raw = data.encode() if isinstance(data, str) else bytes(data)
-        res = await self._file_op({"op": "write", "path": _check_relative(path),
-                                   "data": base64.b64encode(raw).decode()})
+        res, _ = await self._file_op({"op": "write"}, [_check_relative(path).encode(), raw])
         if not res["ok"]:
             raise _file_error(path, res["error"])
 

@@ -373,3 +373,41 @@ def test_session_file_access_is_confined_to_the_work_dir():
 
     assert run(with_sandbox(body)) == ["ValueError", "ValueError", "PermissionError", "PermissionError",
                                        "ValueError", "PermissionError"]
+
+
+MEMORY_SCAN = """
+h1, h2 = {h1!r}.encode(), {h2!r}.encode()
+hits = 0
+for line in open("/proc/self/maps"):
+    parts = line.split()
+    lo, hi = (int(x, 16) for x in parts[0].split("-"))
+    if "r" not in parts[1] or (len(parts) > 5 and parts[5] in ("[vvar]", "[vsyscall]")):
+        continue
+    try:
+        with open("/proc/self/mem", "rb") as mem:
+            mem.seek(lo)
+            data = mem.read(hi - lo)
+    except OSError:
+        continue
+    i = data.find(h1)
+    while i != -1:  # the two halves are only ever adjacent in the earlier job's data
+        hits += data[i + len(h1): i + len(h1) + len(h2)] == h2
+        i = data.find(h1, i + 1)
+print("scanned", hits)
+"""
+
+
+@pytest.mark.parametrize("output_bytes", [100, 300_000])
+def test_a_pooled_job_cannot_read_an_earlier_jobs_data_from_memory(output_bytes):
+    h1, h2 = f"LEAK{uuid.uuid4().hex[:10]}", f"{uuid.uuid4().hex[:10]}END"
+    secret = h1 + h2
+    earlier = f"s = {secret!r}\nprint((s + ' ') * ({output_bytes} // {len(secret) + 1} + 1))"
+
+    async def body(sb):
+        first = await sb.exec(code=earlier, stdin=secret, files={"f.txt": secret}, timeout_s=10)
+        later = await sb.exec(code=MEMORY_SCAN.format(h1=h1, h2=h2), timeout_s=30)
+        return first, later
+
+    first, later = run(with_sandbox(body, max_concurrency=1, pool_size=1))
+    assert secret in first.stdout
+    assert later.stdout.strip() == "scanned 0", later

@@ -7,7 +7,7 @@ around it are pinned with fakes (an in-memory sandbox, httpx MockTransport, the 
 from __future__ import annotations
 
 import asyncio
-import base64
+import json
 import logging
 
 import httpx
@@ -100,9 +100,11 @@ def test_job_requests_are_checked_before_anything_runs(monkeypatch):
         sandbox._request("ls", None, 0, None, None, wipe=True)
     with pytest.raises(ValueError, match="outside"):
         sandbox._request("ls", None, 1.0, None, {"../x": "y"}, wipe=True)
-    req = sandbox._request(None, "print(1)", 2.5, "in", {"a.txt": "x"}, wipe=True)
-    assert req["rlimits"]["RLIMIT_CPU"] == [4, 5]  # timeout rounded up, plus a second
-    assert base64.b64decode(req["stdin"]) == b"in" and req["files"] == {"a.txt": base64.b64encode(b"x").decode()}
+    header, blobs = sandbox._request(None, "print(1)", 2.5, "in", {"/workspace/a.txt": "x"}, wipe=True)
+    assert header["rlimits"]["RLIMIT_CPU"] == [4, 5]  # timeout rounded up, plus a second
+    assert header["kind"] == "python"
+    assert blobs == [b"print(1)", b"in", b"a.txt", b"x"]  # job data travels as raw blobs only
+    assert "print(1)" not in json.dumps(header)
 
 
 def test_bwrap_command_line_isolates_and_hides_the_host():
