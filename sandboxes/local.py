@@ -497,7 +497,26 @@ class LocalSession:
         self._owner = owner
         self._worker: _Worker | None = worker
         self._lock = asyncio.Lock()
+        self._pending: asyncio.Future[Any] | None = None
         self.workdir = SANDBOX_HOME if owner.isolation == "bwrap" else (worker.tmpdir or SANDBOX_HOME)
+
+    async def _guarded(self, coro: Any) -> Any:
+        """Await a request to the sandbox; if the caller is cancelled, the request still completes.
+
+        The pipe protocol is one request, one answer: abandoning an answer would leave the next
+        request reading the wrong one. So a cancelled call's job runs on to its own deadline in the
+        background, and the session's next call waits for it first.
+        """
+        if self._pending is not None:
+            with contextlib.suppress(BaseException):
+                await self._pending
+            self._pending = None
+        task = asyncio.ensure_future(coro)
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            self._pending = task
+            raise
 
     def _live(self) -> _Worker:
         if self._worker is None:
@@ -521,15 +540,19 @@ class LocalSession:
         """Run in this session's work dir; background processes are killed when the call returns."""
         req = self._owner._request(command, code, timeout_s, stdin, files, wipe=False)
         async with self._owner._bind_loop(), self._lock:
+            if self._pending is not None:
+                await self._guarded(asyncio.sleep(0))
             worker = self._live()
-            result, _ = await self._owner._run(worker, req)
+            result, _ = await self._guarded(self._owner._run(worker, req))
             return result
 
     async def _file_op(self, header: dict[str, Any], blobs: list[bytes]) -> tuple[dict[str, Any], list[bytes]]:
         async with self._lock:
+            if self._pending is not None:
+                await self._guarded(asyncio.sleep(0))
             worker = self._live()
             try:
-                return await worker.request(header, blobs, 60)
+                return await self._guarded(worker.request(header, blobs, 60))
             except (asyncio.TimeoutError, asyncio.IncompleteReadError, ConnectionError) as exc:
                 await worker.kill()
                 raise SandboxError(f"The sandbox session stopped answering ({type(exc).__name__}).") from exc

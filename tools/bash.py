@@ -24,12 +24,14 @@ class BashTool(Tool):
 
     Args:
         exec_timeout_s: Wall-clock limit of one command; past it every process of it is killed.
+            Keep it below the environment's per-call deadline (`ToolEnv.tool_timeout_s`, 30 s),
+            so a slow command is reported as the model's timeout, not as an infrastructure one.
         max_output_chars: Longest output shown to the model; longer output keeps head and tail.
     """
 
     name = "bash"
 
-    def __init__(self, *, exec_timeout_s: float = 30.0, max_output_chars: int = 8000) -> None:
+    def __init__(self, *, exec_timeout_s: float = 20.0, max_output_chars: int = 8000) -> None:
         super().__init__()
         self.exec_timeout_s = exec_timeout_s
         self.max_output_chars = max_output_chars

@@ -411,3 +411,4 @@ def test_a_pooled_job_cannot_read_an_earlier_jobs_data_from_memory(output_bytes)
     first, later = run(with_sandbox(body, max_concurrency=1, pool_size=1))
     assert secret in first.stdout
     assert later.stdout.strip() == "scanned 0", later
+
