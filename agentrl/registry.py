@@ -198,10 +198,43 @@ TOOLS = Registry(
             "agentrl.tools.calculator:calculator",
             "Evaluate an arithmetic expression exactly (no code execution).",
         ),
+        "python": (
+            "agentrl.tools.python:PythonTool",
+            "Run a Python program in a sandbox and return what it printed.",
+        ),
+        "bash": (
+            "agentrl.tools.bash:BashTool",
+            "Run shell commands in the episode's persistent sandbox session.",
+        ),
+        "str_replace_editor": (
+            "agentrl.tools.editor:EditorTool",
+            "View, create and edit files in the sandbox session (SWE-agent style).",
+        ),
+        "submit": (
+            "agentrl.tools.submit:submit",
+            "Submit the final answer and end the episode.",
+        ),
+        "finish": (
+            "agentrl.tools.submit:finish",
+            "Finish the task with a final answer and end the episode.",
+        ),
     },
 )
 
-SANDBOXES = Registry("sandbox", "agentrl sandbox list", {})
+SANDBOXES = Registry(
+    "sandbox",
+    "agentrl sandbox list",
+    {
+        "local": (
+            "agentrl.sandboxes.local:LocalSandbox",
+            "Bubblewrap-isolated subprocesses on this machine, from a warm fork-server pool.",
+        ),
+        "remote": (
+            "agentrl.sandboxes.remote:RemoteSandbox",
+            "A sandbox server over HTTP: 'agentrl sandbox serve' or SandboxFusion's /run_code.",
+        ),
+    },
+)
 
 TOOL_PARSERS = Registry(
     "tool-call parser",
