@@ -52,11 +52,10 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from agentrl.errors import SandboxClosedError, SandboxError, SandboxUnavailableError
 from agentrl.sandboxes import forkserver
 from agentrl.sandboxes.bwrap import SANDBOX_HOME, bwrap_argv, find_bwrap, sandbox_python
 from agentrl.sandboxes.cgroups import Cgroup, create_cgroup
-
-from agentrl.errors import SandboxClosedError, SandboxError, SandboxUnavailableError
 from agentrl.types import ExecResult
 
 __all__ = ["LocalSandbox", "LocalSession"]
@@ -294,7 +293,7 @@ class LocalSandbox:
             hello, _ = await asyncio.wait_for(worker.recv(), _SPAWN_TIMEOUT_S)
             if not hello.get("ready"):
                 raise SandboxError(f"unexpected greeting {hello!r}")
-        except (asyncio.IncompleteReadError, asyncio.TimeoutError, SandboxError, ValueError) as exc:
+        except (TimeoutError, asyncio.IncompleteReadError, SandboxError, ValueError) as exc:
             await asyncio.sleep(0.05)
             await worker.kill()
             raise SandboxUnavailableError(
@@ -413,7 +412,7 @@ class LocalSandbox:
         start = time.monotonic()
         try:
             res, (out, err) = await worker.request(header, blobs, header["timeout"] + _GRACE_S)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             await worker.kill()
             return ExecResult("", "", None, True, "timeout", time.monotonic() - start), False
         except (asyncio.IncompleteReadError, ConnectionError, BrokenPipeError):
@@ -553,7 +552,7 @@ class LocalSession:
             worker = self._live()
             try:
                 return await self._guarded(worker.request(header, blobs, 60))
-            except (asyncio.TimeoutError, asyncio.IncompleteReadError, ConnectionError) as exc:
+            except (TimeoutError, asyncio.IncompleteReadError, ConnectionError) as exc:
                 await worker.kill()
                 raise SandboxError(f"The sandbox session stopped answering ({type(exc).__name__}).") from exc
 

@@ -14,11 +14,10 @@ import posixpath
 import shlex
 from typing import Literal
 
+from agentrl.errors import SandboxError, ToolArgumentError, ToolInfrastructureError
 from agentrl.tools.core import Tool, ToolContext
 from agentrl.tools.exec_output import truncate_middle
 from agentrl.tools.session import episode_session, release_episode_session
-
-from agentrl.errors import SandboxError, ToolArgumentError, ToolInfrastructureError
 
 __all__ = ["EditorTool", "number_lines"]
 

@@ -9,11 +9,10 @@ This module does not isolate anything itself; the sandbox does.
 
 from __future__ import annotations
 
+from agentrl.errors import SandboxError, ToolInfrastructureError
 from agentrl.tools.core import Tool, ToolContext
 from agentrl.tools.exec_output import format_exec_result
 from agentrl.tools.session import episode_sandbox
-
-from agentrl.errors import SandboxError, ToolInfrastructureError
 from agentrl.types import ToolResult
 
 __all__ = ["PythonTool"]

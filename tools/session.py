@@ -12,9 +12,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from agentrl.tools.core import ToolContext
-
 from agentrl.errors import SandboxError, ToolInfrastructureError
+from agentrl.tools.core import ToolContext
 
 __all__ = ["default_sandbox", "episode_sandbox", "episode_session", "release_episode_session"]
 

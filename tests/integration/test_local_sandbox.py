@@ -6,10 +6,10 @@ import asyncio
 import logging
 
 import pytest
-from agentrl.sandboxes.bwrap import find_bwrap
-from agentrl.sandboxes.local import LocalSandbox
 
 from agentrl.errors import SandboxClosedError
+from agentrl.sandboxes.bwrap import find_bwrap
+from agentrl.sandboxes.local import LocalSandbox
 
 needs_bwrap = pytest.mark.skipif(
     find_bwrap() is None, reason="bubblewrap is not installed (apt-get install bubblewrap)"

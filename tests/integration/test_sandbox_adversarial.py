@@ -16,6 +16,7 @@ import uuid
 from pathlib import Path
 
 import pytest
+
 from agentrl.sandboxes.bwrap import find_bwrap
 from agentrl.sandboxes.local import LocalSandbox
 

@@ -11,10 +11,10 @@ import time
 
 import httpx
 import pytest
-from agentrl.sandboxes.bwrap import find_bwrap
-from agentrl.sandboxes.remote import RemoteSandbox
 
 from agentrl.errors import SandboxClosedError, SandboxError
+from agentrl.sandboxes.bwrap import find_bwrap
+from agentrl.sandboxes.remote import RemoteSandbox
 
 pytestmark = pytest.mark.skipif(
     find_bwrap() is None, reason="bubblewrap is not installed (apt-get install bubblewrap)"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+
 from agentrl.sandboxes.bwrap import find_bwrap
 from agentrl.sandboxes.local import LocalSandbox
 from agentrl.tools import ToolContext, make_tool

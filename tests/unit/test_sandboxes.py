@@ -12,6 +12,9 @@ import logging
 
 import httpx
 import pytest
+
+from agentrl.errors import SandboxError, SandboxUnavailableError
+from agentrl.registry import SANDBOXES, TOOLS
 from agentrl.sandboxes import bwrap as bwrap_mod
 from agentrl.sandboxes import local as local_mod
 from agentrl.sandboxes.local import LocalSandbox, _check_relative
@@ -19,9 +22,6 @@ from agentrl.sandboxes.remote import RemoteSandbox
 from agentrl.sandboxes.server import create_app, serve
 from agentrl.tools import ToolContext, make_tool
 from agentrl.tools.exec_output import format_exec_result, truncate_middle
-
-from agentrl.errors import SandboxError, SandboxUnavailableError
-from agentrl.registry import SANDBOXES, TOOLS
 from agentrl.types import ExecResult
 
 
