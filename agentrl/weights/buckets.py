@@ -11,11 +11,17 @@ safetensors data section, which the files backend writes as is.
 A tensor bigger than `bucket_bytes` is not split: it becomes a bucket of its own whose buffer is
 the tensor's own bytes (no copy on the sender), so the pre-allocated bucket buffers never grow.
 
-Checksums (`CHECKSUMS`): "crc32" is zlib's CRC-32 over the bytes (about 2 GB/s on one core here);
-"sum64" adds the buffer as little-endian 64-bit words in blocks of 32 KiB and takes the CRC-32 of
-the block sums and the length (about 5-15 GB/s); it catches any single changed word, truncation
-and swapped blocks, but not words permuted inside one block. crc32 is the default; "sum64" is
-for links fast enough that crc32 would be the bottleneck (see bench/weight_sync.py).
+Checksums (`CHECKSUMS`), one per bucket, computed by the sender after packing and checked by the
+receiver before unpacking:
+- "sum64" (the default): the buffer read as little-endian 64-bit words, word i added (mod 2**64)
+  into lane i % 512; the result is the CRC-32 of the 512 lane sums, the tail bytes and the
+  length. About 15 GB/s on one core here. It catches any single changed word or bit, any change
+  confined to one lane, truncation and a buffer reused too early; it misses changes that cancel
+  within a lane, such as two 4 KiB-aligned 4 KiB blocks swapped.
+- "crc32": zlib's CRC-32 over the bytes, which also catches reorderings, but runs at about
+  2 GB/s on one core here: slower than a loopback gloo broadcast (2-3 GB/s), so with it the
+  checksum, not the link, sets the speed of a push (bench/weight_sync.py measures both).
+Pass `checksum=None` to an engine to skip checking.
 
 This module does not move bytes between processes and does not know about modules or servers:
 that is `agentrl.weights.engine` and its backends, and `agentrl.weights.loading`.
@@ -65,7 +71,7 @@ DTYPES: dict[str, torch.dtype] = {
 _CODES: dict[torch.dtype, str] = {dtype: code for code, dtype in DTYPES.items()}
 
 CHECKSUMS: tuple[str, ...] = ("crc32", "sum64")
-_SUM64_BLOCK_WORDS = 4096
+_SUM64_LANES = 512
 
 
 @dataclass(frozen=True)
@@ -156,7 +162,7 @@ def plan_buckets(
         yield group
 
 
-def compute_checksum(data: torch.Tensor, kind: str = "crc32") -> int:
+def compute_checksum(data: torch.Tensor, kind: str = "sum64") -> int:
     """Checksum of a 1-D uint8 tensor's bytes with the named algorithm (see the module docstring)."""
     if kind not in CHECKSUMS:
         raise WeightSyncError(f"Unknown checksum '{kind}'; choose one of {', '.join(CHECKSUMS)} or None.")
@@ -165,13 +171,28 @@ def compute_checksum(data: torch.Tensor, kind: str = "crc32") -> int:
     raw = data.numpy()
     if kind == "crc32":
         return zlib.crc32(raw)
+    # Word i is added into lane i % 512: summing down the columns of a (rows, 512) view is a
+    # stream of contiguous vector adds, about twice as fast as summing along rows.
     n_words = raw.size // 8
-    full = (n_words // _SUM64_BLOCK_WORDS) * _SUM64_BLOCK_WORDS
+    full = (n_words // _SUM64_LANES) * _SUM64_LANES
     words = raw[: n_words * 8].view("<u8")
-    sums = [words[:full].reshape(-1, _SUM64_BLOCK_WORDS).sum(axis=1, dtype=np.uint64)]
-    sums.append(np.array([words[full:].sum(dtype=np.uint64), raw.size], dtype=np.uint64))
-    crc = zlib.crc32(np.concatenate(sums).astype("<u8", copy=False))
+    lanes = words[:full].reshape(-1, _SUM64_LANES).sum(axis=0, dtype=np.uint64)
+    extra = np.array([words[full:].sum(dtype=np.uint64), raw.size], dtype=np.uint64)
+    crc = zlib.crc32(np.concatenate([lanes, extra]).astype("<u8", copy=False))
     return zlib.crc32(raw[n_words * 8 :], crc)
+
+
+def _copy_into(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """Copy `src`'s elements into the uint8 slice `dst`.
+
+    Host-to-host copies of contiguous tensors go through numpy as one single-threaded memcpy:
+    torch's intra-op parallel copy is several times slower when the cores are busy (as they are
+    while the transport thread and the receiver run), and no faster when they are idle.
+    """
+    if dst.device.type == "cpu" and src.device.type == "cpu" and src.is_contiguous():
+        np.copyto(dst.numpy(), src.reshape(-1).view(torch.uint8).numpy())
+    else:
+        dst.view(src.dtype).view(src.shape).copy_(src)
 
 
 def pack_bucket(
@@ -180,7 +201,7 @@ def pack_bucket(
     *,
     index: int,
     version: int,
-    checksum: str | None = "crc32",
+    checksum: str | None = "sum64",
     device: torch.device | str | None = None,
 ) -> Bucket:
     """Copy one planned group into `buffer` (a 1-D uint8 tensor) and describe it.
@@ -212,8 +233,7 @@ def pack_bucket(
             for name, tensor in ordered:
                 nbytes = tensor_nbytes(tensor)
                 if nbytes:
-                    view = buffer[offset : offset + nbytes].view(tensor.dtype).view(tensor.shape)
-                    view.copy_(tensor.detach())
+                    _copy_into(buffer[offset : offset + nbytes], tensor.detach())
                 built.append(TensorEntry(name, _dtype_code(name, tensor), tuple(tensor.shape), offset, nbytes))
                 offset += nbytes
             data = buffer[:total]

@@ -185,7 +185,7 @@ class CheckpointEngine(ABC):
     # True when the transport hands the sender's buffer to the receiver, who releases it.
     _transmit_keeps_buffer = False
 
-    def __init__(self, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES, checksum: str | None = "crc32",
+    def __init__(self, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES, checksum: str | None = "sum64",
                  device: torch.device | str = "cpu", num_buffers: int = 2) -> None:
         if bucket_bytes <= 0:
             raise WeightSyncError(f"bucket_bytes must be positive, got {bucket_bytes}.")

@@ -107,15 +107,27 @@ def test_truncated_bucket_raises_checksum_error() -> None:
         unpack_bucket(bucket.meta, bucket.data[:-1])
 
 
-def test_sum64_sees_swapped_blocks_and_every_single_word() -> None:
-    data = torch.randint(0, 256, (3 * 32768 + 5,), dtype=torch.uint8)
+def test_sum64_sees_every_single_bit_swapped_words_and_truncation() -> None:
+    data = torch.randint(0, 256, (3 * 4096 + 5,), dtype=torch.uint8)
     reference = compute_checksum(data, "sum64")
-    swapped = torch.cat([data[32768:65536], data[:32768], data[65536:]])
-    assert compute_checksum(swapped, "sum64") != reference
-    for position in range(0, data.numel(), 997):
+    for position in range(0, data.numel(), 97):
         flipped = data.clone()
-        flipped[position] ^= 1
+        flipped[position] ^= 1 << (position % 8)
         assert compute_checksum(flipped, "sum64") != reference, position
+    swapped = data.clone()
+    swapped[:8], swapped[8:16] = data[8:16], data[:8]
+    assert compute_checksum(swapped, "sum64") != reference
+    assert compute_checksum(data[:-1], "sum64") != reference
+    zeros = torch.zeros(4096, dtype=torch.uint8)
+    assert compute_checksum(zeros, "sum64") != compute_checksum(zeros[:-8], "sum64")
+
+
+def test_sum64_blind_spot_is_documented_block_swaps() -> None:
+    # What the module docstring promises it misses: 4 KiB-aligned 4 KiB blocks swapped. crc32 sees it.
+    data = torch.randint(0, 256, (2 * 4096,), dtype=torch.uint8)
+    swapped = torch.cat([data[4096:], data[:4096]])
+    assert compute_checksum(swapped, "sum64") == compute_checksum(data, "sum64")
+    assert compute_checksum(swapped, "crc32") != compute_checksum(data, "crc32")
 
 
 def test_bad_input_raises_weight_sync_error() -> None:

@@ -229,7 +229,7 @@ def test_files_layout_is_a_plain_hf_sharded_checkpoint(tmp_path: Path) -> None:
     assert set(index["weight_map"]) == {n for n, _ in tensors}
     assert set(index["weight_map"].values()) == set(shards)
     meta = index["metadata"]["agentrl"]
-    assert meta["version"] == 3 and meta["checksum"] == "crc32" and set(meta["checksums"]) == set(shards)
+    assert meta["version"] == 3 and meta["checksum"] == "sum64" and set(meta["checksums"]) == set(shards)
     assert index["metadata"]["total_size"] == sum(t.numel() * 4 for _, t in tensors)
     loaded = {}
     for shard in shards:  # the reference safetensors reader accepts every shard
