@@ -72,6 +72,16 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
         else:
             stream = engine.receive()
             report["empty"] = {"version": stream.version, "count": len(list(stream))}
+        # 3000 tensors in one bucket: the metadata outgrows the 64 KiB control buffer.
+        many = [(f"blocks.{i}.scale", torch.full((2,), float(i))) for i in range(3000)]
+        wide = make_checkpoint_engine("broadcast", bucket_bytes=64 << 10)
+        if rank == 0:
+            wide.send(iter(many), 101)
+        else:
+            stream = wide.receive()
+            got = {n: t.clone() for n, t in stream}
+            report["many"] = {"version": stream.version, "buckets": stream.num_buckets,
+                              "equal": len(got) == 3000 and all(torch.equal(got[n], t) for n, t in many)}
         pools = [engine.send_buffers, engine.recv_buffers]
         report["allocations"] = [engine.send_buffers.allocations, engine.recv_buffers.allocations]
         report["pointers_before"] = [b.data_ptr() for p in pools for b in p.buffers if b is not None]
@@ -138,6 +148,7 @@ def test_broadcast_engine_over_gloo(world: int, tmp_path: Path) -> None:
             assert push["names_match"] and push["equal"], push
             assert push["buckets"] > 1, push
         assert report["empty"] == {"version": 100, "count": 0}
+        assert report["many"] == {"version": 101, "buckets": 1, "equal": True}
         assert report["module_sums_equal"]
         assert report["allocations"] == report["allocations_after"] == [0, 2]
         assert report["pointers_after"] == report["pointers_before"]
