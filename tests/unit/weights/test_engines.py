@@ -254,3 +254,22 @@ def test_files_receive_without_any_version_and_unknown_backend(tmp_path: Path) -
         make_checkpoint_engine("file", directory=tmp_path)
     with pytest.raises(WeightSyncError, match="non-negative int"):
         InProcessCheckpointEngine().send([], -1)
+
+
+def test_receiver_stopping_early_drains_the_push_and_frees_the_buffers() -> None:
+    seen: list[str] = []
+
+    def first_only(stream: WeightStream) -> None:
+        for name, _ in stream:
+            seen.append(name)
+            stream.close()
+            break
+
+    engine = InProcessCheckpointEngine(bucket_bytes=BUCKET, consumer=first_only)
+    engine.send(iter(_weights()), 1)  # returns: the rest of the push was drained, not left blocking
+    assert len(seen) == 1
+    got = _Collector()
+    engine.consumer = got
+    engine.send(iter(_weights(seed=3)), 2)
+    assert got.version == 2 and all(torch.equal(got.tensors[n], t) for n, t in _weights(seed=3))
+    assert engine.send_buffers.allocations == 2
