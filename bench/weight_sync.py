@@ -8,8 +8,8 @@ one run and side by side: a raw memcpy of the same bytes, the inprocess engine, 
 127.0.0.1 (one call for all bytes, and one call per bucket), and the broadcast engine, each with
 checksums crc32, sum64 and none. Cases run round-robin, `--repeats` rounds after one warm-up round, so
 load from other processes falls on all of them alike; prints each case's median GB/s and its
-ratio to the raw broadcast and to the memcpy. Target: broadcast engine (crc32)
->= 70% of the raw broadcast.
+ratio to the raw broadcast and to the memcpy. Target: broadcast engine (with its default sum64
+checksum) >= 70% of the raw broadcast.
 """
 
 from __future__ import annotations
@@ -134,9 +134,13 @@ def main() -> None:
     print(f"{'path':<34} {'GB/s':>7} {'x raw bcast':>12} {'x memcpy':>9}")
     for name, gbps in rows.items():
         print(f"{name:<34} {gbps:>7.2f} {gbps / raw:>12.2f} {gbps / memcpy:>9.2f}")
-    ratio = rows["broadcast engine (crc32)"] / raw
-    verdict = "met" if ratio >= 0.7 else "MISSED"
-    print(f"broadcast engine (crc32) / raw broadcast = {ratio:.0%} (target >= 70%: {verdict})")
+    per_bucket = rows["raw broadcast (per bucket)"]
+    for checksum in CHECKSUMS:
+        engine = rows[f"broadcast engine ({checksum})"]
+        default = " (the default)" if checksum == "sum64" else ""
+        verdict = "met" if engine / raw >= 0.7 else "MISSED"
+        print(f"broadcast engine, checksum {checksum}{default}: {engine / raw:.0%} of the raw 1-call broadcast "
+              f"(target >= 70%: {verdict}), {engine / per_bucket:.0%} of the raw per-bucket broadcast")
     sys.stdout.flush()
 
 
