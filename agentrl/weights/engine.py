@@ -128,14 +128,31 @@ class WeightStream(Iterator[tuple[str, torch.Tensor]]):
             else first.meta.version if isinstance(first, Bucket) else None
         )
         self.num_buckets: int | None = None
+        self._started = False
         self._gen = self._run()
 
     def __next__(self) -> tuple[str, torch.Tensor]:
+        self._started = True
         return next(self._gen)
 
     def close(self) -> None:
-        """Stop early: the rest of the push is received and discarded."""
-        self._gen.close()
+        """Stop early (or never start): the rest of the push is received and discarded.
+
+        Every stream must be exhausted or closed; a stream left half-read keeps the sender (and,
+        with broadcast, the whole group) waiting for it.
+        """
+        if self._started:
+            self._gen.close()
+        else:
+            self._started = True
+            self._gen.close()
+            self._drain(self._first)
+
+    def __enter__(self) -> WeightStream:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def _run(self) -> Iterator[tuple[str, torch.Tensor]]:
         item = self._first
@@ -198,12 +215,22 @@ class CheckpointEngine(ABC):
         self.device = torch.device(device)
         self.send_buffers = BufferPool(bucket_bytes, num_buffers, self.device)
         self.recv_buffers = BufferPool(bucket_bytes, num_buffers, self.device)
+        self._sending = threading.Lock()
 
     # ---------------------------------------------------------------- sending
     def send(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         """Push one version of the weights; returns once the transport has taken every bucket."""
         if isinstance(version, bool) or not isinstance(version, int) or version < 0:
             raise WeightSyncError(f"version must be a non-negative int, got {version!r}.")
+        if not self._sending.acquire(blocking=False):
+            raise WeightSyncError(f"A weight push is already in progress on this {self.name} engine; "
+                                  "pushes on one engine run one at a time.")
+        try:
+            self._send(named_tensors, version)
+        finally:
+            self._sending.release()
+
+    def _send(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         self._begin_push(version)
         handoff: queue.Queue[Any] = queue.Queue(maxsize=1)
         abort = threading.Event()

@@ -39,9 +39,9 @@ class InProcessCheckpointEngine(CheckpointEngine):
         self.timeout_s = timeout_s
         self._channel: queue.Queue[Any] = queue.Queue(maxsize=1)
 
-    def send(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+    def _send(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         if self.consumer is None:
-            super().send(named_tensors, version)
+            super()._send(named_tensors, version)
             return
         errors: list[BaseException] = []
 
@@ -54,7 +54,7 @@ class InProcessCheckpointEngine(CheckpointEngine):
         helper = threading.Thread(target=consume, name="agentrl-weights-consumer", daemon=True)
         helper.start()
         try:
-            super().send(named_tensors, version)
+            super()._send(named_tensors, version)
         finally:
             helper.join()
         if errors:

@@ -273,3 +273,36 @@ def test_receiver_stopping_early_drains_the_push_and_frees_the_buffers() -> None
     engine.send(iter(_weights(seed=3)), 2)
     assert got.version == 2 and all(torch.equal(got.tensors[n], t) for n, t in _weights(seed=3))
     assert engine.send_buffers.allocations == 2
+
+
+def test_a_stream_closed_before_reading_releases_the_sender(tmp_path: Path) -> None:
+    engine = InProcessCheckpointEngine(bucket_bytes=BUCKET, consumer=lambda stream: stream.close())
+    engine.send(iter(_weights()), 1)
+    files = FilesCheckpointEngine(directory=tmp_path, bucket_bytes=BUCKET)
+    files.send(iter(_weights()), 1)
+    with files.receive() as stream:
+        assert stream.version == 1
+    with files.receive() as stream:  # the buffers came back: a second read works
+        assert sum(1 for _ in stream) == len(_weights())
+    assert files.recv_buffers.allocations == 2
+
+
+def test_pushes_on_one_engine_do_not_overlap() -> None:
+    release = threading.Event()
+
+    def slow(stream: WeightStream) -> None:
+        release.wait(5)
+        list(stream)
+
+    engine = InProcessCheckpointEngine(bucket_bytes=BUCKET, consumer=slow)
+    first = threading.Thread(target=engine.send, args=(iter(_weights()), 1))
+    first.start()
+    for _ in range(100):
+        if engine._sending.locked():
+            break
+        release.wait(0.01)
+    with pytest.raises(WeightSyncError, match="already in progress"):
+        engine.send(iter(_weights()), 2)
+    release.set()
+    first.join(5)
+    assert not first.is_alive()
