@@ -9,8 +9,8 @@ k+1 while the caller consumes bucket k. The buffers are allocated on first use a
 every later push, so a long run does not grow its memory.
 
 Tensors a `WeightStream` yields are views into a reused receive buffer: they stay valid until the
-stream is advanced past the next bucket. Copy them out (as `load_into_module` does) or pass
-`copy=True` to `receive`.
+stream is asked for the item after the last tensor of their bucket. Copy them out (as
+`load_into_module` does) or pass `copy=True` to `receive`.
 
 This module holds the pipeline and the factory; the transports live in `inprocess.py`,
 `broadcast.py` and `files.py`. It does not decide when to push: the orchestration layer does.
@@ -169,13 +169,14 @@ class WeightStream(Iterator[tuple[str, torch.Tensor]]):
                         )
                     self.num_buckets = item.num_buckets
                     return
-                if held is not None:
-                    held.release()
                 held = item
                 if self._verify:
                     verify_bucket(item.meta, item.data)
                 for name, tensor in unpack_bucket(item.meta, item.data, verify=False):
                     yield name, (tensor.clone() if self._copy else tensor)
+                # The caller asked past this bucket's last tensor: its buffer may be refilled now.
+                held = None
+                item.release()
                 item = self._items.get()
         finally:
             if held is not None:
