@@ -81,7 +81,8 @@ def bench_local(tensors, total: int, bucket: int, repeats: int, directory: str) 
     return {k: total / v / 1e9 for k, v in seconds.items()}
 
 
-def _broadcast_worker(rank: int, port: int, total_mb: int, bucket: int, repeats: int, out: str) -> None:
+def _broadcast_worker(rank: int, port: int, total_mb: int, bucket: int, repeats: int, out: str,
+                      num_buffers: int) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     tensors = make_tensors(total_mb << 20) if rank == 0 else []
     total = total_mb << 20
@@ -92,7 +93,8 @@ def _broadcast_worker(rank: int, port: int, total_mb: int, bucket: int, repeats:
         "raw broadcast (per bucket)": lambda: [dist.broadcast(flat[i : i + bucket], 0) for i in range(0, total, bucket)],
     }
     for checksum in CHECKSUMS:
-        engine = make_checkpoint_engine("broadcast", bucket_bytes=bucket, checksum=checksum)
+        engine = make_checkpoint_engine("broadcast", bucket_bytes=bucket, checksum=checksum,
+                                        num_buffers=num_buffers)
         if rank == 0:
             cases[f"broadcast engine ({checksum})"] = lambda e=engine: e.send(iter(tensors), 1)
         else:
@@ -104,13 +106,13 @@ def _broadcast_worker(rank: int, port: int, total_mb: int, bucket: int, repeats:
     dist.destroy_process_group()
 
 
-def bench_broadcast(total_mb: int, bucket: int, repeats: int) -> dict[str, float]:
+def bench_broadcast(total_mb: int, bucket: int, repeats: int, num_buffers: int) -> dict[str, float]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "broadcast.json")
-        mp.spawn(_broadcast_worker, args=(port, total_mb, bucket, repeats, out), nprocs=2, join=True)
+        mp.spawn(_broadcast_worker, args=(port, total_mb, bucket, repeats, out, num_buffers), nprocs=2, join=True)
         return json.loads(Path(out).read_text())
 
 
@@ -121,6 +123,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--dir", default=tempfile.gettempdir(), help="where the files engine writes")
     parser.add_argument("--broadcast-only", action="store_true", help="skip memcpy, inprocess and files")
+    parser.add_argument("--num-buffers", type=int, default=2,
+                        help="bucket buffers per side of the broadcast engine (1 turns off the overlap)")
     args = parser.parse_args()
     total, bucket = args.total_mb << 20, args.bucket_mb << 20
     tensors = make_tensors(total)
@@ -128,7 +132,7 @@ def main() -> None:
           f"median of {args.repeats}; torch {torch.__version__}, {os.cpu_count()} CPUs, "
           f"load {os.getloadavg()[0]:.1f}", flush=True)
     rows = {} if args.broadcast_only else bench_local(tensors, total, bucket, args.repeats, args.dir)
-    rows.update(bench_broadcast(args.total_mb, bucket, args.repeats))
+    rows.update(bench_broadcast(args.total_mb, bucket, args.repeats, args.num_buffers))
     raw = rows["raw broadcast (1 call)"]
     memcpy = rows.get("raw memcpy", float("nan"))
     print(f"{'path':<34} {'GB/s':>7} {'x raw bcast':>12} {'x memcpy':>9}")
