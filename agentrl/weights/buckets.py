@@ -9,15 +9,16 @@ element size and the receiver can view it in place without a copy; the same layo
 safetensors data section, which the files backend writes as is.
 
 A tensor bigger than `bucket_bytes` is not split: it becomes a bucket of its own whose buffer is
-the tensor's own bytes (no copy on the sender), so the pre-allocated bucket buffers never grow.
+the tensor's own bytes (no copy on the sender; the receiver allocates fresh memory for it, which
+the caller then owns), so the pre-allocated bucket buffers never grow.
 
 Checksums (`CHECKSUMS`), one per bucket, computed by the sender after packing and checked by the
 receiver before unpacking:
 - "sum64" (the default): the buffer read as little-endian 64-bit words, word i added (mod 2**64)
   into lane i % 512; the result is the CRC-32 of the 512 lane sums, the tail bytes and the
-  length. About 15 GB/s on one core here. It catches any single changed word or bit, any change
-  confined to one lane, truncation and a buffer reused too early; it misses changes that cancel
-  within a lane, such as two 4 KiB-aligned 4 KiB blocks swapped.
+  length. About 15 GB/s on one idle core here. It catches any single changed word (so any
+  flipped bit), truncation, and most damage to several words; it misses changes that cancel
+  within a lane, such as two 4 KiB-aligned 4 KiB blocks swapped (a test pins this blind spot).
 - "crc32": zlib's CRC-32 over the bytes, which also catches reorderings, but runs at about
   2 GB/s on one core here: slower than a loopback gloo broadcast (2-3 GB/s), so with it the
   checksum, not the link, sets the speed of a push (bench/weight_sync.py measures both).
