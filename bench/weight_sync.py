@@ -1,0 +1,152 @@
+"""Weight-sync throughput of each checkpoint-engine backend, next to raw copies of the same bytes.
+
+    python bench/weight_sync.py [--total-mb 256] [--bucket-mb 64] [--repeats 5] [--dir /tmp]
+
+Builds `--total-mb` of fp32 tensors (mixed sizes, like a small model's layers) and measures, in
+one run and side by side: a raw memcpy of the same bytes, the inprocess engine, the files engine
+(write, then read back), a raw `torch.distributed.broadcast` over gloo between 2 processes on
+127.0.0.1 (one call for all bytes, and one call per bucket), and the broadcast engine, each with
+checksums crc32, sum64 and none. Cases run round-robin, `--repeats` rounds after one warm-up round, so
+load from other processes falls on all of them alike; prints each case's median GB/s and its
+ratio to the raw broadcast and to the memcpy. Target: broadcast engine (with its default sum64
+checksum) >= 70% of the raw broadcast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from agentrl.weights import make_checkpoint_engine
+
+CHECKSUMS = ("crc32", "sum64", None)
+
+
+def make_tensors(total_bytes: int) -> list[tuple[str, torch.Tensor]]:
+    """fp32 tensors of 1, 4 and 16 MiB in turn until `total_bytes` is reached."""
+    gen = torch.Generator().manual_seed(0)
+    out, size, i = [], 0, 0
+    while size < total_bytes:
+        nbytes = min((1 << 20) * (1, 4, 16)[i % 3], total_bytes - size)
+        out.append((f"layers.{i}.weight", torch.randn(nbytes // 4, generator=gen)))
+        size += nbytes
+        i += 1
+    return out
+
+
+def interleaved(cases: dict[str, object], repeats: int, sync=lambda: None) -> dict[str, float]:
+    """Median seconds of each case, run round-robin so that load from other processes on the
+    machine falls on every case alike; one warm-up round first (allocates buffers, faults pages).
+
+    `sync` runs before and after each timed call (a barrier for multi-process cases).
+    """
+    times: dict[str, list[float]] = {name: [] for name in cases}
+    for round_ in range(repeats + 1):
+        for name, fn in cases.items():
+            sync()
+            start = time.perf_counter()
+            fn()  # type: ignore[operator]
+            sync()
+            if round_:
+                times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def bench_local(tensors, total: int, bucket: int, repeats: int, directory: str) -> dict[str, float]:
+    src = torch.cat([t for _, t in tensors]).view(torch.uint8)
+    dst = torch.empty_like(src)
+    cases: dict[str, object] = {"raw memcpy": lambda: dst.copy_(src)}
+    with tempfile.TemporaryDirectory(dir=directory) as tmp:
+        for checksum in CHECKSUMS:
+            inproc = make_checkpoint_engine("inprocess", bucket_bytes=bucket, checksum=checksum,
+                                            consumer=lambda stream: sum(1 for _ in stream))
+            cases[f"inprocess engine ({checksum})"] = lambda e=inproc: e.send(iter(tensors), 1)
+        for checksum in CHECKSUMS:
+            files = make_checkpoint_engine("files", directory=Path(tmp) / str(checksum), bucket_bytes=bucket,
+                                           checksum=checksum, keep_last=1)
+            cases[f"files engine write ({checksum})"] = lambda e=files: e.send(iter(tensors), 1)
+            cases[f"files engine read ({checksum})"] = lambda e=files: sum(1 for _ in e.receive())
+        seconds = interleaved(cases, repeats)
+    return {k: total / v / 1e9 for k, v in seconds.items()}
+
+
+def _broadcast_worker(rank: int, port: int, total_mb: int, bucket: int, repeats: int, out: str,
+                      num_buffers: int) -> None:
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    tensors = make_tensors(total_mb << 20) if rank == 0 else []
+    total = total_mb << 20
+    flat = (torch.cat([t for _, t in tensors]).view(torch.uint8) if rank == 0
+            else torch.empty(total, dtype=torch.uint8))
+    cases: dict[str, object] = {
+        "raw broadcast (1 call)": lambda: dist.broadcast(flat, 0),
+        "raw broadcast (per bucket)": lambda: [dist.broadcast(flat[i : i + bucket], 0) for i in range(0, total, bucket)],
+    }
+    for checksum in CHECKSUMS:
+        engine = make_checkpoint_engine("broadcast", bucket_bytes=bucket, checksum=checksum,
+                                        num_buffers=num_buffers)
+        if rank == 0:
+            cases[f"broadcast engine ({checksum})"] = lambda e=engine: e.send(iter(tensors), 1)
+        else:
+            cases[f"broadcast engine ({checksum})"] = lambda e=engine: sum(1 for _ in e.receive())
+    # The barrier after each call stops the clock only once the receiver has every byte.
+    seconds = interleaved(cases, repeats, sync=dist.barrier)
+    if rank == 0:
+        Path(out).write_text(json.dumps({k: total / v / 1e9 for k, v in seconds.items()}))
+    dist.destroy_process_group()
+
+
+def bench_broadcast(total_mb: int, bucket: int, repeats: int, num_buffers: int) -> dict[str, float]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "broadcast.json")
+        mp.spawn(_broadcast_worker, args=(port, total_mb, bucket, repeats, out, num_buffers), nprocs=2, join=True)
+        return json.loads(Path(out).read_text())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--total-mb", type=int, default=256)
+    parser.add_argument("--bucket-mb", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--dir", default=tempfile.gettempdir(), help="where the files engine writes")
+    parser.add_argument("--broadcast-only", action="store_true", help="skip memcpy, inprocess and files")
+    parser.add_argument("--num-buffers", type=int, default=2,
+                        help="bucket buffers per side of the broadcast engine (1 turns off the overlap)")
+    args = parser.parse_args()
+    total, bucket = args.total_mb << 20, args.bucket_mb << 20
+    tensors = make_tensors(total)
+    print(f"{len(tensors)} fp32 tensors, {args.total_mb} MiB, buckets of {args.bucket_mb} MiB, "
+          f"median of {args.repeats}; torch {torch.__version__}, {os.cpu_count()} CPUs, "
+          f"load {os.getloadavg()[0]:.1f}", flush=True)
+    rows = {} if args.broadcast_only else bench_local(tensors, total, bucket, args.repeats, args.dir)
+    rows.update(bench_broadcast(args.total_mb, bucket, args.repeats, args.num_buffers))
+    raw = rows["raw broadcast (1 call)"]
+    memcpy = rows.get("raw memcpy", float("nan"))
+    print(f"{'path':<34} {'GB/s':>7} {'x raw bcast':>12} {'x memcpy':>9}")
+    for name, gbps in rows.items():
+        print(f"{name:<34} {gbps:>7.2f} {gbps / raw:>12.2f} {gbps / memcpy:>9.2f}")
+    per_bucket = rows["raw broadcast (per bucket)"]
+    for checksum in CHECKSUMS:
+        engine = rows[f"broadcast engine ({checksum})"]
+        default = " (the default)" if checksum == "sum64" else ""
+        verdict = "met" if engine / raw >= 0.7 else "MISSED"
+        print(f"broadcast engine, checksum {checksum}{default}: {engine / raw:.0%} of the raw 1-call broadcast "
+              f"(target >= 70%: {verdict}), {engine / per_bucket:.0%} of the raw per-bucket broadcast")
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()
