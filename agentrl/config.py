@@ -81,6 +81,8 @@ class DataConfig(_Section):
     """Shuffle the training rows each epoch (with `run.seed`)."""
     num_val_rows: int | None = Field(None, ge=1)
     """Use only the first N held-out rows (None: all)."""
+    skip_bad_rows: bool = False
+    """Train on the good rows when some are malformed (each bad row is reported); default: refuse."""
 
 
 class EnvConfig(_Section):

@@ -187,6 +187,10 @@ ENVS = Registry(
             "agentrl.envs.arithmetic:ArithmeticEnv",
             "Multi-step arithmetic word problems solved with a calculator tool.",
         ),
+        "retool": (
+            "agentrl.envs.retool:RetoolEnv",
+            "Math problems solved with a sandboxed Python interpreter (ReTool); answers checked exactly.",
+        ),
     },
 )
 

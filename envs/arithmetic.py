@@ -10,23 +10,20 @@ is 1.0 when that answer equals the exact value, else 0.0. It needs no sandbox an
 from __future__ import annotations
 
 import random
-import re
-from fractions import Fraction
 from typing import Any
 
+from agentrl.envs.answers import answers_match, final_answer
 from agentrl.envs.tool_env import ToolEnv
 from agentrl.tools.calculator import calculator, evaluate_expression, format_number
 from agentrl.tools.core import ToolContext
 
-__all__ = ["ArithmeticEnv", "extract_final_answer", "make_arithmetic_row"]
+__all__ = ["ArithmeticEnv", "make_arithmetic_row"]
 
 SYSTEM_PROMPT = (
     "You are a careful assistant. Use the calculator tool for every computation, "
     "then give the final answer as \\boxed{NUMBER}."
 )
 
-_BOXED_RE = re.compile(r"\\boxed\{\s*([^{}]*?)\s*\}")
-_NUMBER_RE = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
 
 
 def make_arithmetic_row(seed: int, *, num_terms: int = 3, digits: int = 4) -> dict[str, Any]:
@@ -50,22 +47,6 @@ def make_arithmetic_row(seed: int, *, num_terms: int = 3, digits: int = 4) -> di
     }
 
 
-def extract_final_answer(text: str) -> str | None:
-    """The content of the last `\\boxed{...}`; else the last number in the text; else None."""
-    boxed = _BOXED_RE.findall(text)
-    if boxed:
-        return boxed[-1]
-    numbers = _NUMBER_RE.findall(text)
-    return numbers[-1] if numbers else None
-
-
-def _as_number(text: str) -> Fraction | None:
-    try:
-        return Fraction(text.replace(",", "").strip())
-    except (ValueError, ZeroDivisionError):
-        return None
-
-
 class ArithmeticEnv(ToolEnv):
     """Arithmetic word problems with a calculator tool (see the module docstring)."""
 
@@ -79,9 +60,5 @@ class ArithmeticEnv(ToolEnv):
         return make_arithmetic_row(seed or 0, num_terms=self.num_terms, digits=self.digits)
 
     def score(self, final_text: str, row: dict[str, Any], ctx: ToolContext) -> float:
-        truth = _as_number(str(row.get("reward_model", {}).get("ground_truth", "")))
-        answer = extract_final_answer(final_text)
-        if truth is None or answer is None:
-            return 0.0
-        given = _as_number(answer)
-        return 1.0 if given is not None and given == truth else 0.0
+        truth = str(row.get("reward_model", {}).get("ground_truth", ""))
+        return 1.0 if truth and answers_match(final_answer(final_text), truth) else 0.0

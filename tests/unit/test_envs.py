@@ -8,7 +8,8 @@ from typing import Any
 import pytest
 
 from agentrl.envs import Env, ToolEnv, check_env, make_env
-from agentrl.envs.arithmetic import ArithmeticEnv, extract_final_answer, make_arithmetic_row
+from agentrl.envs.answers import answers_match, extract_boxed, final_answer
+from agentrl.envs.arithmetic import ArithmeticEnv, make_arithmetic_row
 from agentrl.errors import ConfigError, EnvContractError, EnvError, UnknownNameError
 from agentrl.registry import ENVS
 from agentrl.tools import Tool, ToolContext, tool
@@ -44,10 +45,14 @@ def test_arithmetic_passes_check_env_with_tool_calls_and_scores_answers() -> Non
     assert env.step(Action("\\boxed{12}"))[1] == 0.0
 
 
-def test_final_answer_extraction() -> None:
-    assert extract_final_answer("so \\boxed{42} and later \\boxed{ 1,234 }") == "1,234"
-    assert extract_final_answer("it is 17, maybe -3.5") == "-3.5"
-    assert extract_final_answer("no idea") is None
+def test_final_answer_extraction_and_matching() -> None:
+    assert final_answer("so \\boxed{42} and later \\boxed{ 1,234 }") == "1,234"
+    assert final_answer("it is 17, maybe -3.5") == "-3.5"
+    assert final_answer("no idea") is None
+    assert extract_boxed("x = \\boxed{\\frac{1}{2}} done") == "\\frac{1}{2}"
+    assert extract_boxed("\\boxed{unclosed") is None
+    assert answers_match("1,234", "1234") and answers_match("\\frac{3}{4}", "0.75") and answers_match("6/8", "3/4")
+    assert not answers_match("1235", "1234") and not answers_match(None, "1") and not answers_match("x" * 400, "1")
 
 
 def test_tool_env_turns_bad_calls_into_messages_and_counts_them() -> None:

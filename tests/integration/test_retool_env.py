@@ -1,0 +1,51 @@
+"""The retool env with its real sandboxed python tool: the contract, and a solved episode."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from agentrl.chat import ChatTemplate
+from agentrl.envs import check_env
+from agentrl.envs.retool import RetoolEnv, shipped_rows
+from agentrl.rollout import AgentLoop
+from agentrl.tools.parsers import HermesParser
+from agentrl.types import Action, FinishReason, Generation, SamplingParams, TokenOrigin, ToolCall
+
+pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None, reason="needs bubblewrap (apt-get install bubblewrap)")
+
+
+def test_retool_passes_check_env_with_real_code_execution() -> None:
+    actions = [Action("run", (ToolCall("python", {"code": "print(6 * 7)"}, id="c1"),)), Action("\\boxed{42}")]
+    check_env(RetoolEnv(), actions=actions)
+
+
+def test_an_agent_that_writes_the_right_code_earns_the_reward(assets: Path) -> None:
+    row = next(r for r in shipped_rows("test") if r["extra_info"]["family"] == "primes")
+    n = int(row["extra_info"]["question"].split()[-1].rstrip("?"))
+    code = f"n = {n}\nprint(sum(all(k % d for d in range(2, int(k ** 0.5) + 1)) for k in range(2, n)))"
+    template = ChatTemplate.from_pretrained(assets / "qwen2.5-0.5b-instruct")
+    tok = template.tokenizer
+    end = tok.convert_tokens_to_ids("<|im_end|>")
+    seen: list[str] = []
+
+    class CodingClient:
+        async def generate(self, prompt_ids: list[int], sampling: SamplingParams, *, session_id: str,
+                           timeout_s: float | None = None) -> Generation:
+            seen.append(tok.decode(prompt_ids))
+            if len(seen) == 1:
+                text = "<tool_call>\n" + json.dumps({"name": "python", "arguments": {"code": code}}) + "\n</tool_call>"
+            else:  # read the number the sandbox printed out of the prompt
+                printed = seen[-1].split("<tool_response>\n")[-1].split("\n")[0].strip()
+                text = f"There are \\boxed{{{printed}}} primes."
+            ids = tok.encode(text, add_special_tokens=False) + [end]
+            return Generation(ids, [-0.2] * len(ids), "stop", 1)
+
+    traj = asyncio.run(AgentLoop(CodingClient(), template, HermesParser()).run_episode(RetoolEnv(), row=row))
+    assert (traj.finish_reason, traj.reward) == (FinishReason.DONE, 1.0)
+    assert tok.decode(traj.tokens_of(TokenOrigin.TOOL)).strip() == row["reward_model"]["ground_truth"]
+    traj.validate()
