@@ -6,11 +6,11 @@ time, token by token with a KV cache, in a worker thread so `/health` keeps answ
 to be correct and easy to read, not fast, and it is not the default engine (vLLM is).
 
 Logprob convention (the same for every agentrl server): the logprob reported for a sampled token is
-`log_softmax(logits / temperature)[token]` over the full vocabulary, i.e. the token's logprob under
-the temperature-scaled distribution it was drawn from, which is what a trainer recomputes at the
-same temperature. With temperature 0 (greedy) the logits are not scaled. top-k / top-p truncation
-decides which tokens can be drawn but is not folded into the reported logprob; with the RL defaults
-(top_p=1, top_k=-1) the two coincide exactly.
+its logprob under the distribution it was actually drawn from: `log_softmax(logits / temperature)`
+restricted to the top-k / top-p set and renormalised over it. With the RL defaults (top_p=1,
+top_k=-1) that is exactly `log_softmax(logits / temperature)[token]` over the full vocabulary,
+which is what a trainer recomputes at the same temperature. With temperature 0 (greedy) the
+logits are not scaled. vLLM reports the same quantity with `logprobs_mode="processed_logprobs"`.
 
 Seeds are honoured: the same prompt, sampling parameters and seed give the same tokens. Generation
 ends at a stop token id (by default the EOS ids of the model's generation_config; the stop token is
@@ -40,9 +40,7 @@ def sample_token(
     if temperature == 0:
         token = int(torch.argmax(logits))
         return token, float(torch.log_softmax(logits, dim=-1)[token])
-    scaled = logits / temperature
-    logp = torch.log_softmax(scaled, dim=-1)
-    masked = scaled
+    masked = logits / temperature
     if 0 < top_k < masked.numel():
         kth = torch.topk(masked, top_k).values[-1]
         masked = masked.masked_fill(masked < kth, float("-inf"))
@@ -51,8 +49,8 @@ def sample_token(
         cum = torch.softmax(sorted_logits, dim=-1).cumsum(-1)
         drop = cum - torch.softmax(sorted_logits, dim=-1) > top_p  # keep the token that crosses top_p
         masked = masked.scatter(0, order, sorted_logits.masked_fill(drop, float("-inf")))
-    probs = torch.softmax(masked, dim=-1)
-    token = int(torch.multinomial(probs, 1, generator=generator))
+    logp = torch.log_softmax(masked, dim=-1)
+    token = int(torch.multinomial(logp.exp(), 1, generator=generator))
     return token, float(logp[token])
 
 

@@ -69,8 +69,8 @@ class GenerateRequest(_Wire):
 class GenerateResponse(_Wire):
     token_ids: list[int]
     logprobs: list[float]
-    """Logprob of each sampled token under log_softmax(logits / temperature) over the full
-    vocabulary (temperature 0: the unscaled logits). See `hf_server` for the convention."""
+    """Logprob of each sampled token under the distribution it was drawn from: logits / temperature
+    (unscaled for greedy), after top-k/top-p truncation. See `hf_server` for the convention."""
     finish_reason: Literal["stop", "length", "abort"]
     weight_version: int
 
