@@ -1,4 +1,5 @@
-"""Two real `hf` servers behind the router; one is killed mid-run and every request still completes."""
+"""Two real `hf` servers behind the router, started by serve_from_config; one is killed mid-run and
+every request still completes."""
 
 from __future__ import annotations
 
@@ -7,23 +8,28 @@ import itertools
 
 import pytest
 
-from agentrl.inference import Router, launch_server
+from agentrl.config import AgentRLConfig
+from agentrl.inference import serve_from_config
 from agentrl.types import SamplingParams
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def servers(assets):
-    model = str(assets / "tiny-random-qwen2")
-    procs = [launch_server("hf", model, startup_timeout_s=300, num_threads=1) for _ in range(2)]
-    yield procs
-    for p in procs:
-        p.stop()
-    assert not any(p.alive for p in procs)
+def service(assets, tmp_path_factory):
+    cfg = AgentRLConfig()
+    cfg.model.path = str(assets / "tiny-random-qwen2")
+    cfg.inference.engine = "hf"
+    cfg.inference.num_servers = 2
+    cfg.inference.startup_timeout_s = 300
+    svc = serve_from_config(cfg, log_dir=tmp_path_factory.mktemp("logs"))
+    yield svc
+    svc.stop()
+    assert not any(p.alive for p in svc.servers)
 
 
-def test_every_request_completes_when_a_server_is_killed_mid_run(servers):
+def test_every_request_completes_when_a_server_is_killed_mid_run(service):
+    servers = service.servers
     sp = SamplingParams(temperature=1.0, max_tokens=8, stop_token_ids=(), seed=0)
     n_sessions, n_turns = 8, 4
 
@@ -40,7 +46,8 @@ def test_every_request_completes_when_a_server_is_killed_mid_run(servers):
         return placed
 
     async def scenario():
-        router = Router([p.url for p in servers], health_interval_s=0.5)
+        router = service.client
+        router.health_interval_s = 0.5
         await router.start()
         kill = asyncio.Event()
 
