@@ -88,8 +88,8 @@ class HFEngine(ServerEngine):
 
     # ── generation ──────────────────────────────────────────────────────────────────────────
     async def generate(self, request: GenerateRequest, version: int) -> GenerateResponse:
+        epoch = self._abort_epoch  # taken before queueing, so an abort also ends queued requests
         async with self._lock:
-            epoch = self._abort_epoch
             ids, lps, reason = await asyncio.to_thread(self._generate, request, epoch)
         return GenerateResponse(token_ids=ids, logprobs=lps, finish_reason=reason, weight_version=version)
 

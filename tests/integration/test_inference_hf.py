@@ -162,3 +162,28 @@ def test_pause_holds_new_requests_until_resume(server, prompt_ids):
     held, load, out = asyncio.run(go())
     assert held and load == 1
     assert len(out.token_ids) >= 1
+
+
+def test_pause_with_abort_ends_running_and_queued_requests(server, prompt_ids):
+    long = SamplingParams(temperature=0.0, max_tokens=4000, stop_token_ids=())
+
+    async def go():
+        client = HTTPServerClient(server.url)
+        try:
+            running = asyncio.create_task(client.generate(prompt_ids, long, session_id="r"))
+            queued = asyncio.create_task(client.generate(prompt_ids, long, session_id="q"))
+            await asyncio.sleep(0.5)
+            await client.pause(abort=True)
+            outs = await asyncio.wait_for(asyncio.gather(running, queued), 60)
+            await client.resume()
+            after = await client.generate(prompt_ids, SamplingParams(temperature=0.0, max_tokens=3), session_id="n")
+            metrics = await client.metrics()
+            return outs, after, metrics
+        finally:
+            await client.aclose()
+
+    (running, queued), after, metrics = asyncio.run(go())
+    assert running.finish_reason == "abort" and 0 < len(running.token_ids) < 4000
+    assert queued.finish_reason == "abort" and queued.token_ids == []
+    assert after.finish_reason == "length" and len(after.token_ids) == 3
+    assert metrics.aborted >= 2
