@@ -169,8 +169,11 @@ class ServerProcess:
             while True:
                 if not self.alive:
                     code = self.proc.returncode if self.proc else None
+                    hint = ""
+                    if self.spec.python_env:
+                        hint = f" (it ran under {self.command[0]}; set {self.spec.python_env} to the python of an environment with {self.spec.name} installed)"
                     raise ServerUnavailableError(
-                        f"The {self.spec.name} server exited with code {code} before it became healthy; "
+                        f"The {self.spec.name} server exited with code {code} before it became healthy{hint}; "
                         f"command: {' '.join(self.command)}\nlast lines of {self.log_path}:\n{self.log_tail()}"
                     )
                 with contextlib.suppress(httpx.HTTPError):
