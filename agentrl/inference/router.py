@@ -15,6 +15,9 @@ Routing rules (DESIGN.md §4 Inference):
   no server is eligible, requests wait (until their deadline) instead of failing.
 - A background task polls `GET /health` of every server: liveness, weight version, and the load
   that other clients put on it.
+- A generation the server ended with finish_reason "abort" (it was paused with abort, e.g. for a
+  weight push) is returned as it is, partial tokens included: whether to continue or drop it is
+  the agent loop's decision, not the router's.
 
 A server's load is the requests this router has in flight there plus the part of its reported
 `/health` load that is not ours. A routing decision costs one dict lookup and O(1) arithmetic on a
@@ -339,6 +342,12 @@ class Router:
     # ── fleet control ───────────────────────────────────────────────────────────────────────
     async def update_weights(self, path: str, version: int) -> None:
         """Load weights `path` on every server (each pauses itself), then serve only `version`."""
+        cannot = [s.server_id for s in self.servers if not hasattr(s.client, "update_weights")]
+        if cannot:
+            raise InferenceError(
+                f"Servers {cannot} cannot load weights (external OpenAI-compatible servers have no such call); "
+                "update them yourself, then call set_version()."
+            )
         await asyncio.gather(*(s.client.update_weights(path, version) for s in self.servers if s.healthy))
         await self.check_health()
         self.set_version(version)
