@@ -45,7 +45,9 @@ class SamplingSpec(_Wire):
     top_k: int = -1
     max_tokens: int = Field(512, ge=1)
     stop_token_ids: list[int] | None = None
-    """Ids that end the generation. None: the model's EOS ids (generation_config); []: none."""
+    """Ids that end the generation. None: the model's EOS ids (generation_config); a list replaces
+    them ([] stops only at max_tokens). SamplingParams' empty default travels as None. (SGLang and
+    external servers add explicit ids to their EOS instead of replacing it.)"""
     seed: int | None = None
 
     @classmethod

@@ -70,13 +70,13 @@ def forward_logprobs(model, prompt, gen_ids, temperature):
 def test_greedy_equals_transformers_generate(server, hf_model, prompt_ids):
     import torch
 
-    out = generate(server, prompt_ids, SamplingParams(temperature=0.0, max_tokens=24, stop_token_ids=()))
+    out = generate(server, prompt_ids, SamplingParams(temperature=0.0, max_tokens=24))
     ref = hf_model.generate(
         torch.tensor([prompt_ids]),
         attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
         do_sample=False,
         max_new_tokens=24,
-        min_new_tokens=24,  # our request had no stop ids either
+        min_new_tokens=24,  # the tiny random model emits no EOS in these 24 greedy steps
         repetition_penalty=1.0,
         temperature=None,
         top_p=None,
@@ -99,7 +99,7 @@ def test_sampled_logprobs_match_a_forward_pass_and_seeds_repeat(server, hf_model
 
 
 def test_stop_token_ends_generation_and_is_included(server, prompt_ids):
-    free = generate(server, prompt_ids, SamplingParams(temperature=0.0, max_tokens=8, stop_token_ids=()))
+    free = generate(server, prompt_ids, SamplingParams(temperature=0.0, max_tokens=8))
     stop_id = free.token_ids[3]
     out = generate(
         server, prompt_ids, SamplingParams(temperature=0.0, max_tokens=8, stop_token_ids=(stop_id,))
@@ -113,7 +113,7 @@ def test_update_weights_changes_outputs_and_version(server, hf_model, prompt_ids
     import torch
     from safetensors.torch import save_file
 
-    greedy = SamplingParams(temperature=0.0, max_tokens=16, stop_token_ids=())
+    greedy = SamplingParams(temperature=0.0, max_tokens=16)
     before = generate(server, prompt_ids, greedy)
     torch.manual_seed(0)
     state = {
@@ -165,7 +165,7 @@ def test_pause_holds_new_requests_until_resume(server, prompt_ids):
 
 
 def test_pause_with_abort_ends_running_and_queued_requests(server, prompt_ids):
-    long = SamplingParams(temperature=0.0, max_tokens=4000, stop_token_ids=())
+    long = SamplingParams(temperature=0.0, max_tokens=4000)
 
     async def go():
         client = HTTPServerClient(server.url)
@@ -178,7 +178,9 @@ def test_pause_with_abort_ends_running_and_queued_requests(server, prompt_ids):
             await client.pause(abort=True)
             outs = await asyncio.wait_for(asyncio.gather(running, queued), 60)
             await client.resume()
-            after = await client.generate(prompt_ids, SamplingParams(temperature=0.0, max_tokens=3), session_id="n")
+            after = await client.generate(
+                prompt_ids, SamplingParams(temperature=0.0, max_tokens=3), session_id="n"
+            )
             metrics = await client.metrics()
             return outs, after, metrics
         finally:

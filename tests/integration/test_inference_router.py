@@ -30,7 +30,7 @@ def service(assets, tmp_path_factory):
 
 def test_every_request_completes_when_a_server_is_killed_mid_run(service):
     servers = service.servers
-    sp = SamplingParams(temperature=1.0, max_tokens=8, stop_token_ids=(), seed=0)
+    sp = SamplingParams(temperature=1.0, max_tokens=8, seed=0)
     n_sessions, n_turns = 8, 4
 
     async def episode(router, i, kill_event):

@@ -94,7 +94,7 @@ def test_token_ids_in_and_out_with_logprobs_close_to_transformers(
 ):
     import torch
 
-    greedy = generate(server, prompt_ids, SamplingParams(temperature=0.0, max_tokens=32, stop_token_ids=()))
+    greedy = generate(server, prompt_ids, SamplingParams(temperature=0.0, max_tokens=32))
     ref = hf_model.generate(
         torch.tensor([prompt_ids]),
         attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
@@ -109,7 +109,7 @@ def test_token_ids_in_and_out_with_logprobs_close_to_transformers(
     assert greedy.token_ids == ref
     assert greedy.finish_reason == "length"
 
-    sp = SamplingParams(temperature=0.8, max_tokens=48, seed=7, stop_token_ids=())
+    sp = SamplingParams(temperature=0.8, max_tokens=48, seed=7)
     sampled = generate(server, prompt_ids, sp)
     again = generate(server, prompt_ids, sp)
     assert sampled.token_ids == again.token_ids  # seeds are honoured
@@ -125,8 +125,8 @@ def test_token_ids_in_and_out_with_logprobs_close_to_transformers(
     assert mean_diff < 1e-3 and max(diffs) < 1e-2
 
 
-def test_eos_stops_by_default(server, prompt_ids):
-    free = generate(server, prompt_ids, SamplingParams(temperature=0.0, max_tokens=6, stop_token_ids=()))
+def test_stop_token_id_ends_generation_and_is_included(server, prompt_ids):
+    free = generate(server, prompt_ids, SamplingParams(temperature=0.0, max_tokens=6))
     stop_id = free.token_ids[2]
     out = generate(
         server, prompt_ids, SamplingParams(temperature=0.0, max_tokens=6, stop_token_ids=(stop_id,))
@@ -154,7 +154,7 @@ def test_prefix_cache_reuse_on_a_multi_turn_session(server, prompt_ids, record_p
 
 
 def test_pause_holds_requests_and_abort_ends_them(server, prompt_ids):
-    long = SamplingParams(temperature=0.0, max_tokens=2000, stop_token_ids=())
+    long = SamplingParams(temperature=0.0, max_tokens=2000)
 
     async def scenario(client):
         assert (await client.pause()).status == "paused"
@@ -183,7 +183,7 @@ def test_update_weights_in_place_changes_version_and_outputs(server, hf_model, p
     import torch
     from safetensors.torch import save_file
 
-    greedy = SamplingParams(temperature=0.0, max_tokens=16, stop_token_ids=())
+    greedy = SamplingParams(temperature=0.0, max_tokens=16)
     before = generate(server, prompt_ids, greedy)
     torch.manual_seed(0)
     state = {
