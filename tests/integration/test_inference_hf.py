@@ -199,3 +199,16 @@ async def until_load(client, n):
             return
         await asyncio.sleep(0.05)
     raise AssertionError(f"server load never reached {n}")
+
+
+def test_truncated_sampling_reports_the_truncated_distribution(server, hf_model, prompt_ids):
+    import torch
+
+    out = generate(server, prompt_ids, SamplingParams(temperature=0.8, top_k=5, max_tokens=16, seed=3))
+    with torch.no_grad():
+        logits = (
+            hf_model(torch.tensor([prompt_ids + out.token_ids])).logits[0, len(prompt_ids) - 1 : -1] / 0.8
+        )
+    masked = logits.masked_fill(logits < logits.topk(5, dim=-1).values[:, -1:], float("-inf"))
+    ref = torch.log_softmax(masked, -1).gather(-1, torch.tensor(out.token_ids)[:, None])[:, 0].tolist()
+    assert out.logprobs == pytest.approx(ref, abs=1e-4)

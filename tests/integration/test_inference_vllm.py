@@ -179,6 +179,23 @@ def test_pause_holds_requests_and_abort_ends_them(server, prompt_ids):
     assert aborted.finish_reason == "abort" and len(aborted.token_ids) < 2000
 
 
+def test_truncated_sampling_reports_the_truncated_distribution(server, hf_model, prompt_ids):
+    """top-k: the logprob is under the renormalised top-k distribution, as the hf server reports it."""
+    out = generate(server, prompt_ids, SamplingParams(temperature=0.8, top_k=5, max_tokens=16, seed=3))
+    ref = truncated_logprobs(hf_model, prompt_ids, out.token_ids, 0.8, 5)
+    assert out.logprobs == pytest.approx(ref, abs=1e-3)
+
+
+def truncated_logprobs(model, prompt, gen_ids, temperature, top_k):
+    import torch
+
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + gen_ids])).logits[0, len(prompt) - 1 : -1].float() / temperature
+    kth = logits.topk(top_k, dim=-1).values[:, -1:]
+    masked = logits.masked_fill(logits < kth, float("-inf"))
+    return torch.log_softmax(masked, -1).gather(-1, torch.tensor(gen_ids)[:, None])[:, 0].tolist()
+
+
 def test_update_weights_in_place_changes_version_and_outputs(server, hf_model, prompt_ids, tmp_path):
     import torch
     from safetensors.torch import save_file
