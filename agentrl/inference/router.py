@@ -252,6 +252,12 @@ class Router:
                     prompt_ids, sampling, session_id=session_id, timeout_s=remaining
                 )
             except ServerUnavailableError as exc:
+                if time.monotonic() >= deadline:
+                    # the caller's deadline ran out: that says nothing about the server's health
+                    raise ServerUnavailableError(
+                        f"Session {session_id!r} got no answer within its {budget:.1f} s deadline "
+                        f"(last server {server.server_id}): {exc}"
+                    ) from exc
                 self.counters["failures"] += 1
                 errors.append(f"{server.server_id}: {exc}")
                 tried.append(server)

@@ -284,3 +284,22 @@ def test_router_over_http_clients_with_a_mock_transport():
     assert gen.token_ids == [7, 8] and gen.weight_version == 4 and gen.server_id.startswith("http://s")
     assert seen[0]["prompt_ids"] == [1, 2, 3] and seen[0]["session_id"] == "x"
     assert seen[0]["sampling"]["seed"] == 3 and seen[0]["sampling"]["temperature"] == 0.5
+
+
+def test_a_request_that_outlives_its_deadline_does_not_mark_the_server_failed():
+    class SlowServer(FakeServer):
+        async def generate(self, prompt_ids, sampling, *, session_id, timeout_s=None):
+            await asyncio.sleep(timeout_s)
+            raise ServerUnavailableError(f"{self.server_id}: no answer within {timeout_s} s")
+
+    router = Router([SlowServer("a"), FakeServer("b")], health_interval_s=60)
+
+    async def scenario():
+        try:
+            with pytest.raises(ServerUnavailableError, match="deadline"):
+                await router.generate([1], SP, session_id="s", timeout_s=0.1)
+        finally:
+            await router.aclose()
+
+    run(scenario())
+    assert router.servers[0].healthy and router.counters["failures"] == 0
