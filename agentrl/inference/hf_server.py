@@ -1,0 +1,164 @@
+"""`hf`: a small, exact, slow inference server built on transformers, for machines without vLLM.
+
+Run it as `python -m agentrl.inference.hf_server --model PATH --port N` (or `launch_server("hf",
+PATH)`). The model is an `AutoModelForCausalLM` in float32 on CPU; requests are served one at a
+time, token by token with a KV cache, in a worker thread so `/health` keeps answering. It is meant
+to be correct and easy to read, not fast, and it is not the default engine (vLLM is).
+
+Logprob convention (the same for every agentrl server): the logprob reported for a sampled token is
+its logprob under the distribution it was actually drawn from: `log_softmax(logits / temperature)`
+restricted to the top-k / top-p set and renormalised over it. With the RL defaults (top_p=1,
+top_k=-1) that is exactly `log_softmax(logits / temperature)[token]` over the full vocabulary,
+which is what a trainer recomputes at the same temperature. With temperature 0 (greedy) the
+logits are not scaled. vLLM reports the same quantity with `logprobs_mode="processed_logprobs"`.
+
+Seeds are honoured: the same prompt, sampling parameters and seed give the same tokens. Generation
+ends at a stop token id (by default the EOS ids of the model's generation_config; the stop token is
+included in the output), at `max_tokens`, or at the model's maximum length ("length").
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from agentrl.inference.protocol import GenerateRequest, GenerateResponse
+from agentrl.inference.server_app import ServerEngine, run_server, server_arg_parser
+
+__all__ = ["HFEngine", "main", "sample_token"]
+
+
+def sample_token(
+    logits: torch.Tensor, temperature: float, top_p: float, top_k: int, generator: torch.Generator | None
+) -> tuple[int, float]:
+    """Draw one token from 1-D `logits`; return it with its logprob (see the module convention)."""
+    logits = logits.float()
+    if temperature == 0:
+        token = int(torch.argmax(logits))
+        return token, float(torch.log_softmax(logits, dim=-1)[token])
+    masked = logits / temperature
+    if 0 < top_k < masked.numel():
+        kth = torch.topk(masked, top_k).values[-1]
+        masked = masked.masked_fill(masked < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(masked, descending=True)
+        cum = torch.softmax(sorted_logits, dim=-1).cumsum(-1)
+        drop = cum - torch.softmax(sorted_logits, dim=-1) > top_p  # keep the token that crosses top_p
+        masked = masked.scatter(0, order, sorted_logits.masked_fill(drop, float("-inf")))
+    logp = torch.log_softmax(masked, dim=-1)
+    token = int(torch.multinomial(logp.exp(), 1, generator=generator))
+    return token, float(logp[token])
+
+
+class HFEngine(ServerEngine):
+    """A transformers model generating one request at a time, in a worker thread."""
+
+    engine_name = "hf"
+
+    def __init__(self, model_path: str, *, num_threads: int | None = None) -> None:
+        self.model_path = model_path
+        self.model_name = Path(model_path).name or model_path
+        self.num_threads = num_threads
+        self.model: Any = None
+        self.eos_ids: list[int] = []
+        self.max_len = 1 << 30
+        self._lock = asyncio.Lock()  # one generation (or weight load) at a time
+        self._abort_epoch = 0
+
+    async def start(self) -> None:
+        await asyncio.to_thread(self._load)
+
+    def _load(self) -> None:
+        from transformers import AutoModelForCausalLM, GenerationConfig
+
+        if self.num_threads:
+            torch.set_num_threads(self.num_threads)
+        self.model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32).eval()
+        eos: Any = None
+        try:
+            eos = GenerationConfig.from_pretrained(self.model_path).eos_token_id
+        except OSError:
+            eos = self.model.config.eos_token_id
+        self.eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
+        self.max_len = int(getattr(self.model.config, "max_position_embeddings", self.max_len))
+
+    # ── generation ──────────────────────────────────────────────────────────────────────────
+    async def generate(self, request: GenerateRequest, version: int) -> GenerateResponse:
+        epoch = self._abort_epoch  # taken before queueing, so an abort also ends queued requests
+        async with self._lock:
+            ids, lps, reason = await asyncio.to_thread(self._generate, request, epoch)
+        return GenerateResponse(token_ids=ids, logprobs=lps, finish_reason=reason, weight_version=version)
+
+    @torch.inference_mode()
+    def _generate(self, request: GenerateRequest, epoch: int) -> tuple[list[int], list[float], Any]:
+        s = request.sampling
+        stop = set(self.eos_ids if s.stop_token_ids is None else s.stop_token_ids)
+        gen = torch.Generator().manual_seed(s.seed if s.seed is not None else int.from_bytes(os.urandom(7)))
+        ids: list[int] = []
+        lps: list[float] = []
+        room = self.max_len - len(request.prompt_ids)
+        if room <= 0:
+            return ids, lps, "length"
+        inputs = torch.tensor([request.prompt_ids], dtype=torch.long)
+        past = None
+        while True:
+            if self._abort_epoch != epoch:
+                return ids, lps, "abort"
+            out = self.model(input_ids=inputs, past_key_values=past, use_cache=True)
+            past = out.past_key_values
+            token, lp = sample_token(out.logits[0, -1], s.temperature, s.top_p, s.top_k, gen)
+            ids.append(token)
+            lps.append(lp)
+            if token in stop:
+                return ids, lps, "stop"
+            if len(ids) >= min(s.max_tokens, room):
+                return ids, lps, "length"
+            inputs = torch.tensor([[token]], dtype=torch.long)
+
+    async def abort_all(self) -> None:
+        self._abort_epoch += 1
+
+    # ── weights ─────────────────────────────────────────────────────────────────────────────
+    async def load_weights(self, path: str) -> None:
+        async with self._lock:
+            await asyncio.to_thread(self._load_weights, path)
+
+    @torch.inference_mode()
+    def _load_weights(self, path: str) -> None:
+        from safetensors.torch import load_file
+
+        files = sorted(Path(path).glob("*.safetensors"))
+        if not files:
+            raise ValueError(f"no *.safetensors files in {path}")
+        params = dict(self.model.named_parameters())
+        params.update(dict(self.model.named_buffers()))
+        incoming: dict[str, torch.Tensor] = {}
+        for f in files:
+            incoming.update(load_file(str(f)))
+        unknown = sorted(set(incoming) - set(params))
+        if unknown:
+            raise ValueError(f"{len(unknown)} tensors match no parameter of the model, e.g. {unknown[:3]}")
+        for name, tensor in incoming.items():
+            target = params[name]
+            if target.shape != tensor.shape:
+                raise ValueError(f"{name}: shape {tuple(tensor.shape)} != model's {tuple(target.shape)}")
+        for name, tensor in incoming.items():
+            params[name].copy_(tensor.to(params[name].dtype))
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = server_arg_parser("hf")
+    parser.add_argument("--num-threads", type=int, default=None, help="torch CPU threads")
+    args = parser.parse_args(argv)
+    engine = HFEngine(args.model, num_threads=args.num_threads)
+    run_server(
+        engine, host=args.host, port=args.port, weight_version=args.weight_version, log_level=args.log_level
+    )
+
+
+if __name__ == "__main__":
+    main()

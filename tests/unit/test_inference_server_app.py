@@ -1,0 +1,91 @@
+"""The engine-independent server layer: pause waits or aborts, paused requests wait, weight
+updates pause, swap and report the new version. A fake engine stands in for hf/vLLM."""
+
+from __future__ import annotations
+
+import asyncio
+
+from agentrl.inference.protocol import GenerateRequest, GenerateResponse, SamplingSpec
+from agentrl.inference.server_app import ServerEngine, ServerState
+
+
+class FakeEngine(ServerEngine):
+    engine_name = "fake"
+    model_name = "m"
+
+    def __init__(self) -> None:
+        self.aborted = asyncio.Event()
+        self.loaded: list[str] = []
+
+    async def generate(self, request: GenerateRequest, version: int) -> GenerateResponse:
+        steps = request.sampling.max_tokens
+        ids = []
+        for i in range(steps):
+            if self.aborted.is_set():
+                return GenerateResponse(
+                    token_ids=ids, logprobs=[-1.0] * len(ids), finish_reason="abort", weight_version=version
+                )
+            ids.append(i)
+            await asyncio.sleep(0.01)
+        return GenerateResponse(
+            token_ids=ids, logprobs=[-1.0] * len(ids), finish_reason="length", weight_version=version
+        )
+
+    async def abort_all(self) -> None:
+        self.aborted.set()
+
+    async def load_weights(self, path: str) -> None:
+        self.loaded.append(path)
+
+
+def req(n: int) -> GenerateRequest:
+    return GenerateRequest(prompt_ids=[1], sampling=SamplingSpec(max_tokens=n))
+
+
+def test_pause_waits_for_in_flight_and_holds_new_requests():
+    async def go():
+        state = ServerState(FakeEngine())
+        running = asyncio.create_task(state.generate(req(10)))
+        await asyncio.sleep(0.02)
+        await state.pause(abort=False)  # returns only once `running` has finished
+        assert running.done() and running.result().finish_reason == "length"
+        held = asyncio.create_task(state.generate(req(2)))
+        await asyncio.sleep(0.05)
+        assert not held.done() and state.health().load == 1 and state.health().status == "paused"
+        state.resume()
+        assert (await held).finish_reason == "length"
+
+    asyncio.run(go())
+
+
+def test_pause_with_abort_ends_in_flight_requests():
+    async def go():
+        engine = FakeEngine()
+        state = ServerState(engine)
+        running = asyncio.create_task(state.generate(req(1000)))
+        await asyncio.sleep(0.05)
+        await state.pause(abort=True)
+        out = running.result()
+        assert out.finish_reason == "abort" and 0 < len(out.token_ids) < 1000
+        assert state.metrics.aborted == 1
+
+    asyncio.run(go())
+
+
+def test_update_weights_drains_swaps_and_reports_the_version():
+    async def go():
+        engine = FakeEngine()
+        state = ServerState(engine, weight_version=0)
+        before = asyncio.create_task(state.generate(req(5)))
+        await asyncio.sleep(0.01)
+        await state.update_weights("/w/1", 1)
+        assert before.done() and before.result().weight_version == 0
+        assert engine.loaded == ["/w/1"] and state.health().weight_version == 1
+        assert not state.paused  # it resumes by itself when it was not paused before
+        assert (await state.generate(req(1))).weight_version == 1
+        await state.pause(abort=False)
+        await state.update_weights("/w/2", 2)
+        assert state.paused  # a server paused by the caller stays paused
+        assert state.metrics.weight_updates == 2
+
+    asyncio.run(go())
