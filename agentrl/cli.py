@@ -46,6 +46,8 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("args", nargs="*", metavar="CONFIG_OR_OVERRIDE", help=_CONFIG_HELP)
         if name == "validate":
             p.add_argument("--show", action="store_true", help="print the resolved config as YAML")
+        if name == "serve":
+            p.add_argument("--log-dir", default=None, help="write each server's log here")
 
     p = sub.add_parser("config", help="list every config key with its type, default and meaning")
     p.add_argument("section", nargs="?", help="only keys under this section (e.g. trainer)")
@@ -128,8 +130,30 @@ def cmd_eval(ns: argparse.Namespace) -> int:
 
 
 def cmd_serve(ns: argparse.Namespace) -> int:
-    _load(ns.args)
-    return cmd_not_built("serve", "the LLM server launcher and router (agentrl.inference)")
+    import signal
+    import threading
+
+    from agentrl.inference.serve import serve_from_config
+
+    cfg = _load(ns.args)
+    print(f"starting {cfg.inference.num_servers} {cfg.inference.engine} server(s) for {cfg.model.path} ...",
+          flush=True)
+    service = serve_from_config(cfg, log_dir=ns.log_dir)
+    try:
+        for url in service.urls:
+            print(f"serving {cfg.model.path} at {url}  (token in/out API: POST {url}/generate)", flush=True)
+        print("press Ctrl-C to stop", flush=True)
+        stop = threading.Event()
+        signal.signal(signal.SIGTERM, lambda *_: stop.set())
+        while not stop.wait(1.0):
+            if any(not s.alive for s in service.servers):
+                print("a server process exited; stopping the others (see its log)", file=sys.stderr)
+                return EXIT_ERROR
+    except KeyboardInterrupt:
+        pass
+    finally:
+        service.stop()
+    return 0
 
 
 def cmd_config(ns: argparse.Namespace) -> int:

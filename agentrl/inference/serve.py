@@ -32,6 +32,7 @@ from agentrl.errors import ConfigError, InferenceError, ServerUnavailableError
 from agentrl.inference.launcher import ServerProcess, launch_server
 from agentrl.inference.protocol import HealthResponse
 from agentrl.inference.router import Router
+from agentrl.models import resolve_model_path
 from agentrl.types import Generation, SamplingParams
 
 __all__ = ["ExternalClient", "InferenceService", "engine_kwargs_from_config", "serve_from_config"]
@@ -216,12 +217,13 @@ def serve_from_config(config: AgentRLConfig, *, log_dir: str | Path | None = Non
         clients = [ExternalClient(u, model=config.model.path) for u in inf.urls]
         return InferenceService(Router(clients, **router_opts))
     kwargs = engine_kwargs_from_config(config)
+    model_path = resolve_model_path(config.model.path)  # built-in names are converted once, here
     servers: list[ServerProcess] = []
     try:
         for i in range(inf.num_servers):
             log_path = Path(log_dir) / f"{inf.engine}-{i}.log" if log_dir else None
             servers.append(
-                launch_server(inf.engine, config.model.path, log_path=log_path, wait=False, **kwargs)
+                launch_server(inf.engine, model_path, log_path=log_path, wait=False, **kwargs)
             )
         for server in servers:
             server.wait_healthy(inf.startup_timeout_s)
