@@ -118,15 +118,20 @@ def _built(module: str) -> bool:
 
 
 def cmd_run(ns: argparse.Namespace) -> int:
-    if not _built("agentrl.orchestration"):
+    if not _built("agentrl.orchestration.driver"):
         return cmd_not_built("run", "the training driver (agentrl.orchestration)")
     _load(ns.args)
     return cmd_not_built("run", "the training driver (agentrl.orchestration)")
 
 
 def cmd_eval(ns: argparse.Namespace) -> int:
-    _load(ns.args)
-    return cmd_not_built("eval", "the offline evaluator, which needs the AgentLoop and LLM servers,")
+    from agentrl.orchestration.evaluate import run_eval
+
+    cfg = _load(ns.args)
+    report = run_eval(cfg)
+    print(report.summary())
+    print(f"report: {report.output_dir}/report.json   trajectories: {report.output_dir}/trajectories.jsonl")
+    return 0
 
 
 def cmd_serve(ns: argparse.Namespace) -> int:

@@ -30,6 +30,7 @@ __all__ = [
     "AlgorithmConfig",
     "DataConfig",
     "EnvConfig",
+    "EvalConfig",
     "InferenceConfig",
     "ModelConfig",
     "RolloutConfig",
@@ -216,6 +217,17 @@ class WeightSyncConfig(_Section):
     """Size of one weight bucket."""
 
 
+class EvalConfig(_Section):
+    k: int = Field(4, ge=1)
+    """Samples per problem; the report gives pass@1 and pass@k (unbiased estimator)."""
+    temperature: float = Field(1.0, ge=0.0)
+    """Sampling temperature of the evaluation (0: greedy, then use k=1)."""
+    max_rows: int | None = Field(None, ge=1)
+    """Evaluate only the first N problems (None: all)."""
+    output_dir: str | None = None
+    """Where the report and trajectories go (default: `run.output_dir`/eval-<env>-<time>)."""
+
+
 class RunConfig(_Section):
     mode: Literal["sync", "one_step_off", "async"] = "sync"
     """When rollout and training overlap: not at all, one step apart, or fully asynchronous."""
@@ -264,6 +276,8 @@ class AgentRLConfig(_Section):
     """Optimisation and the training backend."""
     weights: WeightSyncConfig = Field(default_factory=WeightSyncConfig)
     """The checkpoint engine that pushes weights to the servers."""
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+    """Offline evaluation (`agentrl eval`) and the held-out evaluation during training."""
     run: RunConfig = Field(default_factory=RunConfig)
     """Steps, modes, logging, checkpoints."""
 

@@ -56,6 +56,12 @@ class ArithmeticEnv(ToolEnv):
         self.num_terms = num_terms
         self.digits = digits
 
+    @classmethod
+    def dataset_rows(cls, split: str, n: int = 200) -> list[dict[str, Any]]:
+        """`n` generated rows; train and test use disjoint seed ranges."""
+        offset = {"train": 0, "test": 1_000_000}[split]
+        return [make_arithmetic_row(offset + i) for i in range(n)]
+
     def generate_row(self, seed: int | None) -> dict[str, Any]:
         return make_arithmetic_row(seed or 0, num_terms=self.num_terms, digits=self.digits)
 

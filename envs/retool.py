@@ -57,6 +57,11 @@ class RetoolEnv(ToolEnv):
         self.format_reward = format_reward
         self.split = split
 
+    @classmethod
+    def dataset_rows(cls, split: str) -> list[dict[str, Any]]:
+        """The shipped synthetic rows of `split` ("train" or "test"), for runs given no data files."""
+        return list(shipped_rows(split))
+
     def generate_row(self, seed: int | None) -> dict[str, Any]:
         rows = shipped_rows(self.split)
         return rows[(seed or 0) % len(rows)]

@@ -8,8 +8,8 @@ PROCESSING_TOOLS parses the turn into an `Action`, steps the env (which runs the
 concurrently) and appends the env's messages as a delta-tokenised suffix. One handler per state.
 
 Budgets end an episode with a reason recorded in the trajectory: `done` (the env terminated it),
-`max_turns` (the env truncated it, or the loop's turn budget ran out), `max_length` (the token
-budget is spent), `timeout` (the wall-clock budget is spent) or `error`. Every await has a deadline
+`max_turns` (the env truncated it, or the loop's turn budget ran out), `max_length` (a turn was
+cut by its token budget, or the episode's is spent), `timeout` (the wall-clock budget is spent) or `error`. Every await has a deadline
 bounded by what is left of the episode's time. Failures of the machinery (server down, env crash,
 timeout) set `fault="infra"`, so the trainer masks the episode instead of scoring it 0; nothing is
 dropped, every episode returns a trajectory. The loop closes the env when the episode ends.
@@ -238,7 +238,9 @@ class AgentLoop:
         ep.action = self.parser.parse(text)
         ep.conv.add_generation(generation, ep.action.to_message())
         ep.turns += 1
-        if generation.finish_reason == "length" and len(ep.trajectory) >= cfg.max_total_tokens:
+        if generation.finish_reason == "length":
+            # The turn was cut by a token budget: a half-written turn is not an action (verl and
+            # DAPO treat it as a truncated response, which the overlong penalty can then shape).
             raise _EpisodeOver(FinishReason.MAX_LENGTH)
         return EpisodeState.PROCESSING_TOOLS
 

@@ -172,3 +172,11 @@ def test_worker_runs_groups_concurrently_and_loses_nothing(template: ChatTemplat
         prompts = {json.dumps(t.messages[:2]) for t in group}
         assert len(prompts) == 1  # every sample of a group saw the same task
     assert worker.in_flight == 0
+
+
+def test_a_turn_cut_by_its_token_budget_ends_as_max_length(template: ChatTemplate) -> None:
+    loop = AgentLoop(ScriptedClient(template, lambda t, s: "word " * 50), template, HermesParser(),
+                     AgentLoopConfig(max_tokens_per_turn=8))
+    traj = _run(loop, make_arithmetic_row(1))
+    assert (traj.finish_reason, traj.num_sampled, traj.metrics["turns"]) == (FinishReason.MAX_LENGTH, 8, 1.0)
+    assert traj.metrics.get("tool_calls", 0.0) == 0.0  # the cut turn never reached the env

@@ -39,7 +39,7 @@ def test_config_reference_lists_fields_with_their_docs(capsys: pytest.CaptureFix
 def test_unbuilt_commands_say_so(capsys: pytest.CaptureFixture[str]) -> None:
     from agentrl.cli import _built
 
-    if _built("agentrl.orchestration"):
+    if _built("agentrl.orchestration.driver"):
         pytest.skip("the training driver exists now")
     assert main(["run", "env=retool"]) == EXIT_UNAVAILABLE
     assert "not available yet" in capsys.readouterr().err
