@@ -124,6 +124,7 @@ def test_bwrap_command_line_isolates_and_hides_the_host():
 def test_registries_name_the_sandboxes_and_tools():
     assert SANDBOXES.resolve("local") is LocalSandbox
     assert SANDBOXES.resolve("remote") is RemoteSandbox
+    assert SANDBOXES.resolve("docker").__name__ == "DockerSandbox"  # importing it needs no SDK
     for name in ("python", "bash", "str_replace_editor", "submit", "finish"):
         assert make_tool(name).tool_name == name
         assert name in TOOLS
