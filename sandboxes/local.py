@@ -63,7 +63,8 @@ __all__ = ["LocalSandbox", "LocalSession"]
 
 _log = logging.getLogger(__name__)
 _HEADER = struct.Struct(">I")
-_SOURCE = Path(forkserver.__file__).read_text()
+_SERVER_FILE = Path(forkserver.__file__)
+_SERVER_IN_SANDBOX = "/.agentrl-forkserver.py"
 _SPAWN_TIMEOUT_S = 30.0
 _GRACE_S = 5.0
 _uids = itertools.count()
@@ -265,18 +266,22 @@ class LocalSandbox:
                     passwd_fd = self._data_fd(fds, f"root:x:0:0:root:/root:/bin/sh\n"
                                                    f"sandbox:x:{uid}:{uid}:sandbox:{SANDBOX_HOME}:/bin/bash\n")
                     group_fd = self._data_fd(fds, f"root:x:0:\nsandbox:x:{uid}:\n")
+                # The server's source goes in as a read-only file of its own (not the whole package).
+                source_fd = self._data_fd(fds, _SERVER_FILE.read_text())
                 argv = bwrap_argv(self._bwrap, privileged=self._privileged, extra_ro=self._ro_paths,
-                                  tmpfs_bytes=self.memory_mb << 20, passwd_fd=passwd_fd, group_fd=group_fd)
+                                  tmpfs_bytes=self.memory_mb << 20, passwd_fd=passwd_fd, group_fd=group_fd,
+                                  data_files={_SERVER_IN_SANDBOX: source_fd})
+                script = _SERVER_IN_SANDBOX
                 workdir, scratch = SANDBOX_HOME, ["/tmp", "/dev/shm"]
             else:
                 tmpdir = tempfile.mkdtemp(prefix="agentrl-sandbox-")
-                argv, workdir, scratch = [], tmpdir, []
+                argv, workdir, scratch, script = [], tmpdir, [], str(_SERVER_FILE)
             job_env = {**env, "HOME": workdir, "TMPDIR": "/tmp" if scratch else workdir,
                        "USER": "sandbox", "LOGNAME": "sandbox", "PYTHONDONTWRITEBYTECODE": "1"}
             config = {"workdir": workdir, "scratch": scratch, "uid": uid, "gid": uid,
                       "pidns": self.isolation == "bwrap", "env": job_env,
                       "rlimits": self._rlimits(cgroup), "preload": list(self.preload)}
-            argv += [self.python, "-I", "-c", _SOURCE, json.dumps(config)]
+            argv += [self.python, "-I", script, json.dumps(config)]
             proc = await asyncio.create_subprocess_exec(
                 *argv, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
                 stderr=asyncio.subprocess.PIPE, env=env, pass_fds=fds, cwd=tmpdir or "/",
@@ -337,8 +342,8 @@ class LocalSandbox:
     async def _refill_one(self) -> None:
         try:
             worker = await self._spawn()
-        except Exception:
-            _log.exception("could not refill the sandbox pool")
+        except Exception as exc:
+            _log.warning("could not refill the sandbox pool: %s", exc)
             return
         finally:
             self._refilling -= 1
