@@ -238,3 +238,13 @@ def test_remote_client_maps_http_answers():
         run(own.session())
     with pytest.raises(ValueError):
         run(own.exec(timeout_s=1))
+
+
+def test_backends_are_exported_lazily_from_the_package():
+    import agentrl.sandboxes as sandboxes
+
+    assert sandboxes.LocalSandbox is LocalSandbox
+    assert sandboxes.RemoteSandbox is RemoteSandbox
+    assert sorted(sandboxes.__all__) == sandboxes.__all__
+    with pytest.raises(AttributeError):
+        sandboxes.NoSuchSandbox  # noqa: B018
