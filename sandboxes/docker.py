@@ -24,6 +24,7 @@ daemon, `SandboxUnavailableError` says what to install or start.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import base64
 import contextlib
 import io
@@ -314,6 +315,8 @@ class DockerSandbox:
         self._all: set[_Container] = set()
         self._sem: asyncio.Semaphore | None = None
         self._closed = False
+        # Containers outlive this process unless removed: remove whatever close() did not.
+        atexit.register(self._remove_all_now)
         self._env = {"PATH": f"{os.path.dirname(self.python)}:/usr/local/bin:/usr/bin:/bin", "HOME": WORKDIR,
                      "LANG": "C.UTF-8", "TMPDIR": "/tmp", "USER": "sandbox", "PYTHONDONTWRITEBYTECODE": "1"}
 
@@ -441,6 +444,11 @@ class DockerSandbox:
 
     async def is_alive(self) -> bool:
         return not self._closed
+
+    def _remove_all_now(self) -> None:
+        for c in list(self._all):
+            c.remove()
+        self._all.clear()
 
 
 class DockerSession:
