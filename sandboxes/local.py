@@ -27,7 +27,8 @@ Threats covered (each has a test in tests/integration/test_sandbox_adversarial.p
 Not covered: kernel exploits (there is no seccomp filter and no VM boundary; use the `docker` or
 `remote` backends on separate machines for hostile code at scale), CPU starvation of other host
 work below the process limit (there is no CPU quota), side channels, disk use of read-only host
-files, and keyring or other per-uid kernel state shared by successive jobs of one pooled sandbox.
+files, and POSIX message queues, keyrings or other per-uid kernel state that successive jobs of
+one pooled sandbox share (SysV IPC objects are detected and retire the sandbox).
 Without root, jobs share the fork server's uid (a job can kill its own server, which is then
 replaced) and limits fall back to rlimits if no cgroup is writable. `isolation="none"` covers
 nothing but the rlimits, the deadline and the output cap, and says so in a warning.
