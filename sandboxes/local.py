@@ -16,12 +16,13 @@ Threats covered (each has a test in tests/integration/test_sandbox_adversarial.p
 - Fork bombs: a per-sandbox uid with RLIMIT_NPROC and a cgroup `pids.max`; the host stays usable.
 - Memory bombs: a cgroup memory ceiling (and RLIMIT_AS), reported as killed_reason "memory".
 - Runaway CPU, sleeps and hangs: killed at the wall-clock deadline (and RLIMIT_CPU, reported as
-  "cpu"); the whole PID namespace is killed, daemons and setsid children included.
+  "cpu"); every other process in the sandbox's PID namespace is killed with it, daemons and
+  setsid children included.
 - Output floods: output is read up to `max_output_bytes`, then the job is killed ("output").
 - Sandboxes seeing each other: separate mount, PID, IPC and network namespaces and uids; a pooled
   sandbox is wiped between jobs and retired if a job leaves SysV IPC objects behind.
-- A job reading an earlier job's code, input, files or output out of the memory it inherits: each
-  request is handled by a fresh fork of a server that never sees job data, and exits after it.
+- A job reading an earlier job's code, input, files or output out of the memory it inherits from
+  the fork server: job data only passes through reused buffers that are zeroed after each job.
 - Leftovers: `close` kills the namespace and the cgroup, and the tmpfs files vanish with them.
 
 Not covered: kernel exploits (there is no seccomp filter and no VM boundary; use the `docker` or
