@@ -233,6 +233,10 @@ SANDBOXES = Registry(
             "agentrl.sandboxes.local:LocalSandbox",
             "Bubblewrap-isolated subprocesses on this machine, from a warm fork-server pool.",
         ),
+        "docker": (
+            "agentrl.sandboxes.docker:DockerSandbox",
+            "A Docker container per session (no network, cgroup limits, seccomp), from a warm pool.",
+        ),
         "remote": (
             "agentrl.sandboxes.remote:RemoteSandbox",
             "A sandbox server over HTTP: 'agentrl sandbox serve' or SandboxFusion's /run_code.",

@@ -61,6 +61,7 @@ def bwrap_argv(
     passwd_fd: int | None = None,
     group_fd: int | None = None,
     setenv: dict[str, str] | None = None,
+    data_files: dict[str, int] | None = None,
 ) -> list[str]:
     """The bwrap arguments (up to and including `--`) for one sandbox; see the module docstring."""
     argv = [bwrap, "--unshare-ipc", "--unshare-pid", "--unshare-net", "--unshare-uts",
@@ -81,6 +82,8 @@ def bwrap_argv(
         argv += ["--perms", "0644", "--ro-bind-data", str(passwd_fd), "/etc/passwd"]
     if group_fd is not None:
         argv += ["--perms", "0644", "--ro-bind-data", str(group_fd), "/etc/group"]
+    for dest, fd in (data_files or {}).items():
+        argv += ["--perms", "0444", "--ro-bind-data", str(fd), dest]
     made: set[str] = {"/", "/usr", "/etc", "/tmp", "/dev", "/proc", SANDBOX_HOME}
     for path in extra_ro:
         if _under_usr(path):

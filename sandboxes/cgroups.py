@@ -146,11 +146,31 @@ def _write(path: str, value: str) -> None:
         f.write(value)
 
 
+_swept = False
+
+
+def _remove_stale(mounts: dict[str, tuple[str, int]]) -> None:
+    """Delete empty groups left by agentrl processes that died without cleaning up (once per process)."""
+    global _swept
+    if _swept:
+        return
+    _swept = True
+    for base, _ in set(mounts.values()):
+        with contextlib.suppress(OSError):
+            for name in os.listdir(base):
+                parts = name.split("-")
+                if len(parts) == 3 and parts[0] == "agentrl" and parts[1].isdigit():
+                    if not os.path.exists(f"/proc/{parts[1]}"):
+                        with contextlib.suppress(OSError):
+                            os.rmdir(os.path.join(base, name))  # fails, harmlessly, if not empty
+
+
 def create_cgroup(memory_bytes: int | None, pids_max: int | None) -> Cgroup | None:
     """A new group limiting memory and process count, or None where cgroups are not writable."""
     mounts = cgroup_mounts()
     if not mounts:
         return None
+    _remove_stale(mounts)
     name = f"agentrl-{os.getpid()}-{next(_counter)}"
     cg = Cgroup()
     try:

@@ -1,7 +1,6 @@
 """The fork server that runs *inside* a sandbox: one warm Python that forks a child per job.
 
-`LocalSandbox` starts this file's source with `python -I -c <source> <config-json>`, usually under
-bubblewrap, and talks to it over its stdin/stdout. A frame is a 4-byte big-endian length, a JSON
+`LocalSandbox` runs this file with `python -I forkserver.py <config-json>`, usually under bubblewrap, and talks to it over its stdin/stdout. A frame is a 4-byte big-endian length, a JSON
 header, then the raw byte blobs whose lengths the header lists under "blobs". Forking a warm
 interpreter costs about a millisecond, where starting a fresh sandbox and interpreter costs tens,
 which is what makes thousands of snippets per training step affordable.
@@ -545,8 +544,9 @@ def _run_code(code: str, cwd: str) -> int:  # pragma: no cover - runs in the chi
 
 
 def main(argv: list[str]) -> None:
-    # Nothing may be imported from the (job-writable) work dir.
-    sys.path[:] = [p for p in sys.path if p not in ("", ".") and not p.startswith(os.getcwd())]
+    # Nothing may be imported from the (job-writable) work dir, nor from next to this script.
+    here = os.path.dirname(os.path.abspath(argv[0]))
+    sys.path[:] = [p for p in sys.path if p not in ("", ".", here) and not p.startswith(os.getcwd())]
     config = json.loads(argv[1])
     for name in config.get("preload", []):
         with contextlib.suppress(Exception):

@@ -16,18 +16,20 @@ Threats covered (each has a test in tests/integration/test_sandbox_adversarial.p
 - Fork bombs: a per-sandbox uid with RLIMIT_NPROC and a cgroup `pids.max`; the host stays usable.
 - Memory bombs: a cgroup memory ceiling (and RLIMIT_AS), reported as killed_reason "memory".
 - Runaway CPU, sleeps and hangs: killed at the wall-clock deadline (and RLIMIT_CPU, reported as
-  "cpu"); the whole PID namespace is killed, daemons and setsid children included.
+  "cpu"); every other process in the sandbox's PID namespace is killed with it, daemons and
+  setsid children included.
 - Output floods: output is read up to `max_output_bytes`, then the job is killed ("output").
 - Sandboxes seeing each other: separate mount, PID, IPC and network namespaces and uids; a pooled
   sandbox is wiped between jobs and retired if a job leaves SysV IPC objects behind.
-- A job reading an earlier job's code, input, files or output out of the memory it inherits: each
-  request is handled by a fresh fork of a server that never sees job data, and exits after it.
+- A job reading an earlier job's code, input, files or output out of the memory it inherits from
+  the fork server: job data only passes through reused buffers that are zeroed after each job.
 - Leftovers: `close` kills the namespace and the cgroup, and the tmpfs files vanish with them.
 
 Not covered: kernel exploits (there is no seccomp filter and no VM boundary; use the `docker` or
 `remote` backends on separate machines for hostile code at scale), CPU starvation of other host
 work below the process limit (there is no CPU quota), side channels, disk use of read-only host
-files, and keyring or other per-uid kernel state shared by successive jobs of one pooled sandbox.
+files, and POSIX message queues, keyrings or other per-uid kernel state that successive jobs of
+one pooled sandbox share (SysV IPC objects are detected and retire the sandbox).
 Without root, jobs share the fork server's uid (a job can kill its own server, which is then
 replaced) and limits fall back to rlimits if no cgroup is writable. `isolation="none"` covers
 nothing but the rlimits, the deadline and the output cap, and says so in a warning.
@@ -62,7 +64,8 @@ __all__ = ["LocalSandbox", "LocalSession"]
 
 _log = logging.getLogger(__name__)
 _HEADER = struct.Struct(">I")
-_SOURCE = Path(forkserver.__file__).read_text()
+_SERVER_FILE = Path(forkserver.__file__)
+_SERVER_IN_SANDBOX = "/.agentrl-forkserver.py"
 _SPAWN_TIMEOUT_S = 30.0
 _GRACE_S = 5.0
 _uids = itertools.count()
@@ -264,18 +267,22 @@ class LocalSandbox:
                     passwd_fd = self._data_fd(fds, f"root:x:0:0:root:/root:/bin/sh\n"
                                                    f"sandbox:x:{uid}:{uid}:sandbox:{SANDBOX_HOME}:/bin/bash\n")
                     group_fd = self._data_fd(fds, f"root:x:0:\nsandbox:x:{uid}:\n")
+                # The server's source goes in as a read-only file of its own (not the whole package).
+                source_fd = self._data_fd(fds, _SERVER_FILE.read_text())
                 argv = bwrap_argv(self._bwrap, privileged=self._privileged, extra_ro=self._ro_paths,
-                                  tmpfs_bytes=self.memory_mb << 20, passwd_fd=passwd_fd, group_fd=group_fd)
+                                  tmpfs_bytes=self.memory_mb << 20, passwd_fd=passwd_fd, group_fd=group_fd,
+                                  data_files={_SERVER_IN_SANDBOX: source_fd})
+                script = _SERVER_IN_SANDBOX
                 workdir, scratch = SANDBOX_HOME, ["/tmp", "/dev/shm"]
             else:
                 tmpdir = tempfile.mkdtemp(prefix="agentrl-sandbox-")
-                argv, workdir, scratch = [], tmpdir, []
+                argv, workdir, scratch, script = [], tmpdir, [], str(_SERVER_FILE)
             job_env = {**env, "HOME": workdir, "TMPDIR": "/tmp" if scratch else workdir,
                        "USER": "sandbox", "LOGNAME": "sandbox", "PYTHONDONTWRITEBYTECODE": "1"}
             config = {"workdir": workdir, "scratch": scratch, "uid": uid, "gid": uid,
                       "pidns": self.isolation == "bwrap", "env": job_env,
                       "rlimits": self._rlimits(cgroup), "preload": list(self.preload)}
-            argv += [self.python, "-I", "-c", _SOURCE, json.dumps(config)]
+            argv += [self.python, "-I", script, json.dumps(config)]
             proc = await asyncio.create_subprocess_exec(
                 *argv, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
                 stderr=asyncio.subprocess.PIPE, env=env, pass_fds=fds, cwd=tmpdir or "/",
@@ -336,8 +343,8 @@ class LocalSandbox:
     async def _refill_one(self) -> None:
         try:
             worker = await self._spawn()
-        except Exception:
-            _log.exception("could not refill the sandbox pool")
+        except Exception as exc:
+            _log.warning("could not refill the sandbox pool: %s", exc)
             return
         finally:
             self._refilling -= 1

@@ -124,6 +124,7 @@ def test_bwrap_command_line_isolates_and_hides_the_host():
 def test_registries_name_the_sandboxes_and_tools():
     assert SANDBOXES.resolve("local") is LocalSandbox
     assert SANDBOXES.resolve("remote") is RemoteSandbox
+    assert SANDBOXES.resolve("docker").__name__ == "DockerSandbox"  # importing it needs no SDK
     for name in ("python", "bash", "str_replace_editor", "submit", "finish"):
         assert make_tool(name).tool_name == name
         assert name in TOOLS
@@ -237,3 +238,13 @@ def test_remote_client_maps_http_answers():
         run(own.session())
     with pytest.raises(ValueError):
         run(own.exec(timeout_s=1))
+
+
+def test_backends_are_exported_lazily_from_the_package():
+    import agentrl.sandboxes as sandboxes
+
+    assert sandboxes.LocalSandbox is LocalSandbox
+    assert sandboxes.RemoteSandbox is RemoteSandbox
+    assert sorted(sandboxes.__all__) == sandboxes.__all__
+    with pytest.raises(AttributeError):
+        sandboxes.NoSuchSandbox  # noqa: B018
