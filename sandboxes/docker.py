@@ -40,9 +40,8 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from agentrl.sandboxes.bwrap import sandbox_python
-
 from agentrl.errors import SandboxClosedError, SandboxError, SandboxUnavailableError
+from agentrl.sandboxes.bwrap import sandbox_python
 from agentrl.types import ExecResult
 
 __all__ = ["DockerSandbox", "DockerSession"]
