@@ -15,6 +15,7 @@ private loop. Environments know nothing of the trainer or of tokens.
 from __future__ import annotations
 
 import asyncio
+import sys
 from typing import Any, ClassVar, SupportsFloat
 
 import gymnasium
@@ -140,6 +141,9 @@ class Env(gymnasium.Env[list, Action]):
             self._drive(self.aclose())
         loop = self.__dict__.pop("_private_loop", None)
         if loop is not None and not loop.is_closed():
+            session = sys.modules.get("agentrl.tools.session")
+            if session is not None:  # a tool started a default sandbox on this loop: stop its workers
+                loop.run_until_complete(session.close_default_sandbox())
             loop.close()
 
     def _drive(self, coro: Any) -> Any:

@@ -10,28 +10,53 @@ Sandbox failures become `ToolInfrastructureError`, since they are not the model'
 
 from __future__ import annotations
 
+import asyncio
+import weakref
 from typing import Any
 
 from agentrl.errors import SandboxError, ToolInfrastructureError
 from agentrl.tools.core import ToolContext
 
-__all__ = ["default_sandbox", "episode_sandbox", "episode_session", "release_episode_session"]
+__all__ = [
+    "close_default_sandbox",
+    "default_sandbox",
+    "episode_sandbox",
+    "episode_session",
+    "release_episode_session",
+]
 
 _STATE_KEY = "_agentrl_sandbox_session"
-_default: Any = None
+# One default sandbox per event loop: its warm workers are asyncio subprocesses bound to the loop
+# that started them, so a sandbox shared across loops (an env's private loop for the sync API, then
+# asyncio.run elsewhere) would talk to a closed loop.
+_defaults: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Any] = weakref.WeakKeyDictionary()
 
 
 def default_sandbox() -> Any:
-    """The process-wide `LocalSandbox` used when an episode brings no sandbox of its own."""
-    global _default
-    if _default is None:
+    """The running event loop's `LocalSandbox`, used when an episode brings no sandbox of its own."""
+    loop = asyncio.get_running_loop()
+    sandbox = _defaults.get(loop)
+    if sandbox is None:
         from agentrl.sandboxes.local import LocalSandbox
 
         try:
-            _default = LocalSandbox()
+            sandbox = LocalSandbox()
         except SandboxError as exc:
             raise ToolInfrastructureError(f"No sandbox is available to run code: {exc}") from exc
-    return _default
+        _defaults[loop] = sandbox
+    return sandbox
+
+
+async def close_default_sandbox() -> None:
+    """Close the running loop's default sandbox (its warm workers), if one was started.
+
+    Call it before an event loop you own ends: agentrl's own loops (env private loops, `check_env`,
+    `agentrl eval`, rollout actors) do. A pool refill still starting a worker when `asyncio.run`
+    cancels leftover tasks can block that shutdown (seen with Python 3.11), which this avoids.
+    """
+    sandbox = _defaults.pop(asyncio.get_running_loop(), None)
+    if sandbox is not None:
+        await sandbox.close()
 
 
 def _is_session(obj: Any) -> bool:

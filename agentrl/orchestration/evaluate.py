@@ -26,6 +26,7 @@ from typing import Any
 from agentrl.config import AgentRLConfig, save_config
 from agentrl.orchestration.components import build_agent_loop, env_factory, load_split_rows
 from agentrl.rollout import GenerateClient, RolloutWorker
+from agentrl.tools.session import close_default_sandbox
 from agentrl.types import Trajectory
 
 __all__ = ["EvalReport", "evaluate", "pass_at_k", "run_eval"]
@@ -134,7 +135,10 @@ async def evaluate(
     loop = build_agent_loop(config, client, temperature=config.eval.temperature)
     worker = RolloutWorker(loop, env_factory(config), max_concurrent=config.rollout.max_concurrent_episodes)
     start = time.perf_counter()
-    groups = await worker.run_batch(rows, config.eval.k, seed=config.run.seed)
+    try:
+        groups = await worker.run_batch(rows, config.eval.k, seed=config.run.seed)
+    finally:
+        await close_default_sandbox()
     seconds = time.perf_counter() - start
     tokenizer = loop.template.tokenizer
     with (out / "trajectories.jsonl").open("w") as f:

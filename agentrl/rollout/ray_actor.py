@@ -49,7 +49,10 @@ class RolloutActor:
         self.router.set_version(version)
 
     async def aclose(self) -> None:
+        from agentrl.tools.session import close_default_sandbox
+
         await self.router.aclose()
+        await close_default_sandbox()
 
 
 def make_rollout_actor(config: Any, urls: Sequence[str], **ray_options: Any) -> Any:

@@ -14,6 +14,7 @@ from agentrl.envs import check_env
 from agentrl.envs.retool import RetoolEnv, shipped_rows
 from agentrl.rollout import AgentLoop
 from agentrl.tools.parsers import HermesParser
+from agentrl.tools.session import close_default_sandbox
 from agentrl.types import Action, FinishReason, Generation, SamplingParams, TokenOrigin, ToolCall
 
 pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None, reason="needs bubblewrap (apt-get install bubblewrap)")
@@ -45,7 +46,13 @@ def test_an_agent_that_writes_the_right_code_earns_the_reward(assets: Path) -> N
             ids = tok.encode(text, add_special_tokens=False) + [end]
             return Generation(ids, [-0.2] * len(ids), "stop", 1)
 
-    traj = asyncio.run(AgentLoop(CodingClient(), template, HermesParser()).run_episode(RetoolEnv(), row=row))
+    async def episode():  # type: ignore[no-untyped-def]
+        try:
+            return await AgentLoop(CodingClient(), template, HermesParser()).run_episode(RetoolEnv(), row=row)
+        finally:
+            await close_default_sandbox()  # the loop is ours: stop its sandbox workers before it ends
+
+    traj = asyncio.run(episode())
     assert (traj.finish_reason, traj.reward) == (FinishReason.DONE, 1.0)
     assert tok.decode(traj.tokens_of(TokenOrigin.TOOL)).strip() == row["reward_model"]["ground_truth"]
     traj.validate()
