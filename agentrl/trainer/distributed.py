@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import heapq
 import os
+import pickle
 import queue as queue_mod
 import socket
 import time
@@ -92,8 +93,9 @@ def _rank_main(rank: int, fn: Callable[..., Any], args: tuple, world: int, port:
         }
     )
     try:
-        result = fn(*args)
-        queue.put((rank, True, result))
+        # Plain pickle copies tensors into the message; torch's queue pickler would share their
+        # memory, which dies with this process before the parent reads it.
+        queue.put((rank, True, pickle.dumps(fn(*args))))
     except BaseException:
         queue.put((rank, False, traceback.format_exc()))
         raise
@@ -134,7 +136,7 @@ def launch(fn: Callable[..., Any], nprocs: int, *args: Any, timeout_s: float = 6
                 failures.append(f"no result within {timeout_s:.0f} s")
             continue
         if ok:
-            results[rank] = value
+            results[rank] = pickle.loads(value)
         else:
             failures.append(f"rank {rank}:\n{value}")
     for p in procs:
