@@ -137,9 +137,53 @@ def test_rollout_mismatch_is_measured_and_truncated():
     assert m["rollout/logprob_abs_diff"] == pytest.approx(math.log(3.0), rel=1e-5)
     kept = batch.loss_mask > 0
     assert torch.all(batch.is_weights[kept] == 2.0) and torch.all(batch.is_weights[~kept] == 0.0)
-    icepop = FakeBackend(shift=math.log(3.0))
+    icepop = FakeBackend(shift=math.log(3.0))  # ratio 3 is outside [1/2, 2]: every token dropped
     m = train_step(icepop, toy_batch(), AlgorithmConfig(rollout_is="icepop"), TrainerConfig())
-    assert m["rollout/masked_fraction"] == 1.0 and m["actor/skipped"] if "actor/skipped" in m else True
+    assert m["rollout/masked_fraction"] == 1.0
+    assert icepop.policy_batches[0].loss_mask.sum() == 0
+
+
+# ── the micro-batch objective and the rank split ────────────────────────────────────────────────
+def _tokens(n: int = 6) -> dict[str, torch.Tensor]:
+    return {
+        "loss_mask": torch.tensor([[1.0, 1, 0, 1, 1, 1]]),
+        "advantages": torch.tensor([[1.0, 1, 0, -2, -2, -2]]),
+        "old_logprobs": torch.tensor([[-1.0, -2, -3, -1, -2, -3]]),
+        "segment_ids": torch.tensor([[0, 0, 0, 1, 1, 1]]),
+    }
+
+
+@pytest.mark.parametrize("loss", ["ppo_clip", "gspo"])
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean"])
+def test_objective_at_ratio_one_is_minus_the_mean_advantage_and_splits_over_micro_batches(loss, agg):
+    from agentrl.trainer.objective import loss_denominator, policy_objective
+
+    algo = AlgorithmConfig(policy_loss=loss, loss_agg=agg, kl_coef=0.5)
+    tok = _tokens()
+    tok["ref_logprobs"] = tok["old_logprobs"].clone()
+    lp = tok["old_logprobs"].clone().requires_grad_(True)
+    denom = loss_denominator(tok["loss_mask"].view(2, 3), agg)  # (sequences, len): one row each
+    total, m = policy_objective(lp, tok, algo, denominator=denom)
+    # token-mean: -(1+1-2-2-2)/5; seq-mean: -((1+1)/2 + (-6)/3)/2
+    expected = 4 / 5 if agg == "token-mean" else 0.5
+    assert total.item() == pytest.approx(expected, abs=1e-6) and m["kl_loss"] == 0.0
+    assert m["ratio_max"] == m["ratio_min"] == 1.0 and m["ppo_kl"] == 0.0
+    # the same tokens cut into two micro-batches with the whole batch's denominator add up
+    halves = []
+    for sl in (slice(0, 3), slice(3, 6)):
+        part = {k: v[:, sl] for k, v in tok.items()}
+        part["segment_ids"] = part["segment_ids"] - part["segment_ids"].min()
+        halves.append(policy_objective(lp[:, sl], part, algo, denominator=denom)[0].item())
+    assert sum(halves) == pytest.approx(total.item(), abs=1e-6)
+
+
+def test_balanced_shares_split_tokens_evenly_and_deterministically():
+    from agentrl.trainer.distributed import balanced_shares
+
+    # longest first to the lighter rank: 100->a, 90->b, 80->b, 10->a, 10->a, 5->a (125 vs 170)
+    assert balanced_shares([100, 90, 10, 10, 5, 80], 2) == [[0, 2, 3, 4], [1, 5]]
+    assert balanced_shares([5, 5, 5, 5], 2) == [[0, 2], [1, 3]]
+    assert balanced_shares([7], 3) == [[0], [], []]
 
 
 def test_overlong_penalty_needs_the_length_limit():
@@ -215,6 +259,20 @@ def test_micro_batches_accumulate_to_the_full_batch_update():
     ws, wb = weights(small), weights(big)
     for name in wb:
         torch.testing.assert_close(ws[name], wb[name], atol=1e-5, rtol=0)  # Adam step 1 ≈ lr·sign(g)
+
+
+@needs_model
+def test_gradient_checkpointing_changes_memory_not_results():
+    batch, algo = toy_batch(), AlgorithmConfig(rollout_is="none")
+    plain, ckpt = fsdp2(), fsdp2(gradient_checkpointing=True)
+    m_plain, m_ckpt = (
+        train_step(plain, batch, algo, TrainerConfig()),
+        train_step(ckpt, batch, algo, TrainerConfig()),
+    )
+    assert m_plain["actor/grad_norm"] == pytest.approx(m_ckpt["actor/grad_norm"], rel=1e-6)
+    wp, wc = weights(plain), weights(ckpt)
+    for name in wp:
+        torch.testing.assert_close(wp[name], wc[name], atol=1e-6, rtol=0)
 
 
 @needs_model
