@@ -130,3 +130,42 @@ def test_resume_continues_exactly(tmp_path: Path, ranks: int) -> None:
         assert result["losses"][0] == result["losses"][1]
         assert result["grad_norms"][0] == result["grad_norms"][1]
         assert result["same_weights"]
+
+
+# ── critic and reference across ranks; failures ────────────────────────────────────────────────
+def ppo_with_critic_and_kl() -> list[dict[str, float]]:
+    from agentrl.trainer.fsdp2 import FSDP2Backend
+    from agentrl.trainer.step import train_step
+
+    algo = AlgorithmConfig(advantage="gae", kl_coef=0.05, rollout_is="none")
+    trainer = TrainerConfig(device="cpu", lr=1e-3, critic_lr=1e-2, micro_batch_tokens=24)
+    backend = FSDP2Backend(TINY_QWEN2, trainer, algo, seed=0)
+    return [train_step(backend, toy_batch(), algo, trainer) for _ in range(3)]
+
+
+def test_ppo_with_critic_and_reference_on_two_ranks() -> None:
+    from agentrl.trainer import launch
+
+    rank0, rank1 = launch(ppo_with_critic_and_kl, 2)
+    for a, b in zip(rank0, rank1, strict=True):  # every rank reports the same step
+        for key in ("actor/pg_loss", "actor/kl_ref", "critic/vf_loss", "critic/grad_norm", "adv/mean"):
+            assert a[key] == b[key], key
+    assert rank0[0]["actor/kl_ref"] == 0.0 and rank0[0]["actor/ratio_max"] == 1.0
+    assert rank0[-1]["actor/kl_ref"] > 0.0
+    assert rank0[-1]["critic/vf_loss"] < rank0[0]["critic/vf_loss"]
+
+
+def fail_on_rank_one() -> int:
+    import os
+
+    if os.environ["RANK"] == "1":
+        raise ValueError("boom on purpose")
+    return 0
+
+
+def test_launch_reports_the_failing_rank() -> None:
+    from agentrl.errors import TrainerError
+    from agentrl.trainer import launch
+
+    with pytest.raises(TrainerError, match=r"(?s)rank 1.*boom on purpose"):
+        launch(fail_on_rank_one, 2)
