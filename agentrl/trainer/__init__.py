@@ -35,7 +35,7 @@ from agentrl.trainer.algos import (
     stop_properly_penalty,
     value_loss,
 )
-from agentrl.trainer.backend import CriticBatch, PolicyBatch, TrainerBackend
+from agentrl.trainer.backend import CriticBatch, PolicyBatch, TrainerBackend, make_backend
 from agentrl.trainer.distributed import launch
 from agentrl.trainer.packing import (
     PackedBatch,
@@ -75,6 +75,7 @@ __all__ = [
     "kl_loss",
     "kl_penalty",
     "launch",
+    "make_backend",
     "masked_mean",
     "masked_sum",
     "masked_whiten",

@@ -25,9 +25,10 @@ from typing import Any
 
 import torch
 
+from agentrl.errors import FeatureUnavailableError
 from agentrl.types import Trajectory
 
-__all__ = ["CriticBatch", "PolicyBatch", "TrainerBackend"]
+__all__ = ["CriticBatch", "PolicyBatch", "TrainerBackend", "make_backend"]
 
 
 def _select_rows(value: Any, idx: list[int]) -> Any:
@@ -148,3 +149,24 @@ class TrainerBackend(abc.ABC):
     @abc.abstractmethod
     def load(self, path: str | Path) -> dict[str, Any]:
         """Restore everything `save` wrote; return the `data_position` it was given."""
+
+
+def make_backend(config: Any) -> TrainerBackend:
+    """The backend an `AgentRLConfig` names (`trainer.backend`), built on this rank.
+
+    The policy comes from `model.path` in `model.dtype`, initial weights are seeded with `run.seed`,
+    and the reference model and critic are loaded when the algorithm needs them.
+    """
+    if config.trainer.backend == "fsdp2":
+        from agentrl.trainer.fsdp2 import FSDP2Backend
+
+        return FSDP2Backend(
+            config.model.path,
+            config.trainer,
+            config.algorithm,
+            dtype=config.model.dtype,
+            seed=config.run.seed,
+        )
+    raise FeatureUnavailableError(
+        f"trainer.backend '{config.trainer.backend}' is not built yet; use trainer.backend=fsdp2."
+    )

@@ -40,7 +40,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-from agentrl.errors import FeatureUnavailableError, TrainerError
+from agentrl.errors import ConfigError, FeatureUnavailableError, TrainerError
 from agentrl.trainer.backend import CriticBatch, PolicyBatch, TrainerBackend
 from agentrl.trainer.distributed import balanced_shares, init_distributed, resolve_device
 from agentrl.trainer.objective import MetricSums, critic_objective, loss_denominator, policy_objective
@@ -115,8 +115,10 @@ class FSDP2Backend(TrainerBackend):
         self.mesh = init_device_mesh(self.device.type, (self.world_size,))
         if deterministic:
             torch.use_deterministic_algorithms(True)
+        if dtype != "auto" and dtype not in _DTYPES:
+            raise ConfigError(f"model.dtype '{dtype}' is not one of auto, {', '.join(_DTYPES)}.")
         compute = (
-            _DTYPES.get(dtype)
+            _DTYPES[dtype]
             if dtype != "auto"
             else (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
         )

@@ -356,3 +356,19 @@ def test_lora_is_refused_with_the_reason():
 
     with pytest.raises(FeatureUnavailableError, match="lora_rank"):
         fsdp2(lora_rank=8)
+
+
+@needs_model
+def test_make_backend_builds_what_the_config_names():
+    from agentrl.config import AgentRLConfig
+    from agentrl.errors import FeatureUnavailableError
+    from agentrl.trainer import make_backend
+
+    config = AgentRLConfig.model_validate(
+        {"model": {"path": str(TINY_QWEN2)}, "trainer": {"device": "cpu"}, "algorithm": {"kl_coef": 0.1}}
+    )
+    backend = make_backend(config)
+    assert type(backend).__name__ == "FSDP2Backend" and backend.has_reference and not backend.has_critic
+    config.trainer.backend = "megatron"
+    with pytest.raises(FeatureUnavailableError, match="megatron"):
+        make_backend(config)
