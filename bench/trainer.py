@@ -9,8 +9,9 @@ and right-padded in fixed-size batches (the layout most trainers fall back to). 
 real tokens only. Padding wastes a fraction p of the padded layout's compute, so the ideal
 speed-up of packing is 1/(1-p); the figure of merit is measured speed-up / ideal (target >= 0.9).
 
-Then one `FSDP2Backend.update_policy` over the same batch measures the trainer's peak memory per
-token of micro-batch budget: CUDA's max_memory_allocated on a GPU, the rise of the process's peak
+Then `FSDP2Backend.update_policy` over the same batch measures the trainer's peak memory per
+token of micro-batch budget, with full-vocabulary logits and with the chunked scoring head
+(`lm_head.ScoringHead`, the backend's default): CUDA's max_memory_allocated on a GPU, the rise of the process's peak
 resident set (Linux VmHWM, reset through /proc/self/clear_refs) on CPU. Every figure comes from
 this one run. Other processes on a shared machine make wall times noisy, so each layout is timed
 `--repeats` times, the best run is kept, and process CPU time is printed beside wall time.
@@ -88,12 +89,13 @@ def reset_peak_rss() -> bool:
         return False
 
 
-def trainer_memory(trajs: list[Trajectory], budget: int) -> tuple[float, str]:
+def trainer_memory(trajs: list[Trajectory], budget: int, chunked_head: bool) -> tuple[float, str]:
     from agentrl.trainer.backend import PolicyBatch
     from agentrl.trainer.fsdp2 import FSDP2Backend
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    backend = FSDP2Backend(MODEL, TrainerConfig(device=device, micro_batch_tokens=budget), AlgorithmConfig())
+    trainer = TrainerConfig(device=device, micro_batch_tokens=budget)
+    backend = FSDP2Backend(MODEL, trainer, AlgorithmConfig(), chunked_head=chunked_head)
     layout = pad_trajectories(trajs)
     old = backend.compute_logprobs(trajs)
     batch = PolicyBatch(
@@ -145,8 +147,12 @@ def main() -> None:
             f"{real / packed_s[k]:,.0f} tokens/s | padded ({len(padded)} batches of {args.pad_batch}) "
             f"{real / padded_s[k]:,.0f} tokens/s | speed-up {speedup:.2f}x, {speedup / ideal:.2f} of ideal"
         )
-    per_token, how = trainer_memory(trajs, args.budget)
-    print(f"FSDP2 update_policy peak memory per budget token: {per_token / 1024:,.0f} KiB ({how})")
+    for chunked in (False, True):
+        per_token, how = trainer_memory(trajs, args.budget, chunked)
+        label = "chunked scoring head" if chunked else "full logits"
+        print(
+            f"FSDP2 update_policy peak memory per budget token, {label}: {per_token / 1024:,.0f} KiB ({how})"
+        )
 
 
 if __name__ == "__main__":

@@ -43,6 +43,7 @@ from torch.distributed.tensor import DTensor
 from agentrl.errors import ConfigError, FeatureUnavailableError, TrainerError
 from agentrl.trainer.backend import CriticBatch, PolicyBatch, TrainerBackend
 from agentrl.trainer.distributed import balanced_shares, init_distributed, resolve_device
+from agentrl.trainer.lm_head import ScoringHead, install_scoring_head, scoring
 from agentrl.trainer.objective import MetricSums, critic_objective, loss_denominator, policy_objective
 from agentrl.trainer.packing import (
     PackedBatch,
@@ -102,6 +103,7 @@ class FSDP2Backend(TrainerBackend):
         dtype: str = "auto",
         seed: int = 0,
         deterministic: bool = False,
+        chunked_head: bool = True,
     ) -> None:
         if trainer.lora_rank > 0:
             raise FeatureUnavailableError(
@@ -109,6 +111,8 @@ class FSDP2Backend(TrainerBackend):
                 "(peft needs accelerate, which is not installed here); set trainer.lora_rank=0."
             )
         self.config = trainer
+        self._chunked_head = chunked_head
+        self._heads: dict[int, ScoringHead | None] = {}
         self.model_path = str(model_path)
         self.device = resolve_device(trainer.device)
         self.rank, self.world_size = init_distributed(self.device)
@@ -180,6 +184,8 @@ class FSDP2Backend(TrainerBackend):
         if not trainable:
             model.requires_grad_(False)
             model.eval()
+        head = install_scoring_head(model) if self._chunked_head else None
+        self._heads[id(model)] = head
         return self._shard(model, model._no_split_modules or [])
 
     def _build_critic(self) -> nn.Module:
@@ -284,13 +290,24 @@ class FSDP2Backend(TrainerBackend):
             raise TrainerError("this backend has no critic; build it with with_critic=True.")
         return self._score(self.critic, trajectories, lambda model, b: model(**b.model_inputs()))
 
-    @staticmethod
-    def _logprob_fn(temperature: float) -> Any:
+    def _logprob_fn(self, temperature: float) -> Any:
         def fn(model: nn.Module, batch: PackedBatch) -> torch.Tensor:
-            logits = model(**batch.model_inputs()).logits
-            return compute_token_logprobs(logits, batch.labels, temperature)
+            return self._token_scores(model, batch, temperature, with_entropy=False)[0]
 
         return fn
+
+    def _token_scores(
+        self, model: nn.Module, batch: PackedBatch, temperature: float, *, with_entropy: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(logprobs, entropy or None), each (1, N), from the chunked head when the model has one."""
+        head = self._heads.get(id(model))
+        if head is not None:
+            with scoring(head, batch.labels, temperature, with_entropy):
+                out = model(**batch.model_inputs()).logits
+            return out[..., 0], (out[..., 1] if with_entropy else None)
+        logits = model(**batch.model_inputs()).logits
+        logprobs = compute_token_logprobs(logits, batch.labels, temperature)
+        return logprobs, (compute_entropy(logits, temperature) if with_entropy else None)
 
     # ── updates ─────────────────────────────────────────────────────────────────────────────
     def update_policy(self, batch: PolicyBatch, algorithm: Any) -> dict[str, float]:
@@ -311,13 +328,9 @@ class FSDP2Backend(TrainerBackend):
         sums = MetricSums()
         for packed, real in self._plan(batch.trajectories):
             tokens = self._gather(packed, real, tensors)
-            logits = self.policy(**packed.model_inputs()).logits
-            logprobs = compute_token_logprobs(logits, packed.labels, batch.temperature)
-            if algorithm.entropy_coef:
-                entropy = compute_entropy(logits, batch.temperature)
-            else:
-                with torch.no_grad():
-                    entropy = compute_entropy(logits.detach(), batch.temperature)
+            logprobs, entropy = self._token_scores(self.policy, packed, batch.temperature, with_entropy=True)
+            if not algorithm.entropy_coef:
+                entropy = entropy.detach()  # reported only
             loss, metrics = policy_objective(
                 logprobs, tokens, algorithm, denominator=denominator, entropy=entropy, max_len=batch.max_len
             )
