@@ -3,9 +3,9 @@
 With a 150k-token vocabulary the fp32 logits of a micro-batch (and their gradient) are the
 trainer's largest tensors by far: 0.6 MB per token each. `ScoringHead` replaces the model's
 `lm_head` and, while a `scoring` request is active, returns per-token `(logprob, entropy)` at the
-sampling temperature instead of logits, computing logits for `chunk_size` tokens at a time and
-recomputing each chunk in the backward pass, so full-vocabulary logits never exist for the whole
-micro-batch. Outside a request it is the plain linear head, so generation and ordinary forwards
+sampling temperature instead of logits, computing logits for `chunk_size` tokens at a time (by
+default as many as make 32M logits) and recomputing each chunk in the backward pass, so
+full-vocabulary logits never exist for the whole micro-batch. Outside a request it is the plain linear head, so generation and ordinary forwards
 see the usual logits. It keeps the head's parameter names (`lm_head.weight`) and any weight tying.
 
 This is not a general logits processor: models that transform logits after the head (soft-capping,
@@ -29,11 +29,17 @@ __all__ = ["ScoringHead", "install_scoring_head", "scoring"]
 _LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "output_multiplier_scale", "logits_scaling")
 
 
+_CHUNK_ELEMENTS = 1 << 25
+
+
 class ScoringHead(nn.Module):
     """The LM head's weight (and bias), plus an optional request to score labels in chunks."""
 
-    def __init__(self, head: nn.Linear, chunk_size: int = 1024) -> None:
+    def __init__(self, head: nn.Linear, chunk_size: int | None = None) -> None:
         super().__init__()
+        if chunk_size is None:
+            # ~32M logits (128 MB in fp32) per chunk: a 150k vocabulary gives 220-token chunks.
+            chunk_size = max(16, _CHUNK_ELEMENTS // head.weight.shape[0])
         self.weight = head.weight
         self.register_parameter("bias", head.bias)
         self.chunk_size = chunk_size
@@ -73,7 +79,7 @@ class ScoringHead(nn.Module):
         return torch.stack([lp, entropy], dim=-1)
 
 
-def install_scoring_head(model: nn.Module, chunk_size: int = 1024) -> ScoringHead | None:
+def install_scoring_head(model: nn.Module, chunk_size: int | None = None) -> ScoringHead | None:
     """Swap the model's output head for a `ScoringHead` (before sharding); None where unsafe."""
     config = getattr(model, "config", None)
     if any(getattr(config, name, None) not in (None, 1.0) for name in _LOGIT_TRANSFORMS):
