@@ -312,6 +312,7 @@ def test_export_weights_are_the_full_hf_state_dict_and_load_into_hf():
     from agentrl.trainer.packing import compute_token_logprobs, pack_trajectories
 
     backend = fsdp2()
+    assert type(backend.policy.lm_head).__name__ == "ScoringHead"  # names survive the head swap
     hf = AutoModelForCausalLM.from_pretrained(TINY_QWEN2, dtype=torch.float32)
     exported = weights(backend)
     reference = hf.state_dict()
