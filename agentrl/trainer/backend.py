@@ -72,12 +72,14 @@ class PolicyBatch:
 @dataclass
 class CriticBatch:
     """What one critic optimizer step needs: value targets (`returns`) and the values they were
-    computed from (`old_values`, for value clipping), `(len(trajectories), max_len)` each."""
+    computed from (`old_values`, for value clipping), `(len(trajectories), max_len)` each.
+    `max_len` is the constant of `seq-mean-token-sum-norm` aggregation, as in `PolicyBatch`."""
 
     trajectories: list[Trajectory]
     loss_mask: torch.Tensor
     returns: torch.Tensor
     old_values: torch.Tensor
+    max_len: int | None = None
 
     def select(self, idx: Sequence[int]) -> CriticBatch:
         idx = list(idx)

@@ -356,7 +356,9 @@ class FSDP2Backend(TrainerBackend):
         for packed, real in self._plan(batch.trajectories):
             tokens = self._gather(packed, real, tensors)
             values = self.critic(**packed.model_inputs())
-            loss, metrics = critic_objective(values, tokens, algorithm, denominator=denominator)
+            loss, metrics = critic_objective(
+                values, tokens, algorithm, denominator=denominator, max_len=batch.max_len
+            )
             (loss * self.world_size).backward()
             sums.add(metrics, float(tokens["loss_mask"].sum()))
         out = self._optimizer_step(self.critic, self.critic_optimizer, self.critic_scheduler)

@@ -157,7 +157,7 @@ def train_step(
     critic_batch = None
     if values is not None:
         critic_batch = CriticBatch(
-            trajectories=list(trajs), loss_mask=mask, returns=returns, old_values=values
+            trajectories=list(trajs), loss_mask=mask, returns=returns, old_values=values, max_len=max_len
         )
     metrics["batch/loss_tokens"] = float(loss_mask.sum().item())
     tokens = sum(len(t.token_ids) for t in trajs)
