@@ -9,11 +9,14 @@ fp32. Only the CPU path is tested here; the CUDA path is written but has not bee
 
 Work is split across ranks by tokens (`distributed.balanced_shares`) and within a rank into packed
 token-budget micro-batches; ranks with fewer micro-batches run empty ones, because every forward
-and backward of an FSDP model is a collective. Optional parts: a critic (the policy's backbone
-plus a scalar value head) for GAE, a frozen reference policy for a KL penalty, gradient
-checkpointing. LoRA is not built yet. Checkpoints use torch.distributed.checkpoint (DCP) for the
-sharded models and optimizers, plus the LR schedules, global step, data position (rank 0) and
-the RNG states of every rank.
+and backward of an FSDP model is a collective. The LM head is swapped for `lm_head.ScoringHead`,
+which scores labels in chunks so full-vocabulary logits never exist for a whole micro-batch.
+Optional parts: a critic (the policy's backbone plus a scalar value head) for GAE, a frozen
+reference policy for a KL penalty, gradient checkpointing. LoRA is not built yet. Checkpoints use
+torch.distributed.checkpoint (DCP) for the sharded models and optimizers, plus the LR schedules,
+global step, data position (rank 0) and the RNG states of every rank. Every rank loads the full
+Hugging Face checkpoint before sharding it: fine for small models, wasteful for large ones (meta
+device initialisation with a rank-0 broadcast is not built).
 
 This module is not the RL algorithm (see `step.train_step`) nor the loss maths (`objective`).
 """
