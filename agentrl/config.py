@@ -165,6 +165,8 @@ class AlgorithmConfig(_Section):
     """Put the KL penalty into the reward instead of the loss."""
     entropy_coef: float = 0.0
     """Weight of the entropy bonus."""
+    value_clip: float = Field(0.2, gt=0.0)
+    """PPO value clipping: the critic's new values stay within this distance of the old ones (GAE)."""
     gamma: float = Field(1.0, ge=0.0, le=1.0)
     """Discount factor (GAE, REINFORCE++)."""
     lam: float = Field(1.0, ge=0.0, le=1.0)

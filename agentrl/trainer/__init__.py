@@ -1,10 +1,14 @@
-"""The trainer layer (DESIGN.md §4): RL algorithms as pure tensor functions, and batch packing.
+"""The trainer layer (DESIGN.md §4): RL algorithms, batch packing, backends and the training step.
 
 `algos` holds advantage estimators, policy and value losses, KL estimators and controllers,
 loss aggregation, rollout/trainer importance corrections and reward shaping; `packing` turns a
-list of `Trajectory` into padding-free model inputs. Backends (FSDP2, Megatron) build on these;
-this package imports torch, so nothing below the trainer layer may import it.
+list of `Trajectory` into padding-free model inputs; `objective` assembles one micro-batch's loss;
+`backend` is the interface every backend implements and `fsdp2` the FSDP2 one (imported on first
+use); `step.train_step` is one RL step for any backend; `distributed` joins or spawns ranks.
+This package imports torch, so nothing below the trainer layer may import it.
 """
+
+from typing import Any
 
 from agentrl.trainer.algos import (
     LOSS_AGG_MODES,
@@ -31,6 +35,8 @@ from agentrl.trainer.algos import (
     stop_properly_penalty,
     value_loss,
 )
+from agentrl.trainer.backend import CriticBatch, PolicyBatch, TrainerBackend, make_backend
+from agentrl.trainer.distributed import launch
 from agentrl.trainer.packing import (
     PackedBatch,
     PaddedBatch,
@@ -44,13 +50,18 @@ from agentrl.trainer.packing import (
     padded_to_packed,
     split_micro_batches,
 )
+from agentrl.trainer.step import train_step
 
 __all__ = [
     "LOSS_AGG_MODES",
     "AdaptiveKLController",
+    "CriticBatch",
+    "FSDP2Backend",
     "FixedKLController",
     "PackedBatch",
     "PaddedBatch",
+    "PolicyBatch",
+    "TrainerBackend",
     "aggregate_loss",
     "apply_kl_penalty",
     "block_causal_mask",
@@ -63,6 +74,8 @@ __all__ = [
     "gspo_policy_loss",
     "kl_loss",
     "kl_penalty",
+    "launch",
+    "make_backend",
     "masked_mean",
     "masked_sum",
     "masked_whiten",
@@ -79,5 +92,15 @@ __all__ = [
     "rollout_correction",
     "split_micro_batches",
     "stop_properly_penalty",
+    "train_step",
     "value_loss",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    # The FSDP2 backend pulls in torch.distributed.checkpoint and fsdp: load it only when used.
+    if name == "FSDP2Backend":
+        from agentrl.trainer.fsdp2 import FSDP2Backend
+
+        return FSDP2Backend
+    raise AttributeError(f"module 'agentrl.trainer' has no attribute '{name}'")

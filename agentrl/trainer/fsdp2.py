@@ -1,0 +1,481 @@
+"""The FSDP2 training backend: Hugging Face models sharded with `torch.distributed.fsdp.fully_shard`.
+
+Every decoder layer (the model's `_no_split_modules` classes) and then the root are wrapped with
+`fully_shard`, so each rank holds 1/N of every parameter, gradient and AdamW state, and gathers a
+layer's full weights only while it runs. It runs on CPU with gloo (one process still creates a
+one-rank group, so one rank runs the code path of many) and on CUDA with NCCL, where parameters
+are computed in bf16 and gradients reduced in fp32 (`MixedPrecisionPolicy`); on CPU everything is
+fp32. Only the CPU path is tested here; the CUDA path is written but has not been run.
+
+Work is split across ranks by tokens (`distributed.balanced_shares`) and within a rank into packed
+token-budget micro-batches; ranks with fewer micro-batches run empty ones, because every forward
+and backward of an FSDP model is a collective. The LM head is swapped for `lm_head.ScoringHead`,
+which scores labels in chunks so full-vocabulary logits never exist for a whole micro-batch.
+Optional parts: a critic (the policy's backbone plus a scalar value head) for GAE, a frozen
+reference policy for a KL penalty, gradient checkpointing. LoRA is not built yet. Checkpoints use
+torch.distributed.checkpoint (DCP) for the sharded models and optimizers, plus the LR schedules,
+global step, data position (rank 0) and the RNG states of every rank. Every rank loads the full
+Hugging Face checkpoint before sharding it: fine for small models, wasteful for large ones (meta
+device initialisation with a rank-0 broadcast is not built).
+
+This module is not the RL algorithm (see `step.train_step`) nor the loss maths (`objective`).
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+
+from agentrl.errors import ConfigError, FeatureUnavailableError, TrainerError
+from agentrl.trainer.backend import CriticBatch, PolicyBatch, TrainerBackend
+from agentrl.trainer.distributed import balanced_shares, init_distributed, resolve_device
+from agentrl.trainer.lm_head import ScoringHead, install_scoring_head, scoring
+from agentrl.trainer.objective import MetricSums, critic_objective, loss_denominator, policy_objective
+from agentrl.trainer.packing import (
+    PackedBatch,
+    compute_entropy,
+    compute_token_logprobs,
+    pack_trajectories,
+    split_micro_batches,
+)
+from agentrl.types import TokenOrigin, Trajectory
+
+__all__ = ["FSDP2Backend", "ValueModel"]
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_STATE_FILE = "trainer_state.pt"
+
+
+class ValueModel(nn.Module):
+    """A critic: a transformer backbone and a linear head giving one value per token."""
+
+    def __init__(self, backbone: nn.Module, hidden_size: int) -> None:
+        super().__init__()
+        self.backbone = backbone
+        self.value_head = nn.Linear(hidden_size, 1)
+        nn.init.normal_(self.value_head.weight, std=1.0 / (hidden_size + 1))
+        nn.init.zeros_(self.value_head.bias)
+
+    def forward(
+        self, input_ids: torch.Tensor, position_ids: torch.Tensor, use_cache: bool = False
+    ) -> torch.Tensor:
+        hidden = self.backbone(input_ids=input_ids, position_ids=position_ids, use_cache=use_cache)
+        # A fresh tensor, not a squeeze view: FSDP2 hooks its backward on the module's output.
+        return self.value_head(hidden.last_hidden_state).float().sum(-1)
+
+
+def _warmup(steps: int) -> Any:
+    return lambda s: min(1.0, (s + 1) / steps) if steps > 0 else 1.0
+
+
+class FSDP2Backend(TrainerBackend):
+    """A policy, and optionally a critic and a frozen reference, sharded with FSDP2.
+
+    `trainer` gives the optimisation settings (lr, warm-up, clipping, micro-batch budget,
+    gradient checkpointing, device). `with_reference` / `with_critic` default to what `algorithm`
+    needs (kl_coef > 0; advantage `gae`). `dtype` is `ModelConfig.dtype` (`auto`: bf16 compute on
+    CUDA, fp32 on CPU); master weights and optimizer state are always fp32. `deterministic` turns
+    on torch's deterministic algorithms (for exact resume tests).
+    """
+
+    def __init__(
+        self,
+        model_path: str | Path,
+        trainer: Any,
+        algorithm: Any = None,
+        *,
+        with_reference: bool | None = None,
+        with_critic: bool | None = None,
+        dtype: str = "auto",
+        seed: int = 0,
+        deterministic: bool = False,
+        chunked_head: bool = True,
+    ) -> None:
+        if trainer.lora_rank > 0:
+            raise FeatureUnavailableError(
+                f"trainer.lora_rank={trainer.lora_rank}: LoRA is not built into the FSDP2 backend yet "
+                "(peft needs accelerate, which is not installed here); set trainer.lora_rank=0."
+            )
+        self.config = trainer
+        self._chunked_head = chunked_head
+        self._heads: dict[int, ScoringHead | None] = {}
+        self.model_path = str(model_path)
+        self.device = resolve_device(trainer.device)
+        self.rank, self.world_size = init_distributed(self.device)
+        self.mesh = init_device_mesh(self.device.type, (self.world_size,))
+        if deterministic:
+            torch.use_deterministic_algorithms(True)
+        if dtype != "auto" and dtype not in _DTYPES:
+            raise ConfigError(f"model.dtype '{dtype}' is not one of auto, {', '.join(_DTYPES)}.")
+        compute = (
+            _DTYPES[dtype]
+            if dtype != "auto"
+            else (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
+        )
+        if compute is torch.float16:
+            raise FeatureUnavailableError(
+                "float16 training needs a loss scaler, which is not built; use bfloat16."
+            )
+        # Params are gathered in the compute dtype; gradients are reduced and kept in fp32.
+        self._mp = (
+            MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32)
+            if compute != torch.float32
+            else None
+        )
+        if with_reference is None:
+            with_reference = bool(algorithm is not None and algorithm.kl_coef > 0)
+        if with_critic is None:
+            with_critic = bool(algorithm is not None and algorithm.advantage == "gae")
+
+        torch.manual_seed(seed)  # every rank initialises new weights (the value head) alike
+        self.policy = self._build_policy(trainable=True)
+        self.optimizer = torch.optim.AdamW(
+            self.policy.parameters(), lr=trainer.lr, weight_decay=trainer.weight_decay
+        )
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, _warmup(trainer.warmup_steps))
+        self.reference = self._build_policy(trainable=False) if with_reference else None
+        self.critic: nn.Module | None = None
+        if with_critic:
+            self.critic = self._build_critic()
+            self.critic_optimizer = torch.optim.AdamW(
+                self.critic.parameters(), lr=trainer.critic_lr, weight_decay=trainer.weight_decay
+            )
+            self.critic_scheduler = torch.optim.lr_scheduler.LambdaLR(
+                self.critic_optimizer, _warmup(trainer.warmup_steps)
+            )
+        self._step = 0
+
+    # ── building ────────────────────────────────────────────────────────────────────────────
+    def _shard(self, model: nn.Module, layer_classes: Sequence[str]) -> nn.Module:
+        kwargs: dict[str, Any] = {"mesh": self.mesh}
+        if self._mp is not None:
+            kwargs["mp_policy"] = self._mp
+        layers = [m for m in model.modules() if type(m).__name__ in set(layer_classes)]
+        if not layers:
+            raise TrainerError(
+                f"found no decoder layers of classes {list(layer_classes)} in {type(model).__name__}; "
+                "the model must declare _no_split_modules."
+            )
+        for layer in layers:
+            fully_shard(layer, **kwargs)
+        fully_shard(model, **kwargs)
+        return model
+
+    def _build_policy(self, *, trainable: bool) -> nn.Module:
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32)
+        if trainable and self.config.gradient_checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if not trainable:
+            model.requires_grad_(False)
+            model.eval()
+        head = install_scoring_head(model) if self._chunked_head else None
+        self._heads[id(model)] = head
+        return self._shard(model, model._no_split_modules or [])
+
+    def _build_critic(self) -> nn.Module:
+        from transformers import AutoModel
+
+        backbone = AutoModel.from_pretrained(self.model_path, dtype=torch.float32)
+        if self.config.gradient_checkpointing:
+            backbone.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        critic = ValueModel(backbone, backbone.config.hidden_size)
+        return self._shard(critic, backbone._no_split_modules or [])
+
+    # ── the interface's small parts ─────────────────────────────────────────────────────────
+    @property
+    def has_reference(self) -> bool:
+        return self.reference is not None
+
+    @property
+    def has_critic(self) -> bool:
+        return self.critic is not None
+
+    @property
+    def global_step(self) -> int:
+        return self._step
+
+    def _all_reduce(self, tensor: torch.Tensor, op: str) -> None:
+        if self.world_size > 1:
+            dist.all_reduce(tensor, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM)
+
+    # ── splitting work ──────────────────────────────────────────────────────────────────────
+    def _plan(self, trajectories: Sequence[Trajectory]) -> list[tuple[PackedBatch, bool]]:
+        """This rank's packed micro-batches, `indices` pointing into `trajectories`, padded with
+        empty ones (flag False) to the count of the busiest rank."""
+        lengths = [len(t.token_ids) for t in trajectories]
+        mine = balanced_shares(lengths, self.world_size)[self.rank]
+        plan = []
+        for members in split_micro_batches([lengths[i] for i in mine], self.config.micro_batch_tokens):
+            idx = [mine[j] for j in members]
+            batch = pack_trajectories([trajectories[i] for i in idx], device=self.device)
+            batch.indices = idx
+            plan.append((batch, True))
+        count = torch.tensor([len(plan)], dtype=torch.float64)
+        self._all_reduce(count, "max")
+        if len(plan) < int(count.item()):
+            empty = Trajectory()
+            empty.extend([0, 0], TokenOrigin.PROMPT, 0)  # no sampled token: an all-zero loss mask
+            dummy = pack_trajectories([empty], device=self.device)
+            plan += [(dummy, False)] * (int(count.item()) - len(plan))
+        return plan
+
+    def _gather(
+        self, batch: PackedBatch, real: bool, tensors: dict[str, torch.Tensor | None]
+    ) -> dict[str, Any]:
+        """Rows of (B, L) tensors laid out like the packed micro-batch: (1, N) on the device."""
+        out: dict[str, Any] = {"segment_ids": batch.segment_ids}
+        for name, value in tensors.items():
+            if value is None:
+                continue
+            if real:
+                pieces = [value[i, :n] for i, n in zip(batch.indices, batch.seq_lengths, strict=True)]
+                out[name] = torch.cat(pieces).unsqueeze(0).to(self.device, torch.float32)
+            else:
+                out[name] = torch.zeros((1, batch.num_tokens), device=self.device)
+        return out
+
+    @torch.no_grad()
+    def _score(self, model: nn.Module, trajectories: Sequence[Trajectory], fn: Any) -> torch.Tensor:
+        """Run `fn(model, micro_batch) -> (1, N)` over this rank's share, scatter into (B, L) and
+        sum over ranks (each row is written by exactly one rank)."""
+        width = max((len(t.token_ids) for t in trajectories), default=0)
+        out = torch.zeros((len(trajectories), width), dtype=torch.float32)
+        was_training = model.training
+        model.eval()
+        for batch, real in self._plan(trajectories):
+            values = fn(model, batch).float().cpu()[0]
+            if not real:
+                continue
+            # A sequence's last position predicts nothing (see packing): keep it exactly 0.
+            values[batch.cu_seqlens[1:].long().cpu() - 1] = 0.0
+            start = 0
+            for i, n in zip(batch.indices, batch.seq_lengths, strict=True):
+                out[i, :n] = values[start : start + n]
+                start += n
+        model.train(was_training)
+        self._all_reduce(out, "sum")
+        return out
+
+    # ── scoring ─────────────────────────────────────────────────────────────────────────────
+    def compute_logprobs(
+        self, trajectories: Sequence[Trajectory], *, temperature: float = 1.0
+    ) -> torch.Tensor:
+        return self._score(self.policy, trajectories, self._logprob_fn(temperature))
+
+    def compute_ref_logprobs(
+        self, trajectories: Sequence[Trajectory], *, temperature: float = 1.0
+    ) -> torch.Tensor:
+        if self.reference is None:
+            raise TrainerError("this backend has no reference model; build it with with_reference=True.")
+        return self._score(self.reference, trajectories, self._logprob_fn(temperature))
+
+    def compute_values(self, trajectories: Sequence[Trajectory]) -> torch.Tensor:
+        if self.critic is None:
+            raise TrainerError("this backend has no critic; build it with with_critic=True.")
+        return self._score(self.critic, trajectories, lambda model, b: model(**b.model_inputs()))
+
+    def _logprob_fn(self, temperature: float) -> Any:
+        def fn(model: nn.Module, batch: PackedBatch) -> torch.Tensor:
+            return self._token_scores(model, batch, temperature, with_entropy=False)[0]
+
+        return fn
+
+    def _token_scores(
+        self, model: nn.Module, batch: PackedBatch, temperature: float, *, with_entropy: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(logprobs, entropy or None), each (1, N), from the chunked head when the model has one."""
+        head = self._heads.get(id(model))
+        if head is not None:
+            with scoring(head, batch.labels, temperature, with_entropy):
+                out = model(**batch.model_inputs()).logits
+            return out[..., 0], (out[..., 1] if with_entropy else None)
+        logits = model(**batch.model_inputs()).logits
+        logprobs = compute_token_logprobs(logits, batch.labels, temperature)
+        return logprobs, (compute_entropy(logits, temperature) if with_entropy else None)
+
+    # ── updates ─────────────────────────────────────────────────────────────────────────────
+    def update_policy(self, batch: PolicyBatch, algorithm: Any) -> dict[str, float]:
+        # Infrastructure failures never reach the loss, whatever mask the caller built.
+        loss_mask = batch.loss_mask * _trainable_rows(batch.trajectories)
+        denominator = loss_denominator(loss_mask, algorithm.loss_agg)
+        if denominator == 0:
+            # Nothing to learn from (all masked): no optimizer step, on every rank alike.
+            return {"skipped": 1.0}
+        self.policy.train()
+        tensors = {
+            "loss_mask": loss_mask,
+            "advantages": batch.advantages,
+            "old_logprobs": batch.old_logprobs,
+            "ref_logprobs": batch.ref_logprobs,
+            "is_weights": batch.is_weights,
+        }
+        sums = MetricSums()
+        for packed, real in self._plan(batch.trajectories):
+            tokens = self._gather(packed, real, tensors)
+            logprobs, entropy = self._token_scores(self.policy, packed, batch.temperature, with_entropy=True)
+            if not algorithm.entropy_coef:
+                entropy = entropy.detach()  # reported only
+            loss, metrics = policy_objective(
+                logprobs, tokens, algorithm, denominator=denominator, entropy=entropy, max_len=batch.max_len
+            )
+            # FSDP averages gradients over ranks; the loss is already normalised by the global
+            # count, so undo the average to get the sum over ranks.
+            (loss * self.world_size).backward()
+            sums.add(metrics, float(tokens["loss_mask"].sum()))
+        out = self._optimizer_step(self.policy, self.optimizer, self.scheduler)
+        self._step += 1
+        out.update(sums.reduce(self._all_reduce))
+        return out
+
+    def update_critic(self, batch: CriticBatch, algorithm: Any) -> dict[str, float]:
+        if self.critic is None:
+            raise TrainerError("this backend has no critic; build it with with_critic=True.")
+        loss_mask = batch.loss_mask * _trainable_rows(batch.trajectories)
+        denominator = loss_denominator(loss_mask, algorithm.loss_agg)
+        if denominator == 0:
+            return {"critic/skipped": 1.0}
+        self.critic.train()
+        tensors = {"loss_mask": loss_mask, "returns": batch.returns, "old_values": batch.old_values}
+        sums = MetricSums()
+        for packed, real in self._plan(batch.trajectories):
+            tokens = self._gather(packed, real, tensors)
+            values = self.critic(**packed.model_inputs())
+            loss, metrics = critic_objective(
+                values, tokens, algorithm, denominator=denominator, max_len=batch.max_len
+            )
+            (loss * self.world_size).backward()
+            sums.add(metrics, float(tokens["loss_mask"].sum()))
+        out = self._optimizer_step(self.critic, self.critic_optimizer, self.critic_scheduler)
+        out.update(sums.reduce(self._all_reduce))
+        return {f"critic/{k}": v for k, v in out.items()}
+
+    def _optimizer_step(self, model: nn.Module, optimizer: Any, scheduler: Any) -> dict[str, float]:
+        params = [p for p in model.parameters() if p.grad is not None]
+        grads = [p.grad for p in params]
+        norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
+        if isinstance(norm, DTensor):
+            norm = norm.full_tensor()
+        grad_norm = float(norm)
+        lr = scheduler.get_last_lr()[0]
+        if np.isfinite(grad_norm):
+            torch.nn.utils.clip_grads_with_norm_(params, self.config.grad_clip, norm)
+            optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        return {"grad_norm": grad_norm, "lr": lr, "grad_nonfinite": float(not np.isfinite(grad_norm))}
+
+    # ── weights and checkpoints ─────────────────────────────────────────────────────────────
+    def export_weights(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, tensor in self.policy.state_dict().items():
+            full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+            full = full.detach().cpu()
+            yield name, full.to(dtype) if dtype is not None else full
+
+    def _app_state(self) -> dict[str, Any]:
+        state = {
+            "policy": get_model_state_dict(self.policy),
+            "policy_optim": get_optimizer_state_dict(self.policy, self.optimizer),
+        }
+        if self.critic is not None:
+            state["critic"] = get_model_state_dict(self.critic)
+            state["critic_optim"] = get_optimizer_state_dict(self.critic, self.critic_optimizer)
+        return state
+
+    def save(self, path: str | Path, data_position: dict[str, Any] | None = None) -> None:
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        # DCP fills an empty optimizer state with a zero-gradient step (Adam step 1); remember
+        # which were empty and empty them again, so saving never changes what training does.
+        fresh = {"policy": not self.optimizer.state}
+        if self.critic is not None:
+            fresh["critic"] = not self.critic_optimizer.state
+        dcp.save(self._app_state(), checkpoint_id=str(path / "dcp"))
+        self._clear_fresh(fresh)
+        torch.save(_rng_state(), path / f"rng_rank{self.rank}.pt")
+        if self.rank == 0:
+            meta = {
+                "global_step": self._step,
+                "world_size": self.world_size,
+                "scheduler": self.scheduler.state_dict(),
+                "critic_scheduler": self.critic_scheduler.state_dict() if self.critic is not None else None,
+                "data_position": dict(data_position or {}),
+                "fresh_optimizers": fresh,
+            }
+            torch.save(meta, path / _STATE_FILE)
+        dist.barrier()
+
+    def _clear_fresh(self, fresh: dict[str, bool]) -> None:
+        if fresh.get("policy"):
+            self.optimizer.state.clear()
+        if fresh.get("critic") and self.critic is not None:
+            self.critic_optimizer.state.clear()
+
+    def load(self, path: str | Path) -> dict[str, Any]:
+        path = Path(path)
+        if not (path / _STATE_FILE).is_file():
+            raise TrainerError(
+                f"no trainer checkpoint at '{path}' (missing {_STATE_FILE}); pass a folder `save` wrote."
+            )
+        state = self._app_state()
+        if self.critic is None:
+            state.pop("critic", None)
+        dcp.load(state, checkpoint_id=str(path / "dcp"))
+        set_model_state_dict(self.policy, state["policy"])
+        set_optimizer_state_dict(self.policy, self.optimizer, state["policy_optim"])
+        meta = torch.load(path / _STATE_FILE, weights_only=True)
+        self.scheduler.load_state_dict(meta["scheduler"])
+        if self.critic is not None:
+            set_model_state_dict(self.critic, state["critic"])
+            set_optimizer_state_dict(self.critic, self.critic_optimizer, state["critic_optim"])
+            self.critic_scheduler.load_state_dict(meta["critic_scheduler"])
+        self._clear_fresh(meta["fresh_optimizers"])
+        self._step = int(meta["global_step"])
+        rng_file = path / f"rng_rank{self.rank}.pt"
+        if not rng_file.is_file():  # resumed on more ranks than saved: reuse rank 0's streams
+            rng_file = path / "rng_rank0.pt"
+        _set_rng_state(torch.load(rng_file, weights_only=True))
+        return dict(meta["data_position"])
+
+
+def _trainable_rows(trajectories: Sequence[Trajectory]) -> torch.Tensor:
+    return torch.tensor([[1.0 if t.trainable else 0.0] for t in trajectories])
+
+
+def _rng_state() -> dict[str, Any]:
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    state = {
+        "python": random.getstate(),
+        "numpy": (kind, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, cached),
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    kind, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])

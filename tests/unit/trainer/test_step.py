@@ -1,0 +1,375 @@
+"""train_step and the FSDP2 backend in one process: what a step computes and that it learns.
+
+The first tests drive `train_step` with a fake backend whose logprobs are chosen by hand, so the
+advantages, masks, importance weights and update schedule it hands to the backend can be checked
+exactly. The rest run the real `FSDP2Backend` (a one-rank gloo group) on the tiny random Qwen2:
+step-0 identities, the direction GRPO moves the policy, gradient accumulation, masking of
+infrastructure failures, exported weights and the critic/reference paths.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from agentrl.config import AlgorithmConfig, TrainerConfig
+from agentrl.trainer.backend import CriticBatch, PolicyBatch, TrainerBackend
+from agentrl.trainer.step import mini_batch_indices, train_step
+from agentrl.types import TokenOrigin, Trajectory
+
+TINY_QWEN2 = Path("/work/shared/assets/tiny-random-qwen2")
+X, Y = 100, 200  # rewarded and unrewarded response tokens
+
+
+def make_traj(
+    prompt: list[int], response: list[int], *, reward: float, group: str = "g", fault: str | None = None,
+    rollout_logprob: float = -12.0,
+) -> Trajectory:  # fmt: skip
+    traj = Trajectory(reward=reward, group_id=group, fault=fault)
+    traj.extend(prompt, TokenOrigin.PROMPT, 0)
+    traj.extend(response, TokenOrigin.SAMPLED, 0, logprobs=[rollout_logprob] * len(response), version=0)
+    return traj
+
+
+def toy_batch() -> list[Trajectory]:
+    """Two prompts x four samples; a sample is rewarded when it answered with token X."""
+    out = []
+    for g, prompt in enumerate(([1, 2, 3], [4, 5, 6, 7])):
+        for k in range(4):
+            rewarded = k % 2 == 0
+            out.append(
+                make_traj(prompt, [X if rewarded else Y] * (3 + k), reward=float(rewarded), group=f"p{g}")
+            )
+    return out
+
+
+# ── train_step against a fake backend ───────────────────────────────────────────────────────────
+class FakeBackend(TrainerBackend):
+    """Logprobs are `rollout + shift` on every token; updates are recorded, not applied."""
+
+    def __init__(self, shift: float = 0.0) -> None:
+        self.shift = shift
+        self.policy_batches: list[PolicyBatch] = []
+        self.scored: list[int] = []
+
+    has_reference = False  # type: ignore[assignment]
+    has_critic = False  # type: ignore[assignment]
+    global_step = 0  # type: ignore[assignment]
+
+    def compute_logprobs(
+        self, trajectories: Sequence[Trajectory], *, temperature: float = 1.0
+    ) -> torch.Tensor:
+        from agentrl.trainer.packing import pad_trajectories
+
+        self.scored.append(len(trajectories))
+        b = pad_trajectories(trajectories)
+        return b.rollout_logprobs + self.shift * b.loss_mask
+
+    def compute_ref_logprobs(self, trajectories, *, temperature=1.0):  # pragma: no cover - unused
+        raise AssertionError
+
+    def compute_values(self, trajectories):  # pragma: no cover - unused
+        raise AssertionError
+
+    def update_policy(self, batch: PolicyBatch, algorithm: Any) -> dict[str, float]:
+        self.policy_batches.append(batch)
+        return {"pg_loss": float(len(self.policy_batches))}
+
+    def update_critic(self, batch: CriticBatch, algorithm: Any) -> dict[str, float]:  # pragma: no cover
+        raise AssertionError
+
+    def export_weights(self) -> Iterator[tuple[str, torch.Tensor]]:  # pragma: no cover
+        yield from ()
+
+    def save(self, path, data_position=None):  # pragma: no cover
+        pass
+
+    def load(self, path):  # pragma: no cover
+        return {}
+
+
+def test_mini_batch_indices_are_contiguous_and_cover_everything():
+    assert mini_batch_indices(5, 2) == [[0, 1], [2, 3, 4]]
+    assert mini_batch_indices(2, 4) == [[0], [1]]
+    assert [i for part in mini_batch_indices(17, 3) for i in part] == list(range(17))
+
+
+def test_infra_failures_never_reach_the_backend_and_grpo_advantages_are_exact():
+    trajs = [
+        make_traj([1], [5, 6], reward=1.0), make_traj([1], [7], reward=0.0),
+        make_traj([1], [5], reward=1.0), make_traj([1], [8, 9], reward=0.0),
+        make_traj([1], [5, 5], reward=0.0, fault="infra"),  # would change the group stats if kept
+    ]  # fmt: skip
+    backend = FakeBackend()
+    algo, trainer = AlgorithmConfig(advantage="grpo", rollout_is="none"), TrainerConfig()
+    m = train_step(backend, trajs, algo, trainer)
+    assert m["batch/infra_masked"] == 1.0 and backend.scored == [4]
+    (batch,) = backend.policy_batches
+    assert len(batch.trajectories) == 4 and all(t.trainable for t in batch.trajectories)
+    # rewards 1,0,1,0: mean 0.5, unbiased std sqrt(1/3) -> ±0.5·sqrt(3) on every response token
+    a = 0.5 * math.sqrt(3) / (1 + 1e-6 * math.sqrt(3))
+    expected = torch.tensor([[a, a, 0.0], [-a, 0.0, 0.0], [a, 0.0, 0.0], [-a, -a, 0.0]])
+    torch.testing.assert_close(batch.advantages, expected, atol=1e-5, rtol=0)
+    assert batch.loss_mask.tolist() == [[1, 1, 0], [1, 0, 0], [1, 0, 0], [1, 1, 0]]
+    assert batch.is_weights is None
+    assert m["adv/max"] == pytest.approx(a, abs=1e-5) and m["reward/mean"] == 0.5
+
+
+def test_epochs_times_mini_batches_optimizer_steps():
+    backend = FakeBackend()
+    trainer = TrainerConfig(ppo_epochs=2, mini_batches=2)
+    m = train_step(backend, toy_batch(), AlgorithmConfig(), trainer)
+    assert [len(b.trajectories) for b in backend.policy_batches] == [4, 4, 4, 4]
+    assert m["actor/updates"] == 4.0 and m["actor/pg_loss"] == pytest.approx(2.5)  # mean of 1..4
+
+
+def test_rollout_mismatch_is_measured_and_truncated():
+    backend = FakeBackend(shift=math.log(3.0))  # trainer logprob = rollout + log 3: ratio 3
+    algo = AlgorithmConfig(rollout_is="tis", rollout_is_cap=2.0)
+    m = train_step(backend, toy_batch(), algo, TrainerConfig())
+    (batch,) = backend.policy_batches
+    assert m["rollout/is_ratio_mean"] == pytest.approx(3.0, rel=1e-5)
+    assert m["rollout/logprob_abs_diff"] == pytest.approx(math.log(3.0), rel=1e-5)
+    kept = batch.loss_mask > 0
+    assert torch.all(batch.is_weights[kept] == 2.0) and torch.all(batch.is_weights[~kept] == 0.0)
+    icepop = FakeBackend(shift=math.log(3.0))  # ratio 3 is outside [1/2, 2]: every token dropped
+    m = train_step(icepop, toy_batch(), AlgorithmConfig(rollout_is="icepop"), TrainerConfig())
+    assert m["rollout/masked_fraction"] == 1.0
+    assert icepop.policy_batches[0].loss_mask.sum() == 0
+
+
+# ── the micro-batch objective and the rank split ────────────────────────────────────────────────
+def _tokens(n: int = 6) -> dict[str, torch.Tensor]:
+    return {
+        "loss_mask": torch.tensor([[1.0, 1, 0, 1, 1, 1]]),
+        "advantages": torch.tensor([[1.0, 1, 0, -2, -2, -2]]),
+        "old_logprobs": torch.tensor([[-1.0, -2, -3, -1, -2, -3]]),
+        "segment_ids": torch.tensor([[0, 0, 0, 1, 1, 1]]),
+    }
+
+
+@pytest.mark.parametrize("loss", ["ppo_clip", "gspo"])
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean"])
+def test_objective_at_ratio_one_is_minus_the_mean_advantage_and_splits_over_micro_batches(loss, agg):
+    from agentrl.trainer.objective import loss_denominator, policy_objective
+
+    algo = AlgorithmConfig(policy_loss=loss, loss_agg=agg, kl_coef=0.5)
+    tok = _tokens()
+    tok["ref_logprobs"] = tok["old_logprobs"].clone()
+    lp = tok["old_logprobs"].clone().requires_grad_(True)
+    denom = loss_denominator(tok["loss_mask"].view(2, 3), agg)  # (sequences, len): one row each
+    total, m = policy_objective(lp, tok, algo, denominator=denom)
+    # token-mean: -(1+1-2-2-2)/5; seq-mean: -((1+1)/2 + (-6)/3)/2
+    expected = 4 / 5 if agg == "token-mean" else 0.5
+    assert total.item() == pytest.approx(expected, abs=1e-6) and m["kl_loss"] == 0.0
+    assert m["ratio_max"] == m["ratio_min"] == 1.0 and m["ppo_kl"] == 0.0
+    # the same tokens cut into two micro-batches with the whole batch's denominator add up
+    halves = []
+    for sl in (slice(0, 3), slice(3, 6)):
+        part = {k: v[:, sl] for k, v in tok.items()}
+        part["segment_ids"] = part["segment_ids"] - part["segment_ids"].min()
+        halves.append(policy_objective(lp[:, sl], part, algo, denominator=denom)[0].item())
+    assert sum(halves) == pytest.approx(total.item(), abs=1e-6)
+
+
+def test_balanced_shares_split_tokens_evenly_and_deterministically():
+    from agentrl.trainer.distributed import balanced_shares
+
+    # longest first to the lighter rank: 100->a, 90->b, 80->b, 10->a, 10->a, 5->a (125 vs 170)
+    assert balanced_shares([100, 90, 10, 10, 5, 80], 2) == [[0, 2, 3, 4], [1, 5]]
+    assert balanced_shares([5, 5, 5, 5], 2) == [[0, 2], [1, 3]]
+    assert balanced_shares([7], 3) == [[0], [], []]
+
+
+def test_overlong_penalty_needs_the_length_limit():
+    from agentrl.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="max_response_tokens"):
+        train_step(FakeBackend(), toy_batch(), AlgorithmConfig(overlong_buffer_tokens=2), TrainerConfig())
+
+
+# ── the real FSDP2 backend, one rank ────────────────────────────────────────────────────────────
+def fsdp2(**trainer_kw: Any) -> Any:
+    from agentrl.trainer.fsdp2 import FSDP2Backend
+
+    algo_kw = trainer_kw.pop("algo", {})
+    trainer = TrainerConfig(device="cpu", **{"lr": 1e-3, "micro_batch_tokens": 32, **trainer_kw})
+    return FSDP2Backend(TINY_QWEN2, trainer, AlgorithmConfig(**algo_kw), seed=0)
+
+
+def weights(backend: Any) -> dict[str, torch.Tensor]:
+    return dict(backend.export_weights())
+
+
+needs_model = pytest.mark.skipif(not TINY_QWEN2.is_dir(), reason="tiny Qwen2 not found in shared assets")
+
+
+@needs_model
+def test_step_zero_ratio_is_exactly_one_and_nothing_is_clipped():
+    backend = fsdp2()
+    m = train_step(
+        backend, toy_batch(), AlgorithmConfig(rollout_is="none"), TrainerConfig(micro_batch_tokens=32)
+    )
+    assert m["actor/ratio_min"] == 1.0 and m["actor/ratio_max"] == 1.0
+    assert abs(m["actor/ppo_kl"]) < 1e-7
+    assert m["actor/pg_clipfrac"] == 0.0 and m["actor/pg_clipfrac_lower"] == 0.0
+    assert m["actor/grad_norm"] > 0 and math.isfinite(m["actor/entropy"])
+
+
+@needs_model
+def test_grpo_raises_the_logprob_of_rewarded_answers():
+    backend = fsdp2()
+    batch = toy_batch()
+    rewarded = torch.tensor([t.reward == 1.0 for t in batch])
+    from agentrl.trainer.packing import pad_trajectories
+
+    mask = pad_trajectories(batch).loss_mask
+
+    def mean_logprob() -> torch.Tensor:
+        lp = backend.compute_logprobs(batch)
+        return (lp * mask).sum(-1) / mask.sum(-1)
+
+    before = mean_logprob()
+    for _ in range(3):
+        train_step(backend, batch, AlgorithmConfig(), TrainerConfig())
+    after = mean_logprob()
+    assert torch.all(after[rewarded] > before[rewarded] + 0.5), (before, after)
+    assert torch.all(after[~rewarded] < before[~rewarded] - 0.5), (before, after)
+
+    # within one step (fixed old logprobs and advantages) the surrogate loss falls update by update
+    losses: list[float] = []
+    update = backend.update_policy
+    backend.update_policy = lambda b, a: (r := update(b, a), losses.append(r["pg_loss"]))[0]
+    train_step(backend, batch, AlgorithmConfig(), TrainerConfig(ppo_epochs=3))
+    assert losses[0] > losses[1] > losses[2], losses
+
+
+@needs_model
+def test_micro_batches_accumulate_to_the_full_batch_update():
+    batch, algo = toy_batch(), AlgorithmConfig(rollout_is="none")
+    small, big = fsdp2(micro_batch_tokens=16), fsdp2(micro_batch_tokens=4096)
+    m_small = train_step(small, batch, algo, TrainerConfig())
+    m_big = train_step(big, batch, algo, TrainerConfig())
+    assert m_small["actor/grad_norm"] == pytest.approx(m_big["actor/grad_norm"], rel=1e-5)
+    ws, wb = weights(small), weights(big)
+    for name in wb:
+        torch.testing.assert_close(ws[name], wb[name], atol=1e-5, rtol=0)  # Adam step 1 ≈ lr·sign(g)
+
+
+@needs_model
+def test_gradient_checkpointing_changes_memory_not_results():
+    batch, algo = toy_batch(), AlgorithmConfig(rollout_is="none")
+    plain, ckpt = fsdp2(), fsdp2(gradient_checkpointing=True)
+    m_plain, m_ckpt = (
+        train_step(plain, batch, algo, TrainerConfig()),
+        train_step(ckpt, batch, algo, TrainerConfig()),
+    )
+    assert m_plain["actor/grad_norm"] == pytest.approx(m_ckpt["actor/grad_norm"], rel=1e-6)
+    wp, wc = weights(plain), weights(ckpt)
+    for name in wp:
+        torch.testing.assert_close(wp[name], wc[name], atol=1e-6, rtol=0)
+
+
+@needs_model
+def test_infra_failed_trajectories_contribute_zero_gradient():
+    from agentrl.trainer.packing import pad_trajectories
+
+    clean = toy_batch()[:4]
+    broken = make_traj([9, 9, 9], [X, Y, X, Y], reward=1.0, fault="infra")
+
+    def update(trajs: list[Trajectory], broken_adv: float) -> dict[str, torch.Tensor]:
+        backend = fsdp2(micro_batch_tokens=4096)
+        layout = pad_trajectories(trajs)
+        adv = layout.loss_mask.clone() * torch.tensor([[1.0], [-1.0], [1.0], [-1.0], [0.0]][: len(trajs)])
+        raw_mask = torch.zeros_like(layout.loss_mask)
+        for i, t in enumerate(trajs):  # the caller "forgot" to mask the failure: ones on its tokens
+            raw_mask[i, t.prompt_length - 1 : len(t) - 1] = 1.0
+        if len(trajs) == 5:
+            adv[4] = broken_adv * raw_mask[4]
+        batch = PolicyBatch(
+            trajectories=trajs, loss_mask=raw_mask, advantages=adv,
+            old_logprobs=backend.compute_logprobs(trajs), rollout_logprobs=layout.rollout_logprobs,
+        )  # fmt: skip
+        backend.update_policy(batch, AlgorithmConfig())
+        return weights(backend)
+
+    w_clean = update(clean, 0.0)
+    w_plus, w_minus = update([*clean, broken], 100.0), update([*clean, broken], -100.0)
+    for name in w_clean:
+        assert torch.equal(w_plus[name], w_minus[name]), name
+        torch.testing.assert_close(w_plus[name], w_clean[name], atol=1e-5, rtol=0)  # other packing
+
+
+@needs_model
+def test_export_weights_are_the_full_hf_state_dict_and_load_into_hf():
+    from transformers import AutoModelForCausalLM
+
+    from agentrl.trainer.packing import compute_token_logprobs, pack_trajectories
+
+    backend = fsdp2()
+    assert type(backend.policy.lm_head).__name__ == "ScoringHead"  # names survive the head swap
+    hf = AutoModelForCausalLM.from_pretrained(TINY_QWEN2, dtype=torch.float32)
+    exported = weights(backend)
+    reference = hf.state_dict()
+    assert set(exported) == set(reference)
+    for name, tensor in reference.items():
+        assert exported[name].shape == tensor.shape and torch.equal(exported[name], tensor), name
+
+    train_step(backend, toy_batch(), AlgorithmConfig(), TrainerConfig())
+    exported = weights(backend)
+    assert not torch.equal(
+        exported["model.layers.0.mlp.up_proj.weight"], reference["model.layers.0.mlp.up_proj.weight"]
+    )
+    hf.load_state_dict(exported)
+    batch = toy_batch()
+    packed = pack_trajectories(batch)
+    with torch.no_grad():
+        hf_lp = compute_token_logprobs(hf(**packed.model_inputs()).logits, packed.labels)[0]
+    ours = backend.compute_logprobs(batch)
+    flat = torch.cat([ours[i, : len(t) - 1] for i, t in enumerate(batch)])
+    ends = packed.cu_seqlens[1:].long() - 1
+    keep = torch.ones(packed.num_tokens, dtype=torch.bool)
+    keep[ends] = False
+    torch.testing.assert_close(flat, hf_lp[keep], atol=1e-5, rtol=0)
+
+
+@needs_model
+def test_gae_with_critic_and_kl_to_reference():
+    backend = fsdp2(algo={"advantage": "gae", "kl_coef": 0.1})
+    assert backend.has_critic and backend.has_reference
+    algo = AlgorithmConfig(advantage="gae", kl_coef=0.1, rollout_is="none")
+    first = train_step(backend, toy_batch(), algo, TrainerConfig(critic_lr=1e-2))
+    assert first["actor/kl_ref"] == 0.0  # the policy starts as the reference
+    assert first["actor/ratio_max"] == 1.0 and "critic/vf_loss" in first
+    later = [train_step(backend, toy_batch(), algo, TrainerConfig()) for _ in range(3)]
+    assert later[-1]["actor/kl_ref"] > 0.0
+    assert later[-1]["critic/vf_loss"] < first["critic/vf_loss"]
+
+
+@needs_model
+def test_lora_is_refused_with_the_reason():
+    from agentrl.errors import FeatureUnavailableError
+
+    with pytest.raises(FeatureUnavailableError, match="lora_rank"):
+        fsdp2(lora_rank=8)
+
+
+@needs_model
+def test_make_backend_builds_what_the_config_names():
+    from agentrl.config import AgentRLConfig
+    from agentrl.errors import FeatureUnavailableError
+    from agentrl.trainer import make_backend
+
+    config = AgentRLConfig.model_validate(
+        {"model": {"path": str(TINY_QWEN2)}, "trainer": {"device": "cpu"}, "algorithm": {"kl_coef": 0.1}}
+    )
+    backend = make_backend(config)
+    assert type(backend).__name__ == "FSDP2Backend" and backend.has_reference and not backend.has_critic
+    config.trainer.backend = "megatron"
+    with pytest.raises(FeatureUnavailableError, match="megatron"):
+        make_backend(config)
