@@ -69,7 +69,7 @@ def _check_ledger(t: Trajectory, sent: list[list[int]]) -> None:
     assert t.token_ids[: len(sent[-1])] == sent[-1]
     sampled_lp = [lp for lp, m in zip(t.logprobs, t.response_mask, strict=True) if m]
     assert sampled_lp and all(lp <= 0.0 for lp in sampled_lp)
-    assert {v for v, m in zip(t.versions, t.response_mask, strict=True) if m} == {0}
+    assert len({v for v, m in zip(t.versions, t.response_mask, strict=True) if m}) == 1  # no push mid-run
 
 
 def test_multi_turn_episodes_against_vllm_keep_an_exact_ledger(vllm_server: Any, template: ChatTemplate) -> None:
