@@ -1,13 +1,11 @@
 """`ExternalClient` against a real OpenAI-compatible server: vLLM's own `vllm serve` API server.
 
-Needs vLLM in the python named by AGENTRL_VLLM_PYTHON; skipped with the reason otherwise.
+Needs vLLM (installed, or in the python named by AGENTRL_VLLM_PYTHON); skipped with the reason otherwise.
 """
 
 from __future__ import annotations
 
 import asyncio
-import os
-import subprocess
 
 import pytest
 
@@ -28,13 +26,7 @@ def model_dir(assets):
 
 
 @pytest.fixture(scope="module")
-def openai_server(model_dir):
-    python = os.environ.get("AGENTRL_VLLM_PYTHON")
-    if (
-        not python
-        or subprocess.run([python, "-c", "import vllm"], capture_output=True, timeout=120).returncode
-    ):
-        pytest.skip("vLLM is not importable: set AGENTRL_VLLM_PYTHON to the python of a venv with vllm")
+def openai_server(model_dir, vllm_ready):  # vllm_ready (tests/conftest.py) skips where vLLM is missing
     proc = ServerProcess(
         OPENAI_VLLM,
         model_dir,
