@@ -47,6 +47,7 @@ import math
 import os
 import posixpath
 import struct
+import subprocess
 import tempfile
 import time
 import weakref
@@ -92,10 +93,67 @@ def _check_relative(path: str) -> str:
     return norm
 
 
+class _PipedProcess:
+    """A child process with asyncio streams on its pipes, started without asyncio's child watcher.
+
+    `asyncio.create_subprocess_exec` cannot be cancelled safely while it is starting a child: on
+    Python 3.11 a task cancelled there (as `asyncio.run` does to leftover tasks, such as a pool
+    refill, when it ends) waits for the child to exit by itself, which a sandbox worker never does,
+    so the program hangs at exit. Here the fork/exec is one synchronous `Popen` call that cannot be
+    interrupted halfway, the pipes become asyncio streams, and the exit is watched through a pidfd
+    on the event loop, so nothing is left to hang on.
+    """
+
+    def __init__(self, popen: subprocess.Popen[bytes], stdin: asyncio.StreamWriter,
+                 stdout: asyncio.StreamReader, stderr: asyncio.StreamReader) -> None:
+        self._popen = popen
+        self.pid = popen.pid
+        self.stdin, self.stdout, self.stderr = stdin, stdout, stderr
+        self._exited = asyncio.get_running_loop().create_future()
+        self._pidfd = os.pidfd_open(popen.pid)
+        asyncio.get_running_loop().add_reader(self._pidfd, self._on_exit)
+
+    @classmethod
+    async def start(cls, argv: list[str], **popen_kwargs: Any) -> _PipedProcess:
+        loop = asyncio.get_running_loop()
+        popen = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                 start_new_session=True, **popen_kwargs)
+        try:
+            stdout = asyncio.StreamReader(limit=2**26)
+            await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(stdout), popen.stdout)
+            stderr = asyncio.StreamReader()
+            await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(stderr), popen.stderr)
+            transport, protocol = await loop.connect_write_pipe(asyncio.streams.FlowControlMixin, popen.stdin)
+            stdin = asyncio.StreamWriter(transport, protocol, None, loop)
+            return cls(popen, stdin, stdout, stderr)
+        except BaseException:
+            popen.kill()
+            popen.wait()
+            raise
+
+    def _on_exit(self) -> None:
+        asyncio.get_running_loop().remove_reader(self._pidfd)
+        os.close(self._pidfd)
+        self._popen.wait()  # the pidfd is readable: the child has exited, so this returns at once
+        if not self._exited.done():
+            self._exited.set_result(self._popen.returncode)
+
+    @property
+    def returncode(self) -> int | None:
+        return self._popen.returncode if self._exited.done() else None
+
+    def kill(self) -> None:
+        if not self._exited.done():
+            self._popen.kill()
+
+    async def wait(self) -> int:
+        return await asyncio.shield(self._exited)
+
+
 class _Worker:
     """One sandbox process (bwrap + fork server) and the pipe protocol to it."""
 
-    def __init__(self, proc: asyncio.subprocess.Process, cgroup: Cgroup | None, tmpdir: str | None) -> None:
+    def __init__(self, proc: _PipedProcess, cgroup: Cgroup | None, tmpdir: str | None) -> None:
         self.proc = proc
         self.cgroup = cgroup
         self.tmpdir = tmpdir
@@ -283,10 +341,9 @@ class LocalSandbox:
                       "pidns": self.isolation == "bwrap", "env": job_env,
                       "rlimits": self._rlimits(cgroup), "preload": list(self.preload)}
             argv += [self.python, "-I", script, json.dumps(config)]
-            proc = await asyncio.create_subprocess_exec(
-                *argv, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
-                stderr=asyncio.subprocess.PIPE, env=env, pass_fds=fds, cwd=tmpdir or "/",
-                start_new_session=True, preexec_fn=cgroup.join_self if cgroup else None,
+            proc = await _PipedProcess.start(
+                argv, env=env, pass_fds=fds, cwd=tmpdir or "/",
+                preexec_fn=cgroup.join_self if cgroup else None,
             )
         except OSError as exc:
             if cgroup is not None:
