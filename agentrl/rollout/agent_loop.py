@@ -74,6 +74,10 @@ class AgentLoopConfig:
     close_timeout_s: float = 30.0
     verify_template: bool = False
     """Re-render the whole conversation after each delta to count template mismatches (slow)."""
+    max_starting: int = 16
+    """Episodes in their start-up (env reset, first prompt) at once. asyncio runs every ready task
+    before it looks at timers and sockets, so a thousand episodes starting together would stall the
+    event loop for their whole start-up; admitting a few at a time keeps it responsive."""
 
     @classmethod
     def from_rollout_config(cls, rollout: Any) -> AgentLoopConfig:
@@ -148,6 +152,7 @@ class AgentLoop:
         self.config = config or AgentLoopConfig()
         tokenizer = template.tokenizer
         self.stop_token_ids = stop_token_ids if stop_token_ids is not None else end_of_turn_ids(tokenizer)
+        self._starting: asyncio.Semaphore | None = None
         self._handlers = {
             EpisodeState.PENDING: self._on_pending,
             EpisodeState.GENERATING: self._on_generating,
@@ -178,7 +183,11 @@ class AgentLoop:
         )
         started = time.perf_counter()
         state = EpisodeState.PENDING
+        if self._starting is None:
+            self._starting = asyncio.Semaphore(max(1, cfg.max_starting))
         try:
+            async with self._starting:
+                state = await self._on_pending(ep)
             while state is not EpisodeState.TERMINATED:
                 state = await self._handlers[state](ep)
         except _EpisodeOver as over:
