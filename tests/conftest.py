@@ -98,3 +98,12 @@ def vllm_server(vllm_ready: str, assets: Path):
                          dtype="float32", max_model_len=2048)
     yield proc
     proc.stop()
+
+
+@pytest.fixture(scope="session")
+def hf_model(assets: Path):
+    """The tiny random Qwen2 in transformers (fp32, eval mode): the reference the servers are checked against."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(assets / "tiny-random-qwen2", dtype=torch.float32).eval()

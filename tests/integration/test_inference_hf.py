@@ -29,14 +29,6 @@ def server(model_dir):
 
 
 @pytest.fixture(scope="module")
-def hf_model(model_dir):
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-
-
-@pytest.fixture(scope="module")
 def prompt_ids(model_dir):
     from transformers import AutoTokenizer
 
