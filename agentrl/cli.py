@@ -1,4 +1,4 @@
-"""The `agentrl` command line: run, eval, serve, sandbox, envs, tools, config, validate, version.
+"""The `agentrl` command line: run, eval, plot, serve, sandbox, envs, tools, config, validate, version.
 
 Each subcommand parses its arguments, builds what it needs from the layers below, and turns any
 `AgentRLError` into one readable message and exit status 1 (2 for a command-line usage error).
@@ -48,6 +48,11 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--show", action="store_true", help="print the resolved config as YAML")
         if name == "serve":
             p.add_argument("--log-dir", default=None, help="write each server's log here")
+
+    p = sub.add_parser("plot", help="draw a run's metric curves to PNG files")
+    p.add_argument("run_dir", help="the run directory (holds metrics.jsonl)")
+    p.add_argument("--out", default=None, help="where the PNGs go (default: RUN_DIR/plots)")
+    p.add_argument("--keys", nargs="*", help="metrics to draw (default: the dashboard's main curves)")
 
     p = sub.add_parser("config", help="list every config key with its type, default and meaning")
     p.add_argument("section", nargs="?", help="only keys under this section (e.g. trainer)")
@@ -117,11 +122,34 @@ def _built(module: str) -> bool:
     return importlib.util.find_spec(module) is not None
 
 
+def _log_to_console() -> None:
+    import logging
+
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(message)s", datefmt="%H:%M:%S"))
+    root = logging.getLogger("agentrl")
+    root.addHandler(handler)
+    root.setLevel(logging.INFO)
+
+
 def cmd_run(ns: argparse.Namespace) -> int:
-    if not _built("agentrl.orchestration.driver"):
-        return cmd_not_built("run", "the training driver (agentrl.orchestration)")
-    _load(ns.args)
-    return cmd_not_built("run", "the training driver (agentrl.orchestration)")
+    from agentrl.orchestration.driver import run_training
+
+    cfg = _load(ns.args)
+    _log_to_console()
+    result = run_training(cfg)
+    print(result.summary())
+    print(f"metrics: {result.run_dir}/metrics.jsonl   plots: agentrl plot {result.run_dir}")
+    return 0
+
+
+def cmd_plot(ns: argparse.Namespace) -> int:
+    from agentrl.orchestration.plot import plot_run
+
+    written = plot_run(ns.run_dir, ns.out, keys=ns.keys or None)
+    for path in written:
+        print(path)
+    return 0
 
 
 def cmd_eval(ns: argparse.Namespace) -> int:
@@ -247,6 +275,7 @@ def cmd_version(ns: argparse.Namespace) -> int:
 _COMMANDS = {
     "run": cmd_run,
     "eval": cmd_eval,
+    "plot": cmd_plot,
     "serve": cmd_serve,
     "validate": cmd_validate,
     "config": cmd_config,

@@ -122,7 +122,8 @@ class InferenceConfig(_Section):
     num_servers: int = Field(1, ge=1)
     """Servers to start; the router balances sessions across them."""
     urls: list[str] = Field(default_factory=list)
-    """Base URLs of already-running OpenAI-compatible servers, for `engine: external`."""
+    """Base URLs of servers that already run: OpenAI-compatible ones for `engine: external`, or
+    agentrl servers started with `agentrl serve` (then nothing is started and weights are pushed to them)."""
     max_model_len: int = Field(4096, ge=16)
     """Longest sequence a server accepts (prompt plus generation)."""
     gpu_memory_utilization: float = Field(0.8, gt=0.0, le=1.0)

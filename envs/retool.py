@@ -7,6 +7,17 @@ matches the row's `reward_model.ground_truth` (exact rational equality, or symbo
 through math-verify when installed), else 0.0; with `format_reward` > 0 a wrong but well-formed
 boxed answer earns that much (optional format shaping).
 
+Two ways to call the tool (`tool_format`):
+- `function` (default): the tool's schema is in the prompt (the chat template lists it) and the
+  model calls it with the family's function-call syntax (`<tool_call>` JSON for Qwen/ChatML; use
+  the `hermes` parser).
+- `code`: the ReTool style. No schema; the system prompt asks for a ```` ```python ```` block, which
+  runs and whose output comes back as the tool message (use the `retool` parser). With
+  `few_shot=N` the prompt starts with N short worked conversations showing the protocol (code,
+  output, boxed answer). This is how the 135M default model is trained on a CPU: it cannot emit
+  tool-call JSON reliably, but it can write a code block after one example. The demonstrations
+  are prompt tokens, never trained on, and the same for every problem.
+
 Rows use verl's format, so DAPO-Math or AIME parquet files work unchanged. Without a row,
 `reset(seed=s)` picks a problem of the shipped synthetic set (`agentrl.envs.retool_data`), from
 its `train` split by default. The environment does not decide how many turns or tokens an episode
@@ -17,15 +28,29 @@ from __future__ import annotations
 
 import json
 from functools import cache
-from typing import Any
+from typing import Any, Literal
 
 from agentrl.envs.answers import answers_match, extract_boxed
 from agentrl.envs.retool_data import shipped_path
 from agentrl.envs.tool_env import ToolEnv
 from agentrl.tools.core import ToolContext
 from agentrl.tools.python import PythonTool
+from agentrl.types import Message
 
-__all__ = ["RetoolEnv", "shipped_rows"]
+__all__ = ["CODE_SYSTEM_PROMPT", "FEW_SHOT_EXAMPLES", "RetoolEnv", "shipped_rows"]
+
+CODE_SYSTEM_PROMPT = (
+    "You solve math problems by writing Python. Put code in a ```python block; it runs and you see "
+    "what it prints. Then give the final answer as \\boxed{NUMBER}."
+)
+
+# (question, code, printed output, final answer) of the worked examples `few_shot` shows.
+FEW_SHOT_EXAMPLES: tuple[tuple[str, str, str, str], ...] = (
+    ("What is 123 * 45 - 67?", "print(123 * 45 - 67)", "5468", "5468"),
+    ("What is the remainder when 7^222 is divided by 1000?", "print(pow(7, 222, 1000))", "49", "49"),
+    ("What is the sum of the squares of the integers from 1 to 30?",
+     "print(sum(i * i for i in range(1, 31)))", "9455", "9455"),
+)
 
 
 @cache
@@ -47,20 +72,52 @@ class RetoolEnv(ToolEnv):
         format_reward: float = 0.0,
         split: str = "train",
         tool_timeout_s: float = 30.0,
+        tool_format: Literal["function", "code"] = "function",
+        few_shot: int = 0,
     ) -> None:
         if not 0.0 <= format_reward < 1.0:
             raise ValueError(f"format_reward must be in [0, 1), got {format_reward}")
         if split not in ("train", "test"):
             raise ValueError(f"split must be 'train' or 'test', got {split!r}")
+        if tool_format not in ("function", "code"):
+            raise ValueError(f"tool_format must be 'function' or 'code', got {tool_format!r}")
+        if not 0 <= few_shot <= len(FEW_SHOT_EXAMPLES):
+            raise ValueError(f"few_shot must be between 0 and {len(FEW_SHOT_EXAMPLES)}, got {few_shot}")
+        if few_shot and tool_format != "code":
+            raise ValueError("few_shot examples show the code-block protocol; set tool_format='code' too")
         tool = PythonTool(exec_timeout_s=exec_timeout_s, max_output_chars=max_output_chars)
         super().__init__([tool], max_turns=max_turns, tool_timeout_s=tool_timeout_s)
         self.format_reward = format_reward
         self.split = split
+        self.tool_format = tool_format
+        self.few_shot = few_shot
 
     @classmethod
     def dataset_rows(cls, split: str) -> list[dict[str, Any]]:
         """The shipped synthetic rows of `split` ("train" or "test"), for runs given no data files."""
         return list(shipped_rows(split))
+
+    def initial_messages(self, row: dict[str, Any]) -> list[Message]:
+        messages = super().initial_messages(row)
+        if self.tool_format == "function":
+            return messages
+        out: list[Message] = [{"role": "system", "content": CODE_SYSTEM_PROMPT}]
+        for question, code, printed, answer in FEW_SHOT_EXAMPLES[: self.few_shot]:
+            out += [
+                {"role": "user", "content": question},
+                {"role": "assistant", "content": f"```python\n{code}\n```"},
+                {"role": "tool", "content": printed},
+                {"role": "assistant", "content": f"The answer is \\boxed{{{answer}}}."},
+            ]
+        return out + [m for m in messages if m.get("role") != "system"]
+
+    async def areset(
+        self, *, seed: int | None = None, options: dict[str, Any] | None = None
+    ) -> tuple[list[Message], dict[str, Any]]:
+        messages, info = await super().areset(seed=seed, options=options)
+        if self.tool_format == "code":
+            info["tools"] = []  # the prompt describes the code block; no schema to render
+        return messages, info
 
     def generate_row(self, seed: int | None) -> dict[str, Any]:
         rows = shipped_rows(self.split)

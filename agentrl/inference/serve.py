@@ -200,7 +200,9 @@ def engine_kwargs_from_config(config: AgentRLConfig) -> dict[str, Any]:
 def serve_from_config(config: AgentRLConfig, *, log_dir: str | Path | None = None) -> InferenceService:
     """Start `inference.num_servers` servers of `inference.engine` and a router in front of them.
 
-    For `engine: external` nothing is started: the router spans `inference.urls`. Blocks until every
+    For `engine: external` nothing is started: the router spans the OpenAI-compatible servers at
+    `inference.urls`. For the other engines, `inference.urls` names running agentrl servers
+    (`agentrl serve`): the router connects to them and nothing is started either. Blocks until every
     server answers /health (or raises, stopping the ones that did start).
     """
     inf = config.inference
@@ -216,6 +218,11 @@ def serve_from_config(config: AgentRLConfig, *, log_dir: str | Path | None = Non
             )
         clients = [ExternalClient(u, model=config.model.path) for u in inf.urls]
         return InferenceService(Router(clients, **router_opts))
+    if inf.urls:
+        # Servers someone already started (`agentrl serve`, or another job): connect, start nothing.
+        from agentrl.inference.client import HTTPServerClient
+
+        return InferenceService(Router([HTTPServerClient(u) for u in inf.urls], **router_opts))
     kwargs = engine_kwargs_from_config(config)
     model_path = resolve_model_path(config.model.path)  # built-in names are converted once, here
     servers: list[ServerProcess] = []

@@ -88,7 +88,15 @@ class VLLMEngine(ServerEngine):
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        args = AsyncEngineArgs(**{k: v for k, v in self.engine_kwargs.items() if v is not None})
+        kwargs = {k: v for k, v in self.engine_kwargs.items() if v is not None}
+        if kwargs.get("dtype") == "auto":
+            import torch
+
+            if not torch.cuda.is_available():
+                # vLLM picks bfloat16 on CPU for `auto`; without AVX512-BF16 that is emulated and
+                # many times slower than float32 (and the trainer computes in float32 on CPU).
+                kwargs["dtype"] = "float32"
+        args = AsyncEngineArgs(**kwargs)
         self.llm = AsyncLLM.from_engine_args(args)
 
     async def shutdown(self) -> None:

@@ -127,9 +127,18 @@ def summarise(config: AgentRLConfig, groups: list[list[Trajectory]], seconds: fl
 
 
 async def evaluate(
-    config: AgentRLConfig, client: GenerateClient, rows: list[dict[str, Any]], out_dir: str | Path
+    config: AgentRLConfig,
+    client: GenerateClient,
+    rows: list[dict[str, Any]],
+    out_dir: str | Path,
+    *,
+    close_sandbox: bool = True,
 ) -> EvalReport:
-    """Play `rows` with `eval.k` samples each through `client`; write and return the report."""
+    """Play `rows` with `eval.k` samples each through `client`; write and return the report.
+
+    `close_sandbox=False` leaves this event loop's default sandbox open, for a caller (the training
+    driver) whose other episodes still use it.
+    """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     loop = build_agent_loop(config, client, temperature=config.eval.temperature)
@@ -138,7 +147,8 @@ async def evaluate(
     try:
         groups = await worker.run_batch(rows, config.eval.k, seed=config.run.seed)
     finally:
-        await close_default_sandbox()
+        if close_sandbox:
+            await close_default_sandbox()
     seconds = time.perf_counter() - start
     tokenizer = loop.template.tokenizer
     with (out / "trajectories.jsonl").open("w") as f:

@@ -111,7 +111,10 @@ class TrainerBackend(abc.ABC):
     def compute_logprobs(
         self, trajectories: Sequence[Trajectory], *, temperature: float = 1.0
     ) -> torch.Tensor:
-        """Per-token logprobs of every token under the current policy, no gradient."""
+        """Per-token logprobs under the current policy, no gradient.
+
+        Only the tokens the loss uses (sampled tokens of trainable trajectories) must be scored; a
+        backend may leave the others at 0 to save work (FSDP2 does unless `score_all_tokens`)."""
 
     @abc.abstractmethod
     def compute_ref_logprobs(

@@ -115,6 +115,9 @@ class FSDP2Backend(TrainerBackend):
             )
         self.config = trainer
         self._chunked_head = chunked_head
+        # Score only the tokens the loss uses (prompt and tool tokens read 0): in multi-turn RL
+        # they are most of the sequence, and the LM head dominates a small model's cost.
+        self.score_all_tokens = False
         self._heads: dict[int, ScoringHead | None] = {}
         self.model_path = str(model_path)
         self.device = resolve_device(trainer.device)
@@ -305,7 +308,8 @@ class FSDP2Backend(TrainerBackend):
         """(logprobs, entropy or None), each (1, N), from the chunked head when the model has one."""
         head = self._heads.get(id(model))
         if head is not None:
-            with scoring(head, batch.labels, temperature, with_entropy):
+            select = None if self.score_all_tokens else batch.loss_mask > 0
+            with scoring(head, batch.labels, temperature, with_entropy, select=select):
                 out = model(**batch.model_inputs()).logits
             return out[..., 0], (out[..., 1] if with_entropy else None)
         logits = model(**batch.model_inputs()).logits

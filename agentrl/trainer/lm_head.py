@@ -43,14 +43,20 @@ class ScoringHead(nn.Module):
         self.weight = head.weight
         self.register_parameter("bias", head.bias)
         self.chunk_size = chunk_size
-        self.request: tuple[torch.Tensor, float, bool] | None = None
+        self.request: tuple[torch.Tensor, float, bool, torch.Tensor | None] | None = None
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.request is None:
             return F.linear(hidden, self.weight, self.bias)
-        labels, temperature, with_entropy = self.request
+        labels, temperature, with_entropy, select = self.request
         flat = hidden.reshape(-1, hidden.shape[-1])
         flat_labels = labels.reshape(-1)
+        picked = None
+        if select is not None:
+            # Only the selected tokens (the sampled ones) are scored; in RL the prompt and tool
+            # tokens usually outnumber them, and the head is the costliest part of a small model.
+            picked = select.reshape(-1).nonzero().squeeze(-1)
+            flat, flat_labels = flat.index_select(0, picked), flat_labels.index_select(0, picked)
         outs = []
         for start in range(0, flat.shape[0], self.chunk_size):
             args = (flat[start : start + self.chunk_size], flat_labels[start : start + self.chunk_size])
@@ -60,6 +66,9 @@ class ScoringHead(nn.Module):
             else:
                 outs.append(fn(*args, temperature))
         out = torch.cat(outs) if outs else flat.new_zeros((0, 2), dtype=torch.float32)
+        if picked is not None:
+            full = out.new_zeros((hidden.reshape(-1, hidden.shape[-1]).shape[0], 2))
+            return full.index_copy(0, picked, out).reshape(*hidden.shape[:-1], 2).clone()
         # A fresh tensor, not a view: FSDP2 hooks its backward on the root module's outputs.
         return out.reshape(*hidden.shape[:-1], 2).clone()
 
@@ -94,12 +103,16 @@ def install_scoring_head(model: nn.Module, chunk_size: int | None = None) -> Sco
 
 
 @contextlib.contextmanager
-def scoring(head: ScoringHead, labels: torch.Tensor, temperature: float, with_entropy: bool) -> Iterator[Any]:
+def scoring(
+    head: ScoringHead, labels: torch.Tensor, temperature: float, with_entropy: bool,
+    select: torch.Tensor | None = None,
+) -> Iterator[Any]:
     """While open, the model's `.logits` output is `(..., 2)`: per-token logprob of `labels`
-    and entropy (0 when `with_entropy` is False), both at `temperature`, in fp32."""
+    and entropy (0 when `with_entropy` is False), both at `temperature`, in fp32. With `select`
+    (a mask shaped like `labels`), only the selected tokens are scored; the others read 0."""
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0 to score tokens, got {temperature}.")
-    head.request = (labels, temperature, with_entropy)
+    head.request = (labels, temperature, with_entropy, select)
     try:
         yield head
     finally:

@@ -330,6 +330,7 @@ def test_export_weights_are_the_full_hf_state_dict_and_load_into_hf():
     packed = pack_trajectories(batch)
     with torch.no_grad():
         hf_lp = compute_token_logprobs(hf(**packed.model_inputs()).logits, packed.labels)[0]
+    backend.score_all_tokens = True  # by default only the loss's tokens are scored
     ours = backend.compute_logprobs(batch)
     flat = torch.cat([ours[i, : len(t) - 1] for i, t in enumerate(batch)])
     ends = packed.cu_seqlens[1:].long() - 1

@@ -1,0 +1,360 @@
+"""`agentrl run`: the training driver that ties servers, rollouts, the trainer and weight sync together.
+
+One run, on Ray (a local instance by default; the cluster when `ray start` made one or
+`RAY_ADDRESS` names it):
+
+1. The run directory (`run.output_dir/run.name`) gets the resolved config; with `run.resume` it
+   must hold a checkpoint, without it it must not (so a run is never silently overwritten).
+2. The LLM servers start (`serve_from_config`, behind the session-sticky router) while the trainer
+   actors load the policy (`TrainerGroup`).
+3. The `Scheduler` runs the steps in `run.mode`: rollouts are asyncio tasks in this process (the
+   AgentLoop over the router), training is a Ray call, and each new policy reaches the servers
+   through the files checkpoint engine (`weights/version-N`), after which the router serves only
+   that version.
+4. After every step the dashboard metrics go to the console, `metrics.jsonl` and TensorBoard;
+   every `run.eval_every` steps (and before the first and after the last) the held-out split is
+   evaluated (`eval/pass_at_1`, ...), with its report under `eval/step-N/`; every `run.save_every`
+   steps (and at the end) a checkpoint holds the trainer (model, optimizer, scheduler, RNG) and
+   the driver (data position, prompt ledger, versions). `resume=true` continues from it with the
+   same next batch.
+
+The prompt ledger (`ledger.jsonl`) accounts for every prompt taken: trained, filtered, requeued
+after infrastructure failures, failed, or unfinished when the run stopped. Training never sees an
+env class, and envs never see the trainer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from agentrl.config import AgentRLConfig, save_config
+from agentrl.errors import ConfigError
+from agentrl.orchestration.components import build_agent_loop, env_factory, load_split_rows
+from agentrl.orchestration.evaluate import evaluate
+from agentrl.orchestration.ledger import PromptLedger, PromptRef, PromptSampler
+from agentrl.orchestration.metrics import MetricsLogger, episode_metrics
+from agentrl.orchestration.schedule import GroupResult, Scheduler, StepRecord, Verdict, default_classify
+from agentrl.rollout import RolloutWorker
+from agentrl.rollout.worker import group_seed
+from agentrl.tools.session import close_default_sandbox
+
+__all__ = ["RunResult", "find_checkpoint", "resolve_run_dir", "run_training"]
+
+log = logging.getLogger("agentrl.run")
+
+_LATEST = "latest"
+_DRIVER_STATE = "driver_state.json"
+
+
+@dataclass
+class RunResult:
+    """What a finished `agentrl run` reports."""
+
+    run_dir: str
+    steps_done: int
+    policy_version: int
+    ledger: dict[str, int]
+    eval_before: dict[str, float] = field(default_factory=dict)
+    eval_after: dict[str, float] = field(default_factory=dict)
+    max_staleness: int = 0
+    seconds: float = 0.0
+
+    def summary(self) -> str:
+        parts = [f"run {self.run_dir}: {self.steps_done} steps, policy version {self.policy_version}"]
+        if self.eval_before and self.eval_after:
+            parts.append(
+                f"held-out pass@1 {self.eval_before.get('pass_at_1', 0):.3f} -> {self.eval_after.get('pass_at_1', 0):.3f} "
+                f"({int(self.eval_after.get('problems', 0))} problems)"
+            )
+        parts.append(f"{self.seconds / 60:.1f} min")
+        return ", ".join(parts)
+
+
+def resolve_run_dir(config: AgentRLConfig) -> Path:
+    """The run's directory: `run.output_dir/run.name`, named after the env and the time when unnamed."""
+    name = config.run.name or f"{config.env.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    return Path(config.run.output_dir) / name
+
+
+def find_checkpoint(run_dir: Path) -> Path | None:
+    """The newest complete checkpoint of a run (the one `checkpoints/latest` names), if any."""
+    pointer = run_dir / "checkpoints" / _LATEST
+    if not pointer.is_file():
+        return None
+    path = run_dir / "checkpoints" / pointer.read_text().strip()
+    return path if (path / _DRIVER_STATE).is_file() else None
+
+
+def _prepare_run_dir(config: AgentRLConfig) -> tuple[Path, Path | None]:
+    run_dir = resolve_run_dir(config)
+    checkpoint = find_checkpoint(run_dir)
+    if config.run.resume:
+        if config.run.name is None:
+            raise ConfigError("resume=true needs the run to continue: give run.name=NAME (a folder under run.output_dir).")
+        if checkpoint is None:
+            raise ConfigError(
+                f"resume=true but '{run_dir}' holds no checkpoint; start it without resume=true "
+                "(checkpoints are written every run.save_every steps)."
+            )
+    elif checkpoint is not None:
+        raise ConfigError(
+            f"'{run_dir}' already holds a run with checkpoints; continue it with resume=true, or choose "
+            "another run.name."
+        )
+    run_dir.mkdir(parents=True, exist_ok=True)
+    return run_dir, checkpoint
+
+
+def _init_ray() -> None:
+    import ray
+
+    if ray.is_initialized():
+        return
+    address = os.environ.get("RAY_ADDRESS")
+    ray.init(address=address, include_dashboard=False, log_to_driver=True, configure_logging=False,
+             ignore_reinit_error=True)
+
+
+class _Run:
+    """The state of one training run inside the driver's event loop."""
+
+    def __init__(self, config: AgentRLConfig, run_dir: Path, checkpoint: Path | None) -> None:
+        self.config = config
+        self.run_dir = run_dir
+        self.checkpoint = checkpoint
+        self.train_rows = load_split_rows(config, "train")
+        try:
+            self.val_rows: list[dict[str, Any]] = load_split_rows(config, "test")
+        except ConfigError as exc:
+            log.warning("no held-out evaluation: %s", exc)
+            self.val_rows = []
+        if config.data.num_val_rows:
+            self.val_rows = self.val_rows[: config.data.num_val_rows]
+        self.sampler = PromptSampler(len(self.train_rows), seed=config.run.seed, shuffle=config.data.shuffle)
+        if checkpoint is None:  # a fresh run: no records of an earlier, checkpoint-less attempt
+            for stale in ("ledger.jsonl", "metrics.jsonl", "eval.jsonl"):
+                (run_dir / stale).unlink(missing_ok=True)
+        self.ledger = PromptLedger(run_dir / "ledger.jsonl")
+        self.eval_before: dict[str, float] = {}
+        self.eval_after: dict[str, float] = {}
+        self.steps_done = 0
+        self.scheduler: Scheduler | None = None
+        self.last_saved_step = -1
+        self.last_eval_step = -1
+
+    # ── pieces the scheduler calls ──────────────────────────────────────────────────────────
+    async def rollout(self, ref: PromptRef) -> list[Any]:
+        row = self.train_rows[ref.index]
+        index = ref.epoch * len(self.train_rows) + ref.index
+        seed = group_seed(self.config.run.seed, index * 16 + ref.attempt)
+        return await self.worker.run_group(row, self.config.rollout.samples_per_prompt, seed=seed, group_id=ref.key)
+
+    def classify(self, group: GroupResult) -> Verdict:
+        verdict = default_classify(group)
+        if verdict[0] != "ok":
+            return verdict
+        valid = [t for t in group.trajectories if t.trainable]
+        if max(t.prompt_length for t in valid) > self.config.data.max_prompt_tokens:
+            return "filtered", f"prompt longer than data.max_prompt_tokens={self.config.data.max_prompt_tokens}"
+        if self.config.algorithm.filter_groups and len({float(t.reward or 0.0) for t in valid}) <= 1:
+            return "filtered", "every sample got the same reward (dynamic group filtering)"
+        return "ok", ""
+
+    async def train(self, step: int, groups: list[GroupResult]) -> dict[str, float]:
+        trajectories = [t for g in groups for t in g.trajectories]
+        metrics = await self.trainer.train(trajectories)
+        assert self.scheduler is not None
+        path, export_s = await self.trainer.export(self.scheduler.trainer_version + 1)
+        metrics["time/export_s"] = export_s
+        self.last_weights = path
+        return metrics
+
+    async def push(self, version: int) -> None:
+        path = self.weights_dir / f"version-{version:08d}"
+        await self.router.update_weights(str(path), version)
+
+    async def after_step(self, record: StepRecord) -> None:
+        assert self.scheduler is not None
+        step = record.step
+        groups = [g.trajectories for g in record.groups]
+        metrics = episode_metrics(groups, trainer_version=record.trainer_version,
+                                  group_versions=[g.version for g in record.groups])
+        metrics.update(record.train_metrics)
+        metrics.update({f"time/{k}": v for k, v in record.timings.items()})
+        metrics["time/weight_sync_s"] = record.timings.get("weight_sync_s", 0.0) + record.train_metrics.get(
+            "time/export_s", 0.0)
+        metrics["policy/version"] = float(self.scheduler.server_version)
+        metrics["batch/groups"] = float(len(record.groups))
+        metrics["batch/discarded_groups"] = float(len(record.discarded))
+        metrics.update({f"ledger/{k}": float(v) for k, v in self.ledger.summary().items()})
+        self.steps_done = step + 1
+        last = step + 1 >= self.config.run.total_steps
+        every = self.config.run.eval_every
+        if self.val_rows and (last or (every and (step + 1) % every == 0)):
+            result = await self.evaluate(step + 1)
+            metrics.update({f"eval/{k}": v for k, v in result.items()})
+            if last:
+                self.eval_after = result
+        self.logger.log(step, metrics)
+        save_every = self.config.run.save_every
+        if last or (save_every and (step + 1) % save_every == 0):
+            await self.save(step)
+
+    # ── evaluation and checkpoints ──────────────────────────────────────────────────────────
+    async def evaluate(self, after_steps: int) -> dict[str, float]:
+        assert self.scheduler is not None
+        start = time.perf_counter()
+        async with self.scheduler.push_lock:  # the weights must not change under the evaluation
+            report = await evaluate(
+                self.config, self.router, self.val_rows, self.run_dir / "eval" / f"step-{after_steps:06d}",
+                close_sandbox=False,
+            )
+        result = {
+            "pass_at_1": report.pass_at_1, f"pass_at_{report.k}": report.pass_at_k,
+            "mean_reward": report.mean_reward, "tool_calls_per_episode": report.tool_calls_per_episode,
+            "problems": float(report.problems), "infra_failed": float(report.infra_failed_episodes),
+            "policy_version": float(self.scheduler.server_version), "seconds": time.perf_counter() - start,
+        }  # fmt: skip
+        with (self.run_dir / "eval.jsonl").open("a") as f:
+            f.write(json.dumps({"step": after_steps, **result}) + "\n")
+        log.info("held-out eval after %d step(s): pass@1 %.3f on %d problems (%.0f s)",
+                 after_steps, report.pass_at_1, report.problems, result["seconds"])
+        self.last_eval_step = after_steps
+        return result
+
+    async def save(self, step: int) -> None:
+        assert self.scheduler is not None
+        start = time.perf_counter()
+        name = f"step-{step + 1:06d}"
+        path = self.run_dir / "checkpoints" / name
+        # The data position excludes prompts still in the system; the ledger has them in flight,
+        # and a resume requeues them first.
+        state = {
+            "steps_done": step + 1,
+            "trainer_version": self.scheduler.trainer_version,
+            "sampler": self.sampler.state(),
+            "ledger": self.ledger.state(),
+            "in_system": [[r.epoch, r.index, r.attempt] for r in self.scheduler.in_system()],
+            "eval_before": self.eval_before,
+        }
+        await self.trainer.save(str(path / "trainer"), {"steps_done": step + 1})
+        (path / _DRIVER_STATE).write_text(json.dumps(state))
+        tmp = self.run_dir / "checkpoints" / f".{_LATEST}.tmp"
+        tmp.write_text(name)
+        tmp.replace(self.run_dir / "checkpoints" / _LATEST)
+        self.last_saved_step = step
+        log.info("checkpoint %s written (%.1f s)", path, time.perf_counter() - start)
+
+    def _restore(self) -> tuple[int, int]:
+        assert self.checkpoint is not None
+        state = json.loads((self.checkpoint / _DRIVER_STATE).read_text())
+        self.sampler.load_state(state["sampler"])
+        self.ledger.load_state(state["ledger"])
+        # Prompts that were in flight at the checkpoint are taken again first.
+        retries = []
+        for key in self.ledger.in_flight:
+            e = self.ledger.entries[key]
+            retries.append(self.ledger.unfinished(PromptRef(e.epoch, e.index, e.attempt),
+                                                  "in flight at the checkpoint; requeued on resume"))
+        self.sampler.requeue(retries, front=True)
+        self.ledger.path = self.run_dir / "ledger.jsonl"
+        self.ledger.path.write_text(
+            "".join(json.dumps(e.__dict__) + "\n" for e in self.ledger.entries.values() if e.status != "in_flight")
+        )
+        self.eval_before = state.get("eval_before", {})
+        return int(state["steps_done"]), int(state["trainer_version"])
+
+    # ── the run ─────────────────────────────────────────────────────────────────────────────
+    async def main(self, trainer: Any, service: Any, model_path: str) -> None:
+        from agentrl.inference.router import Router
+
+        config = self.config
+        self.trainer = trainer
+        self.router: Router = service.client
+        self.weights_dir = self.run_dir / "weights"
+        await self.router.start()
+        loop = build_agent_loop(config, self.router)
+        self.worker = RolloutWorker(loop, env_factory(config), max_concurrent=config.rollout.max_concurrent_episodes)
+
+        start_step, version = 0, 0
+        if self.checkpoint is not None:
+            start_step, version = self._restore()
+            await trainer.load(str(self.checkpoint / "trainer"))
+            log.info("resuming %s from %s: step %d, policy version %d", self.run_dir, self.checkpoint.name,
+                     start_step, version)
+        await trainer.ready()
+        await self.router.check_health()
+        served = {s["weight_version"] for s in self.router.stats()["servers"]}
+        if version > 0 or served != {0}:
+            # Resumed, or servers that were already running hold other weights: serve the trainer's.
+            path, _ = await trainer.export(version)
+            await self.router.update_weights(path, version)
+        self.scheduler = Scheduler(
+            mode=config.run.mode, prompts_per_step=config.data.prompts_per_step, sampler=self.sampler,
+            ledger=self.ledger, rollout=self.rollout, train=self.train, push=self.push,
+            after_step=self.after_step, classify=self.classify, max_staleness=config.run.max_staleness,
+            partial_rollout=config.run.partial_rollout, version=version,
+        )  # fmt: skip
+        self.logger = MetricsLogger(
+            self.run_dir, config.run.loggers, total_steps=config.run.total_steps, start_step=start_step,
+            config=config.model_dump(mode="json"),
+        )  # fmt: skip
+        if start_step:
+            self.logger.truncate_after(start_step - 1)
+        try:
+            if self.val_rows and start_step == 0:
+                self.eval_before = await self.evaluate(0)
+                self.logger.log_event(0, self.eval_before, "eval")
+            await self.scheduler.run(start_step, config.run.total_steps)
+        finally:
+            self.logger.close()
+            await close_default_sandbox()
+
+
+def run_training(config: AgentRLConfig) -> RunResult:
+    """`agentrl run`: train `config` end to end (see the module docstring); return what happened."""
+    from agentrl.inference.serve import serve_from_config
+    from agentrl.models import resolve_model_path
+    from agentrl.orchestration.trainer_group import TrainerGroup
+
+    started = time.perf_counter()
+    run_dir, checkpoint = _prepare_run_dir(config)
+    save_config(config, run_dir)
+    handler = logging.FileHandler(run_dir / "driver.log")
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logging.getLogger("agentrl").addHandler(handler)
+    run = _Run(config, run_dir, checkpoint)  # reads the data first: a bad row fails before anything starts
+    try:
+        model_path = resolve_model_path(config.model.path)
+        _init_ray()
+        trainer = TrainerGroup(config, model_path, run_dir / "weights")  # loads while the servers start
+        try:
+            served = config.model_copy(deep=True)
+            served.model.path = model_path
+            service = serve_from_config(served, log_dir=run_dir / "logs")
+            try:
+                asyncio.run(run.main(trainer, service, model_path))
+            finally:
+                service.stop()
+        finally:
+            trainer.shutdown()
+    finally:
+        logging.getLogger("agentrl").removeHandler(handler)
+        handler.close()
+    scheduler = run.scheduler
+    summary = run.ledger.check()
+    result = RunResult(
+        run_dir=str(run_dir), steps_done=run.steps_done,
+        policy_version=scheduler.server_version if scheduler else 0, ledger=summary,
+        eval_before=run.eval_before, eval_after=run.eval_after,
+        max_staleness=scheduler.max_staleness_seen if scheduler else 0, seconds=time.perf_counter() - started,
+    )  # fmt: skip
+    (run_dir / "result.json").write_text(json.dumps(result.__dict__, indent=2))
+    return result

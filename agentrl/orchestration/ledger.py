@@ -1,0 +1,209 @@
+"""The prompt ledger and the sampler: every prompt a run takes is accounted for, start to end.
+
+`PromptSampler` hands out dataset rows in a seeded order, epoch after epoch, with a requeue that
+takes precedence (prompts whose episodes all failed for infrastructure reasons, and prompts that
+were in flight when a run stopped). Its `state()` is the data position a checkpoint stores, so a
+resumed run takes exactly the prompts the uninterrupted run would have taken next.
+
+`PromptLedger` records what became of each prompt *attempt*: `trained` (at which step),
+`filtered` (why: equal rewards under dynamic filtering, prompt too long), `requeued` (its episodes
+failed for infrastructure reasons; the prompt goes back to the sampler), `failed` (it failed
+`max_attempts` times), or `unfinished` (still in flight or queued when the run ended; a resumed run
+takes it first). `check()` proves the books balance: every prompt taken is in exactly one of those
+states or still in flight. It is written as JSON lines to `ledger.jsonl` in the run directory.
+It does not run episodes or train; the scheduler calls it.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from collections import Counter, deque
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from agentrl.errors import AgentRLError
+
+__all__ = ["LedgerError", "PromptLedger", "PromptRef", "PromptSampler", "PromptStatus"]
+
+PromptStatus = Literal["in_flight", "trained", "filtered", "requeued", "failed", "unfinished"]
+_FINAL: frozenset[str] = frozenset({"trained", "filtered", "requeued", "failed", "unfinished"})
+
+
+class LedgerError(AgentRLError):
+    """The prompt books do not balance (a bug in the scheduler, never the user's fault)."""
+
+
+@dataclass(frozen=True)
+class PromptRef:
+    """One attempt at one dataset row: row `index` of epoch `epoch`, attempt number `attempt`."""
+
+    epoch: int
+    index: int
+    attempt: int = 0
+
+    @property
+    def uid(self) -> str:
+        """Stable across attempts: the same row of the same epoch."""
+        return f"e{self.epoch}-r{self.index}"
+
+    @property
+    def key(self) -> str:
+        """Unique per attempt."""
+        return f"{self.uid}-a{self.attempt}"
+
+    def retry(self) -> PromptRef:
+        return PromptRef(self.epoch, self.index, self.attempt + 1)
+
+
+class PromptSampler:
+    """Seeded epoch order over `num_rows` rows, plus a requeue served first (see module docstring)."""
+
+    def __init__(self, num_rows: int, *, seed: int = 0, shuffle: bool = True) -> None:
+        if num_rows < 1:
+            raise ValueError("the dataset has no rows to train on")
+        self.num_rows = num_rows
+        self.seed = seed
+        self.shuffle = shuffle
+        self.epoch = 0
+        self.cursor = 0
+        self._order = self._order_of(0)
+        self.requeued: deque[PromptRef] = deque()
+
+    def _order_of(self, epoch: int) -> list[int]:
+        order = list(range(self.num_rows))
+        if self.shuffle:
+            random.Random(f"{self.seed}:{epoch}").shuffle(order)
+        return order
+
+    def take(self, n: int = 1) -> list[PromptRef]:
+        """The next `n` prompt attempts: requeued ones first, then the epoch order."""
+        out: list[PromptRef] = []
+        while len(out) < n:
+            if self.requeued:
+                out.append(self.requeued.popleft())
+                continue
+            if self.cursor >= self.num_rows:
+                self.epoch += 1
+                self.cursor = 0
+                self._order = self._order_of(self.epoch)
+            out.append(PromptRef(self.epoch, self._order[self.cursor]))
+            self.cursor += 1
+        return out
+
+    def requeue(self, refs: Iterable[PromptRef], *, front: bool = False) -> None:
+        refs = list(refs)
+        if front:
+            self.requeued.extendleft(reversed(refs))
+        else:
+            self.requeued.extend(refs)
+
+    def state(self, in_flight: Iterable[PromptRef] = ()) -> dict[str, Any]:
+        """The data position; prompts `in_flight` now are taken first after a resume."""
+        pending = [*in_flight, *self.requeued]
+        return {
+            "epoch": self.epoch,
+            "cursor": self.cursor,
+            "requeued": [[r.epoch, r.index, r.attempt] for r in pending],
+            "num_rows": self.num_rows,
+            "seed": self.seed,
+        }
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        if state.get("num_rows", self.num_rows) != self.num_rows:
+            raise AgentRLError(
+                f"The checkpoint's dataset had {state['num_rows']} rows, this one has {self.num_rows}; "
+                "resume with the same data, or start a new run (run.name=...)."
+            )
+        self.epoch = int(state["epoch"])
+        self.cursor = int(state["cursor"])
+        self._order = self._order_of(self.epoch)
+        self.requeued = deque(PromptRef(*r) for r in state.get("requeued", []))
+
+
+@dataclass
+class LedgerEntry:
+    key: str
+    uid: str
+    epoch: int
+    index: int
+    attempt: int
+    status: PromptStatus
+    step: int | None = None
+    reason: str = ""
+
+
+class PromptLedger:
+    """What became of every prompt attempt; appended to `path` (JSONL) when given."""
+
+    def __init__(self, path: str | Path | None = None, *, max_attempts: int = 3) -> None:
+        self.path = Path(path) if path else None
+        self.max_attempts = max_attempts
+        self.entries: dict[str, LedgerEntry] = {}
+        self.counts: Counter[str] = Counter()
+
+    # ── transitions ─────────────────────────────────────────────────────────────────────────
+    def taken(self, ref: PromptRef) -> None:
+        if ref.key in self.entries:
+            raise LedgerError(f"prompt attempt {ref.key} was taken twice")
+        self.entries[ref.key] = LedgerEntry(ref.key, ref.uid, ref.epoch, ref.index, ref.attempt, "in_flight")
+        self.counts["taken"] += 1
+
+    def trained(self, ref: PromptRef, step: int) -> None:
+        self._close(ref, "trained", step=step)
+
+    def filtered(self, ref: PromptRef, reason: str, step: int | None = None) -> None:
+        self._close(ref, "filtered", step=step, reason=reason)
+
+    def infra_failed(self, ref: PromptRef, reason: str) -> PromptRef | None:
+        """Every episode of `ref` failed for infrastructure reasons: requeue it (return the retry),
+        or give up after `max_attempts` (return None)."""
+        if ref.attempt + 1 >= self.max_attempts:
+            self._close(ref, "failed", reason=f"{reason} (after {ref.attempt + 1} attempts)")
+            return None
+        self._close(ref, "requeued", reason=reason)
+        return ref.retry()
+
+    def unfinished(self, ref: PromptRef, reason: str = "the run ended first") -> PromptRef:
+        """`ref` was still in flight or queued when the run stopped; return the attempt to requeue."""
+        self._close(ref, "unfinished", reason=reason)
+        return ref.retry()
+
+    def _close(self, ref: PromptRef, status: PromptStatus, *, step: int | None = None, reason: str = "") -> None:
+        entry = self.entries.get(ref.key)
+        if entry is None or entry.status != "in_flight":
+            found = "never taken" if entry is None else f"already {entry.status}"
+            raise LedgerError(f"prompt attempt {ref.key} cannot become {status}: it was {found}")
+        entry.status, entry.step, entry.reason = status, step, reason
+        self.counts[status] += 1
+        if self.path is not None:
+            with self.path.open("a") as f:
+                f.write(json.dumps(asdict(entry)) + "\n")
+
+    # ── accounting ──────────────────────────────────────────────────────────────────────────
+    @property
+    def in_flight(self) -> list[str]:
+        return [k for k, e in self.entries.items() if e.status == "in_flight"]
+
+    def summary(self) -> dict[str, int]:
+        by_status = Counter(e.status for e in self.entries.values())
+        return {"taken": len(self.entries), **{s: by_status.get(s, 0) for s in (*sorted(_FINAL), "in_flight")}}
+
+    def check(self, *, allow_in_flight: bool = True) -> dict[str, int]:
+        """Raise LedgerError unless every attempt taken is in exactly one state; return the counts."""
+        summary = self.summary()
+        total = sum(v for k, v in summary.items() if k != "taken")
+        if total != summary["taken"]:
+            raise LedgerError(f"ledger does not balance: {summary}")
+        if not allow_in_flight and summary["in_flight"]:
+            raise LedgerError(f"{summary['in_flight']} prompt attempts are unaccounted for: {self.in_flight[:5]}")
+        return summary
+
+    def state(self) -> dict[str, Any]:
+        return {"entries": [asdict(e) for e in self.entries.values()], "max_attempts": self.max_attempts}
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        self.entries = {e["key"]: LedgerEntry(**e) for e in state.get("entries", [])}
+        self.max_attempts = int(state.get("max_attempts", self.max_attempts))

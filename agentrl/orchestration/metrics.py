@@ -1,0 +1,221 @@
+"""The training dashboard: per-step metrics from a batch of episodes, and where they are written.
+
+`episode_metrics` turns the groups of one step into the numbers an RL practitioner watches:
+reward mean/std and solve rate, the fraction of groups with zero reward variance (they teach
+GRPO nothing), response length, truncation rate and finish reasons, tool calls per episode and
+tool error rates by class (model / infrastructure), staleness in policy versions, and the time
+episodes spent generating and in the environment. The trainer's own numbers (KL, entropy, clip
+fraction, grad norm, rollout/trainer mismatch) come from `train_step` and are merged in as they are.
+
+`MetricsLogger` writes each step to its sinks: the console (a progress bar on a terminal, one log
+line per step otherwise), `metrics.jsonl`, TensorBoard event files (`tensorboardX`) and Weights &
+Biases when installed and asked for. `read_metrics` reads a run's JSONL back (last record per step
+wins, so a resumed run's repeated steps do not double-count).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import statistics
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+from agentrl.errors import ConfigError
+from agentrl.types import FinishReason, Trajectory
+
+__all__ = ["CONSOLE_KEYS", "MetricsLogger", "episode_metrics", "read_metrics"]
+
+log = logging.getLogger("agentrl.run")
+
+SOLVED = 1.0 - 1e-9
+
+# What the one-line console summary shows, in order (name in the line, metric key).
+CONSOLE_KEYS: tuple[tuple[str, str], ...] = (
+    ("reward", "episodes/reward_mean"),
+    ("solved", "episodes/solved_frac"),
+    ("tools/ep", "tools/calls_per_episode"),
+    ("len", "episodes/response_tokens_mean"),
+    ("kl", "actor/ppo_kl"),
+    ("ent", "actor/entropy"),
+    ("clip", "actor/pg_clipfrac"),
+    ("gnorm", "actor/grad_norm"),
+    ("stale", "staleness/max"),
+    ("eval", "eval/pass_at_1"),
+    ("s", "time/step_s"),
+)
+
+
+def _mean(values: Sequence[float]) -> float:
+    return sum(values) / len(values) if values else 0.0
+
+
+def episode_metrics(
+    groups: Sequence[Sequence[Trajectory]], *, trainer_version: int | None = None,
+    group_versions: Sequence[int] = (),
+) -> dict[str, float]:
+    """Dashboard numbers of one step's episodes (see the module docstring)."""
+    trajs = [t for g in groups for t in g]
+    if not trajs:
+        return {"episodes/count": 0.0}
+    valid = [t for t in trajs if t.trainable]
+    rewards = [float(t.reward or 0.0) for t in valid]
+    out: dict[str, float] = {
+        "episodes/count": float(len(trajs)),
+        "episodes/infra_failed": float(len(trajs) - len(valid)),
+        "episodes/reward_mean": _mean(rewards),
+        "episodes/reward_std": statistics.pstdev(rewards) if len(rewards) > 1 else 0.0,
+        "episodes/solved_frac": _mean([float(r >= SOLVED) for r in rewards]),
+        "episodes/response_tokens_mean": _mean([float(t.num_sampled) for t in trajs]),
+        "episodes/response_tokens_max": float(max(t.num_sampled for t in trajs)),
+        "episodes/total_tokens_mean": _mean([float(len(t)) for t in trajs]),
+        "episodes/turns_mean": _mean([float(t.metrics.get("turns", t.num_turns)) for t in trajs]),
+    }
+    zero_var = [
+        len({float(t.reward or 0.0) for t in g if t.trainable}) <= 1 for g in groups if any(t.trainable for t in g)
+    ]
+    out["episodes/zero_var_group_frac"] = _mean([float(z) for z in zero_var])
+    reasons = Counter(t.finish_reason.value if t.finish_reason else "none" for t in trajs)
+    for reason in FinishReason:
+        out[f"finish/{reason.value}"] = reasons.get(reason.value, 0) / len(trajs)
+    out["episodes/truncated_frac"] = (reasons.get("max_length", 0) + reasons.get("max_turns", 0)) / len(trajs)
+
+    calls = sum(t.metrics.get("tool_calls", 0.0) for t in trajs)
+    out["tools/calls_per_episode"] = calls / len(trajs)
+    out["tools/used_frac"] = _mean([float(t.metrics.get("tool_calls", 0.0) > 0) for t in trajs])
+    for fault in ("model", "infra"):
+        errors = sum(t.metrics.get(f"tool_errors_{fault}", 0.0) for t in trajs)
+        out[f"tools/error_rate_{fault}"] = errors / calls if calls else 0.0
+    out["tools/parse_errors_per_episode"] = _mean([t.metrics.get("parse_errors", 0.0) for t in trajs])
+    out["time/episode_s_mean"] = _mean([t.metrics.get("episode_s", 0.0) for t in trajs])
+    out["time/episode_generate_s_mean"] = _mean([t.metrics.get("generate_s", 0.0) for t in trajs])
+    out["time/episode_env_s_mean"] = _mean([t.metrics.get("env_s", 0.0) for t in trajs])
+
+    if trainer_version is not None and group_versions:
+        lags = [trainer_version - v for v in group_versions]
+        out["staleness/max"] = float(max(lags))
+        out["staleness/mean"] = _mean([float(x) for x in lags])
+        token_lags = [
+            trainer_version - v for t in valid for v, m in zip(t.versions, t.response_mask, strict=True) if m
+        ]
+        if token_lags:
+            out["staleness/token_mean"] = _mean([float(x) for x in token_lags])
+            out["staleness/token_max"] = float(max(token_lags))
+    return out
+
+
+class MetricsLogger:
+    """Writes each step's metrics to the configured sinks (see the module docstring)."""
+
+    def __init__(
+        self, run_dir: str | Path, sinks: Iterable[str], *, total_steps: int, start_step: int = 0,
+        run_name: str = "", config: dict[str, Any] | None = None,
+    ) -> None:
+        self.run_dir = Path(run_dir)
+        self.sinks = list(dict.fromkeys(sinks))
+        self.total_steps = total_steps
+        self.jsonl_path = self.run_dir / "metrics.jsonl"
+        self._bar: Any = None
+        self._tb: Any = None
+        self._wandb: Any = None
+        if "console" in self.sinks:
+            import sys
+
+            from tqdm import tqdm
+
+            if sys.stderr.isatty():
+                self._bar = tqdm(total=total_steps, initial=start_step, desc="agentrl run", unit="step",
+                                 dynamic_ncols=True)
+        if "tensorboard" in self.sinks:
+            try:
+                from tensorboardX import SummaryWriter
+            except ImportError as exc:
+                raise ConfigError(
+                    "run.loggers includes 'tensorboard' but tensorboardX is not installed; "
+                    "pip install tensorboardX, or drop 'tensorboard' from run.loggers."
+                ) from exc
+            self._tb = SummaryWriter(str(self.run_dir / "tensorboard"), purge_step=start_step or None)
+        if "wandb" in self.sinks:
+            try:
+                import wandb
+            except ImportError as exc:
+                raise ConfigError(
+                    "run.loggers includes 'wandb' but wandb is not installed; pip install wandb, "
+                    "or drop 'wandb' from run.loggers."
+                ) from exc
+            self._wandb = wandb.init(project="agentrl", name=run_name or self.run_dir.name, config=config,
+                                     dir=str(self.run_dir), resume="allow")
+
+    def truncate_after(self, step: int) -> None:
+        """Forget records of steps after `step` (a resumed run repeats them)."""
+        if not self.jsonl_path.exists():
+            return
+        kept = [r for r in _records(self.jsonl_path) if r.get("step", -1) <= step]
+        self.jsonl_path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        clean = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float)) and math.isfinite(v)}
+        if "jsonl" in self.sinks:
+            with self.jsonl_path.open("a") as f:
+                f.write(json.dumps({"step": step, **clean}) + "\n")
+        if self._tb is not None:
+            for key, value in clean.items():
+                self._tb.add_scalar(key, value, step)
+            self._tb.flush()
+        if self._wandb is not None:
+            self._wandb.log(clean, step=step)
+        if "console" in self.sinks:
+            line = " ".join(
+                f"{name} {clean[key]:.3g}" for name, key in CONSOLE_KEYS if key in clean
+            )
+            if self._bar is not None:
+                self._bar.update(1)
+                self._bar.set_postfix_str(line, refresh=True)
+            log.info("step %d/%d  %s", step + 1, self.total_steps, line)
+
+    def log_event(self, step: int, metrics: dict[str, float], prefix: str) -> None:
+        """Metrics that are not a training step's (the held-out evaluation) under `prefix/`."""
+        named = {f"{prefix}/{k}": v for k, v in metrics.items()}
+        clean = {k: float(v) for k, v in named.items() if isinstance(v, (int, float)) and math.isfinite(v)}
+        if "jsonl" in self.sinks:
+            with (self.run_dir / f"{prefix}.jsonl").open("a") as f:
+                f.write(json.dumps({"step": step, **clean}) + "\n")
+        if self._tb is not None:
+            for key, value in clean.items():
+                self._tb.add_scalar(key, value, step)
+            self._tb.flush()
+        if self._wandb is not None:
+            self._wandb.log(clean, step=step)
+        if "console" in self.sinks:
+            log.info("%s after %d step(s): %s", prefix, step,
+                     " ".join(f"{k.split('/', 1)[1]} {v:.3g}" for k, v in clean.items()))
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+        if self._tb is not None:
+            self._tb.close()
+        if self._wandb is not None:
+            self._wandb.finish()
+
+
+def _records(path: Path) -> list[dict[str, Any]]:
+    out = []
+    for line in path.read_text().splitlines():
+        if line.strip():
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue  # a line cut by a crash
+    return out
+
+
+def read_metrics(path: str | Path) -> list[dict[str, Any]]:
+    """The records of a metrics JSONL file, one per step (the last one written wins), by step."""
+    by_step: dict[int, dict[str, Any]] = {}
+    for record in _records(Path(path)):
+        by_step[int(record.get("step", -1))] = record
+    return [by_step[s] for s in sorted(by_step)]

@@ -1,0 +1,190 @@
+"""The scheduler's three modes with fake rollouts and a fake trainer: ledger, staleness, overlap."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+
+from agentrl.orchestration.ledger import LedgerError, PromptLedger, PromptRef, PromptSampler
+from agentrl.orchestration.schedule import GroupResult, Scheduler, StepRecord
+from agentrl.types import FinishReason, TokenOrigin, Trajectory
+
+
+class FakeWorld:
+    """Rollouts that take `durations[i]` seconds, sample at the current server version, and can fail."""
+
+    def __init__(self, *, seed: int = 0, fail: set[int] = frozenset(), equal: set[int] = frozenset(),
+                 train_s: float = 0.02, slow_every: int = 0) -> None:
+        self.rng = random.Random(seed)
+        self.fail, self.equal = fail, equal
+        self.train_s = train_s
+        self.slow_every = slow_every
+        self.version = 0
+        self.trained: list[list[str]] = []
+        self.pushed: list[int] = []
+        self.records: list[StepRecord] = []
+        self.calls = 0
+        self.scheduler: Scheduler | None = None
+
+    async def rollout(self, ref: PromptRef) -> list[Trajectory]:
+        self.calls += 1
+        slow = self.slow_every and ref.index % self.slow_every == 0
+        trajs = []
+        for i in range(2):
+            t = Trajectory(group_id=ref.key, episode_id=f"{ref.key}-{i}")
+            t.extend([1, 2], TokenOrigin.PROMPT, 0)
+            await asyncio.sleep(0.03 if slow else self.rng.uniform(0.001, 0.01))
+            t.extend([3], TokenOrigin.SAMPLED, 1, [-0.5], version=self.version)
+            await asyncio.sleep(0.001)
+            t.extend([4], TokenOrigin.SAMPLED, 2, [-0.5], version=self.version)
+            t.reward = 1.0 if ref.index in self.equal else float(i)
+            t.finish_reason = FinishReason.DONE
+            if ref.index in self.fail:
+                t.fault, t.finish_reason, t.error = "infra", FinishReason.ERROR, "sandbox died"
+            trajs.append(t)
+        return trajs
+
+    async def train(self, step: int, groups: list[GroupResult]) -> dict[str, float]:
+        await asyncio.sleep(self.train_s)
+        self.trained.append([g.prompt.key for g in groups])
+        return {"loss": 0.1}
+
+    async def push(self, version: int) -> None:
+        await asyncio.sleep(0.002)
+        self.version = version
+        self.pushed.append(version)
+
+    async def after(self, record: StepRecord) -> None:
+        self.records.append(record)
+
+
+def classify_equal(group: GroupResult):
+    if not any(t.trainable for t in group.trajectories):
+        return "infra", "sandbox died"
+    if len({t.reward for t in group.trajectories}) == 1:
+        return "filtered", "equal rewards"
+    return "ok", ""
+
+
+def make(world: FakeWorld, mode: str, *, rows: int = 20, P: int = 3, K: int = 1, partial: bool = False,
+         max_attempts: int = 3) -> Scheduler:
+    s = Scheduler(
+        mode=mode, prompts_per_step=P, sampler=PromptSampler(rows, seed=1), ledger=PromptLedger(max_attempts=max_attempts),
+        rollout=world.rollout, train=world.train, push=world.push, after_step=world.after,
+        classify=classify_equal, max_staleness=K, partial_rollout=partial,
+    )  # fmt: skip
+    world.scheduler = s
+    return s
+
+
+@pytest.mark.parametrize("mode", ["sync", "one_step_off", "async"])
+def test_every_mode_trains_full_batches_and_balances_the_ledger(mode):
+    world = FakeWorld()
+    s = make(world, mode)
+    asyncio.run(s.run(0, 5))
+    assert len(world.trained) == 5
+    assert all(len(b) == 3 for b in world.trained)
+    assert world.pushed == [1, 2, 3, 4, 5]
+    summary = s.ledger.check(allow_in_flight=False)
+    assert summary["trained"] == 15
+    assert summary["taken"] == summary["trained"] + summary["unfinished"]
+    expected = {"sync": 0, "one_step_off": 1, "async": 1}[mode]
+    assert max(max(r.staleness) for r in world.records) <= expected
+    if mode == "sync":
+        assert all(st == 0 for r in world.records for st in r.staleness)
+
+
+def test_one_step_off_reaches_staleness_one_after_the_first_step():
+    world = FakeWorld()
+    s = make(world, "one_step_off")
+    asyncio.run(s.run(0, 4))
+    assert [max(r.staleness) for r in world.records] == [0, 1, 1, 1]
+    # every trajectory of a group was sampled on one version (the push waits for the rollout)
+    for r in world.records:
+        for g in r.groups:
+            assert len(set(g.token_versions)) == 1
+
+
+@pytest.mark.parametrize("K", [0, 1, 2])
+@pytest.mark.parametrize("partial", [False, True])
+def test_async_never_trains_a_group_older_than_the_bound(K, partial):
+    world = FakeWorld(slow_every=4, train_s=0.01)
+    s = make(world, "async", rows=40, P=4, K=K, partial=partial)
+    asyncio.run(s.run(0, 8))
+    staleness = [st for r in world.records for st in r.staleness]
+    assert max(staleness) <= K
+    assert s.max_staleness_seen <= K
+    summary = s.ledger.check(allow_in_flight=False)
+    assert summary["unfinished"] == 0  # nothing generated was thrown away
+    assert summary["trained"] == sum(len(b) for b in world.trained)
+    assert world.calls == summary["taken"]
+    if not partial:
+        for r in world.records:
+            for g in r.groups:
+                assert len(set(g.token_versions)) == 1, "without partial rollout no episode spans a push"
+
+
+def test_async_with_partial_rollout_keeps_each_tokens_version():
+    world = FakeWorld(slow_every=2, train_s=0.005)
+    s = make(world, "async", rows=40, P=2, K=2, partial=True)
+    asyncio.run(s.run(0, 10))
+    mixed = [g for r in world.records for g in r.groups if len(set(g.token_versions)) > 1]
+    for g in mixed:
+        assert min(g.token_versions) >= g.version
+    assert s.max_staleness_seen <= 2
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_infra_failures_are_requeued_then_failed_and_never_trained(mode):
+    world = FakeWorld(fail={0, 1})
+    s = make(world, mode, rows=6, P=2, max_attempts=2)
+    asyncio.run(s.run(0, 6))
+    trained = {k for b in world.trained for k in b}
+    assert not any(k.startswith(("e0-r0-", "e0-r1-")) for k in trained)
+    summary = s.ledger.check(allow_in_flight=False)
+    failed = {e.uid for e in s.ledger.entries.values() if e.status == "failed"}
+    requeued = {e.uid for e in s.ledger.entries.values() if e.status == "requeued"}
+    assert {"e0-r0", "e0-r1"} <= failed | requeued
+    assert summary["failed"] >= 2 or mode == "async"
+    assert summary["taken"] == sum(summary[k] for k in summary if k != "taken")
+
+
+def test_filtered_groups_are_counted_and_not_trained():
+    world = FakeWorld(equal={2, 3})
+    s = make(world, "sync", rows=6, P=6)
+    asyncio.run(s.run(0, 1))
+    assert len(world.trained[0]) == 4
+    assert s.ledger.check()["filtered"] == 2
+    reasons = {e.reason for e in s.ledger.entries.values() if e.status == "filtered"}
+    assert reasons == {"equal rewards"}
+
+
+def test_sampler_is_seeded_requeue_first_and_resumes_at_the_same_place():
+    a = PromptSampler(5, seed=3)
+    first = a.take(7)
+    assert sorted(r.index for r in first[:5]) == list(range(5))
+    assert first[5].epoch == 1
+    a.requeue([PromptRef(0, 4, 1)], front=True)
+    state = a.state()
+    b = PromptSampler(5, seed=3)
+    b.load_state(state)
+    assert b.take(4) == a.take(4)
+    assert b.take(1)[0].attempt == 0
+
+
+def test_ledger_refuses_impossible_transitions():
+    ledger = PromptLedger()
+    ref = PromptRef(0, 1)
+    with pytest.raises(LedgerError, match="never taken"):
+        ledger.trained(ref, 0)
+    ledger.taken(ref)
+    ledger.trained(ref, 0)
+    with pytest.raises(LedgerError, match="already trained"):
+        ledger.filtered(ref, "x")
+    with pytest.raises(LedgerError, match="taken twice"):
+        ledger.taken(ref)
+    ledger.taken(PromptRef(0, 2))
+    with pytest.raises(LedgerError, match="unaccounted"):
+        ledger.check(allow_in_flight=False)
