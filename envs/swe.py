@@ -29,6 +29,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from agentrl.envs.patches import apply_patch, parse_patch
 from agentrl.envs.swe_grading import grade, pristine_test_files
 from agentrl.envs.swe_tasks import SweTask, load_tasks, row_task, shipped_tasks, tasks_rows
 from agentrl.envs.tool_env import ToolEnv
@@ -38,9 +39,9 @@ from agentrl.tools.bash import BashTool
 from agentrl.tools.core import ToolContext, tool
 from agentrl.tools.editor import EditorTool
 from agentrl.tools.session import default_sandbox
-from agentrl.types import Action, Message
+from agentrl.types import Action, Message, ToolCall
 
-__all__ = ["SYSTEM_PROMPT", "SweEnv", "approx_tokens", "submit_changes"]
+__all__ = ["SYSTEM_PROMPT", "SweEnv", "approx_tokens", "reference_fix_actions", "submit_changes"]
 
 SYSTEM_PROMPT = (
     "You are a software engineer fixing an issue in a Python repository. The repository is your "
@@ -77,6 +78,32 @@ def submit_changes(ctx: ToolContext, summary: str = "") -> str:
     ctx.state["answer"] = summary
     ctx.state["done"] = True
     return "Changes submitted; the hidden tests will now run."
+
+
+def reference_fix_actions(task: SweTask) -> list[Action]:
+    """The assistant turns of a scripted agent that applies `task.patch` with the tools, then submits.
+
+    Each hunk becomes one `str_replace_editor` call (its old lines replaced by its new lines), a new
+    file a `create`, a deleted file an `rm`. It checks an instance's reference fix end to end, through
+    the same tools and sandbox an agent uses.
+    """
+    if not task.patch:
+        raise ConfigError(f"Instance {task.instance_id} has no reference 'patch' to apply.")
+    calls: list[ToolCall] = []
+    for fp in parse_patch(task.patch):
+        if fp.old_path is None:
+            calls.append(ToolCall("str_replace_editor", {"command": "create", "path": fp.path,
+                                                         "file_text": apply_patch(None, fp)}))
+        elif fp.new_path is None:
+            calls.append(ToolCall("bash", {"command": f"rm -f -- '{fp.old_path}'"}))
+        else:
+            calls += [ToolCall("str_replace_editor", {"command": "str_replace", "path": fp.path,
+                                                      "old_str": "\n".join(h.old_lines),
+                                                      "new_str": "\n".join(h.new_lines)}) for h in fp.hunks]
+    turns = [Action(f"Applying edit {i + 1} of {len(calls)}.", (ToolCall(c.name, c.arguments, id=f"call_{i}"),))
+             for i, c in enumerate(calls)]
+    submit = ToolCall("submit", {"summary": "Applied the reference fix."}, id=f"call_{len(calls)}")
+    return [*turns, Action("The fix is in place.", (submit,))]
 
 
 class SweEnv(ToolEnv):
