@@ -31,6 +31,9 @@ class Hunk:
 
     old_start: int
     lines: list[str] = field(default_factory=list)
+    old_no_newline: bool = False
+    """The old file's last line, in this hunk, has no newline ("\\ No newline at end of file")."""
+    new_no_newline: bool = False
 
     @property
     def old_lines(self) -> list[str]:
@@ -81,10 +84,13 @@ def parse_patch(text: str) -> list[FilePatch]:
             hunk = Hunk(int(m.group(1)))
             i += 1
             seen_old = seen_new = 0
-            while i < len(lines) and (seen_old < old_len or seen_new < new_len):
+            while i < len(lines) and (seen_old < old_len or seen_new < new_len or lines[i].startswith("\\")):
                 body = lines[i]
                 mark = body[:1] or " "  # some tools strip the space of an empty context line
-                if mark == "\\":  # "\ No newline at end of file"
+                if mark == "\\":  # "\ No newline at end of file": about the line before it
+                    last = hunk.lines[-1][:1] if hunk.lines else " "
+                    hunk.old_no_newline |= last in (" ", "-")
+                    hunk.new_no_newline |= last in (" ", "+")
                     i += 1
                     continue
                 if mark not in (" ", "-", "+"):
@@ -120,6 +126,10 @@ def apply_patch(original: str | None, file_patch: FilePatch) -> str | None:
             )
         lines[at:at + len(old)] = hunk.new_lines
         offset += len(hunk.new_lines) - len(old)
+        if hunk.new_no_newline:
+            trailing_newline = False
+        elif hunk.old_no_newline:
+            trailing_newline = True
     return "\n".join(lines) + ("\n" if lines and trailing_newline else "")
 
 

@@ -21,7 +21,8 @@ An instance is one JSON object:
 
 Test ids are pytest node ids: `tests/test_x.py::test_name` or `tests/test_x.py::Class::method`.
 `SweTask.from_dict` checks an instance and says what is wrong; `load_tasks` reads a JSONL file;
-`task_row` / `row_task` convert to and from verl dataset rows (`extra_info["instance"]`), so the
+`task_row` / `row_task` convert to and from verl dataset rows (`extra_info["instance"]`; run
+`python -m agentrl.envs.swe_tasks IN.jsonl OUT.jsonl` to convert a file), so the
 trainer's data loader and `agentrl eval` carry instances like any other dataset. `shipped_tasks`
 is the task set in `agentrl/envs/data/swe/` (see scripts/make_swe_tasks.py). Nothing here runs code.
 """
@@ -263,3 +264,21 @@ def tasks_rows(tasks: Sequence[SweTask]) -> list[dict[str, Any]]:
             row["extra_info"]["base_dir"] = t.base_dir
         rows.append(row)
     return rows
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """`python -m agentrl.envs.swe_tasks IN.jsonl OUT.jsonl`: SWE-bench/SWE-Gym instances to verl rows."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("instances", type=Path, help="JSONL of SWE instances (see agentrl.envs.swe_tasks)")
+    parser.add_argument("rows", type=Path, help="where to write the verl rows (JSONL)")
+    args = parser.parse_args(argv)
+    tasks = load_tasks(args.instances)
+    with args.rows.open("w") as f:
+        for row in tasks_rows(tasks):
+            f.write(json.dumps(row) + "\n")
+
+
+if __name__ == "__main__":
+    main()

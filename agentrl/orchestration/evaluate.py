@@ -6,7 +6,9 @@ at least 1.0. The report gives pass@1 and pass@k with the unbiased estimator of 
 `1 - C(n-c, k) / C(n, k)` averaged over problems, mean reward, finish-reason counts, tool calls
 and tool errors by class per episode, and the same broken down by `data_source`. Episodes that
 failed for infrastructure reasons are counted and left out of the pass rates (a problem keeps its
-`n` valid samples; k shrinks to n when fewer remain), never scored as failures.
+`n` valid samples; k shrinks to n when fewer remain), never scored as failures. Environments that
+report `metrics["resolved"]` (the SWE env) also get a resolved rate: resolved valid episodes over
+all valid episodes.
 
 Written to the output directory: `report.json`, and `trajectories.jsonl` with every episode's
 ledger plus its decoded text, for inspection. Training is not this module's business.
@@ -65,13 +67,15 @@ class EvalReport:
     mean_sampled_tokens: float
     seconds: float
     by_data_source: dict[str, dict[str, float]] = field(default_factory=dict)
+    resolved_rate: float | None = None
     output_dir: str = ""
 
     def summary(self) -> str:
         return (
             f"{self.env} | {self.model} | {self.problems} problems x {self.k} samples: "
-            f"pass@1 {self.pass_at_1:.3f}, pass@{self.k} {self.pass_at_k:.3f}, mean reward {self.mean_reward:.3f}, "
-            f"tool calls/episode {self.tool_calls_per_episode:.2f}, infra failures {self.infra_failed_episodes}, "
+            f"pass@1 {self.pass_at_1:.3f}, pass@{self.k} {self.pass_at_k:.3f}, mean reward {self.mean_reward:.3f}"
+            + (f", resolved {self.resolved_rate:.3f}" if self.resolved_rate is not None else "")
+            + f", tool calls/episode {self.tool_calls_per_episode:.2f}, infra failures {self.infra_failed_episodes}, "
             f"{self.seconds:.0f} s"
         )
 
@@ -122,6 +126,8 @@ def summarise(config: AgentRLConfig, groups: list[list[Trajectory]], seconds: fl
         mean_sampled_tokens=sum(t.num_sampled for t in trajs) / n,
         seconds=seconds,
         by_data_source=breakdown,
+        resolved_rate=(sum(t.metrics.get("resolved", 0.0) for t in valid) / max(len(valid), 1)
+                       if any("resolved" in t.metrics for t in trajs) else None),
         output_dir=out_dir,
     )
 
