@@ -127,6 +127,8 @@ class SweEnv(ToolEnv):
 
     end_without_tool_call = False
     score_truncated = True
+    reports_resolved = True
+    """`agentrl eval` reports a resolved rate for this env (episodes it never graded count as unresolved)."""
     no_tool_call_message = (
         "You did not call a tool. Keep working with `bash` and `str_replace_editor`, "
         "and call `submit` when the issue is fixed."

@@ -7,8 +7,9 @@ at least 1.0. The report gives pass@1 and pass@k with the unbiased estimator of 
 and tool errors by class per episode, and the same broken down by `data_source`. Episodes that
 failed for infrastructure reasons are counted and left out of the pass rates (a problem keeps its
 `n` valid samples; k shrinks to n when fewer remain), never scored as failures. Environments that
-report `metrics["resolved"]` (the SWE env) also get a resolved rate: resolved valid episodes over
-all valid episodes.
+report `metrics["resolved"]` (the SWE env, whose class sets `reports_resolved = True`) also get a
+resolved rate: resolved valid episodes over all valid episodes (an episode the AgentLoop ended
+before the env graded it counts as not resolved).
 
 Written to the output directory: `report.json`, and `trajectories.jsonl` with every episode's
 ledger plus its decoded text, for inspection. Training is not this module's business.
@@ -26,7 +27,9 @@ from pathlib import Path
 from typing import Any
 
 from agentrl.config import AgentRLConfig, save_config
+from agentrl.errors import AgentRLError
 from agentrl.orchestration.components import build_agent_loop, env_factory, load_split_rows
+from agentrl.registry import ENVS
 from agentrl.rollout import GenerateClient, RolloutWorker
 from agentrl.tools.session import close_default_sandbox
 from agentrl.types import Trajectory
@@ -92,6 +95,15 @@ def _rates(groups: list[list[Trajectory]], k: int) -> tuple[float, float]:
     return (sum(p1) / len(p1) if p1 else 0.0, sum(pk) / len(pk) if pk else 0.0)
 
 
+def _reports_resolved(env_name: str, trajs: list[Trajectory]) -> bool:
+    if any("resolved" in t.metrics for t in trajs):
+        return True
+    try:
+        return bool(getattr(ENVS.resolve(env_name), "reports_resolved", False))
+    except AgentRLError:
+        return False
+
+
 def summarise(config: AgentRLConfig, groups: list[list[Trajectory]], seconds: float, out_dir: str = "") -> EvalReport:
     trajs = [t for g in groups for t in g]
     valid = [t for t in trajs if t.trainable]
@@ -127,7 +139,7 @@ def summarise(config: AgentRLConfig, groups: list[list[Trajectory]], seconds: fl
         seconds=seconds,
         by_data_source=breakdown,
         resolved_rate=(sum(t.metrics.get("resolved", 0.0) for t in valid) / max(len(valid), 1)
-                       if any("resolved" in t.metrics for t in trajs) else None),
+                       if _reports_resolved(config.env.name, trajs) else None),
         output_dir=out_dir,
     )
 
