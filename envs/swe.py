@@ -17,8 +17,9 @@ AgentLoop records the episode as fault "infra" and the trainer masks it. The ses
 when the episode ends, whatever happened. Instances come from the shipped task set
 (`agentrl.envs.swe_tasks.shipped_tasks`), from `tasks=path.jsonl`, or from dataset rows.
 
-The AgentLoop's own budgets (`rollout.max_turns`, `max_total_tokens`, `episode_timeout_s`) end an
-episode without grading it; keep them above this env's budgets so the env's budgets end episodes.
+The AgentLoop's own budgets (`rollout.max_turns`, `max_total_tokens`, `episode_timeout_s`, and a
+turn cut by `max_tokens_per_turn`) end an episode without grading it; keep them above this env's
+budgets so the env's budgets end episodes.
 """
 
 from __future__ import annotations
