@@ -191,6 +191,10 @@ ENVS = Registry(
             "agentrl.envs.retool:RetoolEnv",
             "Math problems solved with a sandboxed Python interpreter (ReTool); answers checked exactly.",
         ),
+        "swe": (
+            "agentrl.envs.swe:SweEnv",
+            "Fix a bug in a repository inside a sandbox (bash, editor, submit); rewarded by hidden tests.",
+        ),
     },
 )
 

@@ -8,8 +8,12 @@ each, turning unknown tools, bad arguments and malformed calls into tool message
 learn from, and counting them by fault class in `info["metrics"]`.
 
 An episode terminates when the assistant answers without calling a tool (or a tool sets
-`ctx.state["done"]`), and is truncated after `max_turns` assistant turns (reward 0). It does not
-tokenise anything, sample from a model or decide budgets in tokens; the AgentLoop does.
+`ctx.state["done"]`), and is truncated after `max_turns` assistant turns (reward 0). Subclasses
+whose episodes are judged by work done rather than by a final answer (SWE) may instead answer a
+turn without tool calls with a reminder (`end_without_tool_call = False`), add budgets of their own
+(`budget_exceeded`), score truncated episodes too (`score_truncated = True`) and score
+asynchronously while the episode's tools and sandbox are still alive (`ascore`). It does not
+tokenise anything or sample from a model; the AgentLoop does.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ import asyncio
 import logging
 import uuid
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import gymnasium
 
@@ -34,6 +38,15 @@ _log = logging.getLogger(__name__)
 
 class ToolEnv(Env):
     """Base class for tool-using environments (see the module docstring)."""
+
+    end_without_tool_call: ClassVar[bool] = True
+    """A turn that calls no tool ends the episode as the final answer; False answers it with
+    `no_tool_call_message` instead, and the episode goes on."""
+    no_tool_call_message: ClassVar[str] = (
+        "You did not call a tool. Use the tools to work on the task, and call `submit` when you are done."
+    )
+    score_truncated: ClassVar[bool] = False
+    """Score episodes cut by a budget too (reward 0 when False)."""
 
     def __init__(
         self,
@@ -79,6 +92,20 @@ class ToolEnv(Env):
     def score(self, final_text: str, row: dict[str, Any], ctx: ToolContext) -> float:
         """The reward of an episode that ended with `final_text` as the answer."""
         raise NotImplementedError(f"{type(self).__name__} must implement score().")
+
+    async def ascore(self, final_text: str, row: dict[str, Any], ctx: ToolContext) -> float:
+        """Async scoring, awaited while the episode's tools and context are alive; default `score`.
+
+        Details for the step's info go in `ctx.state["score_info"]` (its "metrics" are merged
+        into `info["metrics"]`, which the AgentLoop copies into the trajectory). Raising ends the episode
+        (cleaned up as always) and the error reaches the caller: raise an `AgentRLError` for an
+        infrastructure failure, which the AgentLoop records as fault "infra" (masked, not scored 0).
+        """
+        return float(self.score(final_text, row, ctx))
+
+    def budget_exceeded(self, action: Action, messages: list[Message]) -> str | None:
+        """After a turn's tool calls: why the episode's budget is spent (it is truncated), or None."""
+        return None
 
     async def create_context(self, episode_id: str, row: dict[str, Any]) -> ToolContext:
         """The per-episode tool context; override to attach a sandbox session."""
@@ -145,14 +172,26 @@ class ToolEnv(Env):
 
         reward = 0.0
         called = bool(action.tool_calls or action.parse_errors)
-        terminated = not called or bool(ctx.state.get("done"))
-        truncated = not terminated and self._turn >= self.max_turns
-        if terminated:
-            reward = float(self.score(action.text, row, ctx))
+        if not called and not self.end_without_tool_call:
+            messages.append({"role": "user", "content": self.no_tool_call_message})
+        terminated = bool(ctx.state.get("done")) or (not called and self.end_without_tool_call)
+        why: str | None = None
+        if not terminated:
+            why = "max_turns" if self._turn >= self.max_turns else self.budget_exceeded(action, messages)
+        truncated = why is not None
         info: dict[str, Any] = {"metrics": dict(self._metrics), "turn": self._turn}
+        if truncated:
+            info["truncated_by"] = why
         if terminated or truncated:
-            await self._end_episode()
-            self._done = True
+            try:
+                if terminated or self.score_truncated:
+                    reward = float(await self.ascore(action.text, row, ctx))
+                    extra = dict(ctx.state.get("score_info") or {})
+                    info["metrics"].update(extra.pop("metrics", {}))
+                    info.update(extra)
+            finally:
+                await self._end_episode()
+                self._done = True
         return messages, reward, terminated, truncated, info
 
     async def aclose(self) -> None:

@@ -17,6 +17,11 @@ survive Docker's seccomp profile (a VM is the answer there), and side channels. 
 `docker exec` calls (tens of milliseconds), so this backend suits sessions (SWE-style tasks)
 better than thousands of short snippets; use `LocalSandbox` for those.
 
+`image=` runs the containers from an image of your own instead, for example a SWE task's image
+with the repository at /testbed or data files next to it. It must already be on the daemon (build
+it `FROM agentrl-sandbox:base`; `ensure_base_image` makes that one); the host's /usr, interpreter
+and /etc files are still bind-mounted over it, so it adds files but does not change the toolchain.
+
 The `docker` package is imported only when a DockerSandbox is made; without it, or without a
 daemon, `SandboxUnavailableError` says what to install or start.
 """
@@ -281,11 +286,12 @@ class DockerSandbox:
         max_concurrency: Jobs running at once; default one per CPU core. Others wait.
         python: Interpreter to run code with; default this process's base interpreter.
         base_url: Docker daemon address; default from the environment (DOCKER_HOST or the socket).
+        image: The containers' image; default `agentrl-sandbox:base` (see the module docstring).
     """
 
     def __init__(self, *, memory_mb: int = 512, cpus: float = 1.0, max_processes: int = 128,
                  max_output_bytes: int = 1_000_000, pool_size: int = 2, max_concurrency: int | None = None,
-                 python: str | None = None, base_url: str | None = None) -> None:
+                 python: str | None = None, base_url: str | None = None, image: str | None = None) -> None:
         docker = _import_docker()
         try:
             self._client = docker.DockerClient(base_url=base_url) if base_url else docker.from_env()
@@ -296,6 +302,7 @@ class DockerSandbox:
                 "('apt-get install docker.io', then 'dockerd'), or use the 'local' backend."
             ) from exc
         self._api = self._client.api
+        self.image = image or IMAGE
         exe, prefix = sandbox_python()
         self.python = python or exe
         self._binds = {"/usr": {"bind": "/usr", "mode": "ro"}}
@@ -320,18 +327,31 @@ class DockerSandbox:
                      "LANG": "C.UTF-8", "TMPDIR": "/tmp", "USER": "sandbox", "PYTHONDONTWRITEBYTECODE": "1"}
 
     # ── containers ──────────────────────────────────────────────────────────────────────────
-    def _ensure_image(self) -> None:
+    def ensure_base_image(self) -> None:
+        """Import `agentrl-sandbox:base` into the daemon if it is not there (nothing is pulled)."""
         try:
             self._client.images.get(IMAGE)
         except Exception:
             repo, tag = IMAGE.split(":")
             self._api.import_image_from_data(_base_image_tar(), repository=repo, tag=tag)
 
+    def _ensure_image(self) -> None:
+        if self.image == IMAGE:
+            self.ensure_base_image()
+            return
+        try:
+            self._client.images.get(self.image)
+        except Exception as exc:
+            raise SandboxUnavailableError(
+                f"The Docker image {self.image!r} is not on this daemon ({type(exc).__name__}); agentrl pulls "
+                "nothing: build it locally, FROM agentrl-sandbox:base (DockerSandbox().ensure_base_image() makes that)."
+            ) from exc
+
     def _start_container(self) -> _Container:
         self._ensure_image()
         mb = self.memory_mb
         container = self._client.containers.run(
-            IMAGE, ["/usr/bin/sleep", "infinity"], detach=True, network_mode="none", volumes=self._binds,
+            self.image, ["/usr/bin/sleep", "infinity"], detach=True, network_mode="none", volumes=self._binds,
             read_only=True, working_dir=WORKDIR, environment={"PATH": "/usr/bin:/bin"},
             tmpfs={WORKDIR: f"size={mb}m,uid={JOB_UID},gid={JOB_UID},mode=755", "/tmp": f"size={mb}m,mode=1777",
                    "/dev/shm": f"size={mb}m,mode=1777"},

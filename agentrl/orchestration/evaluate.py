@@ -6,7 +6,10 @@ at least 1.0. The report gives pass@1 and pass@k with the unbiased estimator of 
 `1 - C(n-c, k) / C(n, k)` averaged over problems, mean reward, finish-reason counts, tool calls
 and tool errors by class per episode, and the same broken down by `data_source`. Episodes that
 failed for infrastructure reasons are counted and left out of the pass rates (a problem keeps its
-`n` valid samples; k shrinks to n when fewer remain), never scored as failures.
+`n` valid samples; k shrinks to n when fewer remain), never scored as failures. Environments that
+report `metrics["resolved"]` (the SWE env, whose class sets `reports_resolved = True`) also get a
+resolved rate: resolved valid episodes over all valid episodes (an episode the AgentLoop ended
+before the env graded it counts as not resolved).
 
 Written to the output directory: `report.json`, and `trajectories.jsonl` with every episode's
 ledger plus its decoded text, for inspection. Training is not this module's business.
@@ -24,7 +27,9 @@ from pathlib import Path
 from typing import Any
 
 from agentrl.config import AgentRLConfig, save_config
+from agentrl.errors import AgentRLError
 from agentrl.orchestration.components import build_agent_loop, env_factory, load_split_rows
+from agentrl.registry import ENVS
 from agentrl.rollout import GenerateClient, RolloutWorker
 from agentrl.tools.session import close_default_sandbox
 from agentrl.types import Trajectory
@@ -65,13 +70,15 @@ class EvalReport:
     mean_sampled_tokens: float
     seconds: float
     by_data_source: dict[str, dict[str, float]] = field(default_factory=dict)
+    resolved_rate: float | None = None
     output_dir: str = ""
 
     def summary(self) -> str:
         return (
             f"{self.env} | {self.model} | {self.problems} problems x {self.k} samples: "
-            f"pass@1 {self.pass_at_1:.3f}, pass@{self.k} {self.pass_at_k:.3f}, mean reward {self.mean_reward:.3f}, "
-            f"tool calls/episode {self.tool_calls_per_episode:.2f}, infra failures {self.infra_failed_episodes}, "
+            f"pass@1 {self.pass_at_1:.3f}, pass@{self.k} {self.pass_at_k:.3f}, mean reward {self.mean_reward:.3f}"
+            + (f", resolved {self.resolved_rate:.3f}" if self.resolved_rate is not None else "")
+            + f", tool calls/episode {self.tool_calls_per_episode:.2f}, infra failures {self.infra_failed_episodes}, "
             f"{self.seconds:.0f} s"
         )
 
@@ -86,6 +93,15 @@ def _rates(groups: list[list[Trajectory]], k: int) -> tuple[float, float]:
         p1.append(pass_at_k(len(valid), c, 1))
         pk.append(pass_at_k(len(valid), c, k))
     return (sum(p1) / len(p1) if p1 else 0.0, sum(pk) / len(pk) if pk else 0.0)
+
+
+def _reports_resolved(env_name: str, trajs: list[Trajectory]) -> bool:
+    if any("resolved" in t.metrics for t in trajs):
+        return True
+    try:
+        return bool(getattr(ENVS.resolve(env_name), "reports_resolved", False))
+    except AgentRLError:
+        return False
 
 
 def summarise(config: AgentRLConfig, groups: list[list[Trajectory]], seconds: float, out_dir: str = "") -> EvalReport:
@@ -122,6 +138,8 @@ def summarise(config: AgentRLConfig, groups: list[list[Trajectory]], seconds: fl
         mean_sampled_tokens=sum(t.num_sampled for t in trajs) / n,
         seconds=seconds,
         by_data_source=breakdown,
+        resolved_rate=(sum(t.metrics.get("resolved", 0.0) for t in valid) / max(len(valid), 1)
+                       if _reports_resolved(config.env.name, trajs) else None),
         output_dir=out_dir,
     )
 

@@ -16,3 +16,12 @@ def test_custom_env_example_runs_and_earns_the_reward() -> None:
     assert "prompt: What is the capital of Japan? | tools: ['lookup_capital']" in out.stdout
     assert "tool said: Tokyo" in out.stdout
     assert "reward=1.0 done=True" in out.stdout
+
+
+def test_swe_scripted_agent_example_resolves_with_the_fix_and_not_without() -> None:
+    out = subprocess.run([sys.executable, str(EXAMPLES / "swe_scripted_agent.py"), "--limit", "3"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    lines = out.stdout.splitlines()
+    assert sum("fix: reward 1.0" in line and "do-nothing: reward 0.0" in line for line in lines) == 3
+    assert lines[-2:] == ["reference fix agent: resolved 3/3 (rate 1.00)", "do nothing agent: resolved 0/3 (rate 0.00)"]

@@ -1,0 +1,252 @@
+"""Grading a SWE episode: hidden tests copied into the agent's sandbox session, run, and judged.
+
+`grade` is called once per episode, when the agent submits or its budget is spent. It restores
+every file the instance's `test_patch` touches to its pristine content (read at reset, so edits
+the agent made to those tests do not count), applies the patch on the host, writes the results
+into the session, and runs the tests there: with agentrl's own runner (`RUNNER`, a small script
+that imports each test file and calls each test function or unittest method under a per-test
+alarm, so a hanging test fails alone) or with the instance's `test_cmd`, whose pytest `-rA` log is
+parsed. A test that does not report PASSED fails.
+
+Whose fault: the agent's code failing, hanging past its per-test limit, crashing the runner or
+filling the disk is a failed test (reward 0). The session dying, the sandbox not answering, the
+test runner not starting, or the whole run passing its deadline although each test has its own
+limit, are infrastructure failures: `grade` raises `SandboxError`, which the AgentLoop records as
+fault "infra" so the trainer masks the episode. With a custom `test_cmd` (no per-test limit) a run
+past the deadline in a sandbox that still answers counts as the agent's failure, as in SWE-bench.
+
+Not a defence against reward hacking by code in the test process itself (it shares the runner's
+interpreter and could forge results); the hidden tests are kept from the agent, not from its code.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+import uuid
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from agentrl.envs.patches import apply_patch, parse_patch
+from agentrl.envs.swe_tasks import SweTask
+from agentrl.errors import SandboxError
+
+__all__ = ["RUNNER", "Grade", "grade", "parse_pytest_log", "pristine_test_files"]
+
+PASSED = "PASSED"
+
+RUNNER = r'''
+"""agentrl's hidden-test runner: python runner.py < config.json; one JSON line per test to `out`."""
+import importlib.util, io, json, os, signal, sys, traceback, unittest
+cfg = json.loads(sys.stdin.read())
+sys.stdin = io.StringIO("")
+root = os.getcwd()
+sys.path.insert(0, root)
+class _Timeout(BaseException):
+    pass
+def _alarm(signum, frame):
+    raise _Timeout()
+signal.signal(signal.SIGALRM, _alarm)
+modules = {}
+def load(path):
+    if path not in modules:
+        name = "agentrl_test_" + "".join(c if c.isalnum() else "_" for c in path)
+        spec = importlib.util.spec_from_file_location(name, os.path.join(root, path))
+        if spec is None:
+            raise ImportError("cannot import " + path)
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[name] = mod
+        spec.loader.exec_module(mod)
+        modules[path] = mod
+    return modules[path]
+def run(test_id):
+    parts = test_id.split("::")
+    obj = load(parts[0])
+    owner = None
+    for p in parts[1:]:
+        owner, obj = obj, getattr(obj, p)
+    if isinstance(owner, type) and issubclass(owner, unittest.TestCase):
+        result = unittest.TestResult()
+        owner(parts[-1]).run(result)
+        if result.failures:
+            return "FAILED", result.failures[0][1]
+        if result.errors:
+            return "ERROR", result.errors[0][1]
+        if result.skipped:
+            return "SKIPPED", result.skipped[0][1]
+        return "PASSED", ""
+    if isinstance(owner, type):
+        obj = getattr(owner(), parts[-1])
+    obj()
+    return "PASSED", ""
+devnull = open(os.devnull, "w")
+with open(cfg["out"], "w") as out:
+    for test_id in cfg["tests"]:
+        status, detail = "ERROR", ""
+        real_out, real_err = sys.stdout, sys.stderr
+        sys.stdout = sys.stderr = devnull
+        try:
+            signal.setitimer(signal.ITIMER_REAL, cfg["per_test_timeout_s"])
+            try:
+                status, detail = run(test_id)
+            finally:
+                signal.setitimer(signal.ITIMER_REAL, 0)
+        except _Timeout:
+            status, detail = "TIMEOUT", "the test ran past %s s" % cfg["per_test_timeout_s"]
+        except AssertionError:
+            status, detail = "FAILED", traceback.format_exc()
+        except BaseException:
+            status, detail = "ERROR", traceback.format_exc()
+        finally:
+            sys.stdout, sys.stderr = real_out, real_err
+        out.write(json.dumps({"test": test_id, "status": status, "detail": detail[-1500:]}) + "\n")
+        out.flush()
+'''
+
+_PYTEST_LINE = re.compile(r"^(PASSED|FAILED|ERROR|XFAIL|XPASS|SKIPPED)\s+(\S+::\S+)")
+_PYTEST_VERBOSE = re.compile(r"^(\S+::\S+)\s+(PASSED|FAILED|ERROR|XFAIL|XPASS|SKIPPED)\b")
+
+
+@dataclass
+class Grade:
+    """The verdict on one episode's repository."""
+
+    resolved: bool
+    reward: float
+    statuses: dict[str, str] = field(default_factory=dict)
+    fail_to_pass_passed: int = 0
+    fail_to_pass_total: int = 0
+    pass_to_pass_passed: int = 0
+    pass_to_pass_total: int = 0
+    note: str = ""
+
+    def info(self) -> dict[str, Any]:
+        """What the step's info reports (`info["swe"]`)."""
+        return asdict(self)
+
+
+def parse_pytest_log(log: str) -> dict[str, str]:
+    """Test id -> status from pytest output (`-rA` summary lines or `-v` lines)."""
+    statuses: dict[str, str] = {}
+    for line in log.splitlines():
+        m = _PYTEST_LINE.match(line.strip())
+        if m:
+            statuses[m.group(2)] = m.group(1)
+            continue
+        m = _PYTEST_VERBOSE.match(line.strip())
+        if m:
+            statuses.setdefault(m.group(1), m.group(2))
+    return {k: (PASSED if v == "XFAIL" else v) for k, v in statuses.items()}
+
+
+async def pristine_test_files(session: Any, task: SweTask) -> dict[str, str | None]:
+    """The content of every file the test patch touches, as it is now (None: absent). Call at reset."""
+    out: dict[str, str | None] = {}
+    if not task.test_patch:
+        return out
+    for fp in parse_patch(task.test_patch):
+        path = fp.old_path or fp.path
+        try:
+            out[fp.path] = (await session.read_file(path)).decode("utf-8", errors="surrogateescape")
+        except FileNotFoundError:
+            out[fp.path] = None
+    return out
+
+
+async def _answers(session: Any) -> bool:
+    try:
+        probe = await session.exec("true", timeout_s=15)
+    except SandboxError:
+        return False
+    return probe.exit_code == 0 and probe.killed_reason is None
+
+
+def _verdict(task: SweTask, statuses: dict[str, str], partial: bool, note: str) -> Grade:
+    f2p = sum(statuses.get(t) == PASSED for t in task.fail_to_pass)
+    p2p = sum(statuses.get(t) == PASSED for t in task.pass_to_pass)
+    resolved = f2p == len(task.fail_to_pass) and p2p == len(task.pass_to_pass)
+    if resolved:
+        reward = 1.0
+    elif partial and task.fail_to_pass and p2p == len(task.pass_to_pass):
+        reward = f2p / len(task.fail_to_pass)  # a fix that breaks a passing test earns nothing
+    else:
+        reward = 0.0
+    return Grade(resolved, reward, {t: statuses.get(t, "MISSING") for t in task.tests}, f2p,
+                 len(task.fail_to_pass), p2p, len(task.pass_to_pass), note)
+
+
+async def grade(
+    session: Any,
+    task: SweTask,
+    pristine: dict[str, str | None],
+    *,
+    partial_credit: bool = False,
+    timeout_s: float = 300.0,
+    per_test_timeout_s: float = 20.0,
+) -> Grade:
+    """Run `task`'s hidden tests in `session` and judge them (see the module docstring)."""
+    if not await session.is_alive():
+        raise SandboxError(f"The sandbox session of {task.instance_id} died before grading; the episode is not scored.")
+    writes: list[tuple[str, str | None]] = []
+    if task.test_patch:
+        for fp in parse_patch(task.test_patch):
+            writes.append((fp.path, apply_patch(pristine.get(fp.path), fp)))
+    nonce = uuid.uuid4().hex[:12]
+    runner, results = f".agentrl_runner_{nonce}.py", f".agentrl_results_{nonce}.jsonl"
+    if task.test_cmd is None:
+        writes.append((runner, RUNNER))
+    for path, text in writes:
+        try:
+            if text is None:
+                await session.exec(f"rm -f -- {shlex.quote(path)}", timeout_s=30)
+            else:
+                await session.write_file(path, text)
+        except SandboxError:
+            raise
+        except (OSError, ValueError) as exc:
+            if not await _answers(session):
+                raise SandboxError(f"The sandbox stopped answering while the hidden tests were copied in: {exc}") from exc
+            return _verdict(task, {}, partial_credit, f"the hidden test file {path} could not be written: {exc}")
+
+    if task.test_cmd is not None:
+        command = task.test_cmd.replace("{tests}", " ".join(shlex.quote(t) for t in task.tests))
+        result = await session.exec(command, timeout_s=timeout_s)
+        if result.timed_out and not await _answers(session):
+            raise SandboxError(f"The sandbox stopped answering while the tests of {task.instance_id} ran.")
+        note = f"the test command ran past {timeout_s:g} s" if result.timed_out else ""
+        return _verdict(task, parse_pytest_log(result.stdout + "\n" + result.stderr), partial_credit, note)
+
+    config = {"tests": list(task.tests), "out": results, "per_test_timeout_s": per_test_timeout_s}
+    result = await session.exec(f"exec python -B {runner}", stdin=json.dumps(config), timeout_s=timeout_s)
+    if result.timed_out:
+        if not await _answers(session):
+            raise SandboxError(f"The sandbox stopped answering while the tests of {task.instance_id} ran.")
+        raise SandboxError(
+            f"The hidden tests of {task.instance_id} did not finish within {timeout_s:g} s although each test "
+            f"stops at {per_test_timeout_s:g} s: the sandbox is too slow or wedged. Raise test_timeout_s "
+            "or give the sandbox more CPU."
+        )
+    try:
+        raw = (await session.read_file(results)).decode("utf-8", errors="replace")
+    except FileNotFoundError:
+        raw = ""
+    except (OSError, ValueError) as exc:
+        raise SandboxError(f"The test results of {task.instance_id} could not be read back: {exc}") from exc
+    statuses: dict[str, str] = {}
+    for line in raw.splitlines():
+        try:
+            rec = json.loads(line)
+            statuses[str(rec["test"])] = str(rec["status"])
+        except (ValueError, KeyError, TypeError):
+            continue  # a torn last line when the runner was killed mid-write
+    if not statuses and result.exit_code in (126, 127):
+        raise SandboxError(
+            f"The test runner could not start in the sandbox (exit {result.exit_code}): "
+            f"{result.stderr.strip()[-300:]!r}. The sandbox needs a `python` on PATH."
+        )
+    note = ""
+    if len(statuses) < len(task.tests):
+        why = result.killed_reason or f"exit code {result.exit_code}"
+        note = f"the test runner stopped early ({why}); tests without a result count as failed"
+    return _verdict(task, statuses, partial_credit, note)
