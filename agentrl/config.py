@@ -114,6 +114,8 @@ class RolloutConfig(_Section):
     """Deadline of one tool call; past it the call is an infrastructure error."""
     max_concurrent_episodes: int = Field(256, ge=1)
     """Episodes in flight at once per rollout worker."""
+    extra_stop_token_ids: list[int] = Field(default_factory=list)
+    """Token ids that also end an assistant turn, besides the chat template's end-of-turn tokens."""
 
 
 class InferenceConfig(_Section):

@@ -18,6 +18,7 @@ from agentrl.errors import ConfigError
 from agentrl.models import TOOL_CHATML_TEMPLATE, resolve_model_path
 from agentrl.registry import ENVS, TOOL_PARSERS
 from agentrl.rollout import AgentLoop, AgentLoopConfig, GenerateClient
+from agentrl.rollout.agent_loop import end_of_turn_ids
 
 __all__ = ["build_agent_loop", "build_chat_template", "env_factory", "load_split_rows"]
 
@@ -70,4 +71,8 @@ def build_agent_loop(config: AgentRLConfig, client: GenerateClient, *, temperatu
     loop_config = AgentLoopConfig.from_rollout_config(config.rollout)
     if temperature is not None:
         loop_config = AgentLoopConfig(**{**loop_config.__dict__, "temperature": temperature})
-    return AgentLoop(client, build_chat_template(config), parser, loop_config)
+    template = build_chat_template(config)
+    stop_ids = None
+    if config.rollout.extra_stop_token_ids:
+        stop_ids = tuple(sorted({*end_of_turn_ids(template.tokenizer), *config.rollout.extra_stop_token_ids}))
+    return AgentLoop(client, template, parser, loop_config, stop_token_ids=stop_ids)

@@ -177,12 +177,10 @@ class MetricsLogger:
             log.info("step %d/%d  %s", step + 1, self.total_steps, line)
 
     def log_event(self, step: int, metrics: dict[str, float], prefix: str) -> None:
-        """Metrics that are not a training step's (the held-out evaluation) under `prefix/`."""
+        """Metrics that are not a training step's (the held-out evaluation before training) under
+        `prefix/`, for TensorBoard, W&B and the console; the caller keeps its own JSONL of them."""
         named = {f"{prefix}/{k}": v for k, v in metrics.items()}
         clean = {k: float(v) for k, v in named.items() if isinstance(v, (int, float)) and math.isfinite(v)}
-        if "jsonl" in self.sinks:
-            with (self.run_dir / f"{prefix}.jsonl").open("a") as f:
-                f.write(json.dumps({"step": step, **clean}) + "\n")
         if self._tb is not None:
             for key, value in clean.items():
                 self._tb.add_scalar(key, value, step)

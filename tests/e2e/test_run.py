@@ -1,7 +1,9 @@
 """`agentrl run` end to end on CPU: a real vLLM server, Ray trainer actors, FSDP2, weight pushes.
 
 The tiny random Qwen2 plays `ParityEnv` (reward for an even-length answer, so groups have reward
-variance and every step a real gradient). One vLLM server (the session's) serves every run here
+variance and every step a real gradient). A random model almost never samples its end-of-turn
+token, so one token id in ten also ends a turn (`rollout.extra_stop_token_ids`): answers end at
+varied lengths instead of all being cut at the token budget. One vLLM server (the session's) serves every run here
 through `inference.urls`; each run first pushes its own initial weights to it. Checked: the
 prompt ledger balances, the dashboard metrics are there with sane values, weights reach the
 server every step, the staleness bound holds in the async modes, and a resumed run continues with
@@ -39,6 +41,9 @@ def server_url(vllm_server, assets):
     ray.shutdown()
 
 
+STOP_IDS = list(range(0, 151_000, 10))
+
+
 def config(tmp_path: Path, url: str, name: str, mode: str, steps: int, *extra: str):
     from agentrl.config import load_config
 
@@ -49,7 +54,8 @@ def config(tmp_path: Path, url: str, name: str, mode: str, steps: int, *extra: s
         "rollout.max_turns=1", "rollout.max_total_tokens=256", "rollout.temperature=1.0",
         "trainer.lr=1e-3", "trainer.device=cpu", f"run.mode={mode}", f"run.total_steps={steps}",
         f"run.output_dir={tmp_path}", f"run.name={name}", "run.eval_every=2", "data.num_val_rows=2",
-        "eval.k=1", "run.loggers=[console,jsonl,tensorboard]", *extra,
+        "eval.k=1", "run.loggers=[console,jsonl,tensorboard]", f"rollout.extra_stop_token_ids={STOP_IDS}",
+        *extra,
     ])  # fmt: skip
 
 
@@ -77,6 +83,7 @@ def test_sync_run_logs_the_dashboard_and_resumes_with_the_same_next_batch(tmp_pa
     assert [m["step"] for m in metrics] == [0, 1, 2]
     for m in metrics:
         assert m["episodes/count"] == 6
+        assert m["finish/done"] > 0
         assert 0.0 <= m["episodes/reward_mean"] <= 1.0
         assert m["staleness/max"] == 0
         assert m["actor/grad_norm"] >= 0 and "actor/entropy" in m and "actor/pg_clipfrac" in m
