@@ -23,7 +23,6 @@ This module is not the RL algorithm (see `step.train_step`) nor the loss maths (
 
 from __future__ import annotations
 
-import random
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -55,6 +54,7 @@ from agentrl.trainer.packing import (
     pack_trajectories,
     split_micro_batches,
 )
+from agentrl.trainer.rng import rng_state, set_rng_state
 from agentrl.types import TokenOrigin, Trajectory
 
 __all__ = ["FSDP2Backend", "ValueModel"]
@@ -410,7 +410,7 @@ class FSDP2Backend(TrainerBackend):
             fresh["critic"] = not self.critic_optimizer.state
         dcp.save(self._app_state(), checkpoint_id=str(path / "dcp"))
         self._clear_fresh(fresh)
-        torch.save(_rng_state(), path / f"rng_rank{self.rank}.pt")
+        torch.save(rng_state(), path / f"rng_rank{self.rank}.pt")
         if self.rank == 0:
             meta = {
                 "global_step": self._step,
@@ -452,30 +452,9 @@ class FSDP2Backend(TrainerBackend):
         rng_file = path / f"rng_rank{self.rank}.pt"
         if not rng_file.is_file():  # resumed on more ranks than saved: reuse rank 0's streams
             rng_file = path / "rng_rank0.pt"
-        _set_rng_state(torch.load(rng_file, weights_only=True))
+        set_rng_state(torch.load(rng_file, weights_only=True))
         return dict(meta["data_position"])
 
 
 def _trainable_rows(trajectories: Sequence[Trajectory]) -> torch.Tensor:
     return torch.tensor([[1.0 if t.trainable else 0.0] for t in trajectories])
-
-
-def _rng_state() -> dict[str, Any]:
-    kind, keys, pos, has_gauss, cached = np.random.get_state()
-    state = {
-        "python": random.getstate(),
-        "numpy": (kind, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, cached),
-        "torch": torch.get_rng_state(),
-    }
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state()
-    return state
-
-
-def _set_rng_state(state: dict[str, Any]) -> None:
-    random.setstate(state["python"])
-    kind, keys, pos, has_gauss, cached = state["numpy"]
-    np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
