@@ -28,6 +28,7 @@ same tensor-parallel size.
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -43,6 +44,7 @@ from agentrl.errors import ConfigError, FeatureUnavailableError, TrainerError
 from agentrl.trainer.backend import CriticBatch, PolicyBatch, TrainerBackend
 from agentrl.trainer.distributed import balanced_shares, init_distributed, resolve_device
 from agentrl.trainer.megatron_convert import (
+    GPTLayout,
     gpt_layout_from_hf,
     hf_to_megatron,
     megatron_to_hf,
@@ -59,9 +61,17 @@ _STATE_FILE = "trainer_state.pt"
 _CHUNK_ELEMENTS = 1 << 25  # logits per scoring chunk, as in lm_head.ScoringHead
 
 
+# megatron-core warns on import that Apex and Transformer Engine are missing, and on every
+# TransformerConfig about a CUDA-graph default; the backend uses neither, so they are noise here.
+_QUIET = r".*(Apex|Transformer Engine|full scope is deprecated).*"
+
+
 def _megatron() -> Any:
     try:
-        from megatron.core import parallel_state
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=_QUIET)
+            from megatron.core import parallel_state
+            from megatron.core.models.gpt import gpt_layer_specs, gpt_model  # noqa: F401
     except ImportError as exc:
         raise FeatureUnavailableError(
             "trainer.backend=megatron needs megatron-core: pip install 'agentrl[megatron]' "
@@ -246,14 +256,19 @@ class MegatronBackend(TrainerBackend):
         from megatron.core.transformer.transformer_config import TransformerConfig
 
         lay = self.layout
-        recompute = {}
+        recompute: dict[str, Any] = {}
         if self.config.gradient_checkpointing:
             recompute = {
                 "recompute_granularity": "full",
                 "recompute_method": "uniform",
                 "recompute_num_layers": 1,
             }
-        return TransformerConfig(
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=_QUIET)
+            return self._make_config(TransformerConfig, lay, recompute)
+
+    def _make_config(self, cls: Any, lay: GPTLayout, recompute: dict[str, Any]) -> Any:
+        return cls(
             num_layers=lay.num_layers,
             hidden_size=lay.hidden_size,
             ffn_hidden_size=lay.ffn_hidden_size,
@@ -444,14 +459,16 @@ class MegatronBackend(TrainerBackend):
     def update_critic(self, batch: CriticBatch, algorithm: Any) -> dict[str, float]:
         raise TrainerError("the Megatron backend has no critic; use trainer.backend=fsdp2 for GAE.")
 
-    def _grad_norm(self, params: list[nn.Parameter]) -> torch.Tensor:
+    def _grad_norm(self, named: list[tuple[str, nn.Parameter]]) -> torch.Tensor:
         """The L2 norm of the whole model's gradient: sharded parameters summed over TP ranks,
-        replicated ones (identical on every TP rank) counted once."""
+        replicated ones (identical on every TP rank) counted once. Which is which comes from the
+        parameter's name: megatron-core marks its weights `tensor_model_parallel` only when it
+        initialises them, which the backend skips."""
         sharded = torch.zeros((), dtype=torch.float64, device=self.device)
         replicated = torch.zeros((), dtype=torch.float64, device=self.device)
-        for p in params:
+        for name, p in named:
             sq = p.grad.detach().double().pow(2).sum()
-            if getattr(p, "tensor_model_parallel", False):
+            if partition_dim(name) is not None:
                 sharded += sq
             else:
                 replicated += sq
@@ -460,11 +477,12 @@ class MegatronBackend(TrainerBackend):
         return (sharded + replicated).sqrt().float()
 
     def _optimizer_step(self) -> dict[str, float]:
-        params = [p for p in self.policy.parameters() if p.grad is not None]
+        named = [(n, p) for n, p in self.policy.named_parameters() if p.grad is not None]
+        params = [p for _, p in named]
         if self.dp > 1:
             for p in params:  # the loss is normalised by the global count: sum the replicas
                 dist.all_reduce(p.grad, group=self._dp_group)
-        norm = self._grad_norm(params)
+        norm = self._grad_norm(named)
         grad_norm = float(norm)
         lr = self.scheduler.get_last_lr()[0]
         if np.isfinite(grad_norm):

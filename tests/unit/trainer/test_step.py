@@ -371,5 +371,13 @@ def test_make_backend_builds_what_the_config_names():
     backend = make_backend(config)
     assert type(backend).__name__ == "FSDP2Backend" and backend.has_reference and not backend.has_critic
     config.trainer.backend = "megatron"
-    with pytest.raises(FeatureUnavailableError, match="megatron"):
-        make_backend(config)
+    try:
+        import megatron.core  # noqa: F401
+    except ImportError:  # the optional extra: refused with the command that installs it
+        with pytest.raises(FeatureUnavailableError, match=r"agentrl\[megatron\]"):
+            make_backend(config)
+    else:
+        backend = make_backend(config)
+        assert (
+            type(backend).__name__ == "MegatronBackend" and backend.has_reference and not backend.has_critic
+        )
