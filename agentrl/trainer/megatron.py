@@ -120,23 +120,28 @@ def vocab_parallel_scores(
         reduce_from_tensor_model_parallel_region,
     )
 
-    x = copy_to_tensor_model_parallel_region(hidden)
+    group = parallel_state.get_tensor_model_parallel_group()
+
+    def reduce(t: torch.Tensor) -> torch.Tensor:
+        return reduce_from_tensor_model_parallel_region(t, group=group)
+
+    x = copy_to_tensor_model_parallel_region(hidden, group=group)
     z = F.linear(x, weight).float() / temperature
     top = z.detach().max(-1).values
     if parallel_state.get_tensor_model_parallel_world_size() > 1:
-        dist.all_reduce(top, op=dist.ReduceOp.MAX, group=parallel_state.get_tensor_model_parallel_group())
+        dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
     shifted = z - top[:, None]
     exp = shifted.exp()
-    sum_exp = reduce_from_tensor_model_parallel_region(exp.sum(-1))
+    sum_exp = reduce(exp.sum(-1))
     local = labels.long() - vocab_start
     inside = (local >= 0) & (local < z.shape[-1])
     target = shifted.gather(-1, local.clamp(0, z.shape[-1] - 1)[:, None])[:, 0] * inside
-    target = reduce_from_tensor_model_parallel_region(target)
+    target = reduce(target)
     log_z = sum_exp.log()
     logprob = target - log_z
     if not with_entropy:
         return torch.stack([logprob, torch.zeros_like(logprob)], dim=-1)
-    mean_shifted = reduce_from_tensor_model_parallel_region((exp * shifted).sum(-1)) / sum_exp
+    mean_shifted = reduce((exp * shifted).sum(-1)) / sum_exp
     return torch.stack([logprob, log_z - mean_shifted], dim=-1)
 
 
