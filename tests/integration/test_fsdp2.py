@@ -132,6 +132,71 @@ def test_resume_continues_exactly(tmp_path: Path, ranks: int) -> None:
         assert result["same_weights"]
 
 
+# ── LoRA ────────────────────────────────────────────────────────────────────────────────────────
+def lora_train_and_export() -> dict[str, Any]:
+    from agentrl.trainer.fsdp2 import FSDP2Backend
+    from agentrl.trainer.packing import pack_trajectories
+    from agentrl.trainer.step import train_step
+
+    trainer = TrainerConfig(device="cpu", lr=1e-2, micro_batch_tokens=64, lora_rank=4, lora_alpha=8.0)
+    backend = FSDP2Backend(TINY_QWEN2, trainer, AlgorithmConfig(), seed=0)
+    # one backward by hand: which parameters receive a gradient?
+    logprobs, _ = backend._token_scores(
+        backend.policy, pack_trajectories(toy_batch()), 1.0, with_entropy=False
+    )
+    logprobs.sum().backward()
+    with_grad = sorted(n for n, p in backend.policy.named_parameters() if p.grad is not None)
+    backend.optimizer.zero_grad(set_to_none=True)
+    for s in range(2):
+        train_step(backend, toy_batch(s), AlgorithmConfig(), TrainerConfig())
+    raw = {
+        n: (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().cpu()
+        for n, t in backend.policy.state_dict().items()
+    }
+    return {
+        "with_grad": with_grad,
+        "raw": raw,
+        "exported": dict(backend.export_weights()),
+        "logprobs": backend.compute_logprobs(toy_batch()),
+    }
+
+
+def test_lora_trains_adapters_and_exports_merged_weights() -> None:
+    pytest.importorskip("peft", reason="LoRA needs peft (pip install 'agentrl[lora]')")
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from agentrl.trainer import launch
+    from agentrl.trainer.packing import compute_token_logprobs, pad_trajectories
+
+    (result,) = launch(lora_train_and_export, 1)
+    assert result["with_grad"] and all(".lora_A." in n or ".lora_B." in n for n in result["with_grad"])
+    assert any(".lora_B." in n and result["raw"][n].abs().max() > 0 for n in result["raw"])  # adapters moved
+    # peft's own merge of the trained adapters gives the exported tensors
+    base = AutoModelForCausalLM.from_pretrained(TINY_QWEN2, dtype=torch.float32)
+    config = LoraConfig(r=4, lora_alpha=8.0, lora_dropout=0.0, target_modules="all-linear")
+    peft_model = get_peft_model(base, config)
+    peft_model.load_state_dict(result["raw"], strict=True)
+    merged = peft_model.merge_and_unload().state_dict()
+    exported = result["exported"]
+    assert set(exported) == set(merged)
+    worst = max((exported[k] - merged[k]).abs().max().item() for k in merged)
+    assert worst < 1e-6, worst
+    original = AutoModelForCausalLM.from_pretrained(TINY_QWEN2, dtype=torch.float32).state_dict()
+    assert not torch.equal(
+        exported["model.layers.0.self_attn.q_proj.weight"], original["model.layers.0.self_attn.q_proj.weight"]
+    )
+    assert torch.equal(exported["model.embed_tokens.weight"], original["model.embed_tokens.weight"])
+    # a plain model loaded with the export scores tokens as the LoRA policy does
+    plain = AutoModelForCausalLM.from_pretrained(TINY_QWEN2, dtype=torch.float32).eval()
+    plain.load_state_dict(exported)
+    padded = pad_trajectories(toy_batch())
+    with torch.no_grad():
+        logits = plain(input_ids=padded.input_ids, attention_mask=padded.attention_mask).logits
+    expect = compute_token_logprobs(logits, padded.labels, 1.0) * padded.loss_mask
+    torch.testing.assert_close(result["logprobs"] * (padded.loss_mask > 0), expect, atol=1e-5, rtol=0)
+
+
 # ── critic and reference across ranks; failures ────────────────────────────────────────────────
 def ppo_with_critic_and_kl() -> list[dict[str, float]]:
     from agentrl.trainer.fsdp2 import FSDP2Backend

@@ -352,11 +352,14 @@ def test_gae_with_critic_and_kl_to_reference():
 
 
 @needs_model
-def test_lora_is_refused_with_the_reason():
-    from agentrl.errors import FeatureUnavailableError
-
-    with pytest.raises(FeatureUnavailableError, match="lora_rank"):
-        fsdp2(lora_rank=8)
+@needs_model
+def test_lora_trains_only_the_adapters():
+    pytest.importorskip("peft", reason="LoRA needs peft (pip install 'agentrl[lora]')")
+    backend = fsdp2(lora_rank=4)
+    trainable = {n for n, p in backend.policy.named_parameters() if p.requires_grad}
+    assert trainable and all(".lora_A." in n or ".lora_B." in n for n in trainable)
+    names = {n for n, _ in backend.export_weights()}
+    assert not any("lora" in n or "base_layer" in n for n in names) and "model.embed_tokens.weight" in names
 
 
 @needs_model
