@@ -163,6 +163,11 @@ class AlgorithmConfig(_Section):
     """KL estimator (Schulman's k1, k2, k3)."""
     kl_in_reward: bool = False
     """Put the KL penalty into the reward instead of the loss."""
+    kl_target: float | None = Field(None, gt=0.0)
+    """Adaptive KL controller (Ziegler et al. 2019): the KL to the reference it steers toward by
+    adjusting the coefficient after every step, starting from `kl_coef`. None keeps `kl_coef` fixed."""
+    kl_horizon: int = Field(10000, ge=1)
+    """Adaptive KL controller horizon, in samples: the larger, the slower the coefficient moves."""
     entropy_coef: float = 0.0
     """Weight of the entropy bonus."""
     value_clip: float = Field(0.2, gt=0.0)
@@ -177,6 +182,9 @@ class AlgorithmConfig(_Section):
     """Truncation cap of the rollout importance ratio (TIS) / upper bound (ICEPOP)."""
     overlong_buffer_tokens: int = Field(0, ge=0)
     """DAPO soft overlong penalty: the length buffer before the limit (0 disables it)."""
+    stop_properly_penalty: float | None = Field(None, le=1.0)
+    """Stop-properly penalty for episodes truncated at the length limit (`max_length`): a factor in
+    [0, 1] on their score (0 zeroes it), or a negative constant that replaces it. None disables it."""
     filter_groups: bool = False
     """DAPO dynamic sampling: drop groups whose rewards are all equal."""
 
