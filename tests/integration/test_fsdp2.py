@@ -88,7 +88,7 @@ def _draws() -> list[float]:
 
 
 def continue_or_resume(ckpt: str) -> dict[str, Any]:
-    """Step 1, save, step 2 with one backend; then a fresh backend loads and redoes step 2."""
+    """Step 1, save, steps 2-4 with one backend; then a fresh backend loads and redoes steps 2-4."""
     from agentrl.trainer.step import train_step
 
     algo, trainer = AlgorithmConfig(), TrainerConfig()
@@ -97,22 +97,26 @@ def continue_or_resume(ckpt: str) -> dict[str, Any]:
     train_step(first, toy_batch(0), algo, trainer)
     first.save(ckpt, data_position={"epoch": 0, "row": 12})
     draws_after_save = _draws()
-    cont = train_step(first, toy_batch(1), algo, trainer)
+    cont = [train_step(first, toy_batch(s % 2), algo, trainer) for s in range(1, 4)]
     cont_weights = dict(first.export_weights())
 
     random.seed(99), np.random.seed(99), torch.manual_seed(99)  # scramble: load must restore them
     second = _backend()
     position = second.load(ckpt)
     draws_after_load = _draws()
-    resumed = train_step(second, toy_batch(1), algo, trainer)
+    resumed = [train_step(second, toy_batch(s % 2), algo, trainer) for s in range(1, 4)]
     res_weights = dict(second.export_weights())
+
+    def series(key: str) -> tuple[list[float], list[float]]:
+        return [m[key] for m in cont], [m[key] for m in resumed]
+
     return {
         "position": position,
         "steps": (first.global_step, second.global_step),
         "draws": (draws_after_save, draws_after_load),
-        "losses": (cont["actor/pg_loss"], resumed["actor/pg_loss"]),
-        "grad_norms": (cont["actor/grad_norm"], resumed["actor/grad_norm"]),
-        "lrs": (cont["actor/lr"], resumed["actor/lr"]),
+        "losses": series("actor/pg_loss"),
+        "grad_norms": series("actor/grad_norm"),
+        "lrs": series("actor/lr"),
         "same_weights": all(torch.equal(cont_weights[k], res_weights[k]) for k in cont_weights),
     }
 
@@ -123,11 +127,11 @@ def test_resume_continues_exactly(tmp_path: Path, ranks: int) -> None:
 
     for result in launch(continue_or_resume, ranks, str(tmp_path / "ckpt")):
         assert result["position"] == {"epoch": 0, "row": 12}
-        assert result["steps"] == (2, 2)
+        assert result["steps"] == (4, 4)
         saved, loaded = result["draws"]
         assert saved == loaded  # python, numpy and torch RNG streams continue where they were
-        assert result["lrs"][0] == result["lrs"][1] == pytest.approx(1e-4)  # warm-up restored: step 2 of 2
-        assert result["losses"][0] == result["losses"][1]
+        assert result["lrs"][0] == result["lrs"][1] == pytest.approx([1e-4] * 3)  # warm-up restored
+        assert result["losses"][0] == result["losses"][1]  # three steps on, bit for bit
         assert result["grad_norms"][0] == result["grad_norms"][1]
         assert result["same_weights"]
 
