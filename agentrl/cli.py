@@ -59,9 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp = ssub.add_parser("serve", help="expose the local sandbox over HTTP for remote rollout workers")
     sp.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
     sp.add_argument("--port", type=int, default=8765, help="port to bind (default: 8765)")
-    sp.add_argument(
-        "--token", default=None, help="bearer token clients must send (default: $AGENTRL_SANDBOX_TOKEN)"
-    )
+    sp.add_argument("--token", default=None, help="bearer token clients must send (default: $AGENTRL_SANDBOX_TOKEN)")
     sp.add_argument("--max-concurrency", type=int, default=None, help="most executions at once")
 
     p = sub.add_parser("envs", help="environments")
@@ -100,16 +98,12 @@ def cmd_validate(ns: argparse.Namespace) -> int:
     if ns.show:
         sys.stdout.write(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
     else:
-        print(
-            f"Config OK: env={cfg.env.name} model={cfg.model.path} engine={cfg.inference.engine} "
-            f"mode={cfg.run.mode} steps={cfg.run.total_steps}"
-        )
+        print(f"Config OK: env={cfg.env.name} model={cfg.model.path} engine={cfg.inference.engine} "
+              f"mode={cfg.run.mode} steps={cfg.run.total_steps}")
     return 0
 
 
-def cmd_not_built(
-    what: str, issue: str, hint: str = "Your config can already be checked with 'agentrl validate'."
-) -> int:
+def cmd_not_built(what: str, issue: str, hint: str = "Your config can already be checked with 'agentrl validate'.") -> int:
     from agentrl.errors import FeatureUnavailableError
 
     raise FeatureUnavailableError(
@@ -147,10 +141,8 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     from agentrl.inference.serve import serve_from_config
 
     cfg = _load(ns.args)
-    print(
-        f"starting {cfg.inference.num_servers} {cfg.inference.engine} server(s) for {cfg.model.path} ...",
-        flush=True,
-    )
+    print(f"starting {cfg.inference.num_servers} {cfg.inference.engine} server(s) for {cfg.model.path} ...",
+          flush=True)
     service = serve_from_config(cfg, log_dir=ns.log_dir)
     try:
         for url in service.urls:
@@ -187,9 +179,7 @@ def cmd_config(ns: argparse.Namespace) -> int:
             sections = list(AgentRLConfig.model_fields)
             close = closest_names(ns.section, sections)
             hint = f" Did you mean '{close[0]}'?" if close else ""
-            raise UnknownNameError(
-                f"No config section '{ns.section}'.{hint} Sections: {', '.join(sections)}."
-            )
+            raise UnknownNameError(f"No config section '{ns.section}'.{hint} Sections: {', '.join(sections)}.")
     for dotted, type_name, default, doc in rows:
         print(f"{dotted} ({type_name}, default {default!r})")
         for line in doc.splitlines():

@@ -460,17 +460,13 @@ def _field_names_at(loc: tuple[str, ...]) -> list[str]:
     model: Any = AgentRLConfig
     for part in loc:
         field = model.model_fields.get(part) if isinstance(model, type) else None
-        if field is None or not (
-            isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel)
-        ):
+        if field is None or not (isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel)):
             return []
         model = field.annotation
     return list(model.model_fields)
 
 
-def config_fields(
-    model: type[BaseModel] = AgentRLConfig, prefix: str = ""
-) -> list[tuple[str, str, Any, str]]:
+def config_fields(model: type[BaseModel] = AgentRLConfig, prefix: str = "") -> list[tuple[str, str, Any, str]]:
     """Every leaf field as (dotted name, type, default, description), for help and docs."""
     rows = []
     for name, field in model.model_fields.items():

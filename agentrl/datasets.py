@@ -86,11 +86,7 @@ def check_row(row: Any) -> str | None:
         if not prompt:
             return "'prompt' is an empty list"
         for i, m in enumerate(prompt):
-            if (
-                not isinstance(m, dict)
-                or m.get("role") not in _ROLES
-                or not isinstance(m.get("content"), str)
-            ):
+            if not isinstance(m, dict) or m.get("role") not in _ROLES or not isinstance(m.get("content"), str):
                 return f"prompt[{i}] must be a message {{'role': system|user|assistant|tool, 'content': str}}"
     else:
         return "'prompt' is missing (it must be a list of chat messages or a string)"

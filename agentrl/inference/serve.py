@@ -222,7 +222,9 @@ def serve_from_config(config: AgentRLConfig, *, log_dir: str | Path | None = Non
     try:
         for i in range(inf.num_servers):
             log_path = Path(log_dir) / f"{inf.engine}-{i}.log" if log_dir else None
-            servers.append(launch_server(inf.engine, model_path, log_path=log_path, wait=False, **kwargs))
+            servers.append(
+                launch_server(inf.engine, model_path, log_path=log_path, wait=False, **kwargs)
+            )
         for server in servers:
             server.wait_healthy(inf.startup_timeout_s)
             log.info("%s server %s healthy after %.1f s", inf.engine, server.url, server.startup_s or 0.0)

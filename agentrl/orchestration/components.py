@@ -64,9 +64,7 @@ def build_chat_template(config: AgentRLConfig) -> ChatTemplate:
     return ChatTemplate.from_pretrained(tokenizer_path, template=template)
 
 
-def build_agent_loop(
-    config: AgentRLConfig, client: GenerateClient, *, temperature: float | None = None
-) -> AgentLoop:
+def build_agent_loop(config: AgentRLConfig, client: GenerateClient, *, temperature: float | None = None) -> AgentLoop:
     """The AgentLoop of this config over `client` (the router or a single server client)."""
     parser = TOOL_PARSERS.resolve(config.model.tool_parser)()
     loop_config = AgentLoopConfig.from_rollout_config(config.rollout)

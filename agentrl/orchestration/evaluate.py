@@ -88,9 +88,7 @@ def _rates(groups: list[list[Trajectory]], k: int) -> tuple[float, float]:
     return (sum(p1) / len(p1) if p1 else 0.0, sum(pk) / len(pk) if pk else 0.0)
 
 
-def summarise(
-    config: AgentRLConfig, groups: list[list[Trajectory]], seconds: float, out_dir: str = ""
-) -> EvalReport:
+def summarise(config: AgentRLConfig, groups: list[list[Trajectory]], seconds: float, out_dir: str = "") -> EvalReport:
     trajs = [t for g in groups for t in g]
     valid = [t for t in trajs if t.trainable]
     n = max(len(trajs), 1)

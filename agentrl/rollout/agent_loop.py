@@ -45,12 +45,7 @@ class GenerateClient(Protocol):
     """What the loop needs from inference: `agentrl.inference.InferenceClient` satisfies it."""
 
     async def generate(
-        self,
-        prompt_ids: list[int],
-        sampling: SamplingParams,
-        *,
-        session_id: str,
-        timeout_s: float | None = None,
+        self, prompt_ids: list[int], sampling: SamplingParams, *, session_id: str, timeout_s: float | None = None
     ) -> Generation: ...
 
 
@@ -225,10 +220,7 @@ class AgentLoop:
         if budget <= 0:
             raise _EpisodeOver(FinishReason.MAX_LENGTH)
         sampling = SamplingParams(
-            temperature=cfg.temperature,
-            top_p=cfg.top_p,
-            max_tokens=budget,
-            stop_token_ids=self.stop_token_ids,
+            temperature=cfg.temperature, top_p=cfg.top_p, max_tokens=budget, stop_token_ids=self.stop_token_ids
         )
         timeout = min(cfg.request_timeout_s, ep.time_left())
         if timeout <= 0:
@@ -237,10 +229,7 @@ class AgentLoop:
         try:
             generation = await asyncio.wait_for(
                 self.client.generate(
-                    list(ep.trajectory.token_ids),
-                    sampling,
-                    session_id=ep.trajectory.episode_id,
-                    timeout_s=timeout,
+                    list(ep.trajectory.token_ids), sampling, session_id=ep.trajectory.episode_id, timeout_s=timeout
                 ),
                 timeout,
             )
@@ -268,9 +257,7 @@ class AgentLoop:
         assert ep.action is not None  # set by _on_generating, the only way into this state
         t0 = time.perf_counter()
         try:
-            obs, reward, terminated, truncated, info = await self._await(
-                ep, ep.env.astep(ep.action), "env step"
-            )
+            obs, reward, terminated, truncated, info = await self._await(ep, ep.env.astep(ep.action), "env step")
         finally:
             ep.timings["env_s"] += time.perf_counter() - t0
         ep.reward += float(reward)
@@ -309,9 +296,7 @@ class AgentLoop:
 
     def _timeout_or_error(self, ep: _Episode, what: str, timeout: float) -> _EpisodeOver:
         if ep.time_left() <= 0:
-            return _EpisodeOver(
-                FinishReason.TIMEOUT, "infra", f"the episode ran out of time during the {what}"
-            )
+            return _EpisodeOver(FinishReason.TIMEOUT, "infra", f"the episode ran out of time during the {what}")
         return _EpisodeOver(FinishReason.ERROR, "infra", f"the {what} did not finish within {timeout:.1f} s")
 
     def _finish(self, ep: _Episode, reason: FinishReason, fault: str | None, error: str | None) -> None:
@@ -338,6 +323,4 @@ class AgentLoop:
 def _as_messages(obs: Any) -> list[Message]:
     if isinstance(obs, list):
         return obs
-    raise AgentRLError(
-        f"env.step must return a list of messages as its observation, got {type(obs).__name__}"
-    )
+    raise AgentRLError(f"env.step must return a list of messages as its observation, got {type(obs).__name__}")

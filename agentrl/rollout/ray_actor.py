@@ -26,23 +26,16 @@ class RolloutActor:
         from agentrl.rollout.worker import RolloutWorker
 
         self.config = validate_config(config)
-        self.router = Router(
-            [HTTPServerClient(u) for u in urls],
-            overload_threshold=self.config.inference.overload_threshold,
-            request_timeout_s=self.config.rollout.request_timeout_s,
-        )
+        self.router = Router([HTTPServerClient(u) for u in urls],
+                             overload_threshold=self.config.inference.overload_threshold,
+                             request_timeout_s=self.config.rollout.request_timeout_s)
         loop = build_agent_loop(self.config, self.router)
-        self.worker = RolloutWorker(
-            loop, env_factory(self.config), max_concurrent=self.config.rollout.max_concurrent_episodes
-        )
+        self.worker = RolloutWorker(loop, env_factory(self.config),
+                                    max_concurrent=self.config.rollout.max_concurrent_episodes)
         self._started = False
 
     async def run_batch(
-        self,
-        rows: Sequence[dict[str, Any] | None],
-        samples_per_prompt: int,
-        seed: int = 0,
-        first_index: int = 0,
+        self, rows: Sequence[dict[str, Any] | None], samples_per_prompt: int, seed: int = 0, first_index: int = 0
     ) -> list[list[dict[str, Any]]]:
         """Roll out every group of `rows`; trajectories come back as dicts, in row order."""
         if not self._started:

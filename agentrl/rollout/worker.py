@@ -42,16 +42,12 @@ class RolloutWorker:
         self._slots = asyncio.Semaphore(max_concurrent)
         self.in_flight = 0
 
-    async def run_episode(
-        self, row: dict[str, Any] | None, *, seed: int, group_id: str, episode_id: str
-    ) -> Trajectory:
+    async def run_episode(self, row: dict[str, Any] | None, *, seed: int, group_id: str, episode_id: str) -> Trajectory:
         async with self._slots:
             self.in_flight += 1
             try:
                 env = self.env_factory()
-                return await self.loop.run_episode(
-                    env, row=row, seed=seed, group_id=group_id, episode_id=episode_id
-                )
+                return await self.loop.run_episode(env, row=row, seed=seed, group_id=group_id, episode_id=episode_id)
             finally:
                 self.in_flight -= 1
 
@@ -69,45 +65,27 @@ class RolloutWorker:
         )
 
     async def run_batch(
-        self,
-        rows: Sequence[dict[str, Any] | None],
-        samples_per_prompt: int,
-        *,
-        seed: int = 0,
-        first_index: int = 0,
+        self, rows: Sequence[dict[str, Any] | None], samples_per_prompt: int, *, seed: int = 0, first_index: int = 0
     ) -> list[list[Trajectory]]:
         """Every group of the batch, in row order (waits for the slowest)."""
         return list(
             await asyncio.gather(
                 *(
-                    self.run_group(
-                        row,
-                        samples_per_prompt,
-                        seed=group_seed(seed, first_index + i),
-                        group_id=f"g{first_index + i}",
-                    )
+                    self.run_group(row, samples_per_prompt, seed=group_seed(seed, first_index + i),
+                                   group_id=f"g{first_index + i}")
                     for i, row in enumerate(rows)
                 )
             )
         )
 
     async def stream_groups(
-        self,
-        rows: Sequence[dict[str, Any] | None],
-        samples_per_prompt: int,
-        *,
-        seed: int = 0,
-        first_index: int = 0,
+        self, rows: Sequence[dict[str, Any] | None], samples_per_prompt: int, *, seed: int = 0, first_index: int = 0
     ) -> AsyncIterator[list[Trajectory]]:
         """Yield each group as soon as all its samples are done (for asynchronous training)."""
         tasks = [
             asyncio.create_task(
-                self.run_group(
-                    row,
-                    samples_per_prompt,
-                    seed=group_seed(seed, first_index + i),
-                    group_id=f"g{first_index + i}",
-                )
+                self.run_group(row, samples_per_prompt, seed=group_seed(seed, first_index + i),
+                               group_id=f"g{first_index + i}")
             )
             for i, row in enumerate(rows)
         ]

@@ -4,7 +4,8 @@
 loss aggregation, rollout/trainer importance corrections and reward shaping; `packing` turns a
 list of `Trajectory` into padding-free model inputs; `objective` assembles one micro-batch's loss;
 `backend` is the interface every backend implements, `fsdp2` the FSDP2 one and `megatron` the
-Megatron-core one (each imported on first use); `step.train_step` is one RL step for any backend; `distributed` joins or spawns ranks.
+Megatron-core one (each imported on first use); `step.train_step` is one RL step for any backend;
+`distributed` joins or spawns ranks.
 This package imports torch, so nothing below the trainer layer may import it.
 """
 

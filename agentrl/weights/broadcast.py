@@ -37,9 +37,8 @@ class BroadcastCheckpointEngine(CheckpointEngine):
 
     name = "broadcast"
 
-    def __init__(
-        self, *, group: Any = None, src: int = 0, device: torch.device | str | None = None, **kwargs: Any
-    ) -> None:
+    def __init__(self, *, group: Any = None, src: int = 0, device: torch.device | str | None = None,
+                 **kwargs: Any) -> None:
         if not dist.is_available() or not dist.is_initialized():
             raise WeightSyncError(
                 "The broadcast checkpoint engine needs torch.distributed initialised; call "
@@ -105,9 +104,7 @@ class BroadcastCheckpointEngine(CheckpointEngine):
     # ---------------------------------------------------------------- receiving (other ranks)
     def receive(self, *, copy: bool = False) -> WeightStream:
         if self.rank == self.src:
-            raise WeightSyncError(
-                f"receive() called on rank {self.rank}, the sending rank; call send() there."
-            )
+            raise WeightSyncError(f"receive() called on rank {self.rank}, the sending rank; call send() there.")
         return super().receive(copy=copy)
 
     def _incoming(self) -> Iterator[Bucket | PushEnd]:

@@ -144,9 +144,7 @@ def plan_buckets(
         if not isinstance(tensor, torch.Tensor):
             raise WeightSyncError(f"'{name}' is a {type(tensor).__name__}, not a torch.Tensor.")
         if name in seen:
-            raise WeightSyncError(
-                f"Tensor name '{name}' appears twice in one weight push; names must be unique."
-            )
+            raise WeightSyncError(f"Tensor name '{name}' appears twice in one weight push; names must be unique.")
         seen.add(name)
         _dtype_code(name, tensor)
         nbytes = tensor_nbytes(tensor)
@@ -237,9 +235,7 @@ def pack_bucket(
                 nbytes = tensor_nbytes(tensor)
                 if nbytes:
                     _copy_into(buffer[offset : offset + nbytes], tensor.detach())
-                built.append(
-                    TensorEntry(name, _dtype_code(name, tensor), tuple(tensor.shape), offset, nbytes)
-                )
+                built.append(TensorEntry(name, _dtype_code(name, tensor), tuple(tensor.shape), offset, nbytes))
                 offset += nbytes
             data = buffer[:total]
             entries = tuple(built)
@@ -281,9 +277,7 @@ def unpack_bucket(
     for entry in meta.entries:
         dtype = DTYPES.get(entry.dtype)
         if dtype is None:
-            raise WeightSyncError(
-                f"Bucket {meta.index}: tensor '{entry.name}' has unknown dtype '{entry.dtype}'."
-            )
+            raise WeightSyncError(f"Bucket {meta.index}: tensor '{entry.name}' has unknown dtype '{entry.dtype}'.")
         raw = data[entry.offset : entry.offset + entry.nbytes]
         itemsize = torch.empty((), dtype=dtype).element_size()
         if entry.nbytes % itemsize:

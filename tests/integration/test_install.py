@@ -18,44 +18,20 @@ def _agentrl(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
     exe = shutil.which("agentrl", path=str(Path(sys.executable).parent)) or shutil.which("agentrl")
     if exe is None:
         pytest.skip("the agentrl console script is not installed (pip install -e .)")
-    return subprocess.run(
-        [exe, *args],
-        cwd=cwd,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env={**os.environ, "PYTHONWARNINGS": "ignore"},
-    )
+    return subprocess.run([exe, *args], cwd=cwd, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONWARNINGS": "ignore"})
 
 
 def test_wheel_installs_plugins_inside_the_agentrl_namespace(tmp_path: Path) -> None:
     out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pip",
-            "wheel",
-            "--no-deps",
-            "--no-build-isolation",
-            "-q",
-            "-w",
-            str(tmp_path),
-            str(REPO),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path), str(REPO)],
+        capture_output=True, text=True, timeout=300,
     )
     assert out.returncode == 0, out.stderr
     (wheel,) = tmp_path.glob("agentrl-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
-    for expected in (
-        "agentrl/cli.py",
-        "agentrl/envs/arithmetic.py",
-        "agentrl/tools/calculator.py",
-        "agentrl/sandboxes/protocol.py",
-        "agentrl/configs/arithmetic.yaml",
-    ):
+    for expected in ("agentrl/cli.py", "agentrl/envs/arithmetic.py", "agentrl/tools/calculator.py",
+                     "agentrl/sandboxes/protocol.py", "agentrl/configs/arithmetic.yaml"):
         assert expected in names, expected
     top_level = {n.split("/")[0] for n in names}
     assert {"envs", "tools", "sandboxes", "configs", "tests"} & top_level == set()

@@ -53,9 +53,8 @@ def test_programs_see_stdin_files_and_report_exit_codes():
 @needs_bwrap
 def test_many_callers_wait_for_a_slot_and_all_succeed():
     async def body(sb):
-        return await asyncio.gather(
-            *(sb.exec(code=f"import time; time.sleep(0.05); print({i})", timeout_s=30) for i in range(12))
-        )
+        return await asyncio.gather(*(sb.exec(code=f"import time; time.sleep(0.05); print({i})", timeout_s=30)
+                                      for i in range(12)))
 
     results = run(with_sandbox(body, max_concurrency=2))
     assert [r.stdout for r in results] == [f"{i}\n" for i in range(12)]

@@ -17,9 +17,7 @@ from agentrl.tools.parsers import HermesParser
 from agentrl.tools.session import close_default_sandbox
 from agentrl.types import Action, FinishReason, Generation, SamplingParams, TokenOrigin, ToolCall
 
-pytestmark = pytest.mark.skipif(
-    shutil.which("bwrap") is None, reason="needs bubblewrap (apt-get install bubblewrap)"
-)
+pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None, reason="needs bubblewrap (apt-get install bubblewrap)")
 
 
 def test_retool_passes_check_env_with_real_code_execution() -> None:
@@ -37,21 +35,11 @@ def test_an_agent_that_writes_the_right_code_earns_the_reward(assets: Path) -> N
     seen: list[str] = []
 
     class CodingClient:
-        async def generate(
-            self,
-            prompt_ids: list[int],
-            sampling: SamplingParams,
-            *,
-            session_id: str,
-            timeout_s: float | None = None,
-        ) -> Generation:
+        async def generate(self, prompt_ids: list[int], sampling: SamplingParams, *, session_id: str,
+                           timeout_s: float | None = None) -> Generation:
             seen.append(tok.decode(prompt_ids))
             if len(seen) == 1:
-                text = (
-                    "<tool_call>\n"
-                    + json.dumps({"name": "python", "arguments": {"code": code}})
-                    + "\n</tool_call>"
-                )
+                text = "<tool_call>\n" + json.dumps({"name": "python", "arguments": {"code": code}}) + "\n</tool_call>"
             else:  # read the number the sandbox printed out of the prompt
                 printed = seen[-1].split("<tool_response>\n")[-1].split("\n")[0].strip()
                 text = f"There are \\boxed{{{printed}}} primes."

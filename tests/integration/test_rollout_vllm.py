@@ -38,9 +38,7 @@ class FeedbackEnv(ToolEnv):
         return {"prompt": [{"role": "user", "content": f"Task {seed}: add numbers."}]}
 
     async def astep(self, action: Action) -> tuple[list[Message], float, bool, bool, dict[str, Any]]:
-        forced = Action(
-            action.text, (ToolCall("calculator", {"expression": f"{self._turn + 1} * 111"}, id="c1"),)
-        )
+        forced = Action(action.text, (ToolCall("calculator", {"expression": f"{self._turn + 1} * 111"}, id="c1"),))
         return await super().astep(forced)
 
     def score(self, final_text: str, row: dict[str, Any], ctx: ToolContext) -> float:
@@ -74,17 +72,11 @@ def _check_ledger(t: Trajectory, sent: list[list[int]]) -> None:
     assert len({v for v, m in zip(t.versions, t.response_mask, strict=True) if m}) == 1  # no push mid-run
 
 
-def test_multi_turn_episodes_against_vllm_keep_an_exact_ledger(
-    vllm_server: Any, template: ChatTemplate
-) -> None:
+def test_multi_turn_episodes_against_vllm_keep_an_exact_ledger(vllm_server: Any, template: ChatTemplate) -> None:
     async def run() -> tuple[list[Trajectory], RecordingClient]:
         client = RecordingClient(HTTPServerClient(vllm_server.url))
-        loop = AgentLoop(
-            client,
-            template,
-            HermesParser(),
-            AgentLoopConfig(max_turns=TURNS, max_tokens_per_turn=24, max_total_tokens=1500),
-        )
+        loop = AgentLoop(client, template, HermesParser(),
+                         AgentLoopConfig(max_turns=TURNS, max_tokens_per_turn=24, max_total_tokens=1500))
         worker = RolloutWorker(loop, FeedbackEnv, max_concurrent=8)
         groups = await worker.run_batch([None] * 4, samples_per_prompt=2, seed=1)
         await client.inner.aclose()
@@ -101,28 +93,17 @@ def test_multi_turn_episodes_against_vllm_keep_an_exact_ledger(
             assert "111" in template.tokenizer.decode(t.tokens_of(TokenOrigin.TOOL))
 
 
-def test_router_survives_a_vllm_server_killed_mid_run(
-    vllm_server: Any, template: ChatTemplate, assets: Path
-) -> None:
-    extra = launch_server(
-        "vllm", str(assets / "tiny-random-qwen2"), startup_timeout_s=900, dtype="float32", max_model_len=2048
-    )
+def test_router_survives_a_vllm_server_killed_mid_run(vllm_server: Any, template: ChatTemplate, assets: Path) -> None:
+    extra = launch_server("vllm", str(assets / "tiny-random-qwen2"), startup_timeout_s=900,
+                          dtype="float32", max_model_len=2048)
     try:
-
         async def run() -> tuple[list[Trajectory], RecordingClient, dict[str, Any]]:
-            router = Router(
-                [HTTPServerClient(vllm_server.url), HTTPServerClient(extra.url)],
-                health_interval_s=0.5,
-                request_timeout_s=120,
-            )
+            router = Router([HTTPServerClient(vllm_server.url), HTTPServerClient(extra.url)],
+                            health_interval_s=0.5, request_timeout_s=120)
             await router.start()
             client = RecordingClient(router)
-            loop = AgentLoop(
-                client,
-                template,
-                HermesParser(),
-                AgentLoopConfig(max_turns=TURNS, max_tokens_per_turn=24, max_total_tokens=1500),
-            )
+            loop = AgentLoop(client, template, HermesParser(),
+                             AgentLoopConfig(max_turns=TURNS, max_tokens_per_turn=24, max_total_tokens=1500))
             worker = RolloutWorker(loop, FeedbackEnv, max_concurrent=16)
 
             async def killer() -> None:

@@ -96,15 +96,8 @@ def test_loopback_still_works_inside_the_sandbox():
 # ── the host's files ────────────────────────────────────────────────────────────────────────
 def test_writing_outside_the_work_dir_is_denied():
     marker = uuid.uuid4().hex
-    targets = [
-        f"/etc/{marker}",
-        f"/usr/{marker}",
-        f"/usr/local/bin/{marker}",
-        f"/{marker}",
-        f"/root/{marker}",
-        f"/proc/{marker}",
-        f"{tempfile.gettempdir()}/../{marker}",
-    ]
+    targets = [f"/etc/{marker}", f"/usr/{marker}", f"/usr/local/bin/{marker}", f"/{marker}",
+               f"/root/{marker}", f"/proc/{marker}", f"{tempfile.gettempdir()}/../{marker}"]
     code = f"""
 for path in {targets!r}:
     try:
@@ -152,10 +145,7 @@ print("root lists", sorted(os.listdir("/root")) if os.path.isdir("/root") else N
         if not line.startswith("/proc/1/"):  # the sandbox's own init: exists, not readable
             assert line.endswith("FileNotFoundError"), line  # not even there, let alone readable
     assert "READ True" not in res.stdout
-    assert (
-        res.stdout.splitlines()[-1] == "root lists ['.pyenv']"
-        or root_file.name not in res.stdout.splitlines()[-1]
-    )
+    assert res.stdout.splitlines()[-1] == "root lists ['.pyenv']" or root_file.name not in res.stdout.splitlines()[-1]
 
 
 def test_host_environment_secrets_are_absent():
@@ -171,16 +161,8 @@ def test_host_environment_secrets_are_absent():
     assert "AGENTRL_FAKE_SECRET" not in res.stdout + shell.stdout
     assert res.stdout.splitlines()[1:] == ["0", "0"]
     assert set(eval(res.stdout.splitlines()[0])) <= {
-        "HOME",
-        "LANG",
-        "LC_ALL",
-        "LC_CTYPE",
-        "LOGNAME",
-        "PATH",
-        "PWD",
-        "PYTHONDONTWRITEBYTECODE",
-        "TMPDIR",
-        "USER",
+        "HOME", "LANG", "LC_ALL", "LC_CTYPE", "LOGNAME", "PATH", "PWD", "PYTHONDONTWRITEBYTECODE",
+        "TMPDIR", "USER",
     }
 
 
@@ -348,9 +330,8 @@ def test_close_leaves_no_process_and_no_files():
         host_pid = worker.proc.pid  # the outer bwrap; its child is the sandbox's init
         init_pid = Path(f"/proc/{host_pid}/task/{host_pid}/children").read_text().split()[0]
         cgroup_dirs = [d for d, _ in worker.cgroup.dirs.values()] if worker.cgroup else []
-        job = asyncio.ensure_future(
-            sess.exec(f"(exec -a {marker} sleep 1000) & exec -a {marker} sleep 1000", timeout_s=60)
-        )
+        job = asyncio.ensure_future(sess.exec(f"(exec -a {marker} sleep 1000) & exec -a {marker} sleep 1000",
+                                              timeout_s=60))
         await asyncio.sleep(0.5)
         running = host_processes_with(marker)
         assert Path(f"/proc/{init_pid}/root/workspace/data/file.txt").exists()
@@ -391,14 +372,8 @@ def test_session_file_access_is_confined_to_the_work_dir():
         finally:
             await sess.close()
 
-    assert run(with_sandbox(body)) == [
-        "ValueError",
-        "ValueError",
-        "PermissionError",
-        "PermissionError",
-        "ValueError",
-        "PermissionError",
-    ]
+    assert run(with_sandbox(body)) == ["ValueError", "ValueError", "PermissionError", "PermissionError",
+                                       "ValueError", "PermissionError"]
 
 
 MEMORY_SCAN = """
@@ -437,3 +412,4 @@ def test_a_pooled_job_cannot_read_an_earlier_jobs_data_from_memory(output_bytes)
     first, later = run(with_sandbox(body, max_concurrency=1, pool_size=1))
     assert secret in first.stdout
     assert later.stdout.strip() == "scanned 0", later
+

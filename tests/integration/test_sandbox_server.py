@@ -32,13 +32,9 @@ def _free_port() -> int:
 def server_url():
     port = _free_port()
     proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-c",
-            f"from agentrl.sandboxes.server import serve; serve('127.0.0.1', {port}, {TOKEN!r}, 2, pool_size=2)",
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
+        [sys.executable, "-c",
+         f"from agentrl.sandboxes.server import serve; serve('127.0.0.1', {port}, {TOKEN!r}, 2, pool_size=2)"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
     )
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 30
@@ -116,9 +112,7 @@ def test_remote_session_keeps_files_and_closes(server_url):
 
 def test_server_requires_the_token(server_url):
     assert httpx.post(f"{server_url}/v1/exec", json={"code": "print(1)"}).status_code == 401
-    wrong = httpx.post(
-        f"{server_url}/v1/exec", json={"code": "print(1)"}, headers={"Authorization": "Bearer no"}
-    )
+    wrong = httpx.post(f"{server_url}/v1/exec", json={"code": "print(1)"}, headers={"Authorization": "Bearer no"})
     assert wrong.status_code == 401
     assert httpx.get(f"{server_url}/health").json()["status"] == "ok"
 
@@ -134,42 +128,25 @@ def test_server_requires_the_token(server_url):
 
 def test_run_code_speaks_sandboxfusion(server_url):
     headers = {"Authorization": f"Bearer {TOKEN}"}
-    ok = httpx.post(
-        f"{server_url}/run_code",
-        headers=headers,
-        timeout=30,
-        json={
-            "code": "print(open('x.txt').read()); open('out.txt', 'w').write('made')",
-            "language": "python",
-            "files": {"x.txt": base64.b64encode(b"from file").decode()},
-            "fetch_files": ["out.txt"],
-        },
-    ).json()
+    ok = httpx.post(f"{server_url}/run_code", headers=headers, timeout=30, json={
+        "code": "print(open('x.txt').read()); open('out.txt', 'w').write('made')", "language": "python",
+        "files": {"x.txt": base64.b64encode(b"from file").decode()}, "fetch_files": ["out.txt"],
+    }).json()
     assert ok["status"] == "Success"
     assert ok["run_result"]["status"] == "Finished" and ok["run_result"]["return_code"] == 0
     assert ok["run_result"]["stdout"] == "from file\n"
     assert base64.b64decode(ok["files"]["out.txt"]) == b"made"
-    tle = httpx.post(
-        f"{server_url}/run_code",
-        headers=headers,
-        timeout=30,
-        json={"code": "import time; time.sleep(9)", "language": "python", "run_timeout": 0.5},
-    ).json()
+    tle = httpx.post(f"{server_url}/run_code", headers=headers, timeout=30,
+                     json={"code": "import time; time.sleep(9)", "language": "python", "run_timeout": 0.5}).json()
     assert tle["status"] == "Failed" and tle["run_result"]["status"] == "TimeLimitExceeded"
-    other = httpx.post(
-        f"{server_url}/run_code",
-        headers=headers,
-        timeout=30,
-        json={"code": "int main(){}", "language": "cpp"},
-    ).json()
+    other = httpx.post(f"{server_url}/run_code", headers=headers, timeout=30,
+                       json={"code": "int main(){}", "language": "cpp"}).json()
     assert other["status"] == "SandboxError"
 
     async def body(remote):
-        return (
-            await remote.exec(code="print(2+2)", timeout_s=10),
-            await remote.exec("exit 3", timeout_s=10),
-            await remote.exec(code="while True: pass", timeout_s=0.5),
-        )
+        return (await remote.exec(code="print(2+2)", timeout_s=10),
+                await remote.exec("exit 3", timeout_s=10),
+                await remote.exec(code="while True: pass", timeout_s=0.5))
 
     four, three, spin = run(with_remote(server_url, body, api="sandboxfusion"))
     assert four.stdout == "4\n" and four.ok
@@ -178,16 +155,10 @@ def test_run_code_speaks_sandboxfusion(server_url):
 
 
 def test_metrics_count_jobs(server_url):
-    httpx.post(
-        f"{server_url}/v1/exec",
-        headers={"Authorization": f"Bearer {TOKEN}"},
-        timeout=30,
-        json={"code": "print(1)"},
-    )
+    httpx.post(f"{server_url}/v1/exec", headers={"Authorization": f"Bearer {TOKEN}"}, timeout=30,
+               json={"code": "print(1)"})
     text = httpx.get(f"{server_url}/metrics", headers={"Authorization": f"Bearer {TOKEN}"}).text
-    ok_line = next(
-        line for line in text.splitlines() if line.startswith('agentrl_sandbox_jobs_total{outcome="ok"}')
-    )
+    ok_line = next(line for line in text.splitlines() if line.startswith('agentrl_sandbox_jobs_total{outcome="ok"}'))
     assert int(ok_line.split()[-1]) >= 1
     assert "agentrl_sandbox_sessions_open" in text
 

@@ -104,24 +104,17 @@ def test_editor_tool_edits_files_through_the_session():
 
     async def body(ctx):
         out = {}
-        out["create"] = await editor.invoke(
-            {"command": "create", "path": "app.py", "file_text": "def f():\n    return 1\n\nx = 1\ny = 1\n"},
-            ctx,
-        )
+        out["create"] = await editor.invoke({"command": "create", "path": "app.py",
+                                             "file_text": "def f():\n    return 1\n\nx = 1\ny = 1\n"}, ctx)
         out["again"] = await editor.invoke({"command": "create", "path": "app.py", "file_text": ""}, ctx)
-        out["ambiguous"] = await editor.invoke(
-            {"command": "str_replace", "path": "app.py", "old_str": "= 1", "new_str": "= 2"}, ctx
-        )
-        out["missing"] = await editor.invoke(
-            {"command": "str_replace", "path": "app.py", "old_str": "nope", "new_str": ""}, ctx
-        )
-        out["replace"] = await editor.invoke(
-            {"command": "str_replace", "path": "app.py", "old_str": "return 1", "new_str": "return 41 + 1"},
-            ctx,
-        )
-        out["insert"] = await editor.invoke(
-            {"command": "insert", "path": "app.py", "insert_line": 0, "new_str": "import os"}, ctx
-        )
+        out["ambiguous"] = await editor.invoke({"command": "str_replace", "path": "app.py",
+                                                "old_str": "= 1", "new_str": "= 2"}, ctx)
+        out["missing"] = await editor.invoke({"command": "str_replace", "path": "app.py",
+                                              "old_str": "nope", "new_str": ""}, ctx)
+        out["replace"] = await editor.invoke({"command": "str_replace", "path": "app.py",
+                                              "old_str": "return 1", "new_str": "return 41 + 1"}, ctx)
+        out["insert"] = await editor.invoke({"command": "insert", "path": "app.py", "insert_line": 0,
+                                             "new_str": "import os"}, ctx)
         out["view"] = await editor.invoke({"command": "view", "path": "app.py", "view_range": [1, 3]}, ctx)
         out["run"] = await bash.invoke({"command": "python -c 'import app; print(app.f())'"}, ctx)
         out["undo"] = await editor.invoke({"command": "undo_edit", "path": "app.py"}, ctx)

@@ -28,9 +28,7 @@ pytestmark = pytest.mark.slow
 def _rollouts(url: str, template: ChatTemplate) -> list[Trajectory]:
     async def run() -> list[Trajectory]:
         client = HTTPServerClient(url)
-        loop = AgentLoop(
-            client, template, HermesParser(), AgentLoopConfig(max_turns=1, max_tokens_per_turn=12)
-        )
+        loop = AgentLoop(client, template, HermesParser(), AgentLoopConfig(max_turns=1, max_tokens_per_turn=12))
         groups = await RolloutWorker(loop, ArithmeticEnv, max_concurrent=8).run_batch([None] * 2, 4, seed=3)
         await client.aclose()
         return [t for g in groups for t in g]
@@ -50,9 +48,8 @@ def test_rollout_train_push_generate(vllm_server: Any, assets: Path, tmp_path: P
     assert all(t.num_sampled > 0 and t.trainable for t in trajs)
     assert len({v for t in trajs for v, m in zip(t.versions, t.response_mask, strict=True) if m}) == 1
 
-    backend = FSDP2Backend(
-        model_dir, TrainerConfig(device="cpu", lr=1e-3, micro_batch_tokens=512), AlgorithmConfig(), seed=0
-    )
+    backend = FSDP2Backend(model_dir, TrainerConfig(device="cpu", lr=1e-3, micro_batch_tokens=512),
+                           AlgorithmConfig(), seed=0)
     # step-0 identity: the trainer scores the sampled tokens as vLLM did, on the same weights
     padded = pad_trajectories(trajs)
     mask = padded.loss_mask.bool()
@@ -90,7 +87,7 @@ def test_rollout_train_push_generate(vllm_server: Any, assets: Path, tmp_path: P
     hf.load_state_dict(dict(backend.export_weights()), strict=False)
     with torch.no_grad():
         out = hf.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False)
-    assert after.token_ids == out[0, len(prompt) :].tolist()
+    assert after.token_ids == out[0, len(prompt):].tolist()
     with torch.no_grad():
         logits = hf(torch.tensor([prompt + after.token_ids])).logits[0, len(prompt) - 1 : -1]
     ref_lp = torch.log_softmax(logits.float(), -1).gather(-1, torch.tensor(after.token_ids)[:, None])[:, 0]

@@ -20,12 +20,7 @@ from agentrl.errors import ChecksumError, WeightSyncError
 from agentrl.weights import BroadcastCheckpointEngine, load_into_module, make_checkpoint_engine
 
 BUCKET = 1024
-DTYPES = {
-    "float32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-    "int64": torch.int64,
-}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "int64": torch.int64}
 
 
 def _free_port() -> int:
@@ -66,15 +61,11 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
             else:
                 stream = engine.receive()
                 got = {n: t.clone() for n, t in stream}
-                report["pushes"].append(
-                    {
-                        "dtype": dtype_name,
-                        "version": stream.version,
-                        "buckets": stream.num_buckets,
-                        "names_match": sorted(got) == sorted(n for n, _ in tensors),
-                        "equal": all(torch.equal(got[n], t) and got[n].dtype == dtype for n, t in tensors),
-                    }
-                )
+                report["pushes"].append({
+                    "dtype": dtype_name, "version": stream.version, "buckets": stream.num_buckets,
+                    "names_match": sorted(got) == sorted(n for n, _ in tensors),
+                    "equal": all(torch.equal(got[n], t) and got[n].dtype == dtype for n, t in tensors),
+                })
             version += 1
         if rank == 0:
             engine.send(iter([]), 100)
@@ -89,11 +80,8 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
         else:
             stream = wide.receive()
             got = {n: t.clone() for n, t in stream}
-            report["many"] = {
-                "version": stream.version,
-                "buckets": stream.num_buckets,
-                "equal": len(got) == 3000 and all(torch.equal(got[n], t) for n, t in many),
-            }
+            report["many"] = {"version": stream.version, "buckets": stream.num_buckets,
+                              "equal": len(got) == 3000 and all(torch.equal(got[n], t) for n, t in many)}
         pools = [engine.send_buffers, engine.recv_buffers]
         report["allocations"] = [engine.send_buffers.allocations, engine.recv_buffers.allocations]
         report["pointers_before"] = [b.data_ptr() for p in pools for b in p.buffers if b is not None]
@@ -133,8 +121,7 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
             stream = engine.receive()
             got = {n: t.clone() for n, t in stream}
             report["after_corrupt"] = stream.version == 301 and all(
-                torch.equal(got[n], t) for n, t in _weights(torch.float32, 10)
-            )
+                torch.equal(got[n], t) for n, t in _weights(torch.float32, 10))
 
         # Wrong side: send() on a receiving rank and receive() on the sender fail clearly.
         try:

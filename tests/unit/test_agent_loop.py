@@ -25,14 +25,8 @@ def template(assets: Path) -> ChatTemplate:
 class ScriptedClient:
     """Answers each turn of a session with the next scripted text, tokenised, logprob -0.5 each."""
 
-    def __init__(
-        self,
-        template: ChatTemplate,
-        script: Callable[[int, str], str],
-        *,
-        delay_s: float = 0.0,
-        version: int = 7,
-    ) -> None:
+    def __init__(self, template: ChatTemplate, script: Callable[[int, str], str], *, delay_s: float = 0.0,
+                 version: int = 7) -> None:
         self.tok = template.tokenizer
         self.script = script
         self.delay_s = delay_s
@@ -40,14 +34,8 @@ class ScriptedClient:
         self.requests: dict[str, list[list[int]]] = {}
         self.end = self.tok.convert_tokens_to_ids("<|im_end|>")
 
-    async def generate(
-        self,
-        prompt_ids: list[int],
-        sampling: SamplingParams,
-        *,
-        session_id: str,
-        timeout_s: float | None = None,
-    ) -> Generation:
+    async def generate(self, prompt_ids: list[int], sampling: SamplingParams, *, session_id: str,
+                       timeout_s: float | None = None) -> Generation:
         turn = len(self.requests.setdefault(session_id, []))
         self.requests[session_id].append(list(prompt_ids))
         if self.delay_s:
@@ -94,37 +82,30 @@ def test_tool_episode_ledger_is_exact_and_append_only(template: ChatTemplate) ->
     assert set(v for v, m in zip(traj.versions, traj.response_mask, strict=True) if m) == {7}
     # the tool result is in the ledger as TOOL tokens, and the second prompt ends with it + gen prompt
     assert tok.decode(traj.tokens_of(TokenOrigin.TOOL)).strip() == row["reward_model"]["ground_truth"]
-    assert second[len(first) :][: len(turn1)] == turn1
+    assert second[len(first):][: len(turn1)] == turn1
     assert tok.decode(second[-3:]) == "<|im_start|>assistant\n"
     assert traj.metrics["tool_calls"] == 1 and traj.metrics["turns"] == 2
     assert traj.messages[2]["tool_calls"][0]["function"]["name"] == "calculator"
 
 
 def test_wrong_answer_scores_zero_but_is_trainable(template: ChatTemplate) -> None:
-    traj = _run(
-        AgentLoop(ScriptedClient(template, lambda t, s: "\\boxed{1}"), template, HermesParser()),
-        make_arithmetic_row(1),
-    )
+    traj = _run(AgentLoop(ScriptedClient(template, lambda t, s: "\\boxed{1}"), template, HermesParser()),
+                make_arithmetic_row(1))
     assert (traj.finish_reason, traj.reward, traj.trainable) == (FinishReason.DONE, 0.0, True)
 
 
 def test_turn_budget_ends_as_max_turns(template: ChatTemplate) -> None:
     call = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "1+1"}}\n</tool_call>'
-    loop = AgentLoop(
-        ScriptedClient(template, lambda t, s: call), template, HermesParser(), AgentLoopConfig(max_turns=3)
-    )
+    loop = AgentLoop(ScriptedClient(template, lambda t, s: call), template, HermesParser(),
+                     AgentLoopConfig(max_turns=3))
     traj = _run(loop, make_arithmetic_row(1))
     assert (traj.finish_reason, traj.metrics["turns"], traj.fault) == (FinishReason.MAX_TURNS, 3.0, None)
 
 
 def test_token_budget_ends_as_max_length(template: ChatTemplate) -> None:
     long_text = "word " * 400
-    loop = AgentLoop(
-        ScriptedClient(template, lambda t, s: long_text),
-        template,
-        HermesParser(),
-        AgentLoopConfig(max_tokens_per_turn=512, max_total_tokens=300),
-    )
+    loop = AgentLoop(ScriptedClient(template, lambda t, s: long_text), template, HermesParser(),
+                     AgentLoopConfig(max_tokens_per_turn=512, max_total_tokens=300))
     traj = _run(loop, make_arithmetic_row(1))
     assert traj.finish_reason == FinishReason.MAX_LENGTH
     assert len(traj) == 300 and traj.num_sampled == 300 - traj.prompt_length > 0 and traj.trainable
@@ -143,10 +124,8 @@ def test_malformed_call_is_answered_and_counted(template: ChatTemplate) -> None:
 
 def test_slow_server_ends_as_timeout_and_dead_server_as_infra_error(template: ChatTemplate) -> None:
     slow = ScriptedClient(template, lambda t, s: "\\boxed{1}", delay_s=5)
-    traj = _run(
-        AgentLoop(slow, template, HermesParser(), AgentLoopConfig(episode_timeout_s=0.3)),
-        make_arithmetic_row(1),
-    )
+    traj = _run(AgentLoop(slow, template, HermesParser(), AgentLoopConfig(episode_timeout_s=0.3)),
+                make_arithmetic_row(1))
     assert (traj.finish_reason, traj.fault, traj.trainable) == (FinishReason.TIMEOUT, "infra", False)
     assert "ran out of time during the generation" in traj.error
 
@@ -196,12 +175,8 @@ def test_worker_runs_groups_concurrently_and_loses_nothing(template: ChatTemplat
 
 
 def test_a_turn_cut_by_its_token_budget_ends_as_max_length(template: ChatTemplate) -> None:
-    loop = AgentLoop(
-        ScriptedClient(template, lambda t, s: "word " * 50),
-        template,
-        HermesParser(),
-        AgentLoopConfig(max_tokens_per_turn=8),
-    )
+    loop = AgentLoop(ScriptedClient(template, lambda t, s: "word " * 50), template, HermesParser(),
+                     AgentLoopConfig(max_tokens_per_turn=8))
     traj = _run(loop, make_arithmetic_row(1))
     assert (traj.finish_reason, traj.num_sampled, traj.metrics["turns"]) == (FinishReason.MAX_LENGTH, 8, 1.0)
     assert traj.metrics.get("tool_calls", 0.0) == 0.0  # the cut turn never reached the env

@@ -35,16 +35,8 @@ def test_every_field_has_a_docstring_and_every_model_forbids_extra_keys() -> Non
 
 
 def test_overrides_parse_as_yaml_values_with_shorthands() -> None:
-    got = parse_overrides(
-        [
-            "trainer.lr=1e-6",
-            "rollout.max_turns=4",
-            "env=retool",
-            "resume=true",
-            "data.train_files=[a.parquet, b.jsonl]",
-            "model.chat_template=null",
-        ]
-    )
+    got = parse_overrides(["trainer.lr=1e-6", "rollout.max_turns=4", "env=retool", "resume=true",
+                           "data.train_files=[a.parquet, b.jsonl]", "model.chat_template=null"])
     assert got == {
         "trainer": {"lr": 1e-6},
         "rollout": {"max_turns": 4},
@@ -80,9 +72,7 @@ def test_every_error_is_reported_at_once() -> None:
 def test_env_override_selects_its_preset_and_overrides_win() -> None:
     assert "arithmetic" in list_presets()
     cfg = load_config(None, ["env=arithmetic", "rollout.max_turns=2"])
-    preset = yaml.safe_load(
-        Path(__file__).resolve().parents[2].joinpath("configs/arithmetic.yaml").read_text()
-    )
+    preset = yaml.safe_load(Path(__file__).resolve().parents[2].joinpath("configs/arithmetic.yaml").read_text())
     assert cfg.rollout.max_tokens_per_turn == preset["rollout"]["max_tokens_per_turn"] != 256
     assert cfg.rollout.max_turns == 2
 

@@ -10,12 +10,8 @@ import pytest
 from agentrl.datasets import load_rows
 from agentrl.errors import DatasetError
 
-GOOD = {
-    "prompt": [{"role": "user", "content": "1+1?"}],
-    "data_source": "x",
-    "reward_model": {"style": "rule", "ground_truth": "2"},
-    "extra_info": {"i": 0},
-}
+GOOD = {"prompt": [{"role": "user", "content": "1+1?"}], "data_source": "x",
+        "reward_model": {"style": "rule", "ground_truth": "2"}, "extra_info": {"i": 0}}
 
 
 def test_jsonl_json_and_parquet_read_the_same_rows(tmp_path: Path) -> None:
@@ -32,28 +28,18 @@ def test_jsonl_json_and_parquet_read_the_same_rows(tmp_path: Path) -> None:
 
 
 def test_every_bad_row_is_reported_with_file_and_row(tmp_path: Path) -> None:
-    lines = [
-        json.dumps(GOOD),
-        "{not json",
-        json.dumps({"prompt": []}),
-        json.dumps({"no_prompt": 1}),
-        json.dumps({"prompt": [{"role": "robot", "content": "x"}]}),
-        json.dumps({**GOOD, "reward_model": "42"}),
-        json.dumps(GOOD),
-    ]
+    lines = [json.dumps(GOOD), "{not json", json.dumps({"prompt": []}), json.dumps({"no_prompt": 1}),
+             json.dumps({"prompt": [{"role": "robot", "content": "x"}]}),
+             json.dumps({**GOOD, "reward_model": "42"}), json.dumps(GOOD)]
     path = tmp_path / "mixed.jsonl"
     path.write_text("\n".join(lines))
     with pytest.raises(DatasetError) as info:
         load_rows(path)
     msg = str(info.value)
     assert msg.startswith("5 malformed row(s):")
-    for expected in (
-        "row 1: line 2 is not valid JSON",
-        "row 2: 'prompt' is an empty list",
-        "row 3: 'prompt' is missing",
-        "row 4: prompt[0] must be a message",
-        "row 5: 'reward_model' must be an object",
-    ):
+    for expected in ("row 1: line 2 is not valid JSON", "row 2: 'prompt' is an empty list",
+                     "row 3: 'prompt' is missing", "row 4: prompt[0] must be a message",
+                     "row 5: 'reward_model' must be an object"):
         assert f"{path} {expected}" in msg, expected
     kept = load_rows(path, skip_bad_rows=True)
     assert len(kept) == 2 and len(kept.problems) == 5

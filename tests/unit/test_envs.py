@@ -36,9 +36,7 @@ def test_arithmetic_passes_check_env_with_tool_calls_and_scores_answers() -> Non
     env = ArithmeticEnv()
     env.reset(options={"row": row})
     obs, reward, term, trunc, info = env.step(actions[0])
-    assert obs == [
-        {"role": "tool", "content": truth, "tool_call_id": "call_calculator", "name": "calculator"}
-    ]
+    assert obs == [{"role": "tool", "content": truth, "tool_call_id": "call_calculator", "name": "calculator"}]
     assert (reward, term, trunc) == (0.0, False, False)
     obs, reward, term, trunc, info = env.step(actions[1])
     assert (obs, reward, term, trunc) == ([], 1.0, True, False)
@@ -53,16 +51,8 @@ def test_final_answer_extraction_and_matching() -> None:
     assert final_answer("no idea") is None
     assert extract_boxed("x = \\boxed{\\frac{1}{2}} done") == "\\frac{1}{2}"
     assert extract_boxed("\\boxed{unclosed") is None
-    assert (
-        answers_match("1,234", "1234")
-        and answers_match("\\frac{3}{4}", "0.75")
-        and answers_match("6/8", "3/4")
-    )
-    assert (
-        not answers_match("1235", "1234")
-        and not answers_match(None, "1")
-        and not answers_match("x" * 400, "1")
-    )
+    assert answers_match("1,234", "1234") and answers_match("\\frac{3}{4}", "0.75") and answers_match("6/8", "3/4")
+    assert not answers_match("1235", "1234") and not answers_match(None, "1") and not answers_match("x" * 400, "1")
 
 
 def test_tool_env_turns_bad_calls_into_messages_and_counts_them() -> None:
@@ -70,11 +60,7 @@ def test_tool_env_turns_bad_calls_into_messages_and_counts_them() -> None:
     env.reset(seed=1)
     action = Action(
         "calls",
-        (
-            _call("calculator", expression="1 +"),
-            _call("weather", city="Paris"),
-            _call("calculator", expression="2*3"),
-        ),
+        (_call("calculator", expression="1 +"), _call("weather", city="Paris"), _call("calculator", expression="2*3")),
         parse_errors=("<tool_call> block 2 is not valid JSON",),
     )
     obs, reward, term, trunc, info = env.step(action)
@@ -85,12 +71,7 @@ def test_tool_env_turns_bad_calls_into_messages_and_counts_them() -> None:
         "Error: there is no tool named 'weather'. Available tools: calculator.",
         "6",
     ]
-    assert info["metrics"] == {
-        "tool_calls": 3,
-        "tool_errors_model": 2,
-        "tool_errors_infra": 0,
-        "parse_errors": 1,
-    }
+    assert info["metrics"] == {"tool_calls": 3, "tool_errors_model": 2, "tool_errors_infra": 0, "parse_errors": 1}
     obs, reward, term, trunc, info = env.step(Action("again", (_call("calculator", expression="1"),)))
     assert (reward, term, trunc) == (0.0, False, True)  # max_turns reached
     with pytest.raises(EnvError, match="after the episode ended"):

@@ -8,9 +8,7 @@ import agentrl.errors as errors
 
 
 def test_every_error_derives_from_the_root_and_is_drawn_in_the_docstring() -> None:
-    classes = [
-        obj for _, obj in inspect.getmembers(errors, inspect.isclass) if obj.__module__ == errors.__name__
-    ]
+    classes = [obj for _, obj in inspect.getmembers(errors, inspect.isclass) if obj.__module__ == errors.__name__]
     assert len(classes) == len(errors.__all__)
     for cls in classes:
         assert issubclass(cls, errors.AgentRLError)

@@ -24,23 +24,12 @@ def chatml(assets: Path) -> ChatTemplate:
 def test_template_renders_tools_calls_and_results_exactly(chatml: ChatTemplate) -> None:
     messages = [
         {"role": "user", "content": "1+1?"},
-        {
-            "role": "assistant",
-            "content": "",
-            "tool_calls": [
-                {
-                    "id": "a",
-                    "type": "function",
-                    "function": {"name": "calculator", "arguments": {"expression": "1+1"}},
-                }
-            ],
-        },
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"id": "a", "type": "function", "function": {"name": "calculator", "arguments": {"expression": "1+1"}}}]},
         {"role": "tool", "content": "2"},
     ]
     text = chatml.render(messages, [calculator.schema], add_generation_prompt=True)
-    assert text.startswith(
-        "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face\n\n# Tools\n"
-    )
+    assert text.startswith("<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face\n\n# Tools\n")
     assert f"<tools>\n{json.dumps(calculator.schema)}\n</tools>" in text
     assert text.endswith(
         "<|im_start|>user\n1+1?<|im_end|>\n"
@@ -48,11 +37,8 @@ def test_template_renders_tools_calls_and_results_exactly(chatml: ChatTemplate) 
         "<|im_start|>user\n<tool_response>\n2\n</tool_response><|im_end|>\n"
         "<|im_start|>assistant\n"
     )
-    plain = chatml.render(
-        [{"role": "system", "content": "S"}, {"role": "user", "content": "Hi"}],
-        None,
-        add_generation_prompt=True,
-    )
+    plain = chatml.render([{"role": "system", "content": "S"}, {"role": "user", "content": "Hi"}],
+                          None, add_generation_prompt=True)
     assert plain == "<|im_start|>system\nS<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
 
 
@@ -69,14 +55,8 @@ def test_template_is_prefix_stable_with_the_hermes_parser(chatml: ChatTemplate) 
         conv.add_generation(Generation(ids, [-1.0] * len(ids), "stop", 0), action.to_message())
         if results:
             assert [c.name for c in action.tool_calls] == ["calculator"]
-            sent.append(
-                conv.add_messages(
-                    [
-                        {"role": "tool", "content": r, "tool_call_id": c.id}
-                        for r, c in zip(results, action.tool_calls, strict=True)
-                    ]
-                )
-            )
+            sent.append(conv.add_messages([{"role": "tool", "content": r, "tool_call_id": c.id}
+                                           for r, c in zip(results, action.tool_calls, strict=True)]))
     assert sent[1][: len(sent[0])] == sent[0]
     assert conv.trajectory.metrics["template_mismatch"] == 0.0
 

@@ -10,12 +10,8 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-PLUGIN_DIRS = {
-    "envs": "agentrl.envs",
-    "tools": "agentrl.tools",
-    "sandboxes": "agentrl.sandboxes",
-    "configs": "agentrl.configs",
-}
+PLUGIN_DIRS = {"envs": "agentrl.envs", "tools": "agentrl.tools", "sandboxes": "agentrl.sandboxes",
+               "configs": "agentrl.configs"}
 
 
 def _python(code: str, cwd: Path = REPO) -> subprocess.CompletedProcess[str]:

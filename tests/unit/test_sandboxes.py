@@ -39,15 +39,8 @@ class FakeSandbox:
         self.max_concurrency = 2
 
     async def exec(self, command=None, *, code=None, timeout_s, stdin=None, files=None):
-        self.calls.append(
-            {
-                "command": command,
-                "code": code,
-                "timeout_s": timeout_s,
-                "stdin": stdin,
-                "files": dict(files or {}),
-            }
-        )
+        self.calls.append({"command": command, "code": code, "timeout_s": timeout_s, "stdin": stdin,
+                           "files": dict(files or {})})
         if self.error:
             raise self.error
         return self.result
@@ -117,16 +110,8 @@ def test_job_requests_are_checked_before_anything_runs(monkeypatch):
 def test_bwrap_command_line_isolates_and_hides_the_host():
     argv = bwrap_mod.bwrap_argv("/usr/bin/bwrap", privileged=True, extra_ro=("/root/.pyenv/versions/3.11",))
     joined = " ".join(argv)
-    for flag in (
-        "--unshare-net",
-        "--unshare-pid",
-        "--unshare-ipc",
-        "--die-with-parent",
-        "--new-session",
-        "--clearenv",
-        "--cap-drop ALL",
-        "--remount-ro /",
-    ):
+    for flag in ("--unshare-net", "--unshare-pid", "--unshare-ipc", "--die-with-parent", "--new-session",
+                 "--clearenv", "--cap-drop ALL", "--remount-ro /"):
         assert flag in joined
     assert "--unshare-user" not in argv  # as root, real per-job uids instead
     assert "--ro-bind / /" not in joined and "/home" not in joined
@@ -174,9 +159,7 @@ def test_python_tool_separates_model_faults_from_infrastructure_faults():
     assert fine.calls[0]["code"] == "print('out')" and fine.calls[0]["timeout_s"] == 3
     crashed = run(tool.invoke({"code": "1/0"}, ToolContext(sandbox=FakeSandbox(ExecResult("", "Trace", 1)))))
     assert crashed.fault == "model"
-    down = run(
-        tool.invoke({"code": "1"}, ToolContext(sandbox=FakeSandbox(error=SandboxError("pool is down"))))
-    )
+    down = run(tool.invoke({"code": "1"}, ToolContext(sandbox=FakeSandbox(error=SandboxError("pool is down")))))
     assert down.fault == "infra" and "pool is down" in down.content
     bad = run(tool.invoke({"cod": "1"}, ToolContext(sandbox=fine)))
     assert bad.fault == "model" and "code" in bad.content
@@ -206,22 +189,11 @@ def test_server_checks_tokens_and_answers_in_sandboxfusion_shape():
     auth = {"Authorization": "Bearer s3cret"}
     both = run(_asgi(app, "POST", "/v1/exec", json={"code": "x", "command": "y"}, headers=auth))
     assert both.status_code == 400
-    body = run(
-        _asgi(
-            app,
-            "POST",
-            "/run_code",
-            headers=auth,
-            json={"code": "print('hi')", "language": "python", "run_timeout": 7},
-        )
-    ).json()
+    body = run(_asgi(app, "POST", "/run_code", headers=auth,
+                     json={"code": "print('hi')", "language": "python", "run_timeout": 7})).json()
     assert body["status"] == "Success" and body["compile_result"] is None
     assert body["run_result"] | {"killed_reason": None} == {
-        "status": "Finished",
-        "execution_time": 0.5,
-        "return_code": 0,
-        "stdout": "hi\n",
-        "stderr": "",
+        "status": "Finished", "execution_time": 0.5, "return_code": 0, "stdout": "hi\n", "stderr": "",
         "killed_reason": None,
     }
     assert fake.calls[-1]["timeout_s"] == 7 and fake.calls[-1]["code"] == "print('hi')"
@@ -247,20 +219,9 @@ def _client_with(handler, **kwargs) -> RemoteSandbox:
 def test_remote_client_maps_http_answers():
     def handler(request: httpx.Request) -> httpx.Response:
         if request.url.path == "/run_code":
-            return httpx.Response(
-                200,
-                json={
-                    "status": "Failed",
-                    "message": "",
-                    "run_result": {
-                        "status": "TimeLimitExceeded",
-                        "execution_time": 1.0,
-                        "return_code": None,
-                        "stdout": "x",
-                        "stderr": "",
-                    },
-                },
-            )
+            return httpx.Response(200, json={"status": "Failed", "message": "", "run_result": {
+                "status": "TimeLimitExceeded", "execution_time": 1.0, "return_code": None,
+                "stdout": "x", "stderr": ""}})
         if request.url.path == "/v1/exec":
             return httpx.Response(503, json={"detail": "overloaded"})
         return httpx.Response(401)

@@ -29,15 +29,8 @@ def test_schema_is_derived_from_signature_and_docstring() -> None:
     assert fn["description"] == "Search the notes."
     params = fn["parameters"]
     assert params["required"] == ["query"]
-    assert params["properties"]["query"] == {
-        "type": "string",
-        "description": "What to look for. Can span two lines.",
-    }
-    assert params["properties"]["k"] == {
-        "type": "integer",
-        "default": 3,
-        "description": "How many results to return.",
-    }
+    assert params["properties"]["query"] == {"type": "string", "description": "What to look for. Can span two lines."}
+    assert params["properties"]["k"] == {"type": "integer", "default": 3, "description": "How many results to return."}
     assert "ctx" not in params["properties"]
     assert params["additionalProperties"] is False
 
@@ -47,10 +40,7 @@ def test_arguments_are_validated_and_errors_are_the_models_fault() -> None:
     assert (ok.content, ok.fault, ok.tool_call_id) == ('["x-0", "x-1"]', None, "t1")
     bad = asyncio.run(search.invoke({"query": "x", "k": "many"}))
     assert bad.fault == "model"
-    assert (
-        "'k': Input should be a valid integer" in bad.content
-        and "Expected arguments: query, k" in bad.content
-    )
+    assert "'k': Input should be a valid integer" in bad.content and "Expected arguments: query, k" in bad.content
     missing = asyncio.run(search.invoke('{"k": 1}'))
     assert missing.fault == "model" and "'query': Field required" in missing.content
     not_json = asyncio.run(search.invoke("{query: x}"))

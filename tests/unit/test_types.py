@@ -88,11 +88,6 @@ def test_value_types_check_their_input() -> None:
     assert msg == {
         "role": "assistant",
         "content": "hi",
-        "tool_calls": [
-            {
-                "id": "c1",
-                "type": "function",
-                "function": {"name": "calculator", "arguments": {"expression": "1+1"}},
-            }
-        ],
+        "tool_calls": [{"id": "c1", "type": "function",
+                        "function": {"name": "calculator", "arguments": {"expression": "1+1"}}}],
     }

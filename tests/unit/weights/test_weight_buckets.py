@@ -65,12 +65,7 @@ def test_non_contiguous_tensor_round_trips() -> None:
 
 
 def test_plan_buckets_respects_size_and_isolates_oversized_tensors() -> None:
-    stream = [
-        ("a", torch.zeros(10)),
-        ("b", torch.zeros(10)),
-        ("big", torch.zeros(100)),
-        ("c", torch.zeros(5)),
-    ]
+    stream = [("a", torch.zeros(10)), ("b", torch.zeros(10)), ("big", torch.zeros(100)), ("c", torch.zeros(5))]
     plans = [[name for name, _ in group] for group in plan_buckets(iter(stream), bucket_bytes=80)]
     assert plans == [["a", "b"], ["big"], ["c"]]
 
@@ -98,9 +93,7 @@ def test_oversized_tensor_gets_its_own_bucket_without_copy() -> None:
 
 @pytest.mark.parametrize("checksum", ["crc32", "sum64"])
 def test_corrupted_byte_raises_checksum_error_naming_the_bucket(checksum: str) -> None:
-    bucket = pack_bucket(
-        _mixed(), torch.empty(4096, dtype=torch.uint8), index=7, version=12, checksum=checksum
-    )
+    bucket = pack_bucket(_mixed(), torch.empty(4096, dtype=torch.uint8), index=7, version=12, checksum=checksum)
     for position in (0, bucket.meta.nbytes // 2, bucket.meta.nbytes - 1):
         data = bucket.data.clone()
         data[position] ^= 0x10

@@ -27,13 +27,7 @@ BUCKET = 1024
 
 def _weights(dtype: torch.dtype = torch.float32, seed: int = 0) -> list[tuple[str, torch.Tensor]]:
     gen = torch.Generator().manual_seed(seed)
-    shapes = {
-        "embed": (40, 3),
-        "layer.0.w": (10, 10),
-        "layer.0.b": (10,),
-        "layer.1.w": (9, 7),
-        "head": (2, 5),
-    }
+    shapes = {"embed": (40, 3), "layer.0.w": (10, 10), "layer.0.b": (10,), "layer.1.w": (9, 7), "head": (2, 5)}
     out = []
     for name, shape in shapes.items():
         if dtype.is_floating_point:
@@ -76,9 +70,7 @@ BACKENDS = ["inprocess", "files"]
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.int64], ids=str)
-def test_round_trip_is_exact_and_carries_the_version(
-    backend: str, dtype: torch.dtype, tmp_path: Path
-) -> None:
+def test_round_trip_is_exact_and_carries_the_version(backend: str, dtype: torch.dtype, tmp_path: Path) -> None:
     tensors = _weights(dtype)
     # 256 elements per bucket whatever the dtype, so every push spans several buckets
     got, _ = _push(backend, tmp_path, tensors, version=41, bucket_bytes=256 * tensors[0][1].element_size())
@@ -220,9 +212,7 @@ def test_failing_sender_iterator_aborts_the_receiver() -> None:
     engine = InProcessCheckpointEngine(bucket_bytes=BUCKET, consumer=consumer)
     with pytest.raises(RuntimeError, match="gather failed"):
         engine.send(broken(), 1)
-    assert (
-        len(errors) == 1 and "aborted weight push 1" in str(errors[0]) and "gather failed" in str(errors[0])
-    )
+    assert len(errors) == 1 and "aborted weight push 1" in str(errors[0]) and "gather failed" in str(errors[0])
 
 
 def test_files_layout_is_a_plain_hf_sharded_checkpoint(tmp_path: Path) -> None:

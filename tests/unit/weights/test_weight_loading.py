@@ -23,9 +23,7 @@ def qwen_dir(assets: Path) -> Path:
 
 
 def _load(path: Path) -> torch.nn.Module:
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        path, dtype=torch.float32, local_files_only=True
-    )
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, local_files_only=True)
     return model.eval()
 
 
@@ -51,10 +49,8 @@ def test_push_makes_a_perturbed_copy_identical(backend: str, qwen_dir: Path, tmp
     # 4 MiB buckets: the 39 MB embedding (tied with lm_head) travels as an oversized bucket.
     if backend == "inprocess":
         engine = make_checkpoint_engine(
-            "inprocess",
-            bucket_bytes=4 << 20,
-            consumer=lambda stream: reports.append(load_into_module(server, stream)),
-        )
+            "inprocess", bucket_bytes=4 << 20,
+            consumer=lambda stream: reports.append(load_into_module(server, stream)))
         engine.send(trainer.named_parameters(), version=1)
     else:
         engine = make_checkpoint_engine("files", directory=tmp_path, bucket_bytes=4 << 20)
@@ -79,12 +75,8 @@ def test_files_push_is_loadable_by_from_pretrained(qwen_dir: Path, tmp_path: Pat
 def test_clear_errors_for_wrong_names_shapes_and_dtypes() -> None:
     module = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.LayerNorm(2))
     good = {k: v.detach().clone() for k, v in module.state_dict().items()}
-    stream = [
-        ("0.weight", torch.zeros(2, 3)),
-        ("0.bias", torch.zeros(3)),
-        ("1.weight", good["1.weight"].double()),
-        ("extra.weight", torch.zeros(1)),
-    ]
+    stream = [("0.weight", torch.zeros(2, 3)), ("0.bias", torch.zeros(3)), ("1.weight", good["1.weight"].double()),
+              ("extra.weight", torch.zeros(1))]
     with pytest.raises(WeightSyncError) as info:
         load_into_module(module, stream)
     message = str(info.value)
@@ -99,11 +91,8 @@ def test_name_map_cast_and_non_strict() -> None:
     module = torch.nn.Linear(2, 2)
     weight, bias = torch.ones(2, 2, dtype=torch.bfloat16), torch.full((2,), 3.0)
     report = load_into_module(
-        module,
-        [("policy.weight", weight), ("policy.bias", bias), ("policy.value_head", torch.zeros(1))],
-        name_map=lambda n: None if n.endswith("value_head") else n.removeprefix("policy."),
-        allow_cast=True,
-    )
+        module, [("policy.weight", weight), ("policy.bias", bias), ("policy.value_head", torch.zeros(1))],
+        name_map=lambda n: None if n.endswith("value_head") else n.removeprefix("policy."), allow_cast=True)
     assert report.loaded == ["weight", "bias"] and report.missing == [] and report.unexpected == []
     assert torch.equal(module.weight, torch.ones(2, 2)) and torch.equal(module.bias, bias)
     report = load_into_module(module, [("bias", bias), ("nope", bias)], strict=False)
