@@ -166,6 +166,11 @@ class AlgorithmConfig(_Section):
     """KL estimator (Schulman's k1, k2, k3)."""
     kl_in_reward: bool = False
     """Put the KL penalty into the reward instead of the loss."""
+    kl_target: float | None = Field(None, gt=0.0)
+    """Adaptive KL controller (Ziegler et al. 2019): the KL to the reference it steers toward by
+    adjusting the coefficient after every step, starting from `kl_coef`. None keeps `kl_coef` fixed."""
+    kl_horizon: int = Field(10000, ge=1)
+    """Adaptive KL controller horizon, in samples: the larger, the slower the coefficient moves."""
     entropy_coef: float = 0.0
     """Weight of the entropy bonus."""
     value_clip: float = Field(0.2, gt=0.0)
@@ -180,6 +185,9 @@ class AlgorithmConfig(_Section):
     """Truncation cap of the rollout importance ratio (TIS) / upper bound (ICEPOP)."""
     overlong_buffer_tokens: int = Field(0, ge=0)
     """DAPO soft overlong penalty: the length buffer before the limit (0 disables it)."""
+    stop_properly_penalty: float | None = Field(None, le=1.0)
+    """Stop-properly penalty for episodes truncated at the length limit (`max_length`): a factor in
+    [0, 1] on their score (0 zeroes it), or a negative constant that replaces it. None disables it."""
     filter_groups: bool = False
     """DAPO dynamic sampling: drop groups whose rewards are all equal."""
 
@@ -207,6 +215,10 @@ class TrainerConfig(_Section):
     """Recompute activations in the backward pass to save memory."""
     lora_rank: int = Field(0, ge=0)
     """Train LoRA adapters of this rank instead of all weights (0: full fine-tuning)."""
+    lora_alpha: float = Field(16.0, gt=0.0)
+    """LoRA scaling numerator: the adapter update is multiplied by lora_alpha / lora_rank."""
+    lora_target_modules: list[str] = Field(default_factory=lambda: ["all-linear"])
+    """Modules that get LoRA adapters (peft names; `all-linear`: every linear layer but the LM head)."""
     num_processes: int = Field(1, ge=1)
     """Trainer processes (FSDP2 shards across them)."""
     tensor_parallel: int = Field(1, ge=1)

@@ -3,8 +3,9 @@
 `algos` holds advantage estimators, policy and value losses, KL estimators and controllers,
 loss aggregation, rollout/trainer importance corrections and reward shaping; `packing` turns a
 list of `Trajectory` into padding-free model inputs; `objective` assembles one micro-batch's loss;
-`backend` is the interface every backend implements and `fsdp2` the FSDP2 one (imported on first
-use); `step.train_step` is one RL step for any backend; `distributed` joins or spawns ranks.
+`backend` is the interface every backend implements, `fsdp2` the FSDP2 one and `megatron` the
+Megatron-core one (each imported on first use); `step.train_step` is one RL step for any backend;
+`distributed` joins or spawns ranks.
 This package imports torch, so nothing below the trainer layer may import it.
 """
 
@@ -58,6 +59,7 @@ __all__ = [
     "CriticBatch",
     "FSDP2Backend",
     "FixedKLController",
+    "MegatronBackend",
     "PackedBatch",
     "PaddedBatch",
     "PolicyBatch",
@@ -98,9 +100,14 @@ __all__ = [
 
 
 def __getattr__(name: str) -> Any:
-    # The FSDP2 backend pulls in torch.distributed.checkpoint and fsdp: load it only when used.
+    # The backends pull in torch.distributed.checkpoint and fsdp, or megatron-core (optional):
+    # load them only when used.
     if name == "FSDP2Backend":
         from agentrl.trainer.fsdp2 import FSDP2Backend
 
         return FSDP2Backend
+    if name == "MegatronBackend":
+        from agentrl.trainer.megatron import MegatronBackend
+
+        return MegatronBackend
     raise AttributeError(f"module 'agentrl.trainer' has no attribute '{name}'")

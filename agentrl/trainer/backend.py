@@ -1,4 +1,4 @@
-"""The interface every training backend implements (FSDP2 now, Megatron-core later).
+"""The interface every training backend implements (FSDP2 and Megatron-core).
 
 A backend owns models, optimizers and process groups; it turns trajectories into per-token
 numbers (`compute_logprobs`, `compute_ref_logprobs`, `compute_values`), takes one optimizer step
@@ -172,6 +172,16 @@ def make_backend(config: Any) -> TrainerBackend:
             dtype=config.model.dtype,
             seed=config.run.seed,
         )
+    if config.trainer.backend == "megatron":
+        from agentrl.trainer.megatron import MegatronBackend
+
+        return MegatronBackend(
+            config.model.path,
+            config.trainer,
+            config.algorithm,
+            dtype=config.model.dtype,
+            seed=config.run.seed,
+        )
     raise FeatureUnavailableError(
-        f"trainer.backend '{config.trainer.backend}' is not built yet; use trainer.backend=fsdp2."
+        f"trainer.backend '{config.trainer.backend}' is not built; use trainer.backend=fsdp2 or megatron."
     )

@@ -12,7 +12,9 @@ token-budget micro-batches; ranks with fewer micro-batches run empty ones, becau
 and backward of an FSDP model is a collective. The LM head is swapped for `lm_head.ScoringHead`,
 which scores labels in chunks so full-vocabulary logits never exist for a whole micro-batch.
 Optional parts: a critic (the policy's backbone plus a scalar value head) for GAE, a frozen
-reference policy for a KL penalty, gradient checkpointing. LoRA is not built yet. Checkpoints use
+reference policy for a KL penalty, gradient checkpointing, and LoRA on the policy (peft adapters on
+the frozen model, `trainer.lora_*`; the critic is always fully trained; exported weights have the
+adapters merged, so servers load a plain checkpoint). Checkpoints use
 torch.distributed.checkpoint (DCP) for the sharded models and optimizers, plus the LR schedules,
 global step, data position (rank 0) and the RNG states of every rank. Every rank loads the full
 Hugging Face checkpoint before sharding it: fine for small models, wasteful for large ones (meta
@@ -23,7 +25,6 @@ This module is not the RL algorithm (see `step.train_step`) nor the loss maths (
 
 from __future__ import annotations
 
-import random
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -55,6 +56,7 @@ from agentrl.trainer.packing import (
     pack_trajectories,
     split_micro_batches,
 )
+from agentrl.trainer.rng import rng_state, set_rng_state
 from agentrl.types import TokenOrigin, Trajectory
 
 __all__ = ["FSDP2Backend", "ValueModel"]
@@ -109,10 +111,13 @@ class FSDP2Backend(TrainerBackend):
         chunked_head: bool = True,
     ) -> None:
         if trainer.lora_rank > 0:
-            raise FeatureUnavailableError(
-                f"trainer.lora_rank={trainer.lora_rank}: LoRA is not built into the FSDP2 backend yet "
-                "(peft needs accelerate, which is not installed here); set trainer.lora_rank=0."
-            )
+            try:
+                import peft  # noqa: F401
+            except ImportError as exc:
+                raise FeatureUnavailableError(
+                    f"trainer.lora_rank={trainer.lora_rank} needs peft: pip install 'agentrl[lora]', "
+                    "or set trainer.lora_rank=0 for full fine-tuning."
+                ) from exc
         self.config = trainer
         self._chunked_head = chunked_head
         # Score only the tokens the loss uses (prompt and tool tokens read 0): in multi-turn RL
@@ -150,7 +155,9 @@ class FSDP2Backend(TrainerBackend):
         torch.manual_seed(seed)  # every rank initialises new weights (the value head) alike
         self.policy = self._build_policy(trainable=True)
         self.optimizer = torch.optim.AdamW(
-            self.policy.parameters(), lr=trainer.lr, weight_decay=trainer.weight_decay
+            [p for p in self.policy.parameters() if p.requires_grad],
+            lr=trainer.lr,
+            weight_decay=trainer.weight_decay,
         )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, _warmup(trainer.warmup_steps))
         self.reference = self._build_policy(trainable=False) if with_reference else None
@@ -191,8 +198,27 @@ class FSDP2Backend(TrainerBackend):
             model.requires_grad_(False)
             model.eval()
         head = install_scoring_head(model) if self._chunked_head else None
+        layer_classes = model._no_split_modules or []
+        if trainable and self.config.lora_rank > 0:
+            model = self._add_lora(model)
         self._heads[id(model)] = head
-        return self._shard(model, model._no_split_modules or [])
+        return self._shard(model, layer_classes)
+
+    def _add_lora(self, model: nn.Module) -> nn.Module:
+        """Freeze the model and wrap it with peft LoRA adapters (`trainer.lora_*`)."""
+        from peft import LoraConfig, get_peft_model
+
+        targets = self.config.lora_target_modules
+        lora = LoraConfig(
+            r=self.config.lora_rank,
+            lora_alpha=self.config.lora_alpha,
+            lora_dropout=0.0,
+            target_modules=targets[0] if targets == ["all-linear"] else list(targets),
+            bias="none",
+        )
+        if self.config.gradient_checkpointing:
+            model.enable_input_require_grads()  # checkpointed layers need a grad-requiring input
+        return get_peft_model(model, lora)
 
     def _build_critic(self) -> nn.Module:
         from transformers import AutoModel
@@ -389,10 +415,30 @@ class FSDP2Backend(TrainerBackend):
 
     # ── weights and checkpoints ─────────────────────────────────────────────────────────────
     def export_weights(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-        for name, tensor in self.policy.state_dict().items():
-            full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
-            full = full.detach().cpu()
-            yield name, full.to(dtype) if dtype is not None else full
+        """Full tensors under Hugging Face names; with LoRA, the base weights with the adapters
+        merged in (W + alpha/r * B @ A) and no adapter tensors, which is what a server loads."""
+
+        def full(tensor: torch.Tensor) -> torch.Tensor:
+            out = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+            return out.detach().cpu()
+
+        state = self.policy.state_dict()
+        lora = self.config.lora_rank > 0
+        scaling = self.config.lora_alpha / max(self.config.lora_rank, 1)
+        for name, tensor in state.items():
+            if lora and (".lora_A." in name or ".lora_B." in name):
+                continue
+            value = full(tensor)
+            if lora:
+                if name.endswith(".base_layer.weight"):
+                    prefix = name.removesuffix("base_layer.weight")
+                    a, b = (
+                        full(state[prefix + "lora_A.default.weight"]),
+                        full(state[prefix + "lora_B.default.weight"]),
+                    )
+                    value = value + scaling * (b @ a)
+                name = name.removeprefix("base_model.model.").replace(".base_layer.", ".")
+            yield name, value.to(dtype) if dtype is not None else value
 
     def _app_state(self) -> dict[str, Any]:
         state = {
@@ -414,7 +460,7 @@ class FSDP2Backend(TrainerBackend):
             fresh["critic"] = not self.critic_optimizer.state
         dcp.save(self._app_state(), checkpoint_id=str(path / "dcp"))
         self._clear_fresh(fresh)
-        torch.save(_rng_state(), path / f"rng_rank{self.rank}.pt")
+        torch.save(rng_state(), path / f"rng_rank{self.rank}.pt")
         if self.rank == 0:
             meta = {
                 "global_step": self._step,
@@ -456,30 +502,9 @@ class FSDP2Backend(TrainerBackend):
         rng_file = path / f"rng_rank{self.rank}.pt"
         if not rng_file.is_file():  # resumed on more ranks than saved: reuse rank 0's streams
             rng_file = path / "rng_rank0.pt"
-        _set_rng_state(torch.load(rng_file, weights_only=True))
+        set_rng_state(torch.load(rng_file, weights_only=True))
         return dict(meta["data_position"])
 
 
 def _trainable_rows(trajectories: Sequence[Trajectory]) -> torch.Tensor:
     return torch.tensor([[1.0 if t.trainable else 0.0] for t in trajectories])
-
-
-def _rng_state() -> dict[str, Any]:
-    kind, keys, pos, has_gauss, cached = np.random.get_state()
-    state = {
-        "python": random.getstate(),
-        "numpy": (kind, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, cached),
-        "torch": torch.get_rng_state(),
-    }
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state()
-    return state
-
-
-def _set_rng_state(state: dict[str, Any]) -> None:
-    random.setstate(state["python"])
-    kind, keys, pos, has_gauss, cached = state["numpy"]
-    np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])

@@ -1,11 +1,14 @@
 """One RL training step over a batch of trajectories, for any `TrainerBackend`.
 
 `train_step` is the algorithm-level recipe of DESIGN.md §3: drop infrastructure failures (they
-are masked out, never scored 0), shape the rewards, filter equal-reward groups if asked, score
+are masked out, never scored 0), shape the rewards (DAPO overlong penalty, stop-properly penalty
+for episodes truncated at the length limit), filter equal-reward groups if asked, score
 the batch with the current policy (old logprobs), the reference (when `kl_coef > 0`) and the
 critic (GAE), form advantages with the configured estimator (`ADVANTAGE_ESTIMATORS`), weigh the
 rollout/trainer mismatch, then run `ppo_epochs` x `mini_batches` optimizer steps. It returns the
-metrics an RL practitioner watches, named `group/metric`.
+metrics an RL practitioner watches, named `group/metric`. The KL coefficient comes from a
+controller (`make_kl_controller`) that the caller keeps across steps: fixed, or adaptive when
+`algorithm.kl_target` is set, updated after each step with the batch's KL to the reference.
 
 It owns no model and no process group: every rank calls it with the same batch and the backend
 splits the work. It does not collect trajectories or push weights (the orchestration layer does).
@@ -25,9 +28,16 @@ from agentrl.registry import ADVANTAGE_ESTIMATORS
 from agentrl.trainer import algos
 from agentrl.trainer.backend import CriticBatch, PolicyBatch, TrainerBackend
 from agentrl.trainer.packing import pad_trajectories
-from agentrl.types import Trajectory
+from agentrl.types import FinishReason, Trajectory
 
-__all__ = ["mini_batch_indices", "train_step"]
+__all__ = ["make_kl_controller", "mini_batch_indices", "train_step"]
+
+
+def make_kl_controller(algorithm: Any) -> algos.FixedKLController | algos.AdaptiveKLController:
+    """The KL coefficient controller an `AlgorithmConfig` asks for, starting at `kl_coef`."""
+    if algorithm.kl_target is None:
+        return algos.FixedKLController(algorithm.kl_coef)
+    return algos.AdaptiveKLController(algorithm.kl_coef, algorithm.kl_target, algorithm.kl_horizon)
 
 
 def mini_batch_indices(n: int, parts: int) -> list[list[int]]:
@@ -67,6 +77,7 @@ def train_step(
     *,
     temperature: float = 1.0,
     max_response_tokens: int | None = None,
+    kl_controller: algos.FixedKLController | algos.AdaptiveKLController | None = None,
 ) -> dict[str, float]:
     """Train the backend's policy (and critic) on one batch; return the step's metrics.
 
@@ -74,7 +85,16 @@ def train_step(
     `mini_batches`). `temperature` is the rollout sampling temperature (logprobs are scored at
     it). `max_response_tokens` is the response length limit: the DAPO overlong penalty needs it,
     and `seq-mean-token-sum-norm` divides by it (by the batch's longest response when None).
+    `kl_controller` (from `make_kl_controller`, kept by the caller across steps and saved with its
+    checkpoints) gives this step's KL coefficient and is updated at the end; it is required when
+    `algorithm.kl_target` is set, and without it the coefficient is `algorithm.kl_coef`.
     """
+    if algorithm.kl_target is not None and (kl_controller is None or algorithm.kl_coef <= 0):
+        raise ConfigError(
+            "algorithm.kl_target needs algorithm.kl_coef > 0 (the starting coefficient) and a "
+            "kl_controller=make_kl_controller(algorithm) kept across train_step calls."
+        )
+    kl_coef = kl_controller.value if kl_controller is not None else algorithm.kl_coef
     start = time.perf_counter()
     metrics: dict[str, float] = {"batch/trajectories": float(len(trajectories))}
     trajs = [t for t in trajectories if t.trainable]
@@ -97,6 +117,10 @@ def train_step(
         )
         metrics["reward/overlong_penalty_mean"] = penalty.mean().item()
         scores = scores + penalty
+    if algorithm.stop_properly_penalty is not None:
+        stopped = torch.tensor([t.finish_reason != FinishReason.MAX_LENGTH for t in trajs])
+        scores = algos.stop_properly_penalty(scores, stopped, coef=algorithm.stop_properly_penalty)
+        metrics["reward/truncated_fraction"] = 1.0 - stopped.float().mean().item()
     groups = [t.group_id for t in trajs]
     if algorithm.filter_groups:
         keep = algos.dynamic_group_filter(scores, groups).tolist()
@@ -113,12 +137,17 @@ def train_step(
     if algorithm.kl_coef > 0:
         ref_logprobs = backend.compute_ref_logprobs(trajs, temperature=temperature)
     rewards: torch.Tensor = scores
-    if ref_logprobs is not None and algorithm.kl_in_reward:
-        rewards, kl_metrics = algos.apply_kl_penalty(
+    current_kl = None
+    if ref_logprobs is not None:
+        shaped, kl_metrics = algos.apply_kl_penalty(
             _on_last_token(scores, mask), old_logprobs, ref_logprobs, mask,
-            kl_coef=algorithm.kl_coef, kind=algorithm.kl_estimator,
+            kl_coef=kl_coef, kind=algorithm.kl_estimator,
         )  # fmt: skip
-        metrics["actor/kl_in_reward"] = kl_metrics["kl"].item()
+        current_kl = kl_metrics["kl"].item()
+        metrics["actor/kl_coef"] = kl_coef
+        if algorithm.kl_in_reward:
+            rewards = shaped
+            metrics["actor/kl_in_reward"] = current_kl
 
     # ── advantages ──────────────────────────────────────────────────────────────────────────
     estimator = ADVANTAGE_ESTIMATORS.resolve(algorithm.advantage)
@@ -165,10 +194,15 @@ def train_step(
 
     updates: list[dict[str, float]] = []
     update_start = time.perf_counter()
+    # The backends read the loss's KL weight from the config: hand them this step's coefficient.
+    step_algorithm = (
+        algorithm if kl_coef == algorithm.kl_coef else algorithm.model_copy(update={"kl_coef": kl_coef})
+    )
     for _ in range(trainer.ppo_epochs):
         for idx in mini_batch_indices(len(trajs), trainer.mini_batches):
             result = {
-                f"actor/{k}": v for k, v in backend.update_policy(policy_batch.select(idx), algorithm).items()
+                f"actor/{k}": v
+                for k, v in backend.update_policy(policy_batch.select(idx), step_algorithm).items()
             }
             if critic_batch is not None:
                 result.update(backend.update_critic(critic_batch.select(idx), algorithm))
@@ -179,6 +213,9 @@ def train_step(
         pick = max if name.endswith("_max") else min if name.endswith("_min") else None
         metrics[name] = pick(seen) if pick else sum(seen) / len(seen)
     metrics["actor/updates"] = float(len(updates))
+    if kl_controller is not None and current_kl is not None:
+        kl_controller.update(current_kl, n_steps=len(trajs))
+        metrics["actor/kl_coef_next"] = kl_controller.value
     metrics["perf/update_tokens_per_s"] = tokens * trainer.ppo_epochs / max(update_s, 1e-9)
     step_s = time.perf_counter() - start
     metrics["perf/step_s"] = step_s

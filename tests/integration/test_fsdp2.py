@@ -88,7 +88,7 @@ def _draws() -> list[float]:
 
 
 def continue_or_resume(ckpt: str) -> dict[str, Any]:
-    """Step 1, save, step 2 with one backend; then a fresh backend loads and redoes step 2."""
+    """Step 1, save, steps 2-4 with one backend; then a fresh backend loads and redoes steps 2-4."""
     from agentrl.trainer.step import train_step
 
     algo, trainer = AlgorithmConfig(), TrainerConfig()
@@ -97,22 +97,26 @@ def continue_or_resume(ckpt: str) -> dict[str, Any]:
     train_step(first, toy_batch(0), algo, trainer)
     first.save(ckpt, data_position={"epoch": 0, "row": 12})
     draws_after_save = _draws()
-    cont = train_step(first, toy_batch(1), algo, trainer)
+    cont = [train_step(first, toy_batch(s % 2), algo, trainer) for s in range(1, 4)]
     cont_weights = dict(first.export_weights())
 
     random.seed(99), np.random.seed(99), torch.manual_seed(99)  # scramble: load must restore them
     second = _backend()
     position = second.load(ckpt)
     draws_after_load = _draws()
-    resumed = train_step(second, toy_batch(1), algo, trainer)
+    resumed = [train_step(second, toy_batch(s % 2), algo, trainer) for s in range(1, 4)]
     res_weights = dict(second.export_weights())
+
+    def series(key: str) -> tuple[list[float], list[float]]:
+        return [m[key] for m in cont], [m[key] for m in resumed]
+
     return {
         "position": position,
         "steps": (first.global_step, second.global_step),
         "draws": (draws_after_save, draws_after_load),
-        "losses": (cont["actor/pg_loss"], resumed["actor/pg_loss"]),
-        "grad_norms": (cont["actor/grad_norm"], resumed["actor/grad_norm"]),
-        "lrs": (cont["actor/lr"], resumed["actor/lr"]),
+        "losses": series("actor/pg_loss"),
+        "grad_norms": series("actor/grad_norm"),
+        "lrs": series("actor/lr"),
         "same_weights": all(torch.equal(cont_weights[k], res_weights[k]) for k in cont_weights),
     }
 
@@ -123,13 +127,78 @@ def test_resume_continues_exactly(tmp_path: Path, ranks: int) -> None:
 
     for result in launch(continue_or_resume, ranks, str(tmp_path / "ckpt")):
         assert result["position"] == {"epoch": 0, "row": 12}
-        assert result["steps"] == (2, 2)
+        assert result["steps"] == (4, 4)
         saved, loaded = result["draws"]
         assert saved == loaded  # python, numpy and torch RNG streams continue where they were
-        assert result["lrs"][0] == result["lrs"][1] == pytest.approx(1e-4)  # warm-up restored: step 2 of 2
-        assert result["losses"][0] == result["losses"][1]
+        assert result["lrs"][0] == result["lrs"][1] == pytest.approx([1e-4] * 3)  # warm-up restored
+        assert result["losses"][0] == result["losses"][1]  # three steps on, bit for bit
         assert result["grad_norms"][0] == result["grad_norms"][1]
         assert result["same_weights"]
+
+
+# ── LoRA ────────────────────────────────────────────────────────────────────────────────────────
+def lora_train_and_export() -> dict[str, Any]:
+    from agentrl.trainer.fsdp2 import FSDP2Backend
+    from agentrl.trainer.packing import pack_trajectories
+    from agentrl.trainer.step import train_step
+
+    trainer = TrainerConfig(device="cpu", lr=1e-2, micro_batch_tokens=64, lora_rank=4, lora_alpha=8.0)
+    backend = FSDP2Backend(TINY_QWEN2, trainer, AlgorithmConfig(), seed=0)
+    # one backward by hand: which parameters receive a gradient?
+    logprobs, _ = backend._token_scores(
+        backend.policy, pack_trajectories(toy_batch()), 1.0, with_entropy=False
+    )
+    logprobs.sum().backward()
+    with_grad = sorted(n for n, p in backend.policy.named_parameters() if p.grad is not None)
+    backend.optimizer.zero_grad(set_to_none=True)
+    for s in range(2):
+        train_step(backend, toy_batch(s), AlgorithmConfig(), TrainerConfig())
+    raw = {
+        n: (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().cpu()
+        for n, t in backend.policy.state_dict().items()
+    }
+    return {
+        "with_grad": with_grad,
+        "raw": raw,
+        "exported": dict(backend.export_weights()),
+        "logprobs": backend.compute_logprobs(toy_batch()),
+    }
+
+
+def test_lora_trains_adapters_and_exports_merged_weights() -> None:
+    pytest.importorskip("peft", reason="LoRA needs peft (pip install 'agentrl[lora]')")
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from agentrl.trainer import launch
+    from agentrl.trainer.packing import compute_token_logprobs, pad_trajectories
+
+    (result,) = launch(lora_train_and_export, 1)
+    assert result["with_grad"] and all(".lora_A." in n or ".lora_B." in n for n in result["with_grad"])
+    assert any(".lora_B." in n and result["raw"][n].abs().max() > 0 for n in result["raw"])  # adapters moved
+    # peft's own merge of the trained adapters gives the exported tensors
+    base = AutoModelForCausalLM.from_pretrained(TINY_QWEN2, dtype=torch.float32)
+    config = LoraConfig(r=4, lora_alpha=8.0, lora_dropout=0.0, target_modules="all-linear")
+    peft_model = get_peft_model(base, config)
+    peft_model.load_state_dict(result["raw"], strict=True)
+    merged = peft_model.merge_and_unload().state_dict()
+    exported = result["exported"]
+    assert set(exported) == set(merged)
+    worst = max((exported[k] - merged[k]).abs().max().item() for k in merged)
+    assert worst < 1e-6, worst
+    original = AutoModelForCausalLM.from_pretrained(TINY_QWEN2, dtype=torch.float32).state_dict()
+    assert not torch.equal(
+        exported["model.layers.0.self_attn.q_proj.weight"], original["model.layers.0.self_attn.q_proj.weight"]
+    )
+    assert torch.equal(exported["model.embed_tokens.weight"], original["model.embed_tokens.weight"])
+    # a plain model loaded with the export scores tokens as the LoRA policy does
+    plain = AutoModelForCausalLM.from_pretrained(TINY_QWEN2, dtype=torch.float32).eval()
+    plain.load_state_dict(exported)
+    padded = pad_trajectories(toy_batch())
+    with torch.no_grad():
+        logits = plain(input_ids=padded.input_ids, attention_mask=padded.attention_mask).logits
+    expect = compute_token_logprobs(logits, padded.labels, 1.0) * padded.loss_mask
+    torch.testing.assert_close(result["logprobs"] * (padded.loss_mask > 0), expect, atol=1e-5, rtol=0)
 
 
 # ── critic and reference across ranks; failures ────────────────────────────────────────────────

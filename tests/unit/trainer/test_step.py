@@ -143,6 +143,77 @@ def test_rollout_mismatch_is_measured_and_truncated():
     assert icepop.policy_batches[0].loss_mask.sum() == 0
 
 
+def test_stop_properly_penalty_reshapes_truncated_scores_before_the_advantages():
+    from agentrl.types import FinishReason
+
+    def batch() -> list[Trajectory]:
+        trajs = [make_traj([1], [5, 6], reward=r) for r in (1.0, 1.0, 0.0, 0.0)]
+        for t, reason in zip(trajs, ("max_length", "done", "done", "max_turns"), strict=True):
+            t.finish_reason = FinishReason(reason)  # only max_length is a truncation
+        return trajs
+
+    algo = AlgorithmConfig(rollout_is="none", stop_properly_penalty=0.0)
+    backend = FakeBackend()
+    m = train_step(backend, batch(), algo, TrainerConfig())
+    # scores 0,1,0,0: mean 0.25, unbiased std 0.5 -> advantages -0.5, 1.5, -0.5, -0.5
+    adv = backend.policy_batches[0].advantages[:, 0]
+    torch.testing.assert_close(adv, torch.tensor([-0.25, 0.75, -0.25, -0.25]) / (0.5 + 1e-6))
+    assert m["reward/truncated_fraction"] == 0.25 and m["reward/mean"] == 0.5  # raw rewards reported
+    backend = FakeBackend()  # a negative coefficient replaces the score: -1,1,0,0, std sqrt(2/3)
+    train_step(backend, batch(), algo.model_copy(update={"stop_properly_penalty": -1.0}), TrainerConfig())
+    adv = backend.policy_batches[0].advantages[:, 0]
+    torch.testing.assert_close(adv, torch.tensor([-1.0, 1.0, 0.0, 0.0]) / (math.sqrt(2 / 3) + 1e-6))
+    backend = FakeBackend()  # off by default: the truncated sample keeps its reward
+    train_step(backend, batch(), AlgorithmConfig(rollout_is="none"), TrainerConfig())
+    assert backend.policy_batches[0].advantages[0, 0] > 0
+
+
+class RefFakeBackend(FakeBackend):
+    """FakeBackend with a reference whose logprobs are `rollout + ref_shift` on response tokens."""
+
+    has_reference = True  # type: ignore[assignment]
+
+    def __init__(self, ref_shift: float) -> None:
+        super().__init__()
+        self.ref_shift = ref_shift
+        self.algorithms: list[Any] = []
+
+    def compute_ref_logprobs(self, trajectories, *, temperature=1.0):
+        from agentrl.trainer.packing import pad_trajectories
+
+        b = pad_trajectories(trajectories)
+        return b.rollout_logprobs + self.ref_shift * b.loss_mask
+
+    def update_policy(self, batch: PolicyBatch, algorithm: Any) -> dict[str, float]:
+        self.algorithms.append(algorithm)
+        return super().update_policy(batch, algorithm)
+
+
+@pytest.mark.parametrize(("ref_shift", "coefs"), [(-0.5, [0.1, 0.11, 0.121]), (-0.1, [0.1, 0.09, 0.081])])
+def test_adaptive_kl_controller_steers_the_coefficient_toward_the_target(ref_shift, coefs):
+    from agentrl.errors import ConfigError
+    from agentrl.trainer.step import make_kl_controller
+
+    # k1 KL per token = logp - ref = -ref_shift: 0.5 (twice the 0.25 target) or 0.1 (below it).
+    # error = clip(KL / 0.25 - 1, ±0.2) = ±0.2; beta *= 1 + error * 4 samples / horizon 8 = 1 ± 0.1
+    algo = AlgorithmConfig(kl_coef=0.1, kl_estimator="k1", kl_target=0.25, kl_horizon=8, rollout_is="none")
+    trajs = [make_traj([1], [5, 6], reward=r) for r in (1.0, 0.0, 1.0, 0.0)]
+    backend, controller = RefFakeBackend(ref_shift), make_kl_controller(algo)
+    for step in range(2):
+        m = train_step(backend, trajs, algo, TrainerConfig(), kl_controller=controller)
+        assert m["actor/kl_coef"] == pytest.approx(coefs[step])
+        assert m["actor/kl_coef_next"] == pytest.approx(coefs[step + 1])
+    # the loss of each step used that step's coefficient; the config itself is untouched
+    assert [a.kl_coef for a in backend.algorithms] == pytest.approx(coefs[:2]) and algo.kl_coef == 0.1
+    with pytest.raises(ConfigError, match="kl_controller"):
+        train_step(backend, trajs, algo, TrainerConfig())
+    fixed = make_kl_controller(algo.model_copy(update={"kl_target": None}))
+    train_step(
+        backend, trajs, algo.model_copy(update={"kl_target": None}), TrainerConfig(), kl_controller=fixed
+    )
+    assert fixed.value == 0.1
+
+
 # ── the micro-batch objective and the rank split ────────────────────────────────────────────────
 def _tokens(n: int = 6) -> dict[str, torch.Tensor]:
     return {
@@ -353,11 +424,14 @@ def test_gae_with_critic_and_kl_to_reference():
 
 
 @needs_model
-def test_lora_is_refused_with_the_reason():
-    from agentrl.errors import FeatureUnavailableError
-
-    with pytest.raises(FeatureUnavailableError, match="lora_rank"):
-        fsdp2(lora_rank=8)
+@needs_model
+def test_lora_trains_only_the_adapters():
+    pytest.importorskip("peft", reason="LoRA needs peft (pip install 'agentrl[lora]')")
+    backend = fsdp2(lora_rank=4)
+    trainable = {n for n, p in backend.policy.named_parameters() if p.requires_grad}
+    assert trainable and all(".lora_A." in n or ".lora_B." in n for n in trainable)
+    names = {n for n, _ in backend.export_weights()}
+    assert not any("lora" in n or "base_layer" in n for n in names) and "model.embed_tokens.weight" in names
 
 
 @needs_model
@@ -372,5 +446,13 @@ def test_make_backend_builds_what_the_config_names():
     backend = make_backend(config)
     assert type(backend).__name__ == "FSDP2Backend" and backend.has_reference and not backend.has_critic
     config.trainer.backend = "megatron"
-    with pytest.raises(FeatureUnavailableError, match="megatron"):
-        make_backend(config)
+    try:
+        import megatron.core  # noqa: F401
+    except ImportError:  # the optional extra: refused with the command that installs it
+        with pytest.raises(FeatureUnavailableError, match=r"agentrl\[megatron\]"):
+            make_backend(config)
+    else:
+        backend = make_backend(config)
+        assert (
+            type(backend).__name__ == "MegatronBackend" and backend.has_reference and not backend.has_critic
+        )

@@ -1,0 +1,562 @@
+"""The Megatron-core training backend: a megatron-core GPT model with tensor parallelism.
+
+The policy (and the frozen reference, when a KL penalty needs it) is a megatron-core `GPTModel`
+built with the local (Transformer-Engine-free) layer spec from a Hugging Face Qwen2, Llama or
+Mistral config; weights are converted from the Hugging Face checkpoint on load and back to
+Hugging Face names on export (`megatron_convert`). `trainer.tensor_parallel` ranks split every
+attention and MLP weight, the embedding and the output layer; the remaining ranks
+(`world_size / tensor_parallel`) are data-parallel replicas whose gradients are summed with one
+all-reduce per parameter after the micro-batches. On CPU the ranks talk over gloo and the model
+runs through `megatron_shim` (megatron-core 0.16 needs three CUDA-only calls replaced); on CUDA
+megatron-core runs unmodified, computing in bf16 under autocast with fp32 master weights. Only the
+CPU path has been run.
+
+Micro-batches are padded, not packed: megatron-core's packed-sequence attention needs Transformer
+Engine, and its rotary embedding ignores `position_ids`, so sequences are right-padded into rows
+of near-equal length (`padded_micro_batches`, at most `micro_batch_tokens` padded tokens each) and
+the per-token results are moved back into the packed layout `objective` expects. Logprobs and
+entropy are computed from vocabulary-parallel logits a chunk of tokens at a time (recomputed in
+the backward pass), so full-vocabulary logits never exist. The optimizer is torch's AdamW on each
+rank's shards, with the gradient norm taken over the whole (unsharded) model.
+
+Not built here: a critic (GAE needs the FSDP2 backend), LoRA, pipeline/sequence/context
+parallelism, megatron's distributed optimizer, and, on CPU, activation recomputation (megatron's
+checkpointing saves CUDA RNG state). Checkpoints are per-rank torch files and resume only on the
+same tensor-parallel size.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from agentrl.errors import ConfigError, FeatureUnavailableError, TrainerError
+from agentrl.trainer.backend import CriticBatch, PolicyBatch, TrainerBackend
+from agentrl.trainer.distributed import balanced_shares, init_distributed, resolve_device
+from agentrl.trainer.megatron_convert import (
+    GPTLayout,
+    gpt_layout_from_hf,
+    hf_to_megatron,
+    megatron_to_hf,
+    partition_dim,
+)
+from agentrl.trainer.objective import MetricSums, loss_denominator, policy_objective
+from agentrl.trainer.packing import PackedBatch, pack_trajectories, packed_to_padded, padded_to_packed
+from agentrl.trainer.rng import rng_state, set_rng_state
+from agentrl.types import Trajectory
+
+__all__ = ["MegatronBackend", "padded_micro_batches", "vocab_parallel_scores"]
+
+_STATE_FILE = "trainer_state.pt"
+_CHUNK_ELEMENTS = 1 << 25  # logits per scoring chunk, as in lm_head.ScoringHead
+
+
+# megatron-core warns on import that Apex and Transformer Engine are missing, and on every
+# TransformerConfig about a CUDA-graph default; the backend uses neither, so they are noise here.
+_QUIET = r".*(Apex|Transformer Engine|full scope is deprecated).*"
+
+
+def _megatron() -> Any:
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=_QUIET)
+            from megatron.core import parallel_state
+            from megatron.core.models.gpt import gpt_layer_specs, gpt_model  # noqa: F401
+    except ImportError as exc:
+        raise FeatureUnavailableError(
+            "trainer.backend=megatron needs megatron-core: pip install 'agentrl[megatron]' "
+            f"(megatron-core==0.16.*), or use trainer.backend=fsdp2. ({exc})"
+        ) from exc
+    return parallel_state
+
+
+def padded_micro_batches(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
+    """Group sequences, longest first, into rows of similar length whose padded size (rows x
+    longest) stays within `max_tokens`. Returns lists of indices into `lengths`."""
+    too_long = [n for n in lengths if n > max_tokens]
+    if too_long:
+        raise ValueError(
+            f"a sequence has {max(too_long)} tokens, more than trainer.micro_batch_tokens={max_tokens}; "
+            "raise micro_batch_tokens to at least the longest sequence."
+        )
+    groups: list[list[int]] = []
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        if groups and (len(groups[-1]) + 1) * lengths[groups[-1][0]] <= max_tokens:
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    return groups
+
+
+def vocab_parallel_scores(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    temperature: float,
+    *,
+    vocab_start: int,
+    with_entropy: bool,
+) -> torch.Tensor:
+    """(n, 2) per-token (logprob of `labels`, entropy) at `temperature`, from this rank's vocabulary
+    shard `weight` (rows `vocab_start` onwards) and the same `hidden` (n, h) on every TP rank.
+
+    Sums over the vocabulary are all-reduced over the tensor-parallel group with megatron-core's
+    mappings (all-reduce forward, identity backward; `hidden` is copied in with the reverse), so
+    the result and its gradient are those of the full-vocabulary softmax.
+    """
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.mappings import (
+        copy_to_tensor_model_parallel_region,
+        reduce_from_tensor_model_parallel_region,
+    )
+
+    group = parallel_state.get_tensor_model_parallel_group()
+
+    def reduce(t: torch.Tensor) -> torch.Tensor:
+        return reduce_from_tensor_model_parallel_region(t, group=group)
+
+    x = copy_to_tensor_model_parallel_region(hidden, group=group)
+    z = F.linear(x, weight).float() / temperature
+    top = z.detach().max(-1).values
+    if parallel_state.get_tensor_model_parallel_world_size() > 1:
+        dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
+    shifted = z - top[:, None]
+    exp = shifted.exp()
+    sum_exp = reduce(exp.sum(-1))
+    local = labels.long() - vocab_start
+    inside = (local >= 0) & (local < z.shape[-1])
+    target = shifted.gather(-1, local.clamp(0, z.shape[-1] - 1)[:, None])[:, 0] * inside
+    target = reduce(target)
+    log_z = sum_exp.log()
+    logprob = target - log_z
+    if not with_entropy:
+        return torch.stack([logprob, torch.zeros_like(logprob)], dim=-1)
+    mean_shifted = reduce((exp * shifted).sum(-1)) / sum_exp
+    return torch.stack([logprob, log_z - mean_shifted], dim=-1)
+
+
+@contextlib.contextmanager
+def _hidden_states_only(model: nn.Module) -> Iterator[None]:
+    # GPTModel returns the final (normed) hidden states instead of logits when it is not the
+    # post-processing stage; the output layer is applied by `vocab_parallel_scores` in chunks.
+    model.post_process = False
+    try:
+        yield
+    finally:
+        model.post_process = True
+
+
+def _warmup(steps: int) -> Any:
+    return lambda s: min(1.0, (s + 1) / steps) if steps > 0 else 1.0
+
+
+class MegatronBackend(TrainerBackend):
+    """A megatron-core GPT policy (and optionally a frozen reference) with tensor parallelism.
+
+    Arguments mirror `FSDP2Backend`: `trainer` gives the optimisation settings and
+    `tensor_parallel`; `with_reference` defaults to what `algorithm` needs (kl_coef > 0); `dtype`
+    is `ModelConfig.dtype` (`auto`: bf16 autocast on CUDA, fp32 on CPU); `deterministic` turns on
+    torch's deterministic algorithms.
+    """
+
+    def __init__(
+        self,
+        model_path: str | Path,
+        trainer: Any,
+        algorithm: Any = None,
+        *,
+        with_reference: bool | None = None,
+        with_critic: bool | None = None,
+        dtype: str = "auto",
+        seed: int = 0,
+        deterministic: bool = False,
+    ) -> None:
+        ps = _megatron()
+        if with_critic is None:
+            with_critic = bool(algorithm is not None and algorithm.advantage == "gae")
+        unsupported = []
+        if with_critic:
+            unsupported.append("a critic (algorithm.advantage=gae)")
+        if trainer.lora_rank > 0:
+            unsupported.append(f"LoRA (trainer.lora_rank={trainer.lora_rank})")
+        self.device = resolve_device(trainer.device)
+        if trainer.gradient_checkpointing and self.device.type == "cpu":
+            unsupported.append("gradient checkpointing on CPU")
+        if dtype == "float16":
+            unsupported.append("float16 (needs a loss scaler; use bfloat16)")
+        if unsupported:
+            raise FeatureUnavailableError(
+                f"the Megatron backend does not support {', '.join(unsupported)}; "
+                "use trainer.backend=fsdp2 for these."
+            )
+        self.config = trainer
+        self.model_path = str(model_path)
+        self.rank, self.world_size = init_distributed(self.device)
+        tp = trainer.tensor_parallel
+        if self.world_size % tp:
+            raise ConfigError(
+                f"trainer.tensor_parallel={tp} does not divide the {self.world_size} trainer processes; "
+                "set trainer.num_processes to a multiple of it."
+            )
+        if not ps.model_parallel_is_initialized():
+            ps.initialize_model_parallel(
+                tensor_model_parallel_size=tp, create_gloo_process_groups=self.device.type == "cuda"
+            )
+        elif ps.get_tensor_model_parallel_world_size() != tp:
+            raise ConfigError(
+                f"megatron-core is already set up with tensor parallel size "
+                f"{ps.get_tensor_model_parallel_world_size()}, not trainer.tensor_parallel={tp}; one "
+                "process holds one layout."
+            )
+        self.tp, self.tp_rank = tp, ps.get_tensor_model_parallel_rank()
+        self.dp, self.dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+        self._tp_group, self._dp_group = ps.get_tensor_model_parallel_group(), ps.get_data_parallel_group()
+        if self.device.type == "cpu":
+            from agentrl.trainer.megatron_shim import apply_cpu_shim, cpu_manual_seed
+
+            apply_cpu_shim()
+            cpu_manual_seed(seed, self.tp_rank)
+        else:
+            from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+            torch.manual_seed(seed)
+            model_parallel_cuda_manual_seed(seed)
+        if deterministic:
+            torch.use_deterministic_algorithms(True)
+        if dtype not in ("auto", "float32", "bfloat16"):
+            raise ConfigError(f"model.dtype '{dtype}' is not one of auto, float32, bfloat16.")
+        bf16 = dtype == "bfloat16" or (dtype == "auto" and self.device.type == "cuda")
+        self._autocast = torch.bfloat16 if bf16 else None
+
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        self.layout = gpt_layout_from_hf(AutoConfig.from_pretrained(self.model_path))
+        self.layout.check_tensor_parallel(tp)
+        hf = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32)
+        hf_state = hf.state_dict()
+        del hf
+        if with_reference is None:
+            with_reference = bool(algorithm is not None and algorithm.kl_coef > 0)
+        self.policy = self._build_model(hf_state, trainable=True)
+        self.reference = self._build_model(hf_state, trainable=False) if with_reference else None
+        del hf_state
+        self.optimizer = torch.optim.AdamW(
+            self.policy.parameters(), lr=trainer.lr, weight_decay=trainer.weight_decay
+        )
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, _warmup(trainer.warmup_steps))
+        self._step = 0
+
+    # ── building ────────────────────────────────────────────────────────────────────────────
+    def _transformer_config(self) -> Any:
+        from megatron.core.transformer.transformer_config import TransformerConfig
+
+        lay = self.layout
+        recompute: dict[str, Any] = {}
+        if self.config.gradient_checkpointing:
+            recompute = {
+                "recompute_granularity": "full",
+                "recompute_method": "uniform",
+                "recompute_num_layers": 1,
+            }
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=_QUIET)
+            return self._make_config(TransformerConfig, lay, recompute)
+
+    def _make_config(self, cls: Any, lay: GPTLayout, recompute: dict[str, Any]) -> Any:
+        return cls(
+            num_layers=lay.num_layers,
+            hidden_size=lay.hidden_size,
+            ffn_hidden_size=lay.ffn_hidden_size,
+            num_attention_heads=lay.num_attention_heads,
+            num_query_groups=lay.num_query_groups,
+            kv_channels=lay.head_dim,
+            normalization="RMSNorm",
+            layernorm_epsilon=lay.norm_eps,
+            gated_linear_unit=True,
+            activation_func=F.silu,
+            add_bias_linear=False,
+            add_qkv_bias=lay.qkv_bias,
+            hidden_dropout=0.0,
+            attention_dropout=0.0,
+            tensor_model_parallel_size=self.tp,
+            params_dtype=torch.float32,
+            use_cpu_initialization=True,
+            perform_initialization=False,  # every weight comes from the checkpoint
+            bias_activation_fusion=False,
+            bias_dropout_fusion=False,
+            masked_softmax_fusion=False,
+            apply_rope_fusion=False,
+            persist_layer_norm=False,
+            gradient_accumulation_fusion=False,
+            **recompute,
+        )
+
+    def _build_model(self, hf_state: dict[str, torch.Tensor], *, trainable: bool) -> nn.Module:
+        from megatron.core.models.gpt import GPTModel
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+        lay = self.layout
+        model = GPTModel(
+            self._transformer_config(),
+            get_gpt_layer_local_spec(normalization="RMSNorm"),
+            vocab_size=lay.vocab_size,
+            max_sequence_length=lay.max_position_embeddings,
+            share_embeddings_and_output_weights=lay.tied_embeddings,
+            position_embedding_type="rope",
+            rotary_base=lay.rope_theta,
+        )
+        model.load_state_dict(hf_to_megatron(hf_state, lay, self.tp_rank, self.tp), strict=True)
+        model.to(self.device)
+        if not trainable:
+            model.requires_grad_(False)
+            model.eval()
+        return model
+
+    # ── the interface's small parts ─────────────────────────────────────────────────────────
+    @property
+    def has_reference(self) -> bool:
+        return self.reference is not None
+
+    @property
+    def has_critic(self) -> bool:
+        return False
+
+    @property
+    def global_step(self) -> int:
+        return self._step
+
+    def _dp_all_reduce(self, tensor: torch.Tensor, op: str) -> None:
+        # TP ranks of one replica hold identical results: combine across replicas only.
+        if self.dp > 1:
+            dist.all_reduce(
+                tensor, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM, group=self._dp_group
+            )
+
+    # ── forward ─────────────────────────────────────────────────────────────────────────────
+    def _plan(self, trajectories: Sequence[Trajectory]) -> list[PackedBatch]:
+        """This replica's micro-batches (packed bookkeeping; run padded), `indices` into `trajectories`."""
+        lengths = [len(t.token_ids) for t in trajectories]
+        mine = balanced_shares(lengths, self.dp)[self.dp_rank]
+        plan = []
+        for members in padded_micro_batches([lengths[i] for i in mine], self.config.micro_batch_tokens):
+            idx = sorted(mine[j] for j in members)
+            batch = pack_trajectories([trajectories[i] for i in idx])
+            batch.indices = idx
+            plan.append(batch)
+        return plan
+
+    def _token_scores(
+        self, model: nn.Module, batch: PackedBatch, temperature: float, *, with_entropy: bool
+    ) -> torch.Tensor:
+        """(1, N, 2) packed (logprob, entropy) of a micro-batch, run as right-padded rows."""
+        if temperature <= 0:
+            raise ValueError(f"temperature must be > 0 to score tokens, got {temperature}.")
+        input_ids = packed_to_padded(batch.input_ids, batch.cu_seqlens).to(self.device)
+        labels = packed_to_padded(batch.labels, batch.cu_seqlens).to(self.device)
+        rows, width = input_ids.shape
+        positions = torch.arange(width, device=self.device).expand(rows, width)
+        causal = torch.ones((width, width), dtype=torch.bool, device=self.device).triu(1)[None, None]
+        autocast = (
+            torch.autocast(self.device.type, dtype=self._autocast)
+            if self._autocast is not None
+            else contextlib.nullcontext()
+        )
+        with autocast, _hidden_states_only(model):
+            hidden = model(input_ids, positions, causal)  # (width, rows, h)
+        hidden = hidden.transpose(0, 1).reshape(rows * width, -1)
+        flat_labels = labels.reshape(-1)
+        weight = model.shared_embedding_or_output_weight() if self.layout.tied_embeddings else None
+        if weight is None:
+            weight = model.output_layer.weight
+        vocab_start = self.tp_rank * weight.shape[0]
+        chunk = max(16, _CHUNK_ELEMENTS // weight.shape[0])
+        outs = []
+        for start in range(0, hidden.shape[0], chunk):
+            args = (hidden[start : start + chunk], weight, flat_labels[start : start + chunk], temperature)
+            kwargs = {"vocab_start": vocab_start, "with_entropy": with_entropy}
+            if torch.is_grad_enabled() and hidden.requires_grad:
+                outs.append(checkpoint(vocab_parallel_scores, *args, use_reentrant=False, **kwargs))
+            else:
+                outs.append(vocab_parallel_scores(*args, **kwargs))
+        scores = torch.cat(outs).reshape(rows, width, 2)
+        return padded_to_packed(scores, batch.cu_seqlens)
+
+    @torch.no_grad()
+    def _score(
+        self, model: nn.Module, trajectories: Sequence[Trajectory], temperature: float
+    ) -> torch.Tensor:
+        width = max((len(t.token_ids) for t in trajectories), default=0)
+        out = torch.zeros((len(trajectories), width), dtype=torch.float32)
+        was_training = model.training
+        model.eval()
+        for batch in self._plan(trajectories):
+            values = self._token_scores(model, batch, temperature, with_entropy=False)[0, :, 0].float().cpu()
+            values[batch.cu_seqlens[1:].long() - 1] = 0.0  # a sequence's last position predicts nothing
+            start = 0
+            for i, n in zip(batch.indices, batch.seq_lengths, strict=True):
+                out[i, :n] = values[start : start + n]
+                start += n
+        model.train(was_training)
+        self._dp_all_reduce(out, "sum")
+        return out
+
+    def compute_logprobs(
+        self, trajectories: Sequence[Trajectory], *, temperature: float = 1.0
+    ) -> torch.Tensor:
+        return self._score(self.policy, trajectories, temperature)
+
+    def compute_ref_logprobs(
+        self, trajectories: Sequence[Trajectory], *, temperature: float = 1.0
+    ) -> torch.Tensor:
+        if self.reference is None:
+            raise TrainerError("this backend has no reference model; build it with with_reference=True.")
+        return self._score(self.reference, trajectories, temperature)
+
+    def compute_values(self, trajectories: Sequence[Trajectory]) -> torch.Tensor:
+        raise TrainerError("the Megatron backend has no critic; use trainer.backend=fsdp2 for GAE.")
+
+    # ── updates ─────────────────────────────────────────────────────────────────────────────
+    def update_policy(self, batch: PolicyBatch, algorithm: Any) -> dict[str, float]:
+        trainable = torch.tensor([[1.0 if t.trainable else 0.0] for t in batch.trajectories])
+        loss_mask = batch.loss_mask * trainable
+        denominator = loss_denominator(loss_mask, algorithm.loss_agg)
+        if denominator == 0:
+            return {"skipped": 1.0}
+        self.policy.train()
+        tensors = {
+            "loss_mask": loss_mask,
+            "advantages": batch.advantages,
+            "old_logprobs": batch.old_logprobs,
+            "ref_logprobs": batch.ref_logprobs,
+            "is_weights": batch.is_weights,
+        }
+        sums = MetricSums()
+        for packed in self._plan(batch.trajectories):
+            tokens: dict[str, Any] = {"segment_ids": packed.segment_ids.to(self.device)}
+            for name, value in tensors.items():
+                if value is not None:
+                    pieces = [value[i, :n] for i, n in zip(packed.indices, packed.seq_lengths, strict=True)]
+                    tokens[name] = torch.cat(pieces).unsqueeze(0).to(self.device, torch.float32)
+            scores = self._token_scores(self.policy, packed, batch.temperature, with_entropy=True)
+            logprobs, entropy = scores[..., 0], scores[..., 1]
+            if not algorithm.entropy_coef:
+                entropy = entropy.detach()
+            loss, metrics = policy_objective(
+                logprobs, tokens, algorithm, denominator=denominator, entropy=entropy, max_len=batch.max_len
+            )
+            loss.backward()
+            sums.add(metrics, float(tokens["loss_mask"].sum()))
+        out = self._optimizer_step()
+        self._step += 1
+        out.update(sums.reduce(self._dp_all_reduce))
+        return out
+
+    def update_critic(self, batch: CriticBatch, algorithm: Any) -> dict[str, float]:
+        raise TrainerError("the Megatron backend has no critic; use trainer.backend=fsdp2 for GAE.")
+
+    def _grad_norm(self, named: list[tuple[str, nn.Parameter]]) -> torch.Tensor:
+        """The L2 norm of the whole model's gradient: sharded parameters summed over TP ranks,
+        replicated ones (identical on every TP rank) counted once. Which is which comes from the
+        parameter's name: megatron-core marks its weights `tensor_model_parallel` only when it
+        initialises them, which the backend skips."""
+        sharded = torch.zeros((), dtype=torch.float64, device=self.device)
+        replicated = torch.zeros((), dtype=torch.float64, device=self.device)
+        for name, p in named:
+            sq = p.grad.detach().double().pow(2).sum()
+            if partition_dim(name) is not None:
+                sharded += sq
+            else:
+                replicated += sq
+        if self.tp > 1:
+            dist.all_reduce(sharded, group=self._tp_group)
+        return (sharded + replicated).sqrt().float()
+
+    def _optimizer_step(self) -> dict[str, float]:
+        named = [(n, p) for n, p in self.policy.named_parameters() if p.grad is not None]
+        params = [p for _, p in named]
+        if self.dp > 1:
+            for p in params:  # the loss is normalised by the global count: sum the replicas
+                dist.all_reduce(p.grad, group=self._dp_group)
+        norm = self._grad_norm(named)
+        grad_norm = float(norm)
+        lr = self.scheduler.get_last_lr()[0]
+        if np.isfinite(grad_norm):
+            torch.nn.utils.clip_grads_with_norm_(params, self.config.grad_clip, norm)
+            self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return {"grad_norm": grad_norm, "lr": lr, "grad_nonfinite": float(not np.isfinite(grad_norm))}
+
+    # ── weights and checkpoints ─────────────────────────────────────────────────────────────
+    def _shards(self, name: str, tensor: torch.Tensor) -> list[torch.Tensor]:
+        tensor = tensor.detach().contiguous()
+        if partition_dim(name) is None or self.tp == 1:
+            return [tensor.cpu()]
+        shards = [torch.empty_like(tensor) for _ in range(self.tp)]
+        dist.all_gather(shards, tensor, group=self._tp_group)
+        return [s.cpu() for s in shards]
+
+    def export_weights(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        """The policy under Hugging Face names, gathered over the tensor-parallel ranks."""
+        for name, param in self.policy.named_parameters():
+            for hf_name, full in megatron_to_hf(name, self._shards(name, param), self.layout):
+                yield hf_name, full.to(dtype) if dtype is not None else full
+
+    def save(self, path: str | Path, data_position: dict[str, Any] | None = None) -> None:
+        from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        if self.dp_rank == 0:  # one copy of each TP shard
+            shard = {"policy": self.policy.state_dict(), "optimizer": self.optimizer.state_dict()}
+            torch.save(shard, path / f"model_tp{self.tp_rank}.pt")
+        rng = rng_state()
+        rng["megatron"] = {k: v.clone() for k, v in get_cuda_rng_tracker().get_states().items()}
+        torch.save(rng, path / f"rng_rank{self.rank}.pt")
+        if self.rank == 0:
+            meta = {
+                "global_step": self._step,
+                "world_size": self.world_size,
+                "tensor_parallel": self.tp,
+                "scheduler": self.scheduler.state_dict(),
+                "data_position": dict(data_position or {}),
+            }
+            torch.save(meta, path / _STATE_FILE)
+        dist.barrier()
+
+    def load(self, path: str | Path) -> dict[str, Any]:
+        from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+        path = Path(path)
+        if not (path / _STATE_FILE).is_file():
+            raise TrainerError(
+                f"no trainer checkpoint at '{path}' (missing {_STATE_FILE}); pass a folder `save` wrote."
+            )
+        meta = torch.load(path / _STATE_FILE, weights_only=True)
+        if meta["tensor_parallel"] != self.tp:
+            raise TrainerError(
+                f"the checkpoint at '{path}' was saved with tensor_parallel={meta['tensor_parallel']}; "
+                f"resume with trainer.tensor_parallel={meta['tensor_parallel']} (this run has {self.tp})."
+            )
+        shard = torch.load(path / f"model_tp{self.tp_rank}.pt", weights_only=True)
+        self.policy.load_state_dict(shard["policy"])
+        self.optimizer.load_state_dict(shard["optimizer"])
+        self.scheduler.load_state_dict(meta["scheduler"])
+        self._step = int(meta["global_step"])
+        rng_file = path / f"rng_rank{self.rank}.pt"
+        if not rng_file.is_file():  # resumed on more ranks than saved: reuse rank 0's streams
+            rng_file = path / "rng_rank0.pt"
+        rng = torch.load(rng_file, weights_only=True)
+        set_rng_state(rng)
+        get_cuda_rng_tracker().set_states(dict(rng["megatron"]))
+        return dict(meta["data_position"])

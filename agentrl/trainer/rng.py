@@ -1,0 +1,40 @@
+"""The random-number state a trainer checkpoint saves: Python, NumPy, torch CPU and CUDA generators.
+
+`rng_state()` captures this process's generators as tensors and plain values (loadable with
+`torch.load(weights_only=True)`); `set_rng_state` puts them back, so a resumed run draws the same
+numbers as the run that saved. Each rank saves its own. Backend-specific streams (megatron-core's
+tensor-parallel RNG tracker) are the backend's business.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import numpy as np
+import torch
+
+__all__ = ["rng_state", "set_rng_state"]
+
+
+def rng_state() -> dict[str, Any]:
+    """This process's Python, NumPy and torch (CPU, and CUDA when visible) generator states."""
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    state = {
+        "python": random.getstate(),
+        "numpy": (kind, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, cached),
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    """Restore what `rng_state` captured."""
+    random.setstate(state["python"])
+    kind, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
