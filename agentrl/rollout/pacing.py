@@ -9,7 +9,8 @@ The gate cuts such bursts into slices of at most about `slice_s` of CPU. An epis
 work in `async with gate:`; while the current slice has time left and nobody is queued, it goes
 straight in (no suspension, about a microsecond). Otherwise it queues; at the next iteration of
 the loop the gate opens a new slice and wakes as many queued episodes, first come first served,
-as the slice is expected to hold (from a running mean of section lengths). Between two slices
+as the slice is expected to hold (from a running mean of section lengths); one that finds the slice
+already spent when it runs goes back to the head of the queue. Between two slices
 the loop polls its sockets and runs its due timers, so no stall is much longer than a slice.
 
 This paces work, it does not lock: sections never overlap anyway on one thread, and a section
@@ -40,6 +41,7 @@ class CpuGate:
         self._granted = 0  # woken waiters that have not entered yet
         self._mean = 1e-4  # running mean of a section's length, to size the next wake-up
         self._tick_pending = False
+        self._front = 0  # waiters put back at the head of the queue since the last slice opened
         self._entered: dict[Any, float] = {}  # task -> when its section began
         self.slices = 0
         self.queued = 0
@@ -48,6 +50,10 @@ class CpuGate:
     async def __aenter__(self) -> None:
         if self._granted or self._waiters or self._used >= self.slice_s:
             await self._wait_turn()
+            # Woken into a slice that earlier sections already spent (the wake-up count is only an
+            # estimate): wait for the next one, ahead of everybody who queued later.
+            while self._used >= self.slice_s:
+                await self._wait_turn(front=True)
         self._entered[asyncio.current_task()] = time.perf_counter()
 
     async def __aexit__(self, *exc: object) -> None:
@@ -59,11 +65,15 @@ class CpuGate:
         if self._used >= self.slice_s or self._waiters:
             self._schedule_tick()
 
-    async def _wait_turn(self) -> None:
+    async def _wait_turn(self, front: bool = False) -> None:
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[None] = loop.create_future()
-        self._waiters.append(fut)
-        self.queued += 1
+        if front:
+            self._waiters.insert(self._front, fut)
+            self._front += 1
+        else:
+            self._waiters.append(fut)
+            self.queued += 1
         self._schedule_tick()
         try:
             await fut
@@ -84,6 +94,7 @@ class CpuGate:
         """Open a new slice: wake as many waiters as it is expected to hold (at least one)."""
         self._tick_pending = False
         self._used = 0.0
+        self._front = 0
         self.slices += 1
         room = max(1, int(self.slice_s / max(self._mean, 1e-6)))
         while room and self._waiters:

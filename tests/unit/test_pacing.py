@@ -95,3 +95,31 @@ def test_exceptions_leave_the_gate_usable() -> None:
 def test_slice_must_be_positive() -> None:
     with pytest.raises(ValueError, match="slice_s"):
         CpuGate(slice_s=0)
+
+
+def test_slices_stay_bounded_when_section_lengths_vary(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Many tiny sections make the wake-up estimate too generous for the long ones that follow;
+    a woken section that finds its slice spent waits for the next (on a fake clock)."""
+    from agentrl.rollout import pacing
+
+    now = [0.0]
+    monkeypatch.setattr(pacing.time, "perf_counter", lambda: now[0])
+    gate = CpuGate(slice_s=0.002)
+    per_slice: dict[int, float] = {}
+    order: list[int] = []
+
+    async def episode(i: int, cost: float) -> None:
+        async with gate:
+            order.append(i)
+            now[0] += cost
+            per_slice[gate.slices] = per_slice.get(gate.slices, 0.0) + cost
+
+    async def main() -> None:
+        tasks = [asyncio.create_task(episode(i, 1e-6)) for i in range(200)]
+        tasks += [asyncio.create_task(episode(200 + i, 0.001)) for i in range(40)]
+        await asyncio.gather(*tasks)
+
+    asyncio.run(main())
+    assert order == list(range(240))
+    assert max(per_slice.values()) <= 0.002 + 0.001 + 1e-9
+    assert gate.slices >= 19  # 40 ms of long sections, two per 2 ms slice
