@@ -18,8 +18,16 @@ generation cut by length) is appended as TEMPLATE.
 Origins. The first prompt is PROMPT. In a delta, a token whose characters overlap a new message's
 `content` is TOOL (whatever the role: everything the environment said is TOOL), every other
 token (role markers, `<tool_response>` wrappers, closings, the generation prompt) is TEMPLATE. The
-content spans are located by rendering the delta a second time with sentinel contents; when a
+content spans are located by rendering the delta a second time with sentinels in place of the
+contents (and of call ids and names, where the template accepts that) and checking that putting
+the real values back gives the delta text exactly; that sentinel render depends only on the shape
+of the new messages, the tools and the system message, so it is cached per shape. When a
 template transforms content so that this fails, a plain left-to-right search is the fallback.
+
+Cost. Rendering is Jinja; tokenising is mostly a fast tokenizer's pre-tokenizer regex, whose cost
+grows with the characters. Pieces of text between the template's special tokens are tokenised
+once and cached (`agentrl.segments.SegmentEncoder`), so the system prompt and tool schemas that
+every episode repeats, and the role markers every delta repeats, cost a dict lookup.
 Tokenisers without offset mapping mark every appended token TEMPLATE. Either way, only sampled
 tokens are ever SAMPLED.
 
@@ -48,13 +56,17 @@ This module does not parse tool calls (agentrl.tools.parsers does) and does not 
 
 from __future__ import annotations
 
+import json
 import logging
+import re
+import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from agentrl.errors import ChatTemplateError
+from agentrl.segments import SegmentEncoder
 from agentrl.types import Generation, Message, TokenOrigin, ToolSchema, Trajectory
 
 __all__ = ["ChatTemplate", "ConversationTokenizer", "TokenDelta"]
@@ -65,6 +77,19 @@ log = logging.getLogger(__name__)
 _MARK = "AGENTRL-DELTA-MARK-5f0c2a"
 _DUMMY_USER = "AGENTRL-DELTA-USER-5f0c2a"
 _SENTINEL = "AGENTRL-CONTENT-{}-5f0c2a"
+_SENTINEL_RE = re.compile(r"AGENTRL-CONTENT-\d+-[a-z_]+-5f0c2a")
+_MASKED_FIELDS = ("content", "tool_call_id", "name")
+_PROBE_TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "probe",
+            "description": "A probe.",
+            "parameters": {"type": "object", "properties": {"x": {"type": "string"}}, "required": ["x"]},
+        },
+    }
+]
+_MASKED_CACHE_SIZE = 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,7 +140,13 @@ class ChatTemplate:
             [*self._dummy(None), {"role": "assistant", "content": _MARK}], add_generation_prompt=False
         )
         self.closing_text = _after_mark(text)
+        self.segments = SegmentEncoder(tokenizer, [text, *self._probe_renders()])
         self.closing_ids = self.encode(self.closing_text)
+        # Sentinel renders of deltas depend only on the shape of the new messages (roles, call
+        # ids, names), the tools and the system message, so they are rendered once per shape.
+        self._masked: dict[str, str] = {}
+        self._masked_lock = threading.Lock()
+        self._mask_ids: bool | None = None  # whether the template accepts sentinel call ids
 
     @classmethod
     def from_pretrained(
@@ -151,8 +182,13 @@ class ChatTemplate:
             ) from exc
 
     def encode(self, text: str) -> list[int]:
-        """Token ids of rendered text; special tokens come from the text, none are added."""
-        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        """Token ids of rendered text; special tokens come from the text, none are added.
+
+        Equal to `tokenizer(text, add_special_tokens=False)["input_ids"]`; pieces between the
+        template's special tokens are cached (`agentrl.segments`), so the system prompt and tool
+        schemas every episode repeats are tokenised once.
+        """
+        return self.segments.encode(text)
 
     def encode_prompt(
         self,
@@ -237,6 +273,28 @@ class ChatTemplate:
         head = [dict(system)] if system else []
         return [*head, {"role": "user", "content": _DUMMY_USER}]
 
+    def _probe_renders(self) -> list[str]:
+        """Renders of typical conversations, to choose where `SegmentEncoder` may cut text."""
+        call = {"id": "probe0001", "type": "function", "function": {"name": "probe", "arguments": {"x": "1"}}}
+        system = {"role": "system", "content": "S."}
+        user = {"role": "user", "content": "U."}
+        tries: list[tuple[list[dict[str, Any]], Any]] = [
+            ([system, user], _PROBE_TOOLS),
+            ([system, user, {"role": "assistant", "content": "A."}, {"role": "user", "content": "V."}], None),
+            (
+                [user, {"role": "assistant", "content": "", "tool_calls": [call]},
+                 {"role": "tool", "content": "1", "tool_call_id": "probe0001", "name": "probe"}],
+                _PROBE_TOOLS,
+            ),
+        ]
+        out = []
+        for messages, tools in tries:
+            try:
+                out.append(self.render(messages, tools))
+            except ChatTemplateError:
+                continue
+        return out
+
     def _content_spans(
         self,
         base: list[dict[str, Any]],
@@ -250,29 +308,17 @@ class ChatTemplate:
         slots = [i for i, c in enumerate(contents) if isinstance(c, str) and c]
         if not slots:
             return []
-        masked = [dict(m) for m in new]
-        for i in slots:
-            masked[i]["content"] = _SENTINEL.format(i)
-        try:
-            masked_text = _after_mark(
-                self.render(base + masked, tools, add_generation_prompt=add_generation_prompt)
-            )
-        except ChatTemplateError:
-            masked_text = ""
-        spans: list[tuple[int, int]] = []
-        pos_masked = pos_real = 0
-        ok = bool(masked_text)
-        for i in slots:
-            at = masked_text.find(_SENTINEL.format(i), pos_masked) if ok else -1
-            if at < 0:
-                ok = False
-                break
-            pos_real += at - pos_masked
-            content = str(contents[i])
-            spans.append((pos_real, pos_real + len(content)))
-            pos_real += len(content)
-            pos_masked = at + len(_SENTINEL.format(i))
-        if ok and _splice(masked_text, slots, contents) == text:
+        # Masking the call ids and names too makes the sentinel render the same for every
+        # episode (ids are random), so it is cached; templates that check ids (Mistral wants 9
+        # alphanumerics) refuse the masked ids, and then only contents are masked.
+        spans = None
+        if self._mask_ids is not False:
+            spans = self._sentinel_spans(base, new, text, tools, add_generation_prompt, _MASKED_FIELDS)
+            if self._mask_ids is None:
+                self._mask_ids = spans is not None
+        if spans is None:
+            spans = self._sentinel_spans(base, new, text, tools, add_generation_prompt, ("content",))
+        if spans is not None:
             return spans
         # The template transformed content; fall back to finding each content (or its stripped
         # form, for templates that trim) in order. Content not found is left TEMPLATE.
@@ -286,11 +332,83 @@ class ChatTemplate:
                     break
         return spans
 
+    def _sentinel_spans(
+        self,
+        base: list[dict[str, Any]],
+        new: list[dict[str, Any]],
+        text: str,
+        tools: Sequence[ToolSchema] | None,
+        add_generation_prompt: bool,
+        fields: tuple[str, ...],
+    ) -> list[tuple[int, int]] | None:
+        """Content spans found by rendering `fields` as sentinels and putting the values back.
+
+        None when that does not reproduce `text` exactly (the template transformed a value, or
+        refused the sentinels): the spans are only trusted when the splice is the real text.
+        """
+        values: dict[str, tuple[str, bool]] = {}
+        masked = []
+        for i, message in enumerate(new):
+            m = dict(message)
+            for f in fields:
+                value = m.get(f)
+                if isinstance(value, str) and value:
+                    sentinel = _SENTINEL.format(f"{i}-{f}")
+                    m[f] = sentinel
+                    values[sentinel] = (value, f == "content")
+            masked.append(m)
+        masked_text = self._masked_render(base, masked, tools, add_generation_prompt)
+        if not masked_text:
+            return None
+        parts: list[str] = []
+        spans: list[tuple[int, int]] = []
+        pos = length = 0
+        for match in _SENTINEL_RE.finditer(masked_text):
+            found = values.get(match.group(0))
+            if found is None:
+                return None
+            parts.append(masked_text[pos : match.start()])
+            length += match.start() - pos
+            value, is_content = found
+            if is_content:
+                spans.append((length, length + len(value)))
+            parts.append(value)
+            length += len(value)
+            pos = match.end()
+        parts.append(masked_text[pos:])
+        return spans if "".join(parts) == text else None
+
+    def _masked_render(
+        self,
+        base: list[dict[str, Any]],
+        masked: list[dict[str, Any]],
+        tools: Sequence[ToolSchema] | None,
+        add_generation_prompt: bool,
+    ) -> str:
+        """The delta text of the sentinel conversation ("" if the template refuses it), cached.
+
+        The key is the whole input of the render (JSON), so a different tool set, system message
+        or message shape renders anew; inputs that are not JSON-serialisable are not cached.
+        """
+        try:
+            key = json.dumps([base, masked, tools, add_generation_prompt], sort_keys=True)
+        except (TypeError, ValueError):
+            key = None
+        if key is not None and (hit := self._masked.get(key)) is not None:
+            return hit
+        try:
+            text = _after_mark(self.render(base + masked, tools, add_generation_prompt=add_generation_prompt))
+        except ChatTemplateError:
+            text = ""
+        if key is not None:
+            with self._masked_lock:
+                if len(self._masked) >= _MASKED_CACHE_SIZE:
+                    del self._masked[next(iter(self._masked))]
+                self._masked[key] = text
+        return text
+
     def _encode_with_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]] | None]:
-        if getattr(self.tokenizer, "is_fast", False):
-            enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-            return list(enc["input_ids"]), [tuple(o) for o in enc["offset_mapping"]]
-        return self.encode(text), None
+        return self.segments.encode_with_offsets(text)
 
 
 def _after_mark(text: str) -> str:
@@ -310,14 +428,6 @@ def _common_prefix_len(a: Sequence[Any], b: Sequence[Any]) -> int:
             break
         n += 1
     return n
-
-
-def _splice(masked: str, slots: list[int], contents: list[Any]) -> str:
-    """Put the real contents back in place of the sentinels (to check the spans are right)."""
-    out = masked
-    for i in reversed(slots):
-        out = out.replace(_SENTINEL.format(i), contents[i], 1)
-    return out
 
 
 class ConversationTokenizer:

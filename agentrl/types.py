@@ -246,14 +246,14 @@ class Trajectory:
                 raise ValueError(f"{n} sampled tokens need {n} rollout logprobs, got {got}")
             if version < 0:
                 raise ValueError(f"sampled tokens need a policy version >= 0, got {version}")
-            self.logprobs.extend(float(x) for x in logprobs)
+            self.logprobs.extend(map(float, logprobs))
             self.versions.extend([version] * n)
         else:
             if logprobs is not None:
                 raise ValueError(f"only sampled tokens carry logprobs, not {origin.name} tokens")
             self.logprobs.extend([0.0] * n)
             self.versions.extend([-1] * n)
-        self.token_ids.extend(int(t) for t in token_ids)
+        self.token_ids.extend(map(int, token_ids))
         self.origins.extend([int(origin)] * n)
         self.turns.extend([turn] * n)
 

@@ -14,6 +14,11 @@ bounded by what is left of the episode's time. Failures of the machinery (server
 timeout) set `fault="infra"`, so the trainer masks the episode instead of scoring it 0; nothing is
 dropped, every episode returns a trajectory. The loop closes the env when the episode ends.
 
+The chat-template and parsing work of a turn (a few hundred microseconds) runs on the event loop,
+not on a thread, paced by a `CpuGate`: when thousands of episodes become ready together, it runs
+in slices of `cpu_slice_s` with socket and timer polls in between, so the loop never stalls much
+longer than a slice and no work hops between threads.
+
 It knows nothing of training, batching or weight pushes; `RolloutWorker` runs many loops at once.
 """
 
@@ -24,19 +29,17 @@ import enum
 import logging
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from agentrl.chat import ChatTemplate, ConversationTokenizer
 from agentrl.errors import AgentRLError
+from agentrl.rollout.pacing import CpuGate
 from agentrl.types import Action, FinishReason, Generation, Message, SamplingParams, Trajectory
 
 __all__ = ["AgentLoop", "AgentLoopConfig", "EpisodeState", "GenerateClient", "end_of_turn_ids"]
 
 log = logging.getLogger(__name__)
-
-_RENDER_POOL = ThreadPoolExecutor(max_workers=1, thread_name_prefix="agentrl-render")
 
 _END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "</s>", "<|endoftext|>")
 
@@ -78,6 +81,9 @@ class AgentLoopConfig:
     """Episodes in their start-up (env reset, first prompt) at once. asyncio runs every ready task
     before it looks at timers and sockets, so a thousand episodes starting together would stall the
     event loop for their whole start-up; admitting a few at a time keeps it responsive."""
+    cpu_slice_s: float = 0.002
+    """Longest burst of chat-template and parsing work the loop runs before it polls sockets and
+    timers again (`agentrl.rollout.pacing.CpuGate`); bounds event-loop stalls."""
 
     @classmethod
     def from_rollout_config(cls, rollout: Any) -> AgentLoopConfig:
@@ -153,6 +159,7 @@ class AgentLoop:
         tokenizer = template.tokenizer
         self.stop_token_ids = stop_token_ids if stop_token_ids is not None else end_of_turn_ids(tokenizer)
         self._starting: asyncio.Semaphore | None = None
+        self.gate = CpuGate(self.config.cpu_slice_s)
         self._handlers = {
             EpisodeState.PENDING: self._on_pending,
             EpisodeState.GENERATING: self._on_generating,
@@ -209,7 +216,8 @@ class AgentLoop:
         if ep.row is not None:
             options["row"] = ep.row
         messages, info = await self._await(ep, ep.env.areset(seed=ep.seed, options=options), "env reset")
-        ids = await self._render(ep.conv.start, messages, info.get("tools") or None)
+        async with self.gate:
+            ids = ep.conv.start(messages, info.get("tools") or None)
         if len(ids) >= self.config.max_total_tokens:
             raise _EpisodeOver(FinishReason.MAX_LENGTH)
         return EpisodeState.GENERATING
@@ -227,12 +235,10 @@ class AgentLoop:
             raise _EpisodeOver(FinishReason.TIMEOUT, "infra", "no time left for the next generation")
         t0 = time.perf_counter()
         try:
-            generation = await asyncio.wait_for(
-                self.client.generate(
+            async with asyncio.timeout(timeout):
+                generation = await self.client.generate(
                     list(ep.trajectory.token_ids), sampling, session_id=ep.trajectory.episode_id, timeout_s=timeout
-                ),
-                timeout,
-            )
+                )
         except TimeoutError:
             raise self._timeout_or_error(ep, "generation", timeout) from None
         except AgentRLError as exc:
@@ -243,9 +249,10 @@ class AgentLoop:
             raise _EpisodeOver(FinishReason.ERROR, "infra", "the server aborted the generation")
         if not generation.token_ids:
             generation = Generation([], [], generation.finish_reason, generation.weight_version)
-        text = self.template.decode_turn(generation.token_ids)
-        ep.action = self.parser.parse(text)
-        ep.conv.add_generation(generation, ep.action.to_message())
+        async with self.gate:
+            text = self.template.decode_turn(generation.token_ids)
+            ep.action = self.parser.parse(text)
+            ep.conv.add_generation(generation, ep.action.to_message())
         ep.turns += 1
         if generation.finish_reason == "length":
             # The turn was cut by a token budget: a half-written turn is not an action (verl and
@@ -266,29 +273,21 @@ class AgentLoop:
             raise _EpisodeOver(FinishReason.DONE)
         if truncated or ep.turns >= self.config.max_turns:
             raise _EpisodeOver(FinishReason.MAX_TURNS)
-        ids = await self._render(ep.conv.add_messages, _as_messages(obs))
+        async with self.gate:
+            ids = ep.conv.add_messages(_as_messages(obs))
         if len(ids) >= self.config.max_total_tokens:
             raise _EpisodeOver(FinishReason.MAX_LENGTH)
         return EpisodeState.GENERATING
 
     # ── helpers ─────────────────────────────────────────────────────────────────────────────
-    async def _render(self, fn: Any, *args: Any) -> list[int]:
-        """Run chat-template work (Jinja + tokenizer, ~1 ms) on the render thread.
-
-        When a thousand episodes become ready at once, doing this inline would block the event
-        loop for seconds (asyncio runs every ready callback before it looks at timers or sockets);
-        on one worker thread the loop stays responsive to server and sandbox I/O. One thread,
-        because the work holds the GIL anyway and a queue keeps the order fair.
-        """
-        return await asyncio.get_running_loop().run_in_executor(_RENDER_POOL, fn, *args)
-
     async def _await(self, ep: _Episode, coro: Any, what: str) -> Any:
         timeout = ep.time_left()
         if timeout <= 0:
             coro.close()
             raise _EpisodeOver(FinishReason.TIMEOUT, "infra", f"no time left for the {what}")
         try:
-            return await asyncio.wait_for(coro, timeout)
+            async with asyncio.timeout(timeout):
+                return await coro
         except TimeoutError:
             raise self._timeout_or_error(ep, what, timeout) from None
         except AgentRLError as exc:
@@ -314,7 +313,8 @@ class AgentLoop:
 
     async def _close_env(self, ep: _Episode) -> None:
         try:
-            await asyncio.wait_for(ep.env.aclose(), self.config.close_timeout_s)
+            async with asyncio.timeout(self.config.close_timeout_s):
+                await ep.env.aclose()
         except Exception as exc:  # closing must never lose the trajectory
             log.warning("closing the env of episode %s failed: %s", ep.trajectory.episode_id, exc)
             ep.trajectory.metrics["env_close_failed"] = 1.0

@@ -3,9 +3,16 @@
 Every rank of the process group builds the engine; rank `src` (the trainer, rank 0 by default)
 calls `send`, all others call `receive`. Per bucket, the pickled metadata goes out in one
 broadcast of a reused 64 KiB control buffer (a second broadcast only for metadata longer than
-that) and the bytes in one `broadcast` of the bucket's uint8 buffer; a final `PushEnd` message
-closes the push (or aborts it, so receivers raise instead of waiting for ever
-when the sender's iterator fails). gloo carries CPU buffers, NCCL GPU buffers; with NCCL the
+that), then the bytes in one `broadcast` per *piece*; a final `PushEnd` message closes the push
+(or aborts it, so receivers raise instead of waiting for ever when the sender's iterator fails).
+
+Pieces. Small tensors are copied into the bucket buffer and travel together as one piece; a
+contiguous tensor of at least `direct_bytes` (default 8 MiB) is broadcast straight from its own
+storage, at its place in the bucket layout, so the sender never copies it (on a CPU box that copy
+costs as much as the transfer itself). Receivers are unaffected: every piece lands at its offset
+in one contiguous receive buffer and the tensors are views into it. The checksum is taken per
+piece and combined (`agentrl.weights.buckets.bucket_checksum`); a receiver verifies it over its
+buffer before unpacking, so corruption in any piece is caught for the bucket as a whole. gloo carries CPU buffers, NCCL GPU buffers; with NCCL the
 buffers live on the current CUDA device and a checksum costs a device-to-host copy (pass
 `checksum=None` there if that copy matters more than the check).
 
@@ -18,18 +25,37 @@ from __future__ import annotations
 import pickle
 import struct
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from agentrl.errors import WeightSyncError
-from agentrl.weights.buckets import Bucket
+from agentrl.weights.buckets import (
+    Bucket,
+    BucketMeta,
+    TensorEntry,
+    _copy_into,
+    _dtype_code,
+    combine_checksums,
+    compute_checksum,
+    tensor_nbytes,
+)
 from agentrl.weights.engine import CheckpointEngine, PushEnd, WeightStream, _Once
 
 __all__ = ["BroadcastCheckpointEngine"]
 
 _CONTROL_BYTES = 64 << 10
+DIRECT_BYTES = 8 << 20
+
+
+@dataclass
+class _PiecedBucket(Bucket):
+    """A bucket whose pieces are sent from `sources[i]` (a tensor's own bytes) or, where that is
+    None, from the bucket buffer at the piece's offset."""
+
+    sources: list[torch.Tensor | None] = field(default_factory=list)
 
 
 class BroadcastCheckpointEngine(CheckpointEngine):
@@ -38,7 +64,7 @@ class BroadcastCheckpointEngine(CheckpointEngine):
     name = "broadcast"
 
     def __init__(self, *, group: Any = None, src: int = 0, device: torch.device | str | None = None,
-                 **kwargs: Any) -> None:
+                 direct_bytes: int = DIRECT_BYTES, **kwargs: Any) -> None:
         if not dist.is_available() or not dist.is_initialized():
             raise WeightSyncError(
                 "The broadcast checkpoint engine needs torch.distributed initialised; call "
@@ -50,6 +76,7 @@ class BroadcastCheckpointEngine(CheckpointEngine):
         super().__init__(device=device, **kwargs)
         self.group = group
         self.src = src
+        self.direct_bytes = direct_bytes
         self.rank = dist.get_rank()
         # Same size on every rank: a broadcast needs equal lengths everywhere.
         self._control = torch.zeros(_CONTROL_BYTES, dtype=torch.uint8, device=self.device)
@@ -93,10 +120,77 @@ class BroadcastCheckpointEngine(CheckpointEngine):
             )
         super().send(named_tensors, version)
 
+    def _pack(self, group: list[tuple[str, torch.Tensor]], index: int, version: int,
+              abort: Any) -> Bucket:
+        if len(group) == 1 and tensor_nbytes(group[0][1]) > self.bucket_bytes:
+            return super()._pack(group, index, version, abort)
+        slot, buffer = self.send_buffers.acquire(abort)
+        try:
+            bucket = self._pack_pieces(group, buffer, index, version)
+        except BaseException:
+            self.send_buffers.release(slot)
+            raise
+        bucket.release = _Once(lambda: self.send_buffers.release(slot))
+        return bucket
+
+    def _is_direct(self, tensor: torch.Tensor) -> bool:
+        return tensor_nbytes(tensor) >= self.direct_bytes and tensor.is_contiguous() and tensor.device == self.device
+
+    def _pack_pieces(self, group: list[tuple[str, torch.Tensor]], buffer: torch.Tensor, index: int,
+                     version: int) -> _PiecedBucket:
+        """The bucket layout of `pack_bucket`, but large tensors stay where they are (see the module doc)."""
+        # Larger elements first keeps offsets aligned; within one element size the copied tensors
+        # come first, so that they form one piece (one collective) instead of many.
+        ordered = sorted(group, key=lambda item: (-item[1].element_size(), self._is_direct(item[1])))
+        entries: list[TensorEntry] = []
+        pieces: list[tuple[int, int]] = []
+        sources: list[torch.Tensor | None] = []
+        offset = 0
+        with torch.no_grad():
+            for name, tensor in ordered:
+                nbytes = tensor_nbytes(tensor)
+                entries.append(TensorEntry(name, _dtype_code(name, tensor), tuple(tensor.shape), offset, nbytes))
+                if not nbytes:
+                    continue
+                if self._is_direct(tensor):
+                    pieces.append((offset, nbytes))
+                    sources.append(tensor.detach().reshape(-1).view(torch.uint8))
+                else:
+                    _copy_into(buffer[offset : offset + nbytes], tensor.detach())
+                    if sources and sources[-1] is None:  # extend the run of copied tensors
+                        start, length = pieces[-1]
+                        pieces[-1] = (start, length + nbytes)
+                    else:
+                        pieces.append((offset, nbytes))
+                        sources.append(None)
+                offset += nbytes
+        data = buffer[:offset]
+        value = None
+        if self.checksum:
+            value = combine_checksums([
+                (start, length, compute_checksum(data[start : start + length] if src is None else src, self.checksum))
+                for (start, length), src in zip(pieces, sources, strict=True)
+            ])
+        meta = BucketMeta(index, version, tuple(entries), offset, value, self.checksum, False, tuple(pieces))
+        return _PiecedBucket(meta, data, sources=sources)
+
     def _transmit(self, bucket: Bucket) -> None:
         self._object_broadcast(bucket.meta)
-        if bucket.meta.nbytes:
-            dist.broadcast(bucket.data, src=self.src, group=self.group)
+        if not bucket.meta.nbytes:
+            return
+        sources = bucket.sources if isinstance(bucket, _PiecedBucket) else [None]
+        pieces = [
+            bucket.data[start : start + length] if src is None else src
+            for (start, length), src in zip(bucket.meta.pieces or ((0, bucket.meta.nbytes),), sources, strict=True)
+        ]
+        self._broadcast_all(pieces)
+
+    def _broadcast_all(self, tensors: list[torch.Tensor]) -> None:
+        """Broadcast every tensor, all in flight at once: each collective has a fixed latency
+        (a handshake and thread wake-ups, milliseconds on a busy machine) that then overlaps."""
+        works = [dist.broadcast(t, src=self.src, group=self.group, async_op=True) for t in tensors if t.numel()]
+        for work in works:
+            work.wait()
 
     def _end_push(self, end: PushEnd) -> None:
         self._object_broadcast(end)
@@ -121,6 +215,5 @@ class BroadcastCheckpointEngine(CheckpointEngine):
                 slot, buffer = self.recv_buffers.acquire()
                 data = buffer[: meta.nbytes]
                 release = _Once(lambda slot=slot: self.recv_buffers.release(slot))
-            if meta.nbytes:
-                dist.broadcast(data, src=self.src, group=self.group)
+            self._broadcast_all([data[start : start + length] for start, length in meta.pieces or ((0, meta.nbytes),)])
             yield Bucket(meta, data, release)

@@ -24,6 +24,12 @@ receiver before unpacking:
   checksum, not the link, sets the speed of a push (bench/weight_sync.py measures both).
 Pass `checksum=None` to an engine to skip checking.
 
+A bucket may travel in *pieces* (`BucketMeta.pieces`, `(offset, nbytes)` spans that tile the
+bucket): the broadcast engine sends a large tensor straight from its own storage instead of
+copying it into the bucket buffer first, so the sender holds no contiguous copy of the bucket.
+Its checksum is then the CRC-32 of the pieces' spans and their own checksums
+(`bucket_checksum`), which the receiver recomputes over the same spans of its contiguous buffer.
+
 This module does not move bytes between processes and does not know about modules or servers:
 that is `agentrl.weights.engine` and its backends, and `agentrl.weights.loading`.
 """
@@ -46,6 +52,8 @@ __all__ = [
     "Bucket",
     "BucketMeta",
     "TensorEntry",
+    "bucket_checksum",
+    "combine_checksums",
     "compute_checksum",
     "pack_bucket",
     "plan_buckets",
@@ -97,6 +105,8 @@ class BucketMeta:
     checksum: int | None = None
     checksum_kind: str | None = None
     oversized: bool = False
+    pieces: tuple[tuple[int, int], ...] = ()
+    """`(offset, nbytes)` spans the checksum was taken over, one by one; empty: the whole buffer."""
 
 
 @dataclass
@@ -183,6 +193,19 @@ def compute_checksum(data: torch.Tensor, kind: str = "sum64") -> int:
     return zlib.crc32(raw[n_words * 8 :], crc)
 
 
+def bucket_checksum(data: torch.Tensor, kind: str, pieces: tuple[tuple[int, int], ...] = ()) -> int:
+    """Checksum of a bucket's bytes: of the whole buffer, or combined over `pieces` (see the module doc)."""
+    if not pieces:
+        return compute_checksum(data, kind)
+    parts = [(offset, nbytes, compute_checksum(data[offset : offset + nbytes], kind)) for offset, nbytes in pieces]
+    return combine_checksums(parts)
+
+
+def combine_checksums(parts: list[tuple[int, int, int]]) -> int:
+    """One checksum for a bucket from its pieces' `(offset, nbytes, checksum)`."""
+    return zlib.crc32(np.array(parts, dtype="<u8").tobytes())
+
+
 def _copy_into(dst: torch.Tensor, src: torch.Tensor) -> None:
     """Copy `src`'s elements into the uint8 slice `dst`.
 
@@ -254,7 +277,7 @@ def verify_bucket(meta: BucketMeta, data: torch.Tensor) -> None:
         )
     if meta.checksum is None or meta.checksum_kind is None:
         return
-    actual = compute_checksum(data, meta.checksum_kind)
+    actual = bucket_checksum(data, meta.checksum_kind, meta.pieces)
     if actual != meta.checksum:
         names = ", ".join(e.name for e in meta.entries[:3]) + (", ..." if len(meta.entries) > 3 else "")
         raise ChecksumError(

@@ -46,6 +46,16 @@ class _Corrupting(BroadcastCheckpointEngine):
         super()._transmit(bucket)
 
 
+class _CorruptingDirect(BroadcastCheckpointEngine):
+    """Flips the last byte of the first tensor sent from its own storage (not the bucket buffer)."""
+
+    def _transmit(self, bucket) -> None:
+        direct = [s for s in getattr(bucket, "sources", []) if s is not None]
+        if bucket.meta.index == 0 and direct:
+            direct[0][-1] ^= 0xFF
+        super()._transmit(bucket)
+
+
 def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     torch.set_num_threads(1)
@@ -123,6 +133,27 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
             report["after_corrupt"] = stream.version == 301 and all(
                 torch.equal(got[n], t) for n, t in _weights(torch.float32, 10))
 
+        # Tensors of at least direct_bytes travel from their own storage, as pieces of a bucket:
+        # same tensors out, and corruption in such a piece is caught for its bucket.
+        direct = make_checkpoint_engine("broadcast", bucket_bytes=BUCKET, direct_bytes=256)
+        if rank == 0:
+            direct.send(iter(_weights(torch.float32, 11)), 400)
+        else:
+            stream = direct.receive()
+            got = {n: t.clone() for n, t in stream}
+            report["direct"] = stream.version == 400 and all(
+                torch.equal(got[n], t) for n, t in _weights(torch.float32, 11))
+        bad_direct = _CorruptingDirect(bucket_bytes=BUCKET, direct_bytes=256)
+        if rank == 0:
+            sent = _weights(torch.float32, 12)
+            bad_direct.send(iter(sent), 401)
+        else:
+            try:
+                list(bad_direct.receive())
+                report["corrupt_direct"] = "no error"
+            except ChecksumError as exc:
+                report["corrupt_direct"] = str(exc)
+
         # Wrong side: send() on a receiving rank and receive() on the sender fail clearly.
         try:
             engine.receive() if rank == 0 else engine.send([], 0)
@@ -154,4 +185,6 @@ def test_broadcast_engine_over_gloo(world: int, tmp_path: Path) -> None:
         assert report["pointers_after"] == report["pointers_before"]
         assert report["corrupt"].startswith("Bucket 1 of weight version 300"), report["corrupt"]
         assert report["after_corrupt"] is True
+        assert report["direct"] is True
+        assert report["corrupt_direct"].startswith("Bucket 0 of weight version 401"), report["corrupt_direct"]
         assert f"send() called on rank {rank}" in report["wrong_side"]

@@ -180,3 +180,25 @@ def test_a_turn_cut_by_its_token_budget_ends_as_max_length(template: ChatTemplat
     traj = _run(loop, make_arithmetic_row(1))
     assert (traj.finish_reason, traj.num_sampled, traj.metrics["turns"]) == (FinishReason.MAX_LENGTH, 8, 1.0)
     assert traj.metrics.get("tool_calls", 0.0) == 0.0  # the cut turn never reached the env
+
+
+def test_worker_freezes_the_startup_heap_once(template: ChatTemplate, monkeypatch: pytest.MonkeyPatch) -> None:
+    import gc
+
+    from agentrl.rollout import worker as worker_module
+
+    calls: list[tuple] = []
+    monkeypatch.setattr(worker_module, "_gc_frozen", False)
+    monkeypatch.setattr(gc, "freeze", lambda: calls.append(("freeze",)))
+    monkeypatch.setattr(gc, "set_threshold", lambda *t: calls.append(("threshold", *t)))
+    monkeypatch.setattr(gc, "get_threshold", lambda: (700, 10, 10))
+    rows = [make_arithmetic_row(0)]
+    client = ScriptedClient(template, _tool_then_answer(rows[0]))
+    loop = AgentLoop(client, template, HermesParser())
+    for _ in range(2):
+        asyncio.run(RolloutWorker(loop, ArithmeticEnv).run_batch(rows, samples_per_prompt=2))
+    assert calls == [("freeze",), ("threshold", 700, 10, 1000)]
+    calls.clear()
+    monkeypatch.setattr(worker_module, "_gc_frozen", False)
+    asyncio.run(RolloutWorker(loop, ArithmeticEnv, freeze_gc=False).run_batch(rows, samples_per_prompt=2))
+    assert calls == []

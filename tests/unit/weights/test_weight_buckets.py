@@ -7,6 +7,7 @@ import torch
 
 from agentrl.errors import ChecksumError, WeightSyncError
 from agentrl.weights import compute_checksum, pack_bucket, plan_buckets, unpack_bucket
+from agentrl.weights.buckets import BucketMeta, bucket_checksum, combine_checksums, verify_bucket
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int64]
 
@@ -139,3 +140,21 @@ def test_bad_input_raises_weight_sync_error() -> None:
         list(plan_buckets([("n", [1.0])], 64))  # type: ignore[list-item]
     with pytest.raises(WeightSyncError, match="Unknown checksum 'md5'"):
         compute_checksum(torch.zeros(4, dtype=torch.uint8), "md5")
+
+
+@pytest.mark.parametrize("checksum", ["sum64", "crc32"])
+def test_checksum_over_pieces_catches_damage_in_any_piece(checksum: str) -> None:
+    data = torch.arange(3000, dtype=torch.int64).view(torch.uint8).clone()
+    pieces = ((0, 8000), (8000, 16000), (24000, 0))
+    value = bucket_checksum(data, checksum, pieces)
+    assert value == combine_checksums(
+        [(o, n, compute_checksum(data[o : o + n], checksum)) for o, n in pieces]
+    )
+    assert value != bucket_checksum(data, checksum, ((0, 16000), (16000, 8000)))  # the spans count too
+    meta = BucketMeta(0, 1, (), data.numel(), value, checksum, pieces=pieces)
+    verify_bucket(meta, data)
+    for at in (0, 7999, 8000, 23999):
+        bad = data.clone()
+        bad[at] ^= 1
+        with pytest.raises(ChecksumError, match="Bucket 0 of weight version 1"):
+            verify_bucket(meta, bad)

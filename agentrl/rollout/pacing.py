@@ -1,0 +1,106 @@
+"""`CpuGate`: time slices for the CPU-bound sections of many episodes sharing one event loop.
+
+asyncio runs every callback that is ready before it looks at sockets and timers again. When a
+thousand episodes wake in the same iteration (their generations finished together) and each does
+a few hundred microseconds of chat-template and parsing work, the loop answers nothing else for
+the whole burst: server replies, tool sandboxes and heartbeats wait for hundreds of milliseconds.
+
+The gate cuts such bursts into slices of at most about `slice_s` of CPU. An episode wraps its CPU
+work in `async with gate:`; while the current slice has time left and nobody is queued, it goes
+straight in (no suspension, about a microsecond). Otherwise it queues; at the next iteration of
+the loop the gate opens a new slice and wakes as many queued episodes, first come first served,
+as the slice is expected to hold (from a running mean of section lengths); one that finds the slice
+already spent when it runs goes back to the head of the queue. Between two slices
+the loop polls its sockets and runs its due timers, so no stall is much longer than a slice.
+
+This paces work, it does not lock: sections never overlap anyway on one thread, and a section
+that awaits inside merely counts its waiting as CPU (which makes slices shorter, never longer).
+It does not move work to threads or processes: for more than one core, run several rollout
+workers. A gate serves whichever loop runs it, but one loop at a time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from typing import Any
+
+__all__ = ["CpuGate"]
+
+
+class CpuGate:
+    """Cooperative time slicing of CPU-bound sections on one event loop (see the module doc)."""
+
+    def __init__(self, slice_s: float = 0.002) -> None:
+        if slice_s <= 0:
+            raise ValueError(f"slice_s must be positive, got {slice_s}")
+        self.slice_s = slice_s
+        self._waiters: deque[asyncio.Future[None]] = deque()
+        self._used = 0.0  # CPU seconds spent in sections since the current slice opened
+        self._granted = 0  # woken waiters that have not entered yet
+        self._mean = 1e-4  # running mean of a section's length, to size the next wake-up
+        self._tick_pending = False
+        self._front = 0  # waiters put back at the head of the queue since the last slice opened
+        self._entered: dict[Any, float] = {}  # task -> when its section began
+        self.slices = 0
+        self.queued = 0
+        self.longest_slice_s = 0.0
+
+    async def __aenter__(self) -> None:
+        if self._granted or self._waiters or self._used >= self.slice_s:
+            await self._wait_turn()
+            # Woken into a slice that earlier sections already spent (the wake-up count is only an
+            # estimate): wait for the next one, ahead of everybody who queued later.
+            while self._used >= self.slice_s:
+                await self._wait_turn(front=True)
+        self._entered[asyncio.current_task()] = time.perf_counter()
+
+    async def __aexit__(self, *exc: object) -> None:
+        spent = time.perf_counter() - self._entered.pop(asyncio.current_task())
+        self._used += spent
+        if self._used > self.longest_slice_s:
+            self.longest_slice_s = self._used
+        self._mean += 0.1 * (spent - self._mean)
+        if self._used >= self.slice_s or self._waiters:
+            self._schedule_tick()
+
+    async def _wait_turn(self, front: bool = False) -> None:
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[None] = loop.create_future()
+        if front:
+            self._waiters.insert(self._front, fut)
+            self._front += 1
+        else:
+            self._waiters.append(fut)
+            self.queued += 1
+        self._schedule_tick()
+        try:
+            await fut
+        except asyncio.CancelledError:
+            if fut.done() and not fut.cancelled():  # woken, then cancelled before it ran
+                self._granted -= 1
+                self._schedule_tick()
+            raise
+        self._granted -= 1
+
+    def _schedule_tick(self) -> None:
+        if self._tick_pending or self._granted or not self._waiters:
+            return
+        self._tick_pending = True
+        asyncio.get_running_loop().call_soon(self._tick)
+
+    def _tick(self, *_: Any) -> None:
+        """Open a new slice: wake as many waiters as it is expected to hold (at least one)."""
+        self._tick_pending = False
+        self._used = 0.0
+        self._front = 0
+        self.slices += 1
+        room = max(1, int(self.slice_s / max(self._mean, 1e-6)))
+        while room and self._waiters:
+            fut = self._waiters.popleft()
+            if fut.cancelled():
+                continue
+            fut.set_result(None)
+            self._granted += 1
+            room -= 1
