@@ -53,6 +53,10 @@ class TrainerWorker:
         self.engine = make_checkpoint_engine(
             "files", directory=weights_dir, keep_last=3, bucket_bytes=self.config.weights.bucket_mb << 20
         )
+        from agentrl.trainer.step import make_kl_controller
+
+        # Kept across steps (adaptive when algorithm.kl_target is set) and saved in checkpoints.
+        self.kl_controller = make_kl_controller(self.config.algorithm)
         rollout = self.config.rollout
         self.max_response_tokens = min(rollout.max_total_tokens, rollout.max_turns * rollout.max_tokens_per_turn)
 
@@ -65,6 +69,7 @@ class TrainerWorker:
         return train_step(
             self.backend, trajectories, self.config.algorithm, self.config.trainer,
             temperature=self.config.rollout.temperature, max_response_tokens=self.max_response_tokens,
+            kl_controller=self.kl_controller,
         )  # fmt: skip
 
     def export(self, version: int) -> tuple[str, float]:
@@ -80,11 +85,14 @@ class TrainerWorker:
 
     def save(self, path: str, data_position: dict[str, Any]) -> float:
         start = time.perf_counter()
-        self.backend.save(path, data_position)
+        self.backend.save(path, {**data_position, "kl_coef": self.kl_controller.value})
         return time.perf_counter() - start
 
     def load(self, path: str) -> dict[str, Any]:
-        return self.backend.load(path)
+        position = self.backend.load(path)
+        if "kl_coef" in position:
+            self.kl_controller.value = float(position["kl_coef"])
+        return position
 
 
 def _free_port() -> int:
