@@ -111,6 +111,7 @@ def megatron_and_fsdp2() -> dict[str, Any]:
 
     mega = _megatron(TINY_QWEN2)
     fsdp = FSDP2Backend(TINY_QWEN2, _trainer(), AlgorithmConfig(), seed=0, deterministic=True)
+    fsdp.score_all_tokens = True  # compare every position, not only the loss's tokens
     original = load_file(TINY_QWEN2 / "model.safetensors")
     exported = dict(mega.export_weights())
     fsdp_exported = dict(fsdp.export_weights())

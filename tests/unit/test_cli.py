@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from agentrl.cli import EXIT_ERROR, EXIT_UNAVAILABLE, EXIT_USAGE, main
+from agentrl.cli import EXIT_ERROR, EXIT_USAGE, main
 
 
 def test_envs_and_tools_list(capsys: pytest.CaptureFixture[str]) -> None:
@@ -36,13 +36,15 @@ def test_config_reference_lists_fields_with_their_docs(capsys: pytest.CaptureFix
     assert "Did you mean 'trainer'?" in capsys.readouterr().err
 
 
-def test_unbuilt_commands_say_so(capsys: pytest.CaptureFixture[str]) -> None:
-    from agentrl.cli import _built
-
-    if _built("agentrl.orchestration.driver"):
-        pytest.skip("the training driver exists now")
-    assert main(["run", "env=retool"]) == EXIT_UNAVAILABLE
-    assert "not available yet" in capsys.readouterr().err
+def test_run_and_plot_refuse_bad_input_before_starting_anything(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["run", "env=retool", "trainer.lrr=1e-6"]) == EXIT_ERROR
+    assert "Did you mean 'trainer.lr'?" in capsys.readouterr().err
+    assert main(["run", "env=retool", "resume=true", f"run.output_dir={tmp_path}"]) == EXIT_ERROR
+    assert "give run.name" in capsys.readouterr().err
+    assert main(["run", "env=retool", "resume=true", "run.name=nothing", f"run.output_dir={tmp_path}"]) == EXIT_ERROR
+    assert "holds no checkpoint" in capsys.readouterr().err
+    assert main(["plot", str(tmp_path / "no-run")]) == EXIT_ERROR
+    assert "no metrics.jsonl" in capsys.readouterr().err
 
 
 def test_usage_errors(capsys: pytest.CaptureFixture[str]) -> None:
