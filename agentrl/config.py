@@ -210,7 +210,9 @@ class TrainerConfig(_Section):
     mini_batches: int = Field(1, ge=1)
     """Optimizer steps per pass (the batch is split into this many mini-batches)."""
     micro_batch_tokens: int = Field(8192, ge=16)
-    """Token budget of one packed micro-batch (gradient accumulation fills the mini-batch)."""
+    """Token budget of one packed micro-batch (gradient accumulation fills the mini-batch). Without
+    flash-attention (on CPU) packed attention uses a block mask, quadratic in this budget: keep it
+    near a few sequences' length there."""
     gradient_checkpointing: bool = False
     """Recompute activations in the backward pass to save memory."""
     lora_rank: int = Field(0, ge=0)

@@ -47,9 +47,9 @@ CODE_SYSTEM_PROMPT = (
 # (question, code, printed output, final answer) of the worked examples `few_shot` shows.
 FEW_SHOT_EXAMPLES: tuple[tuple[str, str, str, str], ...] = (
     ("What is 123 * 45 - 67?", "print(123 * 45 - 67)", "5468", "5468"),
-    ("What is the remainder when 7^222 is divided by 1000?", "print(pow(7, 222, 1000))", "49", "49"),
     ("What is the sum of the squares of the integers from 1 to 30?",
-     "print(sum(i * i for i in range(1, 31)))", "9455", "9455"),
+     "print(sum(i * i for i in range(1, 30 + 1)))", "9455", "9455"),
+    ("What is the remainder when 7^222 is divided by 1000?", "print(pow(7, 222, 1000))", "49", "49"),
 )
 
 

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from agentrl.config import AgentRLConfig
+from agentrl.errors import AgentRLError, TrainerError
 from agentrl.types import Trajectory
 
 __all__ = ["TrainerGroup", "TrainerWorker"]
@@ -124,8 +125,28 @@ class TrainerGroup:
         ]
 
     async def _all(self, method: str, *args: Any) -> Any:
+        import ray.exceptions
+
         refs = [getattr(a, method).remote(*args) for a in self.actors]
-        results = await asyncio.gather(*refs)
+        try:
+            results = await asyncio.gather(*refs)
+        except ray.exceptions.OutOfMemoryError as exc:
+            raise TrainerError(
+                f"A trainer process was killed for lack of memory during '{method}'. Lower "
+                "trainer.micro_batch_tokens (packed attention on CPU is quadratic in it) or turn on "
+                "trainer.gradient_checkpointing=true, then continue with resume=true run.name=... "
+                f"(Ray said: {str(exc).splitlines()[0]})"
+            ) from exc
+        except ray.exceptions.RayActorError as exc:
+            raise TrainerError(
+                f"A trainer process died during '{method}' ({type(exc).__name__}); its log is in the run's "
+                "driver.log. Fix the cause and continue with resume=true run.name=..."
+            ) from exc
+        except ray.exceptions.RayTaskError as exc:
+            cause = exc.cause if getattr(exc, "cause", None) is not None else exc
+            if isinstance(cause, AgentRLError):
+                raise cause from None
+            raise TrainerError(f"The trainer failed during '{method}': {type(cause).__name__}: {cause}") from exc
         return results[0]
 
     async def ready(self) -> None:

@@ -56,3 +56,30 @@ def test_an_agent_that_writes_the_right_code_earns_the_reward(assets: Path) -> N
     assert (traj.finish_reason, traj.reward) == (FinishReason.DONE, 1.0)
     assert tok.decode(traj.tokens_of(TokenOrigin.TOOL)).strip() == row["reward_model"]["ground_truth"]
     traj.validate()
+
+
+def test_code_format_shows_worked_examples_and_runs_the_code_block() -> None:
+    from agentrl.envs.retool import CODE_SYSTEM_PROMPT, FEW_SHOT_EXAMPLES
+    from agentrl.tools.parsers import RetoolParser
+
+    row = next(r for r in shipped_rows("test") if r["extra_info"]["family"] == "product")
+    env = RetoolEnv(tool_format="code", few_shot=2)
+    try:
+        messages, info = env.reset(seed=0, options={"row": row})
+        assert info["tools"] == []  # no schema: the system prompt describes the code block
+        assert messages[0] == {"role": "system", "content": CODE_SYSTEM_PROMPT}
+        assert [m["role"] for m in messages[1:]] == ["user", "assistant", "tool", "assistant"] * 2 + ["user"]
+        assert messages[1]["content"] == FEW_SHOT_EXAMPLES[0][0]
+        assert messages[-1]["content"] == row["extra_info"]["question"]
+        question = row["extra_info"]["question"].removeprefix("What is ").rstrip("?")
+        action = RetoolParser().parse(f"```python\nprint({question})\n```")
+        obs, reward, terminated, _, _ = env.step(action)
+        assert obs[0]["content"] == row["reward_model"]["ground_truth"] and not terminated
+        _, reward, terminated, _, _ = env.step(RetoolParser().parse(f"\\boxed{{{obs[0]['content']}}}"))
+        assert terminated and reward == 1.0
+    finally:
+        env.close()
+    with pytest.raises(ValueError, match="tool_format='code'"):
+        RetoolEnv(few_shot=1)
+    with pytest.raises(ValueError, match="few_shot must be between"):
+        RetoolEnv(tool_format="code", few_shot=9)
