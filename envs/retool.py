@@ -4,8 +4,10 @@ The agent gets a math question and the `python` tool, which runs its code in the
 default `LocalSandbox`: no network, bounded time and memory) and shows what it printed. It may
 call the tool several times and ends with `\\boxed{answer}`. The reward is 1.0 when the answer
 matches the row's `reward_model.ground_truth` (exact rational equality, or symbolic equivalence
-through math-verify when installed), else 0.0; with `format_reward` > 0 a wrong but well-formed
-boxed answer earns that much (optional format shaping).
+through math-verify when installed), else 0.0. Optional shaping for a wrong answer: with
+`format_reward` > 0 a well-formed boxed answer earns that much, and with `tool_reward` > 0 an
+episode whose code ran without error at least once earns that much (the larger of the two applies;
+a correct answer always earns 1.0). Only a reward of 1.0 counts as solved in evaluations.
 
 Two ways to call the tool (`tool_format`):
 - `function` (default): the tool's schema is in the prompt (the chat template lists it) and the
@@ -74,9 +76,12 @@ class RetoolEnv(ToolEnv):
         tool_timeout_s: float = 30.0,
         tool_format: Literal["function", "code"] = "function",
         few_shot: int = 0,
+        tool_reward: float = 0.0,
     ) -> None:
         if not 0.0 <= format_reward < 1.0:
             raise ValueError(f"format_reward must be in [0, 1), got {format_reward}")
+        if not 0.0 <= tool_reward < 1.0:
+            raise ValueError(f"tool_reward must be in [0, 1), got {tool_reward}")
         if split not in ("train", "test"):
             raise ValueError(f"split must be 'train' or 'test', got {split!r}")
         if tool_format not in ("function", "code"):
@@ -91,6 +96,7 @@ class RetoolEnv(ToolEnv):
         self.split = split
         self.tool_format = tool_format
         self.few_shot = few_shot
+        self.tool_reward = tool_reward
 
     @classmethod
     def dataset_rows(cls, split: str) -> list[dict[str, Any]]:
@@ -126,8 +132,11 @@ class RetoolEnv(ToolEnv):
     def score(self, final_text: str, row: dict[str, Any], ctx: ToolContext) -> float:
         truth = str((row.get("reward_model") or {}).get("ground_truth", ""))
         answer = extract_boxed(final_text)
-        if answer is None or not truth:
-            return 0.0
-        if answers_match(answer, truth):
+        if answer is not None and truth and answers_match(answer, truth):
             return 1.0
-        return self.format_reward
+        ran_code = self._metrics.get("tool_calls", 0) > self._metrics.get("tool_errors_model", 0) + self._metrics.get(
+            "tool_errors_infra", 0)
+        shaped = self.tool_reward if ran_code else 0.0
+        if answer is not None and truth:
+            shaped = max(shaped, self.format_reward)
+        return shaped

@@ -83,3 +83,22 @@ def test_code_format_shows_worked_examples_and_runs_the_code_block() -> None:
         RetoolEnv(few_shot=1)
     with pytest.raises(ValueError, match="few_shot must be between"):
         RetoolEnv(tool_format="code", few_shot=9)
+
+
+def test_tool_reward_shapes_wrong_answers_after_code_that_ran() -> None:
+    from agentrl.tools.parsers import RetoolParser
+
+    row = next(r for r in shipped_rows("test") if r["extra_info"]["family"] == "product")
+    parse = RetoolParser().parse
+    rewards = {}
+    for name, code in (("ran", "print(1)"), ("crashed", "raise SystemExit(3)"), ("none", None)):
+        env = RetoolEnv(tool_format="code", tool_reward=0.2, format_reward=0.1)
+        try:
+            env.reset(seed=0, options={"row": row})
+            if code is not None:
+                env.step(parse(f"```python\n{code}\n```"))
+            _, rewards[name], terminated, _, _ = env.step(parse("\\boxed{7}"))
+            assert terminated
+        finally:
+            env.close()
+    assert rewards == {"ran": 0.2, "crashed": 0.1, "none": 0.1}
