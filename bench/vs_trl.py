@@ -1,0 +1,408 @@
+"""The same GRPO step in agentrl and in TRL's `GRPOTrainer`: seconds per step and peak memory.
+
+    /work/venv-trl/bin/python bench/vs_trl.py [--quick] [--steps 3] [--variants single,tool] [--sides agentrl,trl]
+
+TRL lives only in the benchmark's own virtual environment, never beside agentrl's:
+    python -m venv --system-site-packages /work/venv-trl
+    /work/venv-trl/bin/pip install --no-deps -e .   &&   /work/venv-trl/bin/pip install trl==1.16.0
+(check with `pip install --dry-run` that it keeps the installed torch). Without trl the script says
+so and exits 0.
+
+Workload (both sides): SmolLM2-135M-Instruct in fp32 on the CPU, 8 prompts x 4 samples of the
+shipped `retool` train rows, temperature 1.0, 64 sampled tokens per turn, GRPO advantages (group
+size 4), lr 1e-6, no reference model (beta / kl_coef 0), one optimizer step per batch of 32
+completions. The reward is the retool check on the completion's text: 1.0 for the right
+`\\boxed{}` answer, 0.1 for a wrong boxed one, else 0.
+- `single`: one turn. agentrl samples on a vLLM-CPU server (token in/out), trains with the FSDP2
+  backend (`train_step`) and pushes the new weights to the server through the files checkpoint
+  engine. TRL samples with transformers `generate` inside the trainer (its default, `use_vllm=False`)
+  in micro-batches of 8 with 4 gradient-accumulation steps (`num_iterations=1`).
+- `tool`: up to 3 turns, a Python tool between them. agentrl runs its AgentLoop with the retool env
+  (`tool_format=code`, one worked example, `retool` parser: the model writes a ```python block).
+  TRL runs its own tool loop (`tools=[python]`, at most 2 tool calls). TRL has no per-turn limit, only
+  `max_completion_length=64` for the whole completion (tool results included), so an agentrl episode
+  that calls the tool may sample more tokens than TRL's; TRL's loop needs JSON `<tool_call>`s and a template it can parse: SmolLM2's own template cannot render
+  tools, so TRL gets the Qwen2.5 template (same ChatML markers). The two prompts therefore differ;
+  mean prompt tokens and tool calls per episode are printed beside the times.
+
+Each (side, variant) runs in a fresh child process; step 0 is a warm-up and is excluded, the rest
+are averaged. Step time = generation + training (+ weight push for agentrl), in wall seconds and in
+CPU seconds of the side's whole process tree (the steadier figure when other jobs share the cores;
+the target is stated in wall time). Peak memory is
+sampled every 0.25 s over the child's whole process tree (the vLLM server included): the peak of
+the summed PSS (shared pages split between processes, so nothing is counted twice) and of the
+summed RSS (an upper bound). Target: agentrl at least 3x faster per step with at most half TRL's
+peak memory. The machine is shared, so run it under `nice` and read `uptime` beside the numbers.
+`--quick` uses the tiny random Qwen2, 2 prompts x 2 samples and 8 tokens, to check the plumbing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+ASSETS = Path(os.environ.get("AGENTRL_ASSETS", Path(__file__).resolve().parents[2] / "shared" / "assets"))
+INSTALL_HINT = (
+    "trl is not importable here; install it in a separate venv so agentrl's environment keeps its own "
+    "versions:\n  python -m venv --system-site-packages /work/venv-trl && /work/venv-trl/bin/pip install "
+    "--no-deps -e . && /work/venv-trl/bin/pip install trl==1.16.0\nthen run this script with "
+    "/work/venv-trl/bin/python."
+)
+SINGLE_SYSTEM = "Solve the math problem. Give the final answer as \\boxed{NUMBER}."
+
+
+def settings(quick: bool) -> dict[str, Any]:
+    if quick:
+        return {"model": str(ASSETS / "tiny-random-qwen2"), "prompts": 2, "samples": 2, "tokens": 8}
+    from agentrl.models import resolve_model_path
+
+    return {"model": str(resolve_model_path("smollm2-135m-instruct")), "prompts": 8, "samples": 4, "tokens": 64}
+
+
+def reward(text: str, truth: str) -> float:
+    from agentrl.envs.answers import answers_match, extract_boxed
+
+    answer = extract_boxed(text)
+    if answer is None:
+        return 0.0
+    return 1.0 if answers_match(answer, truth) else 0.1
+
+
+def batches(prompts: int, steps: int) -> list[list[dict[str, Any]]]:
+    from agentrl.envs.retool import shipped_rows
+
+    rows = list(shipped_rows("train"))
+    return [rows[k * prompts : (k + 1) * prompts] for k in range(steps)]
+
+
+def tree_cpu_s() -> float:
+    """CPU seconds (user + system) used so far by this process, its live descendants (the vLLM
+    server) and its reaped children (TRL's tool subprocesses): steadier than wall time when other
+    jobs share the cores."""
+    import psutil
+
+    total = 0.0
+    me = psutil.Process()
+    for p in [me, *me.children(recursive=True)]:
+        try:
+            t = p.cpu_times()
+            total += t.user + t.system
+        except psutil.Error:
+            pass
+    reaped = os.times()
+    return total + reaped.children_user + reaped.children_system
+
+
+def truth_of(row: dict[str, Any]) -> str:
+    return str(row["reward_model"]["ground_truth"])
+
+
+# ── agentrl ──────────────────────────────────────────────────────────────────────────────────
+
+
+async def agentrl_run(variant: str, s: dict[str, Any], steps: int) -> dict[str, Any]:
+    from agentrl.config import AgentRLConfig
+    from agentrl.inference import launch_server
+    from agentrl.orchestration.components import build_agent_loop, build_chat_template, env_factory
+    from agentrl.rollout import RolloutWorker
+    from agentrl.rollout.agent_loop import end_of_turn_ids
+    from agentrl.trainer.backend import make_backend
+    from agentrl.trainer.step import train_step
+    from agentrl.types import FinishReason, SamplingParams, TokenOrigin, Trajectory
+    from agentrl.weights import make_checkpoint_engine
+
+    turns = 3 if variant == "tool" else 1
+    config = AgentRLConfig.model_validate({
+        "model": {"path": s["model"], "dtype": "float32", "tool_parser": "retool"},
+        "env": {"name": "retool", "kwargs": {"tool_format": "code", "few_shot": 1, "format_reward": 0.1,
+                                             "max_turns": turns}},
+        "rollout": {"samples_per_prompt": s["samples"], "max_turns": turns, "max_tokens_per_turn": s["tokens"],
+                    "temperature": 1.0},
+        "algorithm": {"advantage": "grpo", "kl_coef": 0.0},
+        "trainer": {"backend": "fsdp2", "device": "cpu", "lr": 1e-6, "micro_batch_tokens": s["micro_batch_tokens"]},
+    })  # fmt: skip
+    tmp = Path(tempfile.mkdtemp(prefix="vs_trl_agentrl_"))
+    server = launch_server("vllm", s["model"], dtype="float32", max_model_len=2048, enforce_eager=True,
+                           startup_timeout_s=900, log_path=tmp / "vllm.log")  # fmt: skip
+    client = server.client()
+    backend = make_backend(config)
+    engine = make_checkpoint_engine("files", directory=tmp / "weights", keep_last=2)
+    template = build_chat_template(config)
+    stop = tuple(end_of_turn_ids(template.tokenizer))
+    worker = None
+    if variant == "tool":
+        worker = RolloutWorker(build_agent_loop(config, client), env_factory(config), max_concurrent=256)
+
+    async def single_turn(rows: list[dict[str, Any]], step: int) -> list[Trajectory]:
+        sampling = SamplingParams(temperature=1.0, max_tokens=s["tokens"], stop_token_ids=stop)
+        prompts = [template.encode_prompt([{"role": "system", "content": SINGLE_SYSTEM},
+                                           {"role": "user", "content": r["prompt"][-1]["content"]}])
+                   for r in rows]  # fmt: skip
+        jobs = [(i, j) for i in range(len(rows)) for j in range(s["samples"])]
+        gens = await asyncio.gather(*(client.generate(prompts[i], sampling, session_id=f"s{step}-{i}-{j}")
+                                      for i, j in jobs))  # fmt: skip
+        out = []
+        for (i, _), gen in zip(jobs, gens, strict=True):
+            text = template.tokenizer.decode(gen.token_ids, skip_special_tokens=True)
+            t = Trajectory(group_id=f"g{step}-{i}", reward=reward(text, truth_of(rows[i])))
+            t.extend(prompts[i], TokenOrigin.PROMPT, 0)
+            t.extend(gen.token_ids, TokenOrigin.SAMPLED, 1, logprobs=gen.logprobs, version=gen.weight_version)
+            t.finish_reason = FinishReason.MAX_LENGTH if gen.finish_reason == "length" else FinishReason.DONE
+            out.append(t)
+        return out
+
+    records = []
+    try:
+        for step, rows in enumerate(batches(s["prompts"], steps)):
+            t0, c0 = time.perf_counter(), tree_cpu_s()
+            if worker is None:
+                trajs = await single_turn(rows, step)
+            else:
+                trajs = [t for g in await worker.run_batch(rows, s["samples"], seed=step) for t in g]
+            t1 = time.perf_counter()
+            train_step(backend, trajs, config.algorithm, config.trainer, temperature=1.0,
+                       max_response_tokens=turns * s["tokens"])  # fmt: skip
+            t2 = time.perf_counter()
+            engine.send(backend.export_weights(), step + 1)
+            await client.update_weights(str(engine.path_for(step + 1)), step + 1)
+            t3 = time.perf_counter()
+            print(f"agentrl {variant} step {step}: {t3 - t0:.1f} s", file=sys.stderr, flush=True)
+            records.append({
+                "step_s": t3 - t0, "cpu_s": tree_cpu_s() - c0, "gen_s": t1 - t0, "train_s": t2 - t1, "sync_s": t3 - t2,
+                "reward": sum(t.reward or 0.0 for t in trajs) / len(trajs),
+                "prompt_tokens": sum(t.prompt_length for t in trajs) / len(trajs),
+                "sampled_tokens": sum(t.num_sampled for t in trajs) / len(trajs),
+                "tool_calls": sum(t.metrics.get("tool_calls", 0.0) for t in trajs) / len(trajs),
+            })  # fmt: skip
+    finally:
+        await client.aclose()
+        server.stop()
+    return {"records": records}
+
+
+# ── TRL ──────────────────────────────────────────────────────────────────────────────────────
+
+
+def python(code: str) -> str:
+    """Run Python code and return what it prints.
+
+    Args:
+        code: The Python source to run.
+    """
+    try:
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=5)
+    except subprocess.TimeoutExpired:
+        return "error: timed out after 5 s"
+    return (done.stdout + done.stderr)[-2000:]
+
+
+def trl_run(variant: str, s: dict[str, Any], steps: int) -> dict[str, Any]:
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+    from trl.chat_template_utils import qwen2_5_chat_template
+
+    tool = variant == "tool"
+    rows = [r for b in batches(s["prompts"], steps) for r in b]
+
+    def prompt_of(r: dict[str, Any]) -> list[dict[str, str]]:
+        if tool:
+            return [dict(m) for m in r["prompt"]]
+        return [{"role": "system", "content": SINGLE_SYSTEM}, {"role": "user", "content": r["prompt"][-1]["content"]}]
+
+    data = Dataset.from_list([{"prompt": prompt_of(r), "truth": truth_of(r)} for r in rows])
+
+    def retool_reward(completions: list[list[dict[str, Any]]], truth: list[str], **_: Any) -> list[float]:
+        texts = ["\n".join(m.get("content") or "" for m in c if m["role"] == "assistant") for c in completions]
+        return [reward(t, g) for t, g in zip(texts, truth, strict=True)]
+
+    tokenizer = AutoTokenizer.from_pretrained(s["model"])
+    if tool:
+        tokenizer.chat_template = qwen2_5_chat_template
+    model = AutoModelForCausalLM.from_pretrained(s["model"], dtype=torch.float32)
+    batch = s["prompts"] * s["samples"]
+    accumulation = max(1, s["prompts"] // 2)
+    args = GRPOConfig(
+        output_dir=tempfile.mkdtemp(prefix="vs_trl_trl_"), use_cpu=True, bf16=False, fp16=False,
+        per_device_train_batch_size=batch // accumulation, gradient_accumulation_steps=accumulation,
+        num_generations=s["samples"], max_completion_length=s["tokens"],
+        max_tool_calling_iterations=2 if tool else None, learning_rate=1e-6, beta=0.0, num_iterations=1,
+        temperature=1.0, max_steps=steps, lr_scheduler_type="constant", shuffle_dataset=False, logging_steps=1,
+        report_to=[],
+        save_strategy="no", disable_tqdm=True, seed=0, dataloader_num_workers=0,
+    )  # fmt: skip
+    prompt_tokens = [len(tokenizer.apply_chat_template(p, tools=[python] if tool else None,
+                                                       add_generation_prompt=True, tokenize=True)["input_ids"])
+                     for p in data["prompt"]]  # fmt: skip
+    gen_times: list[float] = []
+
+    class TimedGRPOTrainer(GRPOTrainer):
+        def _generate(self, prompts: list):  # type: ignore[override]
+            start = time.perf_counter()
+            try:
+                return super()._generate(prompts)
+            finally:
+                gen_times.append(time.perf_counter() - start)
+
+    step_times: list[tuple[float, float]] = []
+
+    class StepClock(TrainerCallback):
+        def on_step_begin(self, *a: Any, **k: Any) -> None:
+            self.start = time.perf_counter(), tree_cpu_s()
+
+        def on_step_end(self, *a: Any, **k: Any) -> None:
+            step_times.append((time.perf_counter() - self.start[0], tree_cpu_s() - self.start[1]))
+            print(f"trl {variant} step {len(step_times) - 1}: {step_times[-1][0]:.1f} s", file=sys.stderr, flush=True)
+
+    trainer = TimedGRPOTrainer(
+        model=model, reward_funcs=retool_reward, args=args, train_dataset=data, processing_class=tokenizer,
+        tools=[python] if tool else None, callbacks=[StepClock()],
+    )  # fmt: skip
+    trainer.train()
+    logs = [h for h in trainer.state.log_history if "reward" in h]
+    if len(gen_times) != len(step_times):
+        raise RuntimeError(f"expected one generation per step, got {len(gen_times)} for {len(step_times)} steps")
+    records = []
+    for k, ((step_s, cpu_s), gen_s) in enumerate(zip(step_times, gen_times, strict=True)):
+        log = logs[k] if k < len(logs) else {}
+        records.append({
+            "step_s": step_s, "cpu_s": cpu_s, "gen_s": gen_s, "train_s": step_s - gen_s, "sync_s": 0.0,
+            "reward": log.get("reward", float("nan")),
+            "prompt_tokens": sum(prompt_tokens[k * s["prompts"] : (k + 1) * s["prompts"]]) / s["prompts"],
+            "sampled_tokens": log.get("completions/mean_length", float("nan")),
+            "tool_calls": log.get("tools/call_frequency", 0.0),
+        })  # fmt: skip
+    return {"records": records}
+
+
+# ── parent: child processes, memory sampling, table ─────────────────────────────────────────
+
+
+class TreeMemory:
+    """Peak summed PSS and RSS over a process and all its descendants, sampled in a thread."""
+
+    def __init__(self, pid: int, interval_s: float = 0.25) -> None:
+        import psutil
+
+        self.root = psutil.Process(pid)
+        self.interval_s = interval_s
+        self.peak_pss = self.peak_rss = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        import psutil
+
+        while not self._stop.is_set():
+            pss = rss = 0
+            try:
+                procs = [self.root, *self.root.children(recursive=True)]
+            except psutil.Error:
+                procs = []
+            for p in procs:
+                try:
+                    info = p.memory_full_info()
+                    pss, rss = pss + info.pss, rss + info.rss
+                except psutil.Error:
+                    pass
+            self.peak_pss, self.peak_rss = max(self.peak_pss, pss), max(self.peak_rss, rss)
+            self._stop.wait(self.interval_s)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def run_child(side: str, variant: str, quick: bool, steps: int, micro_batch_tokens: int) -> dict[str, Any]:
+    out = Path(tempfile.mkdtemp(prefix="vs_trl_")) / "result.json"
+    cmd = [sys.executable, __file__, "--worker", side, "--variant", variant, "--steps", str(steps), "--out", str(out),
+           "--micro-batch-tokens", str(micro_batch_tokens)]
+    proc = subprocess.Popen([*cmd, *(["--quick"] if quick else [])])
+    memory = TreeMemory(proc.pid)
+    rc = proc.wait()
+    memory.stop()
+    if rc != 0 or not out.exists():
+        return {"error": f"exit status {rc}"}
+    result = json.loads(out.read_text())
+    result.update(peak_pss=memory.peak_pss, peak_rss=memory.peak_rss)
+    return result
+
+
+def mean(records: list[dict[str, Any]], key: str) -> float:
+    return sum(r[key] for r in records) / len(records)
+
+
+def report(variant: str, results: dict[str, dict[str, Any]]) -> None:
+    print(f"\n== {variant} ==")
+    print(f"{'side':8} {'s/step':>8} {'cpu s':>8} {'gen s':>8} {'train s':>8} {'push s':>7} {'peak PSS':>9} {'peak RSS':>9} "
+          f"{'reward':>7} {'prompt tok':>10} {'sampled tok':>11} {'tools/ep':>8}")  # fmt: skip
+    for side, r in results.items():
+        if "error" in r:
+            print(f"{side:8} failed: {r['error']}")
+            continue
+        timed = r["records"][1:] or r["records"]  # step 0 is the warm-up
+        print(f"{side:8} {mean(timed, 'step_s'):8.2f} {mean(timed, 'cpu_s'):8.2f} {mean(timed, 'gen_s'):8.2f} {mean(timed, 'train_s'):8.2f} "
+              f"{mean(timed, 'sync_s'):7.2f} {r['peak_pss'] / 2**30:7.2f}GB {r['peak_rss'] / 2**30:7.2f}GB "
+              f"{mean(timed, 'reward'):7.3f} {mean(timed, 'prompt_tokens'):10.1f} {mean(timed, 'sampled_tokens'):11.1f} "
+              f"{mean(timed, 'tool_calls'):8.2f}   ({len(timed)} timed steps: "
+              + ", ".join(f"{x['step_s']:.1f}" for x in timed) + ")")  # fmt: skip
+    a, t = results.get("agentrl", {}), results.get("trl", {})
+    if "records" in a and "records" in t:
+        speedup = mean(t["records"][1:] or t["records"], "step_s") / mean(a["records"][1:] or a["records"], "step_s")
+        cpu = mean(t["records"][1:] or t["records"], "cpu_s") / mean(a["records"][1:] or a["records"], "cpu_s")
+        memory = a["peak_pss"] / t["peak_pss"]
+        met = "met" if speedup >= 3 and memory <= 0.5 else "NOT met"
+        print(f"agentrl vs TRL: {speedup:.2f}x faster per step in wall time ({cpu:.2f}x in CPU time), {memory:.2f}x TRL's peak PSS "
+              f"({a['peak_rss'] / t['peak_rss']:.2f}x its peak RSS); target >= 3x and <= 0.5x: {met}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="tiny random Qwen2, 2 prompts x 2 samples, 8 tokens")
+    parser.add_argument("--steps", type=int, default=3, help="timed steps after the warm-up step")
+    parser.add_argument("--variants", default="single,tool")
+    parser.add_argument("--sides", default="agentrl,trl")
+    parser.add_argument("--micro-batch-tokens", type=int, default=1024,
+                        help="agentrl trainer.micro_batch_tokens (packed tokens per forward/backward)")
+    parser.add_argument("--worker", choices=["agentrl", "trl"], help=argparse.SUPPRESS)
+    parser.add_argument("--variant", choices=["single", "tool"], help=argparse.SUPPRESS)
+    parser.add_argument("--out", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        s = {**settings(args.quick), "micro_batch_tokens": args.micro_batch_tokens}
+        if args.worker == "agentrl":
+            result = asyncio.run(agentrl_run(args.variant, s, args.steps + 1))
+        else:
+            result = trl_run(args.variant, s, args.steps + 1)
+        Path(args.out).write_text(json.dumps(result))
+        return
+    sides = args.sides.split(",")
+    if "trl" in sides:
+        try:
+            import trl
+        except ImportError:
+            print(INSTALL_HINT)
+            return
+        print(f"TRL {trl.__version__}")
+    s = settings(args.quick)
+    print(f"model {s['model']}: {s['prompts']} prompts x {s['samples']} samples, {s['tokens']} tokens per turn, "
+          f"fp32, {args.steps} timed steps after 1 warm-up; agentrl micro-batches of {args.micro_batch_tokens} "
+          f"packed tokens; load average {os.getloadavg()}")  # fmt: skip
+    for variant in args.variants.split(","):
+        report(variant, {side: run_child(side, variant, args.quick, args.steps, args.micro_batch_tokens) for side in sides})
+    print(f"load average at the end {os.getloadavg()}")
+
+
+if __name__ == "__main__":
+    main()
