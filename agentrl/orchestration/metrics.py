@@ -156,17 +156,22 @@ class MetricsLogger:
         kept = [r for r in _records(self.jsonl_path) if r.get("step", -1) <= step]
         self.jsonl_path.write_text("".join(json.dumps(r) + "\n" for r in kept))
 
-    def log(self, step: int, metrics: dict[str, float]) -> None:
+    def _to_dashboards(self, step: int, metrics: dict[str, Any]) -> dict[str, float]:
+        """Write the finite numbers of `metrics` to TensorBoard and W&B; return them."""
         clean = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float)) and math.isfinite(v)}
-        if "jsonl" in self.sinks:
-            with self.jsonl_path.open("a") as f:
-                f.write(json.dumps({"step": step, **clean}) + "\n")
         if self._tb is not None:
             for key, value in clean.items():
                 self._tb.add_scalar(key, value, step)
             self._tb.flush()
         if self._wandb is not None:
             self._wandb.log(clean, step=step)
+        return clean
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        clean = self._to_dashboards(step, metrics)
+        if "jsonl" in self.sinks:
+            with self.jsonl_path.open("a") as f:
+                f.write(json.dumps({"step": step, **clean}) + "\n")
         if "console" in self.sinks:
             line = " ".join(
                 f"{name} {clean[key]:.3g}" for name, key in CONSOLE_KEYS if key in clean
@@ -179,14 +184,7 @@ class MetricsLogger:
     def log_event(self, step: int, metrics: dict[str, float], prefix: str) -> None:
         """Metrics that are not a training step's (the held-out evaluation before training) under
         `prefix/`, for TensorBoard, W&B and the console; the caller keeps its own JSONL of them."""
-        named = {f"{prefix}/{k}": v for k, v in metrics.items()}
-        clean = {k: float(v) for k, v in named.items() if isinstance(v, (int, float)) and math.isfinite(v)}
-        if self._tb is not None:
-            for key, value in clean.items():
-                self._tb.add_scalar(key, value, step)
-            self._tb.flush()
-        if self._wandb is not None:
-            self._wandb.log(clean, step=step)
+        clean = self._to_dashboards(step, {f"{prefix}/{k}": v for k, v in metrics.items()})
         if "console" in self.sinks:
             log.info("%s after %d step(s): %s", prefix, step,
                      " ".join(f"{k.split('/', 1)[1]} {v:.3g}" for k, v in clean.items()))
