@@ -250,17 +250,18 @@ def split_micro_batches(lengths: Sequence[int], max_tokens: int) -> list[list[in
     Longest-processing-time-first: start from k = ⌈Σ lengths / max_tokens⌉ bins, give each
     sequence, longest first, to the least-loaded bin, and retry with k + 1 bins if one overflows.
     Bins end up close to equal in tokens, so data-parallel ranks and micro-steps take similar time.
-    Returns lists of indices into `lengths`, each sorted, ordered by their first index.
+    Returns lists of indices into `lengths`, each sorted, ordered by their first index. A sequence
+    longer than `max_tokens` is a micro-batch on its own.
     """
     if max_tokens <= 0:
         raise ValueError(f"max_tokens must be positive, got {max_tokens}.")
-    too_long = [(i, n) for i, n in enumerate(lengths) if n > max_tokens]
-    if too_long:
-        i, n = too_long[0]
-        raise ValueError(
-            f"sequence {i} has {n} tokens, more than the micro-batch budget of {max_tokens}; raise "
-            "max_tokens_per_micro_batch to at least the max sequence length, or shorten the episodes."
-        )
+    # A sequence longer than the budget (an episode whose last tool output ran past the token
+    # budget, say) gets a micro-batch of its own rather than failing the step.
+    alone = [[i] for i, n in enumerate(lengths) if n > max_tokens]
+    if alone:
+        rest = [i for i, n in enumerate(lengths) if n <= max_tokens]
+        bins = [[rest[j] for j in b] for b in split_micro_batches([lengths[i] for i in rest], max_tokens)]
+        return sorted(alone + bins, key=lambda b: b[0])
     if not lengths:
         return []
     order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))

@@ -28,6 +28,8 @@ pytestmark = pytest.mark.slow
 def server_url(vllm_server, assets):
     from agentrl.inference import HTTPServerClient
 
+    global TINY
+    TINY = str(assets / "tiny-random-qwen2")
     yield vllm_server.url
 
     async def restore() -> None:  # later tests expect the base weights
@@ -42,13 +44,14 @@ def server_url(vllm_server, assets):
 
 
 STOP_IDS = list(range(0, 151_000, 10))
+TINY = ""  # the tiny model's directory, set by the `server_url` fixture
 
 
 def config(tmp_path: Path, url: str, name: str, mode: str, steps: int, *extra: str):
     from agentrl.config import load_config
 
     return load_config(None, [
-        "env=parity_env:ParityEnv", "model.path=" + str(Path(__file__).parents[2].parent / "shared/assets/tiny-random-qwen2"),
+        "env=parity_env:ParityEnv", f"model.path={TINY}",
         "model.chat_template=chatml-tools", f"inference.urls=[{url}]",
         "data.prompts_per_step=3", "rollout.samples_per_prompt=2", "rollout.max_tokens_per_turn=12",
         "rollout.max_turns=1", "rollout.max_total_tokens=256", "rollout.temperature=1.0",
