@@ -5,9 +5,10 @@ default `LocalSandbox`: no network, bounded time and memory) and shows what it p
 call the tool several times and ends with `\\boxed{answer}`. The reward is 1.0 when the answer
 matches the row's `reward_model.ground_truth` (exact rational equality, or symbolic equivalence
 through math-verify when installed), else 0.0. Optional shaping for a wrong answer: with
-`format_reward` > 0 a well-formed boxed answer earns that much, and with `tool_reward` > 0 an
-episode whose code ran without error at least once earns that much (the larger of the two applies;
-a correct answer always earns 1.0). Only a reward of 1.0 counts as solved in evaluations.
+`format_reward` > 0 a well-formed boxed answer earns that much, and with `tool_reward` > 0 a boxed
+answer after code that ran without error at least once earns that much (the larger applies; a
+correct answer always earns 1.0). Shaping without the boxed answer was tried and backfired: the
+135M model learned to run correct code and then stopped writing `\\boxed{}`. Only a reward of 1.0 counts as solved in evaluations.
 
 Two ways to call the tool (`tool_format`):
 - `function` (default): the tool's schema is in the prompt (the chat template lists it) and the
@@ -134,9 +135,8 @@ class RetoolEnv(ToolEnv):
         answer = extract_boxed(final_text)
         if answer is not None and truth and answers_match(answer, truth):
             return 1.0
+        if answer is None or not truth:
+            return 0.0  # shaping only ever rewards a well-formed (boxed) final answer
         ran_code = self._metrics.get("tool_calls", 0) > self._metrics.get("tool_errors_model", 0) + self._metrics.get(
             "tool_errors_infra", 0)
-        shaped = self.tool_reward if ran_code else 0.0
-        if answer is not None and truth:
-            shaped = max(shaped, self.format_reward)
-        return shaped
+        return max(self.tool_reward if ran_code else 0.0, self.format_reward)

@@ -91,14 +91,15 @@ def test_tool_reward_shapes_wrong_answers_after_code_that_ran() -> None:
     row = next(r for r in shipped_rows("test") if r["extra_info"]["family"] == "product")
     parse = RetoolParser().parse
     rewards = {}
-    for name, code in (("ran", "print(1)"), ("crashed", "raise SystemExit(3)"), ("none", None)):
+    for name, code, answer in (("ran", "print(1)", "\\boxed{7}"), ("crashed", "raise SystemExit(3)", "\\boxed{7}"),
+                               ("none", None, "\\boxed{7}"), ("unboxed", "print(1)", "7")):
         env = RetoolEnv(tool_format="code", tool_reward=0.2, format_reward=0.1)
         try:
             env.reset(seed=0, options={"row": row})
             if code is not None:
                 env.step(parse(f"```python\n{code}\n```"))
-            _, rewards[name], terminated, _, _ = env.step(parse("\\boxed{7}"))
+            _, rewards[name], terminated, _, _ = env.step(parse(answer))
             assert terminated
         finally:
             env.close()
-    assert rewards == {"ran": 0.2, "crashed": 0.1, "none": 0.1}
+    assert rewards == {"ran": 0.2, "crashed": 0.1, "none": 0.1, "unboxed": 0.0}
