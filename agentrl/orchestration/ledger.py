@@ -142,14 +142,12 @@ class PromptLedger:
         self.path = Path(path) if path else None
         self.max_attempts = max_attempts
         self.entries: dict[str, LedgerEntry] = {}
-        self.counts: Counter[str] = Counter()
 
     # ── transitions ─────────────────────────────────────────────────────────────────────────
     def taken(self, ref: PromptRef) -> None:
         if ref.key in self.entries:
             raise LedgerError(f"prompt attempt {ref.key} was taken twice")
         self.entries[ref.key] = LedgerEntry(ref.key, ref.uid, ref.epoch, ref.index, ref.attempt, "in_flight")
-        self.counts["taken"] += 1
 
     def trained(self, ref: PromptRef, step: int) -> None:
         self._close(ref, "trained", step=step)
@@ -177,7 +175,6 @@ class PromptLedger:
             found = "never taken" if entry is None else f"already {entry.status}"
             raise LedgerError(f"prompt attempt {ref.key} cannot become {status}: it was {found}")
         entry.status, entry.step, entry.reason = status, step, reason
-        self.counts[status] += 1
         if self.path is not None:
             with self.path.open("a") as f:
                 f.write(json.dumps(asdict(entry)) + "\n")

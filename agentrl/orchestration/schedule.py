@@ -11,9 +11,10 @@ at trainer version `s` has staleness `s - version` per group.
 - `one_step_off`: the rollout of batch `s+1` runs (on weights `s`) while batch `s` trains; the
   push waits for that rollout, so no episode mixes versions. Staleness 1.
 - `async`: a producer keeps admitting prompts one at a time while the trainer takes batches
-  as groups complete. Two rules keep it honest: admission stops once `(K + 1) * P` groups are in
-  the system (admitted, not yet trained) or a push is pending, so the rollout side pauses rather
-  than over-generates; and a batch at trainer version `s` must include every group of version
+  as groups complete. Two rules keep it honest: while the servers hold version `v`, admission stops
+  once `(v - v0 + K + 1) * P` groups have been taken in all (v0: the version the run started at), or
+  the remaining steps are covered, or a push is pending, so the rollout side pauses rather than
+  over-generates; and a batch at trainer version `s` must include every group of version
   `<= s - K` (waiting for it if it is still running), so no trained group is ever more than `K`
   versions old. Batches are filled oldest version first. With `partial_rollout`, a push happens
   at once and in-flight episodes continue on the new weights (each token keeps its version);
