@@ -11,8 +11,9 @@ contiguous tensor of at least `direct_bytes` (default 8 MiB) is broadcast straig
 storage, at its place in the bucket layout, so the sender never copies it (on a CPU box that copy
 costs as much as the transfer itself). Receivers are unaffected: every piece lands at its offset
 in one contiguous receive buffer and the tensors are views into it. The checksum is taken per
-piece and combined (`agentrl.weights.buckets.bucket_checksum`); a receiver verifies it over its
-buffer before unpacking, so corruption in any piece is caught for the bucket as a whole. gloo carries CPU buffers, NCCL GPU buffers; with NCCL the
+piece and combined (`agentrl.weights.buckets.bucket_checksum`); a receiver checksums each piece
+as it lands (overlapped with the pieces still in flight) and compares the result before unpacking,
+so corruption in any piece is caught for the bucket as a whole. gloo carries CPU buffers, NCCL GPU buffers; with NCCL the
 buffers live on the current CUDA device and a checksum costs a device-to-host copy (pass
 `checksum=None` there if that copy matters more than the check).
 
@@ -215,5 +216,26 @@ class BroadcastCheckpointEngine(CheckpointEngine):
                 slot, buffer = self.recv_buffers.acquire()
                 data = buffer[: meta.nbytes]
                 release = _Once(lambda slot=slot: self.recv_buffers.release(slot))
-            self._broadcast_all([data[start : start + length] for start, length in meta.pieces or ((0, meta.nbytes),)])
-            yield Bucket(meta, data, release)
+            yield Bucket(meta, data, release, self._receive_pieces(meta, data))
+
+    def _receive_pieces(self, meta: BucketMeta, data: torch.Tensor) -> int | None:
+        """Receive every piece of a bucket into `data`; return the checksum of what arrived.
+
+        All pieces are in flight at once, and each is checksummed here, on the fetch thread, as
+        soon as it has landed, while the later pieces are still arriving; the consumer thread then
+        only compares the result with the sender's (`verify_bucket`) before it unpacks anything,
+        instead of reading the whole bucket once more after the last piece.
+        """
+        spans = meta.pieces or ((0, meta.nbytes),)
+        views = [data[start : start + length] for start, length in spans]
+        works = [dist.broadcast(v, src=self.src, group=self.group, async_op=True) if v.numel() else None
+                 for v in views]
+        parts = []
+        for (start, length), view, work in zip(spans, views, works, strict=True):
+            if work is not None:
+                work.wait()
+            if meta.checksum_kind is not None:
+                parts.append((start, length, compute_checksum(view, meta.checksum_kind)))
+        if meta.checksum_kind is None:
+            return None
+        return combine_checksums(parts) if meta.pieces else parts[0][2]

@@ -120,6 +120,8 @@ class Bucket:
     meta: BucketMeta
     data: torch.Tensor
     release: Any = field(default=lambda: None, repr=False)
+    received_checksum: int | None = None
+    """The checksum a receiver already took over `data` as its pieces landed (None: not yet)."""
 
 
 def tensor_nbytes(tensor: torch.Tensor) -> int:
@@ -268,8 +270,12 @@ def pack_bucket(
     return Bucket(meta, data)
 
 
-def verify_bucket(meta: BucketMeta, data: torch.Tensor) -> None:
-    """Raise ChecksumError naming the bucket if `data` does not match `meta`'s size or checksum."""
+def verify_bucket(meta: BucketMeta, data: torch.Tensor, actual: int | None = None) -> None:
+    """Raise ChecksumError naming the bucket if `data` does not match `meta`'s size or checksum.
+
+    `actual` is the checksum of `data` when the caller already took it (the broadcast receiver
+    does, piece by piece while the bytes are still in cache); None computes it here.
+    """
     if data.numel() != meta.nbytes:
         raise ChecksumError(
             f"Bucket {meta.index} of weight version {meta.version} arrived with {data.numel()} bytes, "
@@ -277,7 +283,8 @@ def verify_bucket(meta: BucketMeta, data: torch.Tensor) -> None:
         )
     if meta.checksum is None or meta.checksum_kind is None:
         return
-    actual = bucket_checksum(data, meta.checksum_kind, meta.pieces)
+    if actual is None:
+        actual = bucket_checksum(data, meta.checksum_kind, meta.pieces)
     if actual != meta.checksum:
         names = ", ".join(e.name for e in meta.entries[:3]) + (", ..." if len(meta.entries) > 3 else "")
         raise ChecksumError(

@@ -171,7 +171,7 @@ class WeightStream(Iterator[tuple[str, torch.Tensor]]):
                     return
                 held = item
                 if self._verify:
-                    verify_bucket(item.meta, item.data)
+                    verify_bucket(item.meta, item.data, item.received_checksum)
                 for name, tensor in unpack_bucket(item.meta, item.data, verify=False):
                     yield name, (tensor.clone() if self._copy else tensor)
                 # The caller asked past this bucket's last tensor: its buffer may be refilled now.
