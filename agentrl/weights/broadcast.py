@@ -167,7 +167,10 @@ class BroadcastCheckpointEngine(CheckpointEngine):
                 offset += nbytes
         data = buffer[:offset]
         value = None
-        if self.checksum:
+        if not pieces and self.checksum:
+            # Only empty tensors: no pieces, so the receiver checksums the (empty) buffer whole.
+            value = compute_checksum(data, self.checksum)
+        elif self.checksum:
             value = combine_checksums([
                 (start, length, compute_checksum(data[start : start + length] if src is None else src, self.checksum))
                 for (start, length), src in zip(pieces, sources, strict=True)

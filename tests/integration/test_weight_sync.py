@@ -82,6 +82,13 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
         else:
             stream = engine.receive()
             report["empty"] = {"version": stream.version, "count": len(list(stream))}
+        # A bucket holding only empty tensors has no pieces; its checksum must still match.
+        hollow = [("empty.a", torch.zeros(0)), ("empty.b", torch.zeros(0, 3, dtype=torch.int64))]
+        if rank == 0:
+            engine.send(iter(hollow), 102)
+        else:
+            got = {n: t.clone() for n, t in engine.receive()}
+            report["hollow"] = sorted(got) == ["empty.a", "empty.b"] and got["empty.b"].shape == (0, 3)
         # 3000 tensors in one bucket: the metadata outgrows the 64 KiB control buffer.
         many = [(f"blocks.{i}.scale", torch.full((2,), float(i))) for i in range(3000)]
         wide = make_checkpoint_engine("broadcast", bucket_bytes=64 << 10)
@@ -180,6 +187,7 @@ def test_broadcast_engine_over_gloo(world: int, tmp_path: Path) -> None:
             assert push["buckets"] > 1, push
         assert report["empty"] == {"version": 100, "count": 0}
         assert report["many"] == {"version": 101, "buckets": 1, "equal": True}
+        assert report["hollow"] is True
         assert report["module_sums_equal"]
         assert report["allocations"] == report["allocations_after"] == [0, 2]
         assert report["pointers_after"] == report["pointers_before"]
