@@ -13,9 +13,13 @@ checksum) >= 70% of the raw broadcast.
 
 The broadcast engine sends tensors of at least `direct_bytes` (8 MiB) from their own storage, so
 with this tensor mix (1, 4 and 16 MiB) three quarters of the bytes are never copied on the sender;
-what is left over the raw broadcast is mostly the checksum, read once on each side (about as much
-CPU as the loopback transfer itself on a two-core machine). The load average is printed: on a
-shared machine the ratios move by tens of percent from run to run.
+the receiver checksums each piece as it lands, overlapped with the pieces still in flight. What is
+left over the raw broadcast is the per-bucket collectives (compare "raw broadcast (per bucket)")
+and the checksum, one read of every byte on each side: sum64 is memory-bound (about 15 GB/s from
+DRAM, 40 GB/s from cache on one core here), so it costs CPU time that overlap hides only when a
+core is idle. The last two columns are each rank's median CPU seconds per push (all its threads):
+the engine's extra CPU over the raw broadcast is what a loaded machine turns into wall time. The
+load average is printed: on a shared machine the ratios move by tens of percent from run to run.
 """
 
 from __future__ import annotations
@@ -51,21 +55,28 @@ def make_tensors(total_bytes: int) -> list[tuple[str, torch.Tensor]]:
     return out
 
 
-def interleaved(cases: dict[str, object], repeats: int, sync=lambda: None) -> dict[str, float]:
+def interleaved(cases: dict[str, object], repeats: int, sync=lambda: None,
+                cpu: dict[str, float] | None = None) -> dict[str, float]:
     """Median seconds of each case, run round-robin so that load from other processes on the
     machine falls on every case alike; one warm-up round first (allocates buffers, faults pages).
 
-    `sync` runs before and after each timed call (a barrier for multi-process cases).
+    `sync` runs before and after each timed call (a barrier for multi-process cases). `cpu`, when
+    given, is filled with each case's median CPU seconds of this process (all threads).
     """
     times: dict[str, list[float]] = {name: [] for name in cases}
+    cpu_times: dict[str, list[float]] = {name: [] for name in cases}
     for round_ in range(repeats + 1):
         for name, fn in cases.items():
             sync()
-            start = time.perf_counter()
+            start, cpu_start = time.perf_counter(), time.process_time()
             fn()  # type: ignore[operator]
+            cpu_end = time.process_time()
             sync()
             if round_:
                 times[name].append(time.perf_counter() - start)
+                cpu_times[name].append(cpu_end - cpu_start)
+    if cpu is not None:
+        cpu.update({name: statistics.median(t) for name, t in cpu_times.items()})
     return {name: statistics.median(t) for name, t in times.items()}
 
 
@@ -106,13 +117,20 @@ def _broadcast_worker(rank: int, port: int, total_mb: int, bucket: int, repeats:
         else:
             cases[f"broadcast engine ({checksum})"] = lambda e=engine: sum(1 for _ in e.receive())
     # The barrier after each call stops the clock only once the receiver has every byte.
-    seconds = interleaved(cases, repeats, sync=dist.barrier)
+    cpu: dict[str, float] = {}
+    seconds = interleaved(cases, repeats, sync=dist.barrier, cpu=cpu)
+    per_rank = [torch.zeros(len(cases), dtype=torch.float64) for _ in range(2)]
+    dist.all_gather(per_rank, torch.tensor([cpu[k] for k in cases], dtype=torch.float64))
     if rank == 0:
-        Path(out).write_text(json.dumps({k: total / v / 1e9 for k, v in seconds.items()}))
+        Path(out).write_text(json.dumps({
+            "gbps": {k: total / v / 1e9 for k, v in seconds.items()},
+            "cpu_ms": {k: [float(per_rank[r][i]) * 1e3 for r in range(2)] for i, k in enumerate(cases)},
+        }))
     dist.destroy_process_group()
 
 
-def bench_broadcast(total_mb: int, bucket: int, repeats: int, num_buffers: int) -> dict[str, float]:
+def bench_broadcast(total_mb: int, bucket: int, repeats: int, num_buffers: int) -> dict[str, dict]:
+    """`{"gbps": {case: GB/s}, "cpu_ms": {case: [sender, receiver]}}` for the two-process cases."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -138,12 +156,16 @@ def main() -> None:
           f"median of {args.repeats}; torch {torch.__version__}, {os.cpu_count()} CPUs, "
           f"load {os.getloadavg()[0]:.1f}", flush=True)
     rows = {} if args.broadcast_only else bench_local(tensors, total, bucket, args.repeats, args.dir)
-    rows.update(bench_broadcast(args.total_mb, bucket, args.repeats, args.num_buffers))
+    broadcast = bench_broadcast(args.total_mb, bucket, args.repeats, args.num_buffers)
+    rows.update(broadcast["gbps"])
+    cpu_ms = broadcast["cpu_ms"]
     raw = rows["raw broadcast (1 call)"]
     memcpy = rows.get("raw memcpy", float("nan"))
-    print(f"{'path':<34} {'GB/s':>7} {'x raw bcast':>12} {'x memcpy':>9}")
+    print(f"{'path':<34} {'GB/s':>7} {'x raw bcast':>12} {'x memcpy':>9} {'cpu ms send':>12} {'cpu ms recv':>12}")
     for name, gbps in rows.items():
-        print(f"{name:<34} {gbps:>7.2f} {gbps / raw:>12.2f} {gbps / memcpy:>9.2f}")
+        send_ms, recv_ms = cpu_ms.get(name, ["", ""])
+        cpu_cols = f" {send_ms:>12.0f} {recv_ms:>12.0f}" if name in cpu_ms else ""
+        print(f"{name:<34} {gbps:>7.2f} {gbps / raw:>12.2f} {gbps / memcpy:>9.2f}{cpu_cols}")
     per_bucket = rows["raw broadcast (per bucket)"]
     for checksum in CHECKSUMS:
         engine = rows[f"broadcast engine ({checksum})"]
