@@ -37,9 +37,12 @@ class CpuGate:
             raise ValueError(f"slice_s must be positive, got {slice_s}")
         self.slice_s = slice_s
         self._waiters: deque[asyncio.Future[None]] = deque()
-        self._used = 0.0  # CPU seconds spent in sections since the current slice opened
+        self._start = -float("inf")  # when the current slice opened (perf_counter)
+        self._entries = 0  # sections that entered the current slice
         self._granted = 0  # woken waiters that have not entered yet
-        self._mean = 1e-4  # running mean of a section's length, to size the next wake-up
+        self._room = 8  # how many waiters a new slice wakes, adapted to what the last ones held
+        self._late = False  # a woken waiter found the current slice spent
+        self._polled = True  # the loop polled sockets and timers since the current slice opened
         self._tick_pending = False
         self._front = 0  # waiters put back at the head of the queue since the last slice opened
         self._entered: dict[Any, float] = {}  # task -> when its section began
@@ -47,22 +50,35 @@ class CpuGate:
         self.queued = 0
         self.longest_slice_s = 0.0
 
+    def _open(self) -> None:
+        self._start, self._entries, self._polled = time.perf_counter(), 0, False
+        asyncio.get_running_loop().call_soon(self._mark_polled)
+
+    def _mark_polled(self) -> None:
+        self._polled = True
+
+    def _spent(self) -> bool:
+        return time.perf_counter() - self._start >= self.slice_s
+
     async def __aenter__(self) -> None:
-        if self._granted or self._waiters or self._used >= self.slice_s:
+        if self._polled and not (self._granted or self._waiters) and self._spent():
+            self._open()  # the loop has polled since the last slice opened: start one at once
+        elif self._granted or self._waiters or self._spent():
             await self._wait_turn()
-            # Woken into a slice that earlier sections already spent (the wake-up count is only an
+            # Woken into a slice that earlier work already spent (the wake-up count is only an
             # estimate): wait for the next one, ahead of everybody who queued later.
-            while self._used >= self.slice_s:
+            while self._spent():
+                self._late = True
                 await self._wait_turn(front=True)
+        self._entries += 1
         self._entered[asyncio.current_task()] = time.perf_counter()
 
     async def __aexit__(self, *exc: object) -> None:
-        spent = time.perf_counter() - self._entered.pop(asyncio.current_task())
-        self._used += spent
-        if self._used > self.longest_slice_s:
-            self.longest_slice_s = self._used
-        self._mean += 0.1 * (spent - self._mean)
-        if self._used >= self.slice_s or self._waiters:
+        now = time.perf_counter()
+        del self._entered[asyncio.current_task()]
+        if now - self._start > self.longest_slice_s:
+            self.longest_slice_s = now - self._start
+        if self._waiters or now - self._start >= self.slice_s:
             self._schedule_tick()
 
     async def _wait_turn(self, front: bool = False) -> None:
@@ -92,11 +108,15 @@ class CpuGate:
 
     def _tick(self, *_: Any) -> None:
         """Open a new slice: wake as many waiters as it is expected to hold (at least one)."""
+        # The last slice held `_entries` sections if one woken waiter came too late; if none did,
+        # it could have held more.
+        self._room = max(1, self._entries) if self._late else min(2 * self._room, 4096)
         self._tick_pending = False
-        self._used = 0.0
+        self._late = False
+        self._open()
         self._front = 0
         self.slices += 1
-        room = max(1, int(self.slice_s / max(self._mean, 1e-6)))
+        room = self._room
         while room and self._waiters:
             fut = self._waiters.popleft()
             if fut.cancelled():
