@@ -5,13 +5,16 @@ thousand episodes wake in the same iteration (their generations finished togethe
 a few hundred microseconds of chat-template and parsing work, the loop answers nothing else for
 the whole burst: server replies, tool sandboxes and heartbeats wait for hundreds of milliseconds.
 
-The gate cuts such bursts into slices of at most about `slice_s` of CPU. An episode wraps its CPU
+The gate cuts such bursts into slices of about `slice_s` of wall time. An episode wraps its CPU
 work in `async with gate:`; while the current slice has time left and nobody is queued, it goes
 straight in (no suspension, about a microsecond). Otherwise it queues; at the next iteration of
 the loop the gate opens a new slice and wakes as many queued episodes, first come first served,
-as the slice is expected to hold (from a running mean of section lengths); one that finds the slice
-already spent when it runs goes back to the head of the queue. Between two slices
-the loop polls its sockets and runs its due timers, so no stall is much longer than a slice.
+as the last slice held; one that finds the slice already spent when it runs goes back to the
+head of the queue. A slice is measured from when it opened, not by summing the sections, so the
+work a task does between two sections (an env reset, creating tasks) counts against it too. A
+gate that is not busy opens a slice at once, but only after the loop has polled since the last
+one opened. Between two slices the loop polls its sockets and runs its due timers, so no stall is
+much longer than a slice plus one task's work between two sections.
 
 This paces work, it does not lock: sections never overlap anyway on one thread, and a section
 that awaits inside merely counts its waiting as CPU (which makes slices shorter, never longer).
