@@ -90,6 +90,8 @@ _PROBE_TOOLS = [
     }
 ]
 _MASKED_CACHE_SIZE = 1024
+_PROMPT_CACHE_SIZE = 4096
+_TOOLS_CACHE_SIZE = 64
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,8 +147,18 @@ class ChatTemplate:
         # Sentinel renders of deltas depend only on the shape of the new messages (roles, call
         # ids, names), the tools and the system message, so they are rendered once per shape.
         self._masked: dict[str, str] = {}
-        self._masked_lock = threading.Lock()
+        self._cache_lock = threading.Lock()
         self._mask_ids: bool | None = None  # whether the template accepts sentinel call ids
+        # First prompts repeat: every sample of a GRPO group starts from the same row, and every
+        # episode of an env from the same tools. Their ids are cached by the render's whole input,
+        # unless the template reads the clock (Llama 3 renders today's date).
+        self._prompts: dict[str, tuple[int, ...]] = {}
+        source = template if template is not None else getattr(tokenizer, "chat_template", "")
+        self._cache_prompts = "strftime_now" not in str(source)
+        # Tool lists are interned by content: episodes of one env share one list and its JSON key,
+        # so cache keys do not serialise the tool schemas again for every episode and delta.
+        self._tools: dict[str, list[ToolSchema]] = {}
+        self._tools_key: dict[int, str] = {}
 
     @classmethod
     def from_pretrained(
@@ -199,6 +211,51 @@ class ChatTemplate:
     ) -> list[int]:
         """Ids of a whole conversation, as `apply_chat_template(..., tokenize=True)` gives them."""
         return self.encode(self.render(messages, tools, add_generation_prompt=add_generation_prompt))
+
+    def first_prompt_ids(
+        self, messages: Sequence[Message] | Sequence[Mapping[str, Any]], tools: Sequence[ToolSchema] | None = None
+    ) -> tuple[int, ...]:
+        """`encode_prompt(messages, tools)` with a generation prompt, cached by its input.
+
+        Samples of a group, and retries, start from the same messages: they are rendered and
+        tokenised once. Messages that are not JSON-serialisable are rendered every time.
+        """
+        key = None
+        if self._cache_prompts:
+            try:
+                key = f"{self.tools_key(tools)}\n{json.dumps(messages, sort_keys=True)}"
+            except (TypeError, ValueError):
+                key = None
+            if key is not None and (hit := self._prompts.get(key)) is not None:
+                return hit
+        ids = tuple(self.encode_prompt(messages, tools))
+        if key is not None:
+            with self._cache_lock:
+                if len(self._prompts) >= _PROMPT_CACHE_SIZE:
+                    del self._prompts[next(iter(self._prompts))]
+                self._prompts[key] = ids
+        return ids
+
+    def intern_tools(self, tools: Sequence[ToolSchema] | None) -> list[ToolSchema] | None:
+        """One shared list per distinct set of tool schemas (None for no tools); treat it as read-only."""
+        if not tools:
+            return None
+        key = json.dumps(list(tools), sort_keys=True)
+        shared = self._tools.get(key)
+        if shared is None:
+            with self._cache_lock:
+                if len(self._tools) >= _TOOLS_CACHE_SIZE:
+                    self._tools_key.pop(id(self._tools.pop(next(iter(self._tools)))), None)
+                shared = self._tools.setdefault(key, list(tools))
+                self._tools_key[id(shared)] = key
+        return shared
+
+    def tools_key(self, tools: Sequence[ToolSchema] | None) -> str:
+        """The JSON of `tools` for cache keys: a lookup for interned lists (`intern_tools`)."""
+        if not tools:
+            return "null"
+        key = self._tools_key.get(id(tools))
+        return key if key is not None else json.dumps(list(tools), sort_keys=True)
 
     def decode_turn(self, token_ids: Sequence[int]) -> str:
         """The text of a sampled turn, as tool-call parsers expect it.
@@ -260,13 +317,7 @@ class ChatTemplate:
                 skip = k
                 break
 
-        if offsets is None:
-            origins = [TokenOrigin.TEMPLATE] * len(ids)
-        else:
-            origins = [
-                TokenOrigin.TOOL if any(s < e2 and s2 < e for s2, e2 in spans) else TokenOrigin.TEMPLATE
-                for s, e in offsets
-            ]
+        origins = [TokenOrigin.TEMPLATE] * len(ids) if offsets is None else _origins(offsets, spans)
         return TokenDelta(ids[skip:], origins[skip:], text, skip)
 
     def _dummy(self, system: Message | Mapping[str, Any] | None) -> list[dict[str, Any]]:
@@ -391,7 +442,7 @@ class ChatTemplate:
         or message shape renders anew; inputs that are not JSON-serialisable are not cached.
         """
         try:
-            key = json.dumps([base, masked, tools, add_generation_prompt], sort_keys=True)
+            key = f"{self.tools_key(tools)}\n{json.dumps([base, masked, add_generation_prompt], sort_keys=True)}"
         except (TypeError, ValueError):
             key = None
         if key is not None and (hit := self._masked.get(key)) is not None:
@@ -401,7 +452,7 @@ class ChatTemplate:
         except ChatTemplateError:
             text = ""
         if key is not None:
-            with self._masked_lock:
+            with self._cache_lock:
                 if len(self._masked) >= _MASKED_CACHE_SIZE:
                     del self._masked[next(iter(self._masked))]
                 self._masked[key] = text
@@ -419,6 +470,27 @@ def _after_mark(text: str) -> str:
             "located; use a template that renders assistant content verbatim."
         )
     return text[at + len(_MARK) :]
+
+
+def _origins(offsets: Sequence[tuple[int, int]], spans: Sequence[tuple[int, int]]) -> list[TokenOrigin]:
+    """TOOL for each token whose characters overlap a span, TEMPLATE for the others.
+
+    `spans` are disjoint and in order, so one pass over both suffices while token starts grow; a
+    token starting before the previous one starts the span search over.
+    """
+    tool, template = TokenOrigin.TOOL, TokenOrigin.TEMPLATE
+    if not spans:
+        return [template] * len(offsets)
+    out: list[TokenOrigin] = []
+    j, last = 0, -1
+    for s, e in offsets:
+        if s < last:
+            j = 0
+        last = s
+        while j < len(spans) and spans[j][1] <= s:
+            j += 1
+        out.append(tool if j < len(spans) and spans[j][0] < e else template)
+    return out
 
 
 def _common_prefix_len(a: Sequence[Any], b: Sequence[Any]) -> int:
@@ -467,9 +539,9 @@ class ConversationTokenizer:
         """Render the first prompt into an empty ledger and return its ids."""
         if self._started or len(self.trajectory):
             raise ValueError("ConversationTokenizer.start() needs an empty trajectory; it was called twice")
-        self.tools = list(tools) if tools else None
-        ids = self.template.encode_prompt(messages, self.tools)
-        self.trajectory.extend(ids, TokenOrigin.PROMPT, 0)
+        self.tools = self.template.intern_tools(tools)
+        ids = self.template.first_prompt_ids(messages, self.tools)
+        self.trajectory.extend(ids, TokenOrigin.PROMPT, 0, ints=True)
         self.trajectory.messages.extend(dict(m) for m in messages)  # type: ignore[misc]
         if self.verify:
             self.trajectory.metrics.setdefault("template_mismatch", 0.0)
@@ -510,7 +582,7 @@ class ConversationTokenizer:
             messages, sampled_ids=self.trajectory.token_ids, tools=self.tools, system=system
         )
         for origin, ids in delta.runs():
-            self.trajectory.extend(ids, origin, self.turn)
+            self.trajectory.extend(ids, origin, self.turn, ints=True)
         self._after_generation = False
         self.trajectory.messages.extend(dict(m) for m in messages)  # type: ignore[misc]
         if self.verify:

@@ -237,8 +237,14 @@ class Trajectory:
         turn: int,
         logprobs: Sequence[float] | None = None,
         version: int = -1,
+        *,
+        ints: bool = False,
     ) -> None:
-        """Append tokens of one origin. Sampled tokens need their logprobs and policy version."""
+        """Append tokens of one origin. Sampled tokens need their logprobs and policy version.
+
+        Ids are converted to Python ints (servers and tensors hand out numpy integers); `ints=True`
+        says they are ints already (agentrl's own tokenisation), which skips the conversion.
+        """
         n = len(token_ids)
         if origin == TokenOrigin.SAMPLED:
             if logprobs is None or len(logprobs) != n:
@@ -253,7 +259,7 @@ class Trajectory:
                 raise ValueError(f"only sampled tokens carry logprobs, not {origin.name} tokens")
             self.logprobs.extend([0.0] * n)
             self.versions.extend([-1] * n)
-        self.token_ids.extend(map(int, token_ids))
+        self.token_ids.extend(token_ids if ints else map(int, token_ids))
         self.origins.extend([int(origin)] * n)
         self.turns.extend([turn] * n)
 

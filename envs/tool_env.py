@@ -163,7 +163,12 @@ class ToolEnv(Env):
         for err in action.parse_errors:
             self._metrics["parse_errors"] += 1
             messages.append({"role": "tool", "content": f"Error: {err}"})
-        results = await asyncio.gather(*(self._call(c, ctx) for c in action.tool_calls))
+        calls = action.tool_calls
+        # One call (the common case) is awaited in place: a task per call is only worth its cost
+        # when there are several to overlap.
+        results = [await self._call(calls[0], ctx)] if len(calls) == 1 else (
+            await asyncio.gather(*(self._call(c, ctx) for c in calls))
+        )
         for r in results:
             self._metrics["tool_calls"] += 1
             if r.fault:

@@ -26,7 +26,6 @@ call exceeded its deadline). This module does not parse tool calls out of text; 
 from __future__ import annotations
 
 import asyncio
-import copy
 import inspect
 import json
 import re
@@ -105,8 +104,8 @@ class Tool:
 
     @property
     def schema(self) -> ToolSchema:
-        """The OpenAI function-tool schema, derived from the signature and docstring."""
-        return copy.deepcopy(self._schema)
+        """The OpenAI function-tool schema, derived from the signature and docstring (a fresh copy)."""
+        return _copy_json(self._schema)
 
     def _build_schema(self) -> ToolSchema:
         params = self._args_model.model_json_schema()
@@ -320,3 +319,13 @@ def _arguments_model(
         **fields,
     )
     return model, ctx_param
+
+
+def _copy_json(value: Any) -> Any:
+    """A deep copy of JSON data (dicts, lists, scalars): every env reset hands out the tool schemas,
+    and `copy.deepcopy`'s generality costs several times more on that path."""
+    if isinstance(value, dict):
+        return {k: _copy_json(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_copy_json(v) for v in value]
+    return value

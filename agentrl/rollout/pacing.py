@@ -5,13 +5,16 @@ thousand episodes wake in the same iteration (their generations finished togethe
 a few hundred microseconds of chat-template and parsing work, the loop answers nothing else for
 the whole burst: server replies, tool sandboxes and heartbeats wait for hundreds of milliseconds.
 
-The gate cuts such bursts into slices of at most about `slice_s` of CPU. An episode wraps its CPU
+The gate cuts such bursts into slices of about `slice_s` of wall time. An episode wraps its CPU
 work in `async with gate:`; while the current slice has time left and nobody is queued, it goes
 straight in (no suspension, about a microsecond). Otherwise it queues; at the next iteration of
 the loop the gate opens a new slice and wakes as many queued episodes, first come first served,
-as the slice is expected to hold (from a running mean of section lengths); one that finds the slice
-already spent when it runs goes back to the head of the queue. Between two slices
-the loop polls its sockets and runs its due timers, so no stall is much longer than a slice.
+as the last slice held; one that finds the slice already spent when it runs goes back to the
+head of the queue. A slice is measured from when it opened, not by summing the sections, so the
+work a task does between two sections (an env reset, creating tasks) counts against it too. A
+gate that is not busy opens a slice at once, but only after the loop has polled since the last
+one opened. Between two slices the loop polls its sockets and runs its due timers, so no stall is
+much longer than a slice plus one task's work between two sections.
 
 This paces work, it does not lock: sections never overlap anyway on one thread, and a section
 that awaits inside merely counts its waiting as CPU (which makes slices shorter, never longer).
@@ -37,9 +40,12 @@ class CpuGate:
             raise ValueError(f"slice_s must be positive, got {slice_s}")
         self.slice_s = slice_s
         self._waiters: deque[asyncio.Future[None]] = deque()
-        self._used = 0.0  # CPU seconds spent in sections since the current slice opened
+        self._start = -float("inf")  # when the current slice opened (perf_counter)
+        self._entries = 0  # sections that entered the current slice
         self._granted = 0  # woken waiters that have not entered yet
-        self._mean = 1e-4  # running mean of a section's length, to size the next wake-up
+        self._room = 8  # how many waiters a new slice wakes, adapted to what the last ones held
+        self._late = False  # a woken waiter found the current slice spent
+        self._polled = True  # the loop polled sockets and timers since the current slice opened
         self._tick_pending = False
         self._front = 0  # waiters put back at the head of the queue since the last slice opened
         self._entered: dict[Any, float] = {}  # task -> when its section began
@@ -47,22 +53,35 @@ class CpuGate:
         self.queued = 0
         self.longest_slice_s = 0.0
 
+    def _open(self) -> None:
+        self._start, self._entries, self._polled = time.perf_counter(), 0, False
+        asyncio.get_running_loop().call_soon(self._mark_polled)
+
+    def _mark_polled(self) -> None:
+        self._polled = True
+
+    def _spent(self) -> bool:
+        return time.perf_counter() - self._start >= self.slice_s
+
     async def __aenter__(self) -> None:
-        if self._granted or self._waiters or self._used >= self.slice_s:
+        if self._polled and not (self._granted or self._waiters) and self._spent():
+            self._open()  # the loop has polled since the last slice opened: start one at once
+        elif self._granted or self._waiters or self._spent():
             await self._wait_turn()
-            # Woken into a slice that earlier sections already spent (the wake-up count is only an
+            # Woken into a slice that earlier work already spent (the wake-up count is only an
             # estimate): wait for the next one, ahead of everybody who queued later.
-            while self._used >= self.slice_s:
+            while self._spent():
+                self._late = True
                 await self._wait_turn(front=True)
+        self._entries += 1
         self._entered[asyncio.current_task()] = time.perf_counter()
 
     async def __aexit__(self, *exc: object) -> None:
-        spent = time.perf_counter() - self._entered.pop(asyncio.current_task())
-        self._used += spent
-        if self._used > self.longest_slice_s:
-            self.longest_slice_s = self._used
-        self._mean += 0.1 * (spent - self._mean)
-        if self._used >= self.slice_s or self._waiters:
+        now = time.perf_counter()
+        del self._entered[asyncio.current_task()]
+        if now - self._start > self.longest_slice_s:
+            self.longest_slice_s = now - self._start
+        if self._waiters or now - self._start >= self.slice_s:
             self._schedule_tick()
 
     async def _wait_turn(self, front: bool = False) -> None:
@@ -92,11 +111,15 @@ class CpuGate:
 
     def _tick(self, *_: Any) -> None:
         """Open a new slice: wake as many waiters as it is expected to hold (at least one)."""
+        # The last slice held `_entries` sections if one woken waiter came too late; if none did,
+        # it could have held more.
+        self._room = max(1, self._entries) if self._late else min(2 * self._room, 4096)
         self._tick_pending = False
-        self._used = 0.0
+        self._late = False
+        self._open()
         self._front = 0
         self.slices += 1
-        room = max(1, int(self.slice_s / max(self._mean, 1e-6)))
+        room = self._room
         while room and self._waiters:
             fut = self._waiters.popleft()
             if fut.cancelled():

@@ -84,14 +84,16 @@ class RolloutWorker:
         self, row: dict[str, Any] | None, samples: int, *, seed: int, group_id: str
     ) -> list[Trajectory]:
         """`samples` episodes of one prompt, in sample order."""
-        return list(
-            await asyncio.gather(
+        # Creating the tasks is paced like any other CPU section: a caller that starts hundreds
+        # of groups at once would otherwise spend one long loop iteration creating all of them.
+        async with self.loop.gate:
+            episodes = asyncio.gather(
                 *(
                     self.run_episode(row, seed=seed, group_id=group_id, episode_id=f"{group_id}-{i}")
                     for i in range(samples)
                 )
             )
-        )
+        return list(await episodes)
 
     async def run_batch(
         self, rows: Sequence[dict[str, Any] | None], samples_per_prompt: int, *, seed: int = 0, first_index: int = 0

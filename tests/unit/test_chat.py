@@ -506,3 +506,24 @@ def test_content_transformed_by_the_template_falls_back_to_search(templates: dic
     delta = template.encode_delta([{"role": "user", "content": "  spaced out  "}], sampled_ids=[151645])
     runs = [(o, template.tokenizer.decode(ids)) for o, ids in delta.runs()]
     assert (TokenOrigin.TOOL, "spaced out") in runs
+
+
+def test_first_prompts_are_cached_by_their_input(templates: dict[str, ChatTemplate]) -> None:
+    template = templates["qwen2.5"]
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2+2?"}]
+    tools = template.intern_tools(json.loads(json.dumps(TOOLS)))
+    assert template.intern_tools(json.loads(json.dumps(TOOLS))) is tools  # equal tools, one list
+    first = template.first_prompt_ids(messages, tools)
+    assert list(first) == template.encode_prompt(messages, TOOLS)
+    assert template.first_prompt_ids(messages, tools) is first  # the second sample renders nothing
+    other = [messages[0], {"role": "user", "content": "What is 3+3?"}]
+    assert list(template.first_prompt_ids(other, tools)) == template.encode_prompt(other, TOOLS)
+    assert list(template.first_prompt_ids(messages, None)) == template.encode_prompt(messages)
+
+
+def test_templates_that_read_the_clock_are_not_cached(templates: dict[str, ChatTemplate]) -> None:
+    tok = templates["qwen2.5"].tokenizer
+    dated = ChatTemplate(tok, template="{{ strftime_now('%Y') }}" + CHATML)
+    messages = [{"role": "user", "content": "hi"}]
+    assert dated.first_prompt_ids(messages) == dated.first_prompt_ids(messages)
+    assert dated._prompts == {}
