@@ -209,6 +209,12 @@ class TrainerConfig(_Section):
     """Passes over each batch of trajectories."""
     mini_batches: int = Field(1, ge=1)
     """Optimizer steps per pass (the batch is split into this many mini-batches)."""
+    score_in_update: bool = True
+    """On-policy shortcut: when a batch gets exactly one optimizer step (ppo_epochs=1,
+    mini_batches=1), take the old logprobs from the update's own forward instead of a separate
+    scoring pass over the batch (the same values, one forward fewer). Applies with rollout_is
+    'none' or 'tis' and without a KL penalty in the reward; otherwise, or when False, the old
+    logprobs are scored first."""
     micro_batch_tokens: int = Field(8192, ge=16)
     """Token budget of one packed micro-batch (gradient accumulation fills the mini-batch). Without
     flash-attention (on CPU) packed attention uses a block mask, quadratic in this budget: keep it

@@ -48,12 +48,17 @@ class PolicyBatch:
     rollout importance weights; `ref_logprobs` is needed only for a KL loss. `max_len` is the
     constant of `seq-mean-token-sum-norm` aggregation; `temperature` the sampling temperature the
     logprobs are scored at.
+
+    `old_logprobs` None asks for the on-policy shortcut (see `objective`; only for a backend whose
+    `scores_in_update` is True, and only when this batch gets exactly one optimizer step): the
+    update's own forward gives the old logprobs and the TIS weights, and the backend then sets
+    `old_logprobs` to those logprobs (no gradient), as a separate scoring pass would have.
     """
 
     trajectories: list[Trajectory]
     loss_mask: torch.Tensor
     advantages: torch.Tensor
-    old_logprobs: torch.Tensor
+    old_logprobs: torch.Tensor | None
     rollout_logprobs: torch.Tensor
     ref_logprobs: torch.Tensor | None = None
     is_weights: torch.Tensor | None = None
@@ -91,6 +96,8 @@ class TrainerBackend(abc.ABC):
 
     rank: int = 0
     world_size: int = 1
+    scores_in_update: bool = False
+    """Whether `update_policy` takes `old_logprobs=None` (the on-policy shortcut)."""
 
     @property
     @abc.abstractmethod

@@ -48,7 +48,14 @@ from agentrl.errors import ConfigError, FeatureUnavailableError, TrainerError
 from agentrl.trainer.backend import CriticBatch, PolicyBatch, TrainerBackend
 from agentrl.trainer.distributed import balanced_shares, init_distributed, resolve_device
 from agentrl.trainer.lm_head import ScoringHead, install_scoring_head, scoring
-from agentrl.trainer.objective import MetricSums, critic_objective, loss_denominator, policy_objective
+from agentrl.trainer.objective import (
+    MetricSums,
+    ScoredRows,
+    critic_objective,
+    loss_denominator,
+    policy_inputs,
+    policy_objective,
+)
 from agentrl.trainer.packing import (
     PackedBatch,
     compute_entropy,
@@ -96,6 +103,8 @@ class FSDP2Backend(TrainerBackend):
     CUDA, fp32 on CPU); master weights and optimizer state are always fp32. `deterministic` turns
     on torch's deterministic algorithms (for exact resume tests).
     """
+
+    scores_in_update = True
 
     def __init__(
         self,
@@ -286,23 +295,15 @@ class FSDP2Backend(TrainerBackend):
     def _score(self, model: nn.Module, trajectories: Sequence[Trajectory], fn: Any) -> torch.Tensor:
         """Run `fn(model, micro_batch) -> (1, N)` over this rank's share, scatter into (B, L) and
         sum over ranks (each row is written by exactly one rank)."""
-        width = max((len(t.token_ids) for t in trajectories), default=0)
-        out = torch.zeros((len(trajectories), width), dtype=torch.float32)
+        out = ScoredRows(trajectories)
         was_training = model.training
         model.eval()
         for batch, real in self._plan(trajectories):
-            values = fn(model, batch).float().cpu()[0]
-            if not real:
-                continue
-            # A sequence's last position predicts nothing (see packing): keep it exactly 0.
-            values[batch.cu_seqlens[1:].long().cpu() - 1] = 0.0
-            start = 0
-            for i, n in zip(batch.indices, batch.seq_lengths, strict=True):
-                out[i, :n] = values[start : start + n]
-                start += n
+            values = fn(model, batch)
+            if real:
+                out.add(batch, values)
         model.train(was_training)
-        self._all_reduce(out, "sum")
-        return out
+        return out.result(self._all_reduce)
 
     # ── scoring ─────────────────────────────────────────────────────────────────────────────
     def compute_logprobs(
@@ -351,17 +352,14 @@ class FSDP2Backend(TrainerBackend):
             # Nothing to learn from (all masked): no optimizer step, on every rank alike.
             return {"skipped": 1.0}
         self.policy.train()
-        tensors = {
-            "loss_mask": loss_mask,
-            "advantages": batch.advantages,
-            "old_logprobs": batch.old_logprobs,
-            "ref_logprobs": batch.ref_logprobs,
-            "is_weights": batch.is_weights,
-        }
+        tensors = policy_inputs(batch, loss_mask)
+        scored = ScoredRows(batch.trajectories) if batch.old_logprobs is None else None
         sums = MetricSums()
         for packed, real in self._plan(batch.trajectories):
             tokens = self._gather(packed, real, tensors)
             logprobs, entropy = self._token_scores(self.policy, packed, batch.temperature, with_entropy=True)
+            if scored is not None and real:
+                scored.add(packed, logprobs)
             if not algorithm.entropy_coef:
                 entropy = entropy.detach()  # reported only
             loss, metrics = policy_objective(
@@ -374,6 +372,8 @@ class FSDP2Backend(TrainerBackend):
         out = self._optimizer_step(self.policy, self.optimizer, self.scheduler)
         self._step += 1
         out.update(sums.reduce(self._all_reduce))
+        if scored is not None:
+            batch.old_logprobs = scored.result(self._all_reduce)
         return out
 
     def update_critic(self, batch: CriticBatch, algorithm: Any) -> dict[str, float]:

@@ -50,7 +50,13 @@ from agentrl.trainer.megatron_convert import (
     megatron_to_hf,
     partition_dim,
 )
-from agentrl.trainer.objective import MetricSums, loss_denominator, policy_objective
+from agentrl.trainer.objective import (
+    MetricSums,
+    ScoredRows,
+    loss_denominator,
+    policy_inputs,
+    policy_objective,
+)
 from agentrl.trainer.packing import PackedBatch, pack_trajectories, packed_to_padded, padded_to_packed
 from agentrl.trainer.rng import rng_state, set_rng_state
 from agentrl.types import Trajectory
@@ -168,6 +174,8 @@ class MegatronBackend(TrainerBackend):
     is `ModelConfig.dtype` (`auto`: bf16 autocast on CUDA, fp32 on CPU); `deterministic` turns on
     torch's deterministic algorithms.
     """
+
+    scores_in_update = True
 
     def __init__(
         self,
@@ -395,20 +403,13 @@ class MegatronBackend(TrainerBackend):
     def _score(
         self, model: nn.Module, trajectories: Sequence[Trajectory], temperature: float
     ) -> torch.Tensor:
-        width = max((len(t.token_ids) for t in trajectories), default=0)
-        out = torch.zeros((len(trajectories), width), dtype=torch.float32)
+        out = ScoredRows(trajectories)
         was_training = model.training
         model.eval()
         for batch in self._plan(trajectories):
-            values = self._token_scores(model, batch, temperature, with_entropy=False)[0, :, 0].float().cpu()
-            values[batch.cu_seqlens[1:].long() - 1] = 0.0  # a sequence's last position predicts nothing
-            start = 0
-            for i, n in zip(batch.indices, batch.seq_lengths, strict=True):
-                out[i, :n] = values[start : start + n]
-                start += n
+            out.add(batch, self._token_scores(model, batch, temperature, with_entropy=False)[0, :, 0])
         model.train(was_training)
-        self._dp_all_reduce(out, "sum")
-        return out
+        return out.result(self._dp_all_reduce)
 
     def compute_logprobs(
         self, trajectories: Sequence[Trajectory], *, temperature: float = 1.0
@@ -433,13 +434,8 @@ class MegatronBackend(TrainerBackend):
         if denominator == 0:
             return {"skipped": 1.0}
         self.policy.train()
-        tensors = {
-            "loss_mask": loss_mask,
-            "advantages": batch.advantages,
-            "old_logprobs": batch.old_logprobs,
-            "ref_logprobs": batch.ref_logprobs,
-            "is_weights": batch.is_weights,
-        }
+        tensors = policy_inputs(batch, loss_mask)
+        scored = ScoredRows(batch.trajectories) if batch.old_logprobs is None else None
         sums = MetricSums()
         for packed in self._plan(batch.trajectories):
             tokens: dict[str, Any] = {"segment_ids": packed.segment_ids.to(self.device)}
@@ -449,6 +445,8 @@ class MegatronBackend(TrainerBackend):
                     tokens[name] = torch.cat(pieces).unsqueeze(0).to(self.device, torch.float32)
             scores = self._token_scores(self.policy, packed, batch.temperature, with_entropy=True)
             logprobs, entropy = scores[..., 0], scores[..., 1]
+            if scored is not None:
+                scored.add(packed, logprobs)
             if not algorithm.entropy_coef:
                 entropy = entropy.detach()
             loss, metrics = policy_objective(
@@ -459,6 +457,8 @@ class MegatronBackend(TrainerBackend):
         out = self._optimizer_step()
         self._step += 1
         out.update(sums.reduce(self._dp_all_reduce))
+        if scored is not None:
+            batch.old_logprobs = scored.result(self._dp_all_reduce)
         return out
 
     def update_critic(self, batch: CriticBatch, algorithm: Any) -> dict[str, float]:

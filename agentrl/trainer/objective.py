@@ -6,6 +6,14 @@ normalised by, so that the micro-batch losses of every rank add up to the mini-b
 `algos.aggregate_loss`). Returned metrics are masked means over the micro-batch's own tokens plus
 extremes; `MetricSums` weights them by token counts so a backend can combine micro-batches and
 ranks exactly. No model, optimizer or process group lives here.
+
+On-policy shortcut: when a batch is used for exactly one optimizer step, the policy that sampled
+it (after the rollout engine) is the one being updated, so the "old" logprobs equal the update
+forward's own logprobs. `PolicyBatch.old_logprobs` is then None: `policy_objective` takes
+`logprobs.detach()` as the old logprobs (the PPO ratio is exactly 1) and forms the TIS weights
+from them and the rollout logprobs, and the backend hands the detached logprobs back
+(`ScoredRows`) so the step reports the same mismatch metrics as with a separate scoring pass.
+That saves one forward over the whole batch.
 """
 
 from __future__ import annotations
@@ -17,7 +25,14 @@ import torch
 
 from agentrl.trainer import algos
 
-__all__ = ["MetricSums", "critic_objective", "loss_denominator", "policy_objective"]
+__all__ = [
+    "MetricSums",
+    "ScoredRows",
+    "critic_objective",
+    "loss_denominator",
+    "policy_inputs",
+    "policy_objective",
+]
 
 # Metrics combined by max / min instead of a token-weighted mean.
 _MAX_METRICS = ("ratio_max",)
@@ -32,6 +47,22 @@ def loss_denominator(loss_mask: torch.Tensor, mode: str) -> float:
     if mode == "token-mean":
         return float(loss_mask.sum().item())
     return float((loss_mask.sum(-1) > 0).sum().item())
+
+
+def policy_inputs(batch: Any, loss_mask: torch.Tensor) -> dict[str, torch.Tensor | None]:
+    """The `(batch, max_len)` tensors of a `PolicyBatch` that `policy_objective` reads, for a
+    backend to gather per micro-batch; `loss_mask` is the batch's mask with untrainable rows
+    zeroed. On-policy (`old_logprobs` None) the rollout logprobs come along for the TIS weights."""
+    tensors = {
+        "loss_mask": loss_mask,
+        "advantages": batch.advantages,
+        "old_logprobs": batch.old_logprobs,
+        "ref_logprobs": batch.ref_logprobs,
+        "is_weights": batch.is_weights,
+    }
+    if batch.old_logprobs is None:
+        tensors["rollout_logprobs"] = batch.rollout_logprobs
+    return tensors
 
 
 def policy_objective(
@@ -50,8 +81,26 @@ def policy_objective(
     `algorithm.entropy_coef` is non-zero (and then must carry a gradient); otherwise it is only
     reported. GSPO takes no token importance weights: with it the rollout correction acts only
     through `loss_mask` (the tokens or sequences it masked out).
+
+    Without `old_logprobs` (the on-policy shortcut, see the module) they are `logprobs.detach()`,
+    and with `algorithm.rollout_is == "tis"` the importance weights are the TIS weights of those
+    against `tokens["rollout_logprobs"]`; masking corrections (ICEPOP, seq-mask-TIS) change the
+    loss's normaliser, so they need the old logprobs before the update and are refused here.
     """
     mask = tokens["loss_mask"]
+    if tokens.get("old_logprobs") is None:
+        tokens = {**tokens, "old_logprobs": logprobs.detach()}
+        if algorithm.rollout_is not in ("none", "tis"):
+            raise ValueError(
+                f"algorithm.rollout_is='{algorithm.rollout_is}' masks tokens by the old logprobs, which "
+                "must then be scored before the update; pass old_logprobs (train_step does)."
+            )
+        if algorithm.rollout_is == "tis":
+            cap = algorithm.rollout_is_cap
+            weights, _, _ = algos.rollout_correction(
+                tokens["old_logprobs"], tokens["rollout_logprobs"], mask, mode="tis", low=1.0 / cap, high=cap
+            )
+            tokens["is_weights"] = weights
     seg = tokens["segment_ids"]
     agg = {
         "loss_agg_mode": algorithm.loss_agg,
@@ -119,6 +168,32 @@ def critic_objective(
     metrics = {k: v.detach() for k, v in metrics.items()}
     metrics["values_mean"] = algos.masked_mean(values.detach(), mask)
     return loss, metrics
+
+
+class ScoredRows:
+    """Per-token values of packed micro-batches put back into `(batch, max_len)` rows.
+
+    `add(packed, values)` writes a micro-batch's `(1, N)` (or `(N,)`) values into the rows its
+    `indices` name, with each sequence's last position (which predicts nothing) kept 0; `result`
+    sums over ranks with `all_reduce(tensor, op)` when given (each row is written by one rank).
+    """
+
+    def __init__(self, trajectories: Any) -> None:
+        width = max((len(t.token_ids) for t in trajectories), default=0)
+        self.rows = torch.zeros((len(trajectories), width), dtype=torch.float32)
+
+    def add(self, packed: Any, values: torch.Tensor) -> None:
+        flat = values.detach().float().cpu().reshape(-1).clone()
+        flat[packed.cu_seqlens[1:].long().cpu() - 1] = 0.0
+        start = 0
+        for i, n in zip(packed.indices, packed.seq_lengths, strict=True):
+            self.rows[i, :n] = flat[start : start + n]
+            start += n
+
+    def result(self, all_reduce: Any = None) -> torch.Tensor:
+        if all_reduce is not None:
+            all_reduce(self.rows, "sum")
+        return self.rows
 
 
 @dataclass

@@ -69,6 +69,26 @@ def _stats(prefix: str, values: torch.Tensor, mask: torch.Tensor) -> dict[str, f
     }
 
 
+def _rollout_mismatch(
+    metrics: dict[str, float],
+    old_logprobs: torch.Tensor,
+    rollout_logprobs: torch.Tensor,
+    mask: torch.Tensor,
+    algorithm: Any,
+) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """Record the rollout/trainer mismatch metrics; return (importance weights or None, loss mask)."""
+    mode = "tis" if algorithm.rollout_is == "none" else algorithm.rollout_is.replace("_", "-")
+    is_weights, loss_mask, is_metrics = algos.rollout_correction(
+        old_logprobs, rollout_logprobs, mask, mode=mode,
+        low=1.0 / algorithm.rollout_is_cap, high=algorithm.rollout_is_cap,
+    )  # fmt: skip
+    metrics.update({f"rollout/{k}": float(v) for k, v in is_metrics.items()})
+    metrics["rollout/logprob_abs_diff"] = algos.masked_mean((old_logprobs - rollout_logprobs).abs(), mask).item()
+    if algorithm.rollout_is == "none":
+        return None, mask
+    return is_weights, loss_mask
+
+
 def train_step(
     backend: TrainerBackend,
     trajectories: Sequence[Trajectory],
@@ -132,19 +152,31 @@ def train_step(
     # ── scoring with the current models ─────────────────────────────────────────────────────
     layout = pad_trajectories(trajs)
     mask, rollout_logprobs = layout.loss_mask, layout.rollout_logprobs
-    old_logprobs = backend.compute_logprobs(trajs, temperature=temperature)
+    # On-policy shortcut (see `objective`): one optimizer step on this batch and nothing needs
+    # the old logprobs before it, so the update's forward scores them.
+    in_update = (
+        getattr(trainer, "score_in_update", False)
+        and backend.scores_in_update
+        and trainer.ppo_epochs == 1
+        and trainer.mini_batches == 1
+        and algorithm.rollout_is in ("none", "tis")
+        and not (algorithm.kl_coef > 0 and algorithm.kl_in_reward)
+    )
+    old_logprobs = None if in_update else backend.compute_logprobs(trajs, temperature=temperature)
+    metrics["batch/scored_in_update"] = float(in_update)
     ref_logprobs = None
     if algorithm.kl_coef > 0:
         ref_logprobs = backend.compute_ref_logprobs(trajs, temperature=temperature)
     rewards: torch.Tensor = scores
     current_kl = None
     if ref_logprobs is not None:
+        metrics["actor/kl_coef"] = kl_coef
+    if ref_logprobs is not None and old_logprobs is not None:
         shaped, kl_metrics = algos.apply_kl_penalty(
             _on_last_token(scores, mask), old_logprobs, ref_logprobs, mask,
             kl_coef=kl_coef, kind=algorithm.kl_estimator,
         )  # fmt: skip
         current_kl = kl_metrics["kl"].item()
-        metrics["actor/kl_coef"] = kl_coef
         if algorithm.kl_in_reward:
             rewards = shaped
             metrics["actor/kl_in_reward"] = current_kl
@@ -164,17 +196,9 @@ def train_step(
         metrics.update(_stats("critic/returns", returns, mask))
 
     # ── rollout / trainer mismatch ──────────────────────────────────────────────────────────
-    mode = "tis" if algorithm.rollout_is == "none" else algorithm.rollout_is.replace("_", "-")
-    is_weights, loss_mask, is_metrics = algos.rollout_correction(
-        old_logprobs, rollout_logprobs, mask, mode=mode,
-        low=1.0 / algorithm.rollout_is_cap, high=algorithm.rollout_is_cap,
-    )  # fmt: skip
-    metrics.update({f"rollout/{k}": float(v) for k, v in is_metrics.items()})
-    metrics["rollout/logprob_abs_diff"] = algos.masked_mean(
-        (old_logprobs - rollout_logprobs).abs(), mask
-    ).item()
-    if algorithm.rollout_is == "none":
-        is_weights, loss_mask = None, mask
+    is_weights, loss_mask = None, mask
+    if old_logprobs is not None:
+        is_weights, loss_mask = _rollout_mismatch(metrics, old_logprobs, rollout_logprobs, mask, algorithm)
 
     # ── updates ─────────────────────────────────────────────────────────────────────────────
     max_len = max_response_tokens or max(1, int(mask.sum(-1).max().item()))
@@ -200,14 +224,23 @@ def train_step(
     )
     for _ in range(trainer.ppo_epochs):
         for idx in mini_batch_indices(len(trajs), trainer.mini_batches):
-            result = {
-                f"actor/{k}": v
-                for k, v in backend.update_policy(policy_batch.select(idx), step_algorithm).items()
-            }
+            mini = policy_batch if in_update else policy_batch.select(idx)
+            result = {f"actor/{k}": v for k, v in backend.update_policy(mini, step_algorithm).items()}
             if critic_batch is not None:
                 result.update(backend.update_critic(critic_batch.select(idx), algorithm))
             updates.append(result)
     update_s = time.perf_counter() - update_start
+    if in_update:
+        # The update scored the old logprobs (zeros if it skipped an all-masked batch).
+        old_logprobs = policy_batch.old_logprobs
+        if old_logprobs is None:
+            old_logprobs = torch.zeros_like(rollout_logprobs)
+        _rollout_mismatch(metrics, old_logprobs, rollout_logprobs, mask, algorithm)
+        if ref_logprobs is not None:
+            _, kl_metrics = algos.apply_kl_penalty(
+                torch.zeros_like(mask), old_logprobs, ref_logprobs, mask, kl_coef=kl_coef, kind=algorithm.kl_estimator
+            )
+            current_kl = kl_metrics["kl"].item()
     for name in sorted({k for u in updates for k in u}):
         seen = [u[name] for u in updates if name in u]
         pick = max if name.endswith("_max") else min if name.endswith("_min") else None

@@ -333,6 +333,41 @@ def test_micro_batches_accumulate_to_the_full_batch_update():
 
 
 @needs_model
+@pytest.mark.parametrize("algo_kw", [{"rollout_is": "tis"}, {"rollout_is": "none", "kl_coef": 0.05}])
+def test_scoring_in_the_update_equals_a_separate_scoring_pass(algo_kw):
+    """The on-policy shortcut skips the old-logprob forward and must change nothing else: the same
+    weights after the step, the same mismatch, ratio and KL metrics."""
+    batch, algo = toy_batch(), AlgorithmConfig(**algo_kw)
+    fused, separate = fsdp2(algo=algo_kw), fsdp2(algo=algo_kw)
+    m_fused = train_step(fused, batch, algo, TrainerConfig())
+    m_separate = train_step(separate, batch, algo, TrainerConfig(score_in_update=False))
+    assert m_fused["batch/scored_in_update"] == 1.0 and m_separate["batch/scored_in_update"] == 0.0
+    for name in ("rollout/is_ratio_mean", "rollout/is_ess", "rollout/logprob_abs_diff", "actor/pg_loss",
+                 "actor/ratio_max", "actor/entropy", "actor/grad_norm"):  # fmt: skip
+        assert m_fused[name] == pytest.approx(m_separate[name], rel=1e-5, abs=1e-7), name
+    if "kl_coef" in algo_kw:
+        assert m_fused["actor/kl_ref"] == pytest.approx(m_separate["actor/kl_ref"], abs=1e-7)
+    else:
+        assert m_fused["rollout/is_ratio_max"] > 1.0  # the mismatch is real, so TIS weights act
+    wf, ws = weights(fused), weights(separate)
+    for name in ws:
+        torch.testing.assert_close(wf[name], ws[name], atol=1e-6, rtol=0)
+
+
+def test_the_shortcut_is_not_taken_when_the_old_logprobs_are_needed_first():
+    for algo, trainer in [
+        (AlgorithmConfig(rollout_is="icepop"), TrainerConfig()),
+        (AlgorithmConfig(), TrainerConfig(ppo_epochs=2)),
+        (AlgorithmConfig(), TrainerConfig(mini_batches=2)),
+    ]:
+        backend = FakeBackend()
+        backend.scores_in_update = True
+        m = train_step(backend, toy_batch(), algo, trainer)
+        assert m["batch/scored_in_update"] == 0.0 and backend.scored
+        assert all(b.old_logprobs is not None for b in backend.policy_batches)
+
+
+@needs_model
 def test_gradient_checkpointing_changes_memory_not_results():
     batch, algo = toy_batch(), AlgorithmConfig(rollout_is="none")
     plain, ckpt = fsdp2(), fsdp2(gradient_checkpointing=True)
