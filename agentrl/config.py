@@ -219,6 +219,11 @@ class TrainerConfig(_Section):
     """Token budget of one packed micro-batch (gradient accumulation fills the mini-batch). Without
     flash-attention (on CPU) packed attention uses a block mask, quadratic in this budget: keep it
     near a few sequences' length there."""
+    share_prefixes: bool = True
+    """FSDP2: pack the prompt a group's samples share once per micro-batch (with an explicit
+    attention mask, `sdpa` attention only) instead of once per sample: the same loss and
+    gradients on fewer tokens. With 4 samples of a 100-token prompt and 64-token answers, a
+    group is 356 tokens instead of 656."""
     gradient_checkpointing: bool = False
     """Recompute activations in the backward pass to save memory."""
     lora_rank: int = Field(0, ge=0)

@@ -61,6 +61,7 @@ from agentrl.trainer.packing import (
     compute_entropy,
     compute_token_logprobs,
     pack_trajectories,
+    prefix_units,
     split_micro_batches,
 )
 from agentrl.trainer.rng import rng_state, set_rng_state
@@ -83,9 +84,15 @@ class ValueModel(nn.Module):
         nn.init.zeros_(self.value_head.bias)
 
     def forward(
-        self, input_ids: torch.Tensor, position_ids: torch.Tensor, use_cache: bool = False
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        use_cache: bool = False,
+        attention_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        hidden = self.backbone(input_ids=input_ids, position_ids=position_ids, use_cache=use_cache)
+        hidden = self.backbone(
+            input_ids=input_ids, position_ids=position_ids, use_cache=use_cache, attention_mask=attention_mask
+        )
         # A fresh tensor, not a squeeze view: FSDP2 hooks its backward on the module's output.
         return self.value_head(hidden.last_hidden_state).float().sum(-1)
 
@@ -163,6 +170,9 @@ class FSDP2Backend(TrainerBackend):
 
         torch.manual_seed(seed)  # every rank initialises new weights (the value head) alike
         self.policy = self._build_policy(trainable=True)
+        # Shared prefixes need an explicit boolean mask, which only the sdpa path takes as is.
+        attention = getattr(getattr(self.policy, "config", None), "_attn_implementation", None)
+        self.share_prefixes = bool(getattr(trainer, "share_prefixes", False)) and attention == "sdpa"
         self.optimizer = torch.optim.AdamW(
             [p for p in self.policy.parameters() if p.requires_grad],
             lr=trainer.lr,
@@ -259,12 +269,19 @@ class FSDP2Backend(TrainerBackend):
     def _plan(self, trajectories: Sequence[Trajectory]) -> list[tuple[PackedBatch, bool]]:
         """This rank's packed micro-batches, `indices` pointing into `trajectories`, padded with
         empty ones (flag False) to the count of the busiest rank."""
-        lengths = [len(t.token_ids) for t in trajectories]
-        mine = balanced_shares(lengths, self.world_size)[self.rank]
+        budget = self.config.micro_batch_tokens
+        if self.share_prefixes:
+            # Samples of a group stay together so their prompt is packed once (`prefix_units`).
+            units = prefix_units(trajectories, budget, min_units=self.world_size)
+        else:
+            units = [([i], len(t.token_ids)) for i, t in enumerate(trajectories)]
+        mine = [units[u] for u in balanced_shares([c for _, c in units], self.world_size)[self.rank]]
         plan = []
-        for members in split_micro_batches([lengths[i] for i in mine], self.config.micro_batch_tokens):
-            idx = [mine[j] for j in members]
-            batch = pack_trajectories([trajectories[i] for i in idx], device=self.device)
+        for members in split_micro_batches([c for _, c in mine], budget):
+            idx = sorted(i for j in members for i in mine[j][0])
+            batch = pack_trajectories(
+                [trajectories[i] for i in idx], device=self.device, share_prefixes=self.share_prefixes
+            )
             batch.indices = idx
             plan.append((batch, True))
         count = torch.tensor([len(plan)], dtype=torch.float64)
@@ -285,8 +302,7 @@ class FSDP2Backend(TrainerBackend):
             if value is None:
                 continue
             if real:
-                pieces = [value[i, :n] for i, n in zip(batch.indices, batch.seq_lengths, strict=True)]
-                out[name] = torch.cat(pieces).unsqueeze(0).to(self.device, torch.float32)
+                out[name] = batch.gather(value).to(self.device, torch.float32)
             else:
                 out[name] = torch.zeros((1, batch.num_tokens), device=self.device)
         return out

@@ -65,7 +65,13 @@ class ScoringHead(nn.Module):
                 outs.append(checkpoint(fn, *args, temperature, use_reentrant=False))
             else:
                 outs.append(fn(*args, temperature))
-        out = torch.cat(outs) if outs else flat.new_zeros((0, 2), dtype=torch.float32)
+        if outs:
+            out = torch.cat(outs)
+        else:
+            # Nothing to score (a rank's padding micro-batch): an empty result that still hangs
+            # off the hidden states, so backward runs through the model and FSDP2's gradient
+            # collectives happen on this rank as on the others.
+            out = (flat[:, :1].float() * 0.0).expand(-1, 2)
         if picked is not None:
             full = out.new_zeros((hidden.reshape(-1, hidden.shape[-1]).shape[0], 2))
             return full.index_copy(0, picked, out).reshape(*hidden.shape[:-1], 2).clone()

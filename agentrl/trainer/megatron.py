@@ -441,8 +441,7 @@ class MegatronBackend(TrainerBackend):
             tokens: dict[str, Any] = {"segment_ids": packed.segment_ids.to(self.device)}
             for name, value in tensors.items():
                 if value is not None:
-                    pieces = [value[i, :n] for i, n in zip(packed.indices, packed.seq_lengths, strict=True)]
-                    tokens[name] = torch.cat(pieces).unsqueeze(0).to(self.device, torch.float32)
+                    tokens[name] = packed.gather(value).to(self.device, torch.float32)
             scores = self._token_scores(self.policy, packed, batch.temperature, with_entropy=True)
             logprobs, entropy = scores[..., 0], scores[..., 1]
             if scored is not None:

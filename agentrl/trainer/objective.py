@@ -174,7 +174,8 @@ class ScoredRows:
     """Per-token values of packed micro-batches put back into `(batch, max_len)` rows.
 
     `add(packed, values)` writes a micro-batch's `(1, N)` (or `(N,)`) values into the rows its
-    `indices` name, with each sequence's last position (which predicts nothing) kept 0; `result`
+    `indices` name (`PackedBatch.scatter`: shared prefixes go to every trajectory that has them,
+    each sequence's last position, which predicts nothing, is kept 0); `result`
     sums over ranks with `all_reduce(tensor, op)` when given (each row is written by one rank).
     """
 
@@ -183,12 +184,7 @@ class ScoredRows:
         self.rows = torch.zeros((len(trajectories), width), dtype=torch.float32)
 
     def add(self, packed: Any, values: torch.Tensor) -> None:
-        flat = values.detach().float().cpu().reshape(-1).clone()
-        flat[packed.cu_seqlens[1:].long().cpu() - 1] = 0.0
-        start = 0
-        for i, n in zip(packed.indices, packed.seq_lengths, strict=True):
-            self.rows[i, :n] = flat[start : start + n]
-            start += n
+        packed.scatter(values, self.rows)
 
     def result(self, all_reduce: Any = None) -> torch.Tensor:
         if all_reduce is not None:

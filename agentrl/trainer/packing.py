@@ -24,7 +24,7 @@ import heapq
 import itertools
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -43,6 +43,9 @@ __all__ = [
     "packed_to_padded",
     "pad_trajectories",
     "padded_to_packed",
+    "prefix_key",
+    "prefix_units",
+    "shared_cost",
     "split_micro_batches",
 ]
 
@@ -51,9 +54,15 @@ __all__ = [
 class PackedBatch:
     """Sequences concatenated into one row; every per-token tensor has shape (1, total_tokens).
 
-    `cu_seqlens` (int32, S+1 entries) holds the cumulative sequence lengths, `segment_ids` the
-    sequence number of each token (for `algos.aggregate_loss(..., segment_ids=...)`), `indices`
-    the position of each sequence in the list that was packed.
+    `cu_seqlens` (int32) holds the boundaries of the row's segments: one per sequence, unless
+    prefixes are shared (then a shared prefix is a segment of its own and each sequence's segment
+    holds the rest of it). `segment_ids` gives the sequence number of each token (for
+    `algos.aggregate_loss(..., segment_ids=...)`; a shared prefix counts as its first sequence's,
+    it holds no loss token), `seq_lengths` each sequence's full length, `indices` the position of
+    each sequence in the caller's list. `token_rows` / `token_cols` name the sequence (0..S-1) and
+    the column of every token of the row; `shared` lists (source, dest, n): sequence `dest`'s first
+    `n` tokens are sequence `source`'s, packed once. `attention_mask` is set only when prefixes are
+    shared.
     """
 
     input_ids: torch.Tensor
@@ -65,6 +74,10 @@ class PackedBatch:
     cu_seqlens: torch.Tensor
     seq_lengths: list[int]
     indices: list[int]
+    token_rows: torch.Tensor | None = None
+    token_cols: torch.Tensor | None = None
+    attention_mask: torch.Tensor | None = None
+    shared: list[tuple[int, int, int]] = field(default_factory=list)
 
     @property
     def max_seqlen(self) -> int:
@@ -74,14 +87,40 @@ class PackedBatch:
     def num_tokens(self) -> int:
         return int(self.input_ids.shape[-1])
 
+    @property
+    def shares_prefixes(self) -> bool:
+        return self.attention_mask is not None
+
     def model_inputs(self) -> dict[str, Any]:
         """Keyword arguments for a Hugging Face causal LM forward on this packed row.
 
-        No attention mask and no cache: that is what makes transformers detect the packed
-        sequences from the restarting `position_ids`; a cache (`use_cache=True`, the config
-        default) would silently turn the detection off and let sequences attend to each other.
+        Without shared prefixes: no attention mask and no cache, which is what makes transformers
+        detect the packed sequences from the restarting `position_ids`; a cache (`use_cache=True`,
+        the config default) would silently turn the detection off and let sequences attend to each
+        other. With shared prefixes: the explicit boolean (1, 1, N, N) mask (for `sdpa`; see
+        `pack_trajectories`), which transformers uses as given.
         """
-        return {"input_ids": self.input_ids, "position_ids": self.position_ids, "use_cache": False}
+        inputs = {"input_ids": self.input_ids, "position_ids": self.position_ids, "use_cache": False}
+        if self.attention_mask is not None:
+            inputs["attention_mask"] = self.attention_mask
+        return inputs
+
+    def gather(self, rows: torch.Tensor) -> torch.Tensor:
+        """`(batch, max_len)` per-trajectory values (rows named by `indices`) laid out like this
+        micro-batch: `(1, N)`. A shared prefix token takes the value of its first trajectory."""
+        index = torch.tensor(self.indices, dtype=torch.long)[self.token_rows]
+        return rows[index, self.token_cols].unsqueeze(0)
+
+    def scatter(self, values: torch.Tensor, out: torch.Tensor) -> None:
+        """Write this micro-batch's `(1, N)` values into the `(batch, max_len)` rows `indices`
+        names: every trajectory gets the values of its shared prefix too, and each sequence's
+        last position (it predicts nothing) is set to 0."""
+        flat = values.detach().reshape(-1).to(out.device, out.dtype)
+        index = torch.tensor(self.indices, dtype=torch.long)
+        out[index[self.token_rows], self.token_cols] = flat
+        for source, dest, n in self.shared:
+            out[index[dest], :n] = out[index[source], :n]
+        out[index, torch.tensor(self.seq_lengths, dtype=torch.long) - 1] = 0.0
 
 
 @dataclass
@@ -128,10 +167,44 @@ def _shifted_rows(traj: Trajectory, pos: int) -> tuple[list[int], list[float], l
     return labels, loss_mask, logprobs
 
 
+def _prompt_length(traj: Trajectory) -> int:
+    """Tokens before the first trainable (sampled) token: the part samples of a group share."""
+    mask = traj.response_mask
+    for k, m in enumerate(mask):
+        if m:
+            return k
+    return len(mask)
+
+
+def prefix_key(traj: Trajectory) -> tuple[int, ...] | None:
+    """The token ids a trajectory can share with others in a packed row (None: nothing to share).
+
+    That is its prompt minus the last token: every position of it predicts a prompt token (no
+    loss), while the last prompt token's logits score the first sampled token, which differs
+    between samples, so each trajectory keeps that position for itself.
+    """
+    n = _prompt_length(traj) - 1
+    return tuple(traj.token_ids[:n]) if n >= 1 else None
+
+
+def shared_cost(lengths: Sequence[int], prefix: int) -> int:
+    """Packed tokens of trajectories of `lengths` that share a `prefix`-token prefix."""
+    return sum(lengths) - (len(lengths) - 1) * prefix if len(lengths) > 1 else sum(lengths)
+
+
 def pack_trajectories(
-    trajectories: Sequence[Trajectory], *, device: torch.device | str = "cpu"
+    trajectories: Sequence[Trajectory], *, device: torch.device | str = "cpu", share_prefixes: bool = False
 ) -> PackedBatch:
-    """Concatenate trajectories into one padding-free row (see the module docstring)."""
+    """Concatenate trajectories into one padding-free row (see the module docstring).
+
+    With `share_prefixes`, trajectories with the same prompt (`prefix_key`: the samples of a
+    GRPO group) put it in the row once: the prefix, then each trajectory's remaining tokens, with
+    `position_ids` continuing from the prefix, and an explicit boolean attention mask (each token
+    sees its own segment causally and, in a trajectory's segment, the shared prefix). The forward
+    and backward are the same as with every prompt repeated (the prefix's activations get the
+    gradients of all its trajectories), on fewer tokens. `token_rows`/`token_cols` say which
+    trajectory token each position is, `gather`/`scatter` move per-token values in and out.
+    """
     if not trajectories:
         raise ValueError("cannot pack an empty list of trajectories.")
     ids: list[int] = []
@@ -140,24 +213,57 @@ def pack_trajectories(
     loss_mask: list[float] = []
     logprobs: list[float] = []
     segments: list[int] = []
-    lengths: list[int] = []
+    rows: list[int] = []
+    cols: list[int] = []
+    lengths = [len(t.token_ids) for t in trajectories]
+    starts: list[int] = []  # start of each physical segment in the row
+    parent: list[int] = []  # for each physical segment, the shared-prefix segment it sees (-1: none)
+    shared: list[tuple[int, int, int]] = []
+    shifted = [_shifted_rows(t, i) for i, t in enumerate(trajectories)]
+
+    def emit(i: int, lo: int, hi: int, seen: int) -> None:
+        starts.append(len(ids))
+        parent.append(seen)
+        lab, msk, lps = shifted[i]
+        ids.extend(trajectories[i].token_ids[lo:hi])
+        positions.extend(range(lo, hi))
+        labels.extend(lab[lo:hi])
+        loss_mask.extend(msk[lo:hi])
+        logprobs.extend(lps[lo:hi])
+        segments.extend([i] * (hi - lo))
+        rows.extend([i] * (hi - lo))
+        cols.extend(range(lo, hi))
+
+    groups: dict[tuple[int, ...] | int, list[int]] = {}
     for i, traj in enumerate(trajectories):
-        lab, msk, lps = _shifted_rows(traj, i)
-        n = len(traj.token_ids)
-        ids.extend(traj.token_ids)
-        positions.extend(range(n))
-        labels.extend(lab)
-        loss_mask.extend(msk)
-        logprobs.extend(lps)
-        segments.extend([i] * n)
-        lengths.append(n)
-    cu = [0]
-    for n in lengths:
-        cu.append(cu[-1] + n)
+        key = prefix_key(traj) if share_prefixes else None
+        groups.setdefault(key if key is not None else -1 - i, []).append(i)
+    for key, members in groups.items():
+        if isinstance(key, int) or len(members) == 1:
+            for i in members:
+                emit(i, 0, lengths[i], -1)
+            continue
+        n = len(key)
+        emit(members[0], 0, n, -1)
+        prefix_segment = len(starts) - 1
+        for i in members:
+            emit(i, n, lengths[i], prefix_segment)
+            if i != members[0]:
+                shared.append((members[0], i, n))
+    cu = [*starts, len(ids)]
 
     def row(values: list, dtype: torch.dtype) -> torch.Tensor:
         return torch.tensor(values, dtype=dtype, device=device).unsqueeze(0)
 
+    attention_mask = None
+    if shared:
+        seg_of = torch.repeat_interleave(
+            torch.arange(len(starts)), torch.tensor([b - a for a, b in itertools.pairwise(cu)])
+        )
+        sees = torch.tensor(parent)[seg_of]
+        idx = torch.arange(len(ids))
+        same = (seg_of[:, None] == seg_of[None, :]) | (sees[:, None] == seg_of[None, :])
+        attention_mask = (same & (idx[None, :] <= idx[:, None]))[None, None].to(device)
     return PackedBatch(
         input_ids=row(ids, torch.long),
         position_ids=row(positions, torch.long),
@@ -168,6 +274,10 @@ def pack_trajectories(
         cu_seqlens=torch.tensor(cu, dtype=torch.int32, device=device),
         seq_lengths=lengths,
         indices=list(range(len(trajectories))),
+        token_rows=torch.tensor(rows, dtype=torch.long),
+        token_cols=torch.tensor(cols, dtype=torch.long),
+        attention_mask=attention_mask,
+        shared=shared,
     )
 
 
@@ -279,6 +389,45 @@ def split_micro_batches(lengths: Sequence[int], max_tokens: int) -> list[list[in
         if not overflow:
             return sorted((sorted(b) for b in bins if b), key=lambda b: b[0])
         k += 1
+
+
+def prefix_units(
+    trajectories: Sequence[Trajectory], max_tokens: int, *, min_units: int = 1
+) -> list[tuple[list[int], int]]:
+    """Trajectories that share a prompt (`prefix_key`), as units of (indices, packed tokens).
+
+    A unit is packed with its prefix once, so micro-batches and ranks should be planned over units
+    with these costs (`split_micro_batches`, `balanced_shares`). A unit over `max_tokens` is cut
+    into several (each repeats the prefix), and the largest units are halved until there are at
+    least `min_units` of them (so every data-parallel rank gets work). Units are in order of their
+    first trajectory.
+    """
+    lengths = [len(t.token_ids) for t in trajectories]
+    by_key: dict[tuple[int, ...] | int, list[int]] = {}
+    prefix: dict[tuple[int, ...] | int, int] = {}
+    for i, traj in enumerate(trajectories):
+        key = prefix_key(traj)
+        key = key if key is not None else -1 - i
+        by_key.setdefault(key, []).append(i)
+        prefix[key] = len(key) if isinstance(key, tuple) else 0
+    units: list[tuple[list[int], int]] = []
+    for key, members in by_key.items():
+        n, chunk = prefix[key], []
+        for i in members:
+            if chunk and shared_cost([lengths[j] for j in [*chunk, i]], n) > max_tokens:
+                units.append((chunk, n))
+                chunk = []
+            chunk.append(i)
+        units.append((chunk, n))
+    while len(units) < min_units:
+        k = max(range(len(units)), key=lambda u: (len(units[u][0]), -u))
+        members, n = units[k]
+        if len(members) < 2:
+            break
+        half = len(members) // 2
+        units[k : k + 1] = [(members[:half], n), (members[half:], n)]
+    out = [(m, shared_cost([lengths[j] for j in m], n)) for m, n in units]
+    return sorted(out, key=lambda u: u[0][0])
 
 
 def pack_micro_batches(

@@ -30,6 +30,7 @@ from agentrl.trainer.packing import (
     packed_to_padded,
     pad_trajectories,
     padded_to_packed,
+    prefix_units,
     split_micro_batches,
 )
 from agentrl.types import TokenOrigin, Trajectory
@@ -308,3 +309,88 @@ def test_default_use_cache_leaks_across_sequences():
     first = packed.seq_lengths[0]
     torch.testing.assert_close(leaky[0, :first], safe[0, :first], atol=1e-5, rtol=0)
     assert (leaky[0, first:] - safe[0, first:]).abs().max() > 1e-3
+
+
+# ── shared prefixes ─────────────────────────────────────────────────────────────────────────────
+def group_trajectories() -> list[Trajectory]:
+    """Two prompts, three samples each (one multi-turn with a tool gap), plus a lone trajectory
+    with a one-token prompt (nothing to share); the groups are interleaved."""
+    g = torch.Generator().manual_seed(2)
+
+    def ids(n: int) -> list[int]:
+        return torch.randint(0, 5000, (n,), generator=g).tolist()
+
+    a, b = ids(6), ids(4)
+    return [
+        make_traj((P, a), (S, ids(3))),
+        make_traj((P, b), (S, ids(5))),
+        make_traj((P, a), (S, ids(2)), (T, ids(3)), (S, ids(2))),
+        make_traj((P, [7]), (S, ids(4))),
+        make_traj((P, b), (S, ids(2))),
+        make_traj((P, a), (S, ids(4))),
+        make_traj((P, b), (S, ids(1))),
+    ]
+
+
+def test_shared_prefix_layout_by_hand():
+    trajs = [make_traj((P, [1, 2, 3]), (S, [4, 5])), make_traj((P, [1, 2, 3]), (S, [6]))]
+    packed = pack_trajectories(trajs, share_prefixes=True)
+    # the prompt minus its last token once, then each trajectory from its last prompt token on
+    assert packed.input_ids.tolist() == [[1, 2, 3, 4, 5, 3, 6]]
+    assert packed.position_ids.tolist() == [[0, 1, 2, 3, 4, 2, 3]]
+    assert packed.labels.tolist() == [[2, 3, 4, 5, 0, 6, 0]]
+    assert packed.loss_mask.tolist() == [[0, 0, 1, 1, 0, 1, 0]]
+    assert packed.token_rows.tolist() == [0, 0, 0, 0, 0, 1, 1]
+    assert packed.token_cols.tolist() == [0, 1, 2, 3, 4, 2, 3]
+    assert packed.shared == [(0, 1, 2)]
+    visible = packed.attention_mask[0, 0].int().tolist()
+    assert visible[5] == [1, 1, 0, 0, 0, 1, 0]  # the second answer sees the prefix, not the first
+    assert visible[6] == [1, 1, 0, 0, 0, 1, 1]
+    # values move in and out of (batch, len) rows; shared tokens reach every trajectory
+    rows = torch.arange(10.0).reshape(2, 5)
+    assert packed.gather(rows).tolist() == [[0, 1, 2, 3, 4, 7, 8]]
+    out = torch.full((2, 5), -1.0)
+    packed.scatter(torch.tensor([[10.0, 11, 12, 13, 14, 15, 16]]), out)
+    assert out.tolist() == [[10, 11, 12, 13, 0], [10, 11, 15, 0, -1]]
+
+
+def test_prefix_units_keep_groups_together_and_respect_the_budget():
+    trajs = group_trajectories()
+    units = prefix_units(trajs, max_tokens=1000)
+    assert [m for m, _ in units] == [[0, 2, 5], [1, 4, 6], [3]]
+    lengths = [len(t.token_ids) for t in trajs]
+    assert units[0][1] == sum(lengths[i] for i in (0, 2, 5)) - 2 * 5  # the 5-token prefix once
+    # a group over the budget is cut, and units are halved until every rank gets one
+    small = prefix_units(trajs, max_tokens=16)
+    assert sorted(i for m, _ in small for i in m) == list(range(len(trajs)))
+    assert all(c <= 16 or len(m) == 1 for m, c in small)
+    assert len(prefix_units(trajs[:3], max_tokens=1000, min_units=3)) == 3
+
+
+@needs_model
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean"])
+def test_shared_prefix_loss_and_gradients_equal_separate_packing(mode):
+    model = load_tiny("sdpa")
+    trajs = group_trajectories()
+    results = []
+    for share in (False, True):
+        packed = pack_trajectories(trajs, share_prefixes=share)
+        assert packed.shares_prefixes == share
+        model.zero_grad()
+        logits = model(**packed.model_inputs()).logits
+        lp = compute_token_logprobs(logits, packed.labels, temperature=0.8)
+        width = max(len(t.token_ids) for t in trajs)
+        adv = packed.gather(torch.linspace(-1.0, 1.0, len(trajs) * width).reshape(len(trajs), width))
+        loss = policy_loss(logits, lp, packed, adv, mode, segment_ids=packed.segment_ids)
+        loss.backward()
+        rows = torch.zeros(len(trajs), width)
+        packed.scatter(lp, rows)
+        grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+        results.append((packed.num_tokens, rows, loss.detach(), grads))
+    (n_sep, lp_sep, loss_sep, g_sep), (n_sh, lp_sh, loss_sh, g_sh) = results
+    assert n_sh == n_sep - 2 * 5 - 2 * 3  # each group's prefix packed once instead of three times
+    torch.testing.assert_close(lp_sh, lp_sep, atol=1e-5, rtol=0)
+    torch.testing.assert_close(loss_sh, loss_sep, atol=1e-5, rtol=0)
+    assert loss_sep.abs() > 1e-3
+    for name in g_sep:
+        torch.testing.assert_close(g_sh[name], g_sep[name], atol=1e-5, rtol=0, msg=lambda m, n=name: f"{n}: {m}")

@@ -329,7 +329,9 @@ def test_micro_batches_accumulate_to_the_full_batch_update():
     assert m_small["actor/grad_norm"] == pytest.approx(m_big["actor/grad_norm"], rel=1e-5)
     ws, wb = weights(small), weights(big)
     for name in wb:
-        torch.testing.assert_close(ws[name], wb[name], atol=1e-5, rtol=0)  # Adam step 1 ≈ lr·sign(g)
+        # Adam's first step is lr·g/(|g| + eps) ≈ lr·sign(g): a wrong accumulation moves weights by
+        # ~lr (1e-3), while summation order alone moves the few entries with |g| near eps by ~1e-4.
+        torch.testing.assert_close(ws[name], wb[name], atol=2e-4, rtol=0)
 
 
 @needs_model
