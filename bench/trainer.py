@@ -15,6 +15,11 @@ token of micro-batch budget, with full-vocabulary logits and with the chunked sc
 resident set (Linux VmHWM, reset through /proc/self/clear_refs) on CPU. Every figure comes from
 this one run. Other processes on a shared machine make wall times noisy, so each layout is timed
 `--repeats` times, the best run is kept, and process CPU time is printed beside wall time.
+
+Last, shared prefixes: `--groups` prompts of `--prompt` tokens with `--samples` answers each (a
+GRPO batch), one `FSDP2Backend.update_policy` with `trainer.share_prefixes` on and off. The ideal
+speed-up is the ratio of packed tokens (each prompt once instead of once per sample); the figure
+of merit is measured / ideal.
 """
 
 from __future__ import annotations
@@ -115,12 +120,58 @@ def trainer_memory(trajs: list[Trajectory], budget: int, chunked_head: bool) -> 
     return (peak_rss_bytes() - base) / budget, "peak RSS rise (VmHWM)"
 
 
+def group_batch(groups: int, samples: int, prompt: int, seed: int = 1) -> list[Trajectory]:
+    """GRPO-shaped: `groups` prompts, `samples` answers each of 32..128 tokens."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for g in range(groups):
+        ids = rng.integers(10, 5000, size=prompt).tolist()
+        for k in range(samples):
+            n = int(rng.integers(32, 129))
+            traj = Trajectory(reward=float(k % 2), group_id=f"g{g}")
+            traj.extend(ids, TokenOrigin.PROMPT, 0)
+            traj.extend(rng.integers(10, 5000, size=n).tolist(), TokenOrigin.SAMPLED, 0, logprobs=[-12.0] * n, version=0)
+            out.append(traj)
+    return out
+
+
+def shared_prefix_speedup(trajs: list[Trajectory], budget: int, repeats: int) -> None:
+    from agentrl.trainer.backend import PolicyBatch
+    from agentrl.trainer.fsdp2 import FSDP2Backend
+    from agentrl.trainer.packing import prefix_units
+
+    real = sum(len(t) for t in trajs)
+    shared_tokens = sum(cost for _, cost in prefix_units(trajs, budget))
+    ideal = real / shared_tokens
+    layout = pad_trajectories(trajs)
+    times = {}
+    for share in (False, True):
+        trainer = TrainerConfig(device="cpu", micro_batch_tokens=budget, share_prefixes=share)
+        backend = FSDP2Backend(MODEL, trainer, AlgorithmConfig())
+        batch = PolicyBatch(
+            trajectories=trajs, loss_mask=layout.loss_mask, advantages=layout.loss_mask * 0.5,
+            old_logprobs=None, rollout_logprobs=layout.rollout_logprobs,
+        )  # fmt: skip
+        times[share] = timed(lambda b=backend, pb=batch: b.update_policy(pb, AlgorithmConfig()), repeats)
+    print(f"shared prefixes: {len(trajs)} sequences, {real} tokens, {shared_tokens} packed with each prompt once; "
+          f"ideal speed-up {ideal:.2f}x")  # fmt: skip
+    for k, clock in enumerate(("wall", "cpu")):
+        speedup = times[False][k] / times[True][k]
+        print(
+            f"[{clock:4}] update_policy shared {real / times[True][k]:,.0f} tokens/s | repeated "
+            f"{real / times[False][k]:,.0f} tokens/s | speed-up {speedup:.2f}x, {speedup / ideal:.2f} of ideal"
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--sequences", type=int, default=16)
     parser.add_argument("--budget", type=int, default=1024, help="packed micro-batch token budget")
     parser.add_argument("--pad-batch", type=int, default=2, help="sequences per padded batch")
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--groups", type=int, default=4, help="shared prefixes: prompts")
+    parser.add_argument("--samples", type=int, default=4, help="shared prefixes: answers per prompt")
+    parser.add_argument("--prompt", type=int, default=256, help="shared prefixes: prompt tokens")
     args = parser.parse_args()
     torch.manual_seed(0)
     from transformers import AutoModelForCausalLM
@@ -153,6 +204,7 @@ def main() -> None:
         print(
             f"FSDP2 update_policy peak memory per budget token, {label}: {per_token / 1024:,.0f} KiB ({how})"
         )
+    shared_prefix_speedup(group_batch(args.groups, args.samples, args.prompt), args.budget, args.repeats)
 
 
 if __name__ == "__main__":

