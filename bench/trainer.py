@@ -17,9 +17,11 @@ this one run. Other processes on a shared machine make wall times noisy, so each
 `--repeats` times, the best run is kept, and process CPU time is printed beside wall time.
 
 Last, shared prefixes: `--groups` prompts of `--prompt` tokens with `--samples` answers each (a
-GRPO batch), one `FSDP2Backend.update_policy` with `trainer.share_prefixes` on and off. The ideal
-speed-up is the ratio of packed tokens (each prompt once instead of once per sample); the figure
-of merit is measured / ideal.
+GRPO batch), one `FSDP2Backend.update_policy` with `trainer.share_prefixes` on and off, on
+SmolLM2-135M-Instruct when it is in agentrl's model cache (`--prefix-model tiny` for the tiny Qwen2,
+whose cost is almost all its 152k-word LM head, which sharing does not touch: it scores the same
+answer tokens either way). The ideal speed-up is the ratio of packed tokens (each prompt once
+instead of once per sample); the figure of merit is measured / ideal.
 """
 
 from __future__ import annotations
@@ -135,7 +137,7 @@ def group_batch(groups: int, samples: int, prompt: int, seed: int = 1) -> list[T
     return out
 
 
-def shared_prefix_speedup(trajs: list[Trajectory], budget: int, repeats: int) -> None:
+def shared_prefix_speedup(trajs: list[Trajectory], budget: int, repeats: int, model: Path) -> None:
     from agentrl.trainer.backend import PolicyBatch
     from agentrl.trainer.fsdp2 import FSDP2Backend
     from agentrl.trainer.packing import prefix_units
@@ -147,13 +149,13 @@ def shared_prefix_speedup(trajs: list[Trajectory], budget: int, repeats: int) ->
     times = {}
     for share in (False, True):
         trainer = TrainerConfig(device="cpu", micro_batch_tokens=budget, share_prefixes=share)
-        backend = FSDP2Backend(MODEL, trainer, AlgorithmConfig())
+        backend = FSDP2Backend(model, trainer, AlgorithmConfig())
         batch = PolicyBatch(
             trajectories=trajs, loss_mask=layout.loss_mask, advantages=layout.loss_mask * 0.5,
             old_logprobs=None, rollout_logprobs=layout.rollout_logprobs,
         )  # fmt: skip
         times[share] = timed(lambda b=backend, pb=batch: b.update_policy(pb, AlgorithmConfig()), repeats)
-    print(f"shared prefixes: {len(trajs)} sequences, {real} tokens, {shared_tokens} packed with each prompt once; "
+    print(f"shared prefixes ({model.name}): {len(trajs)} sequences, {real} tokens, {shared_tokens} packed with each prompt once; "
           f"ideal speed-up {ideal:.2f}x")  # fmt: skip
     for k, clock in enumerate(("wall", "cpu")):
         speedup = times[False][k] / times[True][k]
@@ -172,6 +174,8 @@ def main() -> None:
     parser.add_argument("--groups", type=int, default=4, help="shared prefixes: prompts")
     parser.add_argument("--samples", type=int, default=4, help="shared prefixes: answers per prompt")
     parser.add_argument("--prompt", type=int, default=256, help="shared prefixes: prompt tokens")
+    parser.add_argument("--prefix-model", default="smollm2", choices=["smollm2", "tiny"],
+                        help="shared prefixes: the model (smollm2 falls back to tiny when not cached)")
     args = parser.parse_args()
     torch.manual_seed(0)
     from transformers import AutoModelForCausalLM
@@ -204,7 +208,13 @@ def main() -> None:
         print(
             f"FSDP2 update_policy peak memory per budget token, {label}: {per_token / 1024:,.0f} KiB ({how})"
         )
-    shared_prefix_speedup(group_batch(args.groups, args.samples, args.prompt), args.budget, args.repeats)
+    prefix_model = MODEL
+    if args.prefix_model == "smollm2":
+        from agentrl.models import cache_dir
+
+        cached = cache_dir() / "smollm2-135m-instruct"
+        prefix_model = cached if (cached / "config.json").is_file() else MODEL
+    shared_prefix_speedup(group_batch(args.groups, args.samples, args.prompt), args.budget, args.repeats, prefix_model)
 
 
 if __name__ == "__main__":
