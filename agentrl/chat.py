@@ -230,11 +230,15 @@ class ChatTemplate:
                 return hit
         ids = tuple(self.encode_prompt(messages, tools))
         if key is not None:
-            with self._cache_lock:
-                if len(self._prompts) >= _PROMPT_CACHE_SIZE:
-                    del self._prompts[next(iter(self._prompts))]
-                self._prompts[key] = ids
+            self._remember(self._prompts, key, ids, _PROMPT_CACHE_SIZE)
         return ids
+
+    def _remember(self, cache: dict[str, Any], key: str, value: Any, limit: int) -> None:
+        """Store `value` under `key`, dropping the oldest entry when `cache` holds `limit`."""
+        with self._cache_lock:
+            if len(cache) >= limit:
+                del cache[next(iter(cache))]
+            cache[key] = value
 
     def intern_tools(self, tools: Sequence[ToolSchema] | None) -> list[ToolSchema] | None:
         """One shared list per distinct set of tool schemas (None for no tools); treat it as read-only."""
@@ -452,10 +456,7 @@ class ChatTemplate:
         except ChatTemplateError:
             text = ""
         if key is not None:
-            with self._cache_lock:
-                if len(self._masked) >= _MASKED_CACHE_SIZE:
-                    del self._masked[next(iter(self._masked))]
-                self._masked[key] = text
+            self._remember(self._masked, key, text, _MASKED_CACHE_SIZE)
         return text
 
     def _encode_with_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]] | None]:
