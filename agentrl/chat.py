@@ -220,18 +220,20 @@ class ChatTemplate:
         Samples of a group, and retries, start from the same messages: they are rendered and
         tokenised once. Messages that are not JSON-serialisable are rendered every time.
         """
-        key = None
-        if self._cache_prompts:
-            try:
-                key = f"{self.tools_key(tools)}\n{json.dumps(messages, sort_keys=True)}"
-            except (TypeError, ValueError):
-                key = None
-            if key is not None and (hit := self._prompts.get(key)) is not None:
-                return hit
+        key = self._cache_key(tools, messages) if self._cache_prompts else None
+        if key is not None and (hit := self._prompts.get(key)) is not None:
+            return hit
         ids = tuple(self.encode_prompt(messages, tools))
         if key is not None:
             self._remember(self._prompts, key, ids, _PROMPT_CACHE_SIZE)
         return ids
+
+    def _cache_key(self, tools: Sequence[ToolSchema] | None, payload: Any) -> str | None:
+        """A cache key for a render of `payload` with `tools` (None if it is not JSON-serialisable)."""
+        try:
+            return f"{self.tools_key(tools)}\n{json.dumps(payload, sort_keys=True)}"
+        except (TypeError, ValueError):
+            return None
 
     def _remember(self, cache: dict[str, Any], key: str, value: Any, limit: int) -> None:
         """Store `value` under `key`, dropping the oldest entry when `cache` holds `limit`."""
@@ -445,10 +447,7 @@ class ChatTemplate:
         The key is the whole input of the render (JSON), so a different tool set, system message
         or message shape renders anew; inputs that are not JSON-serialisable are not cached.
         """
-        try:
-            key = f"{self.tools_key(tools)}\n{json.dumps([base, masked, add_generation_prompt], sort_keys=True)}"
-        except (TypeError, ValueError):
-            key = None
+        key = self._cache_key(tools, [base, masked, add_generation_prompt])
         if key is not None and (hit := self._masked.get(key)) is not None:
             return hit
         try:
