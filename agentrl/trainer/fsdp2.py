@@ -175,7 +175,7 @@ class FSDP2Backend(TrainerBackend):
         self.policy = self._build_policy(trainable=True)
         # Shared prefixes need an explicit boolean mask, which only the sdpa path takes as is.
         attention = getattr(getattr(self.policy, "config", None), "_attn_implementation", None)
-        self.share_prefixes = bool(getattr(trainer, "share_prefixes", False)) and attention == "sdpa"
+        self.share_prefixes = trainer.share_prefixes and attention == "sdpa"
         self.optimizer = torch.optim.AdamW(
             [p for p in self.policy.parameters() if p.requires_grad],
             lr=trainer.lr,

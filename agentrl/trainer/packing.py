@@ -74,8 +74,8 @@ class PackedBatch:
     cu_seqlens: torch.Tensor
     seq_lengths: list[int]
     indices: list[int]
-    token_rows: torch.Tensor | None = None
-    token_cols: torch.Tensor | None = None
+    token_rows: torch.Tensor
+    token_cols: torch.Tensor
     attention_mask: torch.Tensor | None = None
     shared: list[tuple[int, int, int]] = field(default_factory=list)
 

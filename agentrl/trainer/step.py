@@ -155,7 +155,7 @@ def train_step(
     # On-policy shortcut (see `objective`): one optimizer step on this batch and nothing needs
     # the old logprobs before it, so the update's forward scores them.
     in_update = (
-        getattr(trainer, "score_in_update", False)
+        trainer.score_in_update
         and backend.scores_in_update
         and trainer.ppo_epochs == 1
         and trainer.mini_batches == 1
