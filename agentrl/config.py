@@ -130,6 +130,9 @@ class InferenceConfig(_Section):
     """Longest sequence a server accepts (prompt plus generation)."""
     gpu_memory_utilization: float = Field(0.8, gt=0.0, le=1.0)
     """Fraction of GPU memory a vLLM/SGLang server may take (ignored on CPU)."""
+    cpu_kv_cache_gb: float = Field(1.0, gt=0.0)
+    """vLLM on CPU: KV cache size in GiB (each server). 32 sequences of 200 tokens of SmolLM2-135M
+    in float32 need about 0.3 GiB; too small a cache makes requests wait for each other."""
     enforce_eager: bool = True
     """Skip graph capture: much faster start-up, a little slower generation."""
     prefix_caching: bool = True
@@ -217,8 +220,9 @@ class TrainerConfig(_Section):
     logprobs are scored first."""
     micro_batch_tokens: int = Field(8192, ge=16)
     """Token budget of one packed micro-batch (gradient accumulation fills the mini-batch). Without
-    flash-attention (on CPU) packed attention uses a block mask, quadratic in this budget: keep it
-    near a few sequences' length there."""
+    flash-attention-2 (on CPU) packed attention is sdpa with a block mask, whose compute grows with
+    the square of this budget; the saved activations grow linearly (about 1.3 MB per token for
+    SmolLM2-135M in fp32). On CPU keep it near a few sequences' length (512-1024)."""
     share_prefixes: bool = True
     """FSDP2: pack the prompt a group's samples share once per micro-batch (with an explicit
     attention mask, `sdpa` attention only) instead of once per sample: the same loss and

@@ -95,7 +95,7 @@ def vllm_server(vllm_ready: str, assets: Path):
     from agentrl.inference import launch_server
 
     proc = launch_server("vllm", str(assets / "tiny-random-qwen2"), startup_timeout_s=900,
-                         dtype="float32", max_model_len=2048)
+                         dtype="float32", max_model_len=2048, cpu_kv_cache_gb=0.5)
     yield proc
     proc.stop()
 

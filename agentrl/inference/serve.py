@@ -184,6 +184,7 @@ def engine_kwargs_from_config(config: AgentRLConfig) -> dict[str, Any]:
             "prefix_caching": inf.prefix_caching,
             "max_model_len": inf.max_model_len,
             "gpu_memory_utilization": inf.gpu_memory_utilization,
+            "cpu_kv_cache_gb": inf.cpu_kv_cache_gb,
             "dtype": dtype,
             "seed": config.run.seed,
         }

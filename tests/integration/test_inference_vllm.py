@@ -198,3 +198,17 @@ def test_update_weights_in_place_changes_version_and_outputs(server, hf_model, p
 def _with_state(model, state):
     model.load_state_dict(state, strict=False)
     return model
+
+
+def test_cpu_server_takes_the_configured_kv_cache_and_every_core(server):
+    """The fixture asks for a 0.5 GiB KV cache; on a small CPU machine no core is held back for the frontend."""
+    import os
+
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("CPU settings only")
+    log = server.log_path.read_text(errors="replace")
+    assert "Explicitly set (0.5/" in log
+    if len(os.sched_getaffinity(0)) <= 8:
+        assert "reserved_cpus=[]" in log

@@ -216,5 +216,7 @@ def test_engine_kwargs_follow_the_config():
     cfg = AgentRLConfig()
     cfg.inference.max_model_len = 1024
     cfg.inference.enforce_eager = False
+    cfg.inference.cpu_kv_cache_gb = 0.25
     kw = engine_kwargs_from_config(cfg)
     assert kw["max_model_len"] == 1024 and kw["enforce_eager"] is False and kw["prefix_caching"] is True
+    assert kw["cpu_kv_cache_gb"] == 0.25
