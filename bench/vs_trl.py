@@ -132,7 +132,7 @@ async def agentrl_run(variant: str, s: dict[str, Any], steps: int) -> dict[str, 
     })  # fmt: skip
     tmp = Path(tempfile.mkdtemp(prefix="vs_trl_agentrl_"))
     server = launch_server("vllm", s["model"], dtype="float32", max_model_len=2048, enforce_eager=True,
-                           startup_timeout_s=900, log_path=tmp / "vllm.log")  # fmt: skip
+                           cpu_kv_cache_gb=s["kv_cache_gb"], startup_timeout_s=900, log_path=tmp / "vllm.log")  # fmt: skip
     client = server.client()
     backend = make_backend(config)
     engine = make_checkpoint_engine("files", directory=tmp / "weights", keep_last=2)
@@ -324,10 +324,10 @@ class TreeMemory:
         self._thread.join()
 
 
-def run_child(side: str, variant: str, quick: bool, steps: int, micro_batch_tokens: int) -> dict[str, Any]:
+def run_child(side: str, variant: str, quick: bool, steps: int, micro_batch_tokens: int, kv_cache_gb: float) -> dict[str, Any]:
     out = Path(tempfile.mkdtemp(prefix="vs_trl_")) / "result.json"
     cmd = [sys.executable, __file__, "--worker", side, "--variant", variant, "--steps", str(steps), "--out", str(out),
-           "--micro-batch-tokens", str(micro_batch_tokens)]
+           "--micro-batch-tokens", str(micro_batch_tokens), "--kv-cache-gb", str(kv_cache_gb)]
     proc = subprocess.Popen([*cmd, *(["--quick"] if quick else [])])
     memory = TreeMemory(proc.pid)
     rc = proc.wait()
@@ -373,14 +373,16 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3, help="timed steps after the warm-up step")
     parser.add_argument("--variants", default="single,tool")
     parser.add_argument("--sides", default="agentrl,trl")
-    parser.add_argument("--micro-batch-tokens", type=int, default=1024,
+    parser.add_argument("--micro-batch-tokens", type=int, default=512,
                         help="agentrl trainer.micro_batch_tokens (packed tokens per forward/backward)")
+    parser.add_argument("--kv-cache-gb", type=float, default=0.5,
+                        help="agentrl's vLLM-CPU KV cache, GiB (inference.cpu_kv_cache_gb)")
     parser.add_argument("--worker", choices=["agentrl", "trl"], help=argparse.SUPPRESS)
     parser.add_argument("--variant", choices=["single", "tool"], help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        s = {**settings(args.quick), "micro_batch_tokens": args.micro_batch_tokens}
+        s = {**settings(args.quick), "micro_batch_tokens": args.micro_batch_tokens, "kv_cache_gb": args.kv_cache_gb}
         if args.worker == "agentrl":
             result = asyncio.run(agentrl_run(args.variant, s, args.steps + 1))
         else:
@@ -398,9 +400,10 @@ def main() -> None:
     s = settings(args.quick)
     print(f"model {s['model']}: {s['prompts']} prompts x {s['samples']} samples, {s['tokens']} tokens per turn, "
           f"fp32, {args.steps} timed steps after 1 warm-up; agentrl micro-batches of {args.micro_batch_tokens} "
-          f"packed tokens; load average {os.getloadavg()}")  # fmt: skip
+          f"packed tokens, a {args.kv_cache_gb} GiB KV cache; load average {os.getloadavg()}")  # fmt: skip
     for variant in args.variants.split(","):
-        report(variant, {side: run_child(side, variant, args.quick, args.steps, args.micro_batch_tokens) for side in sides})
+        report(variant, {side: run_child(side, variant, args.quick, args.steps, args.micro_batch_tokens,
+                                                args.kv_cache_gb) for side in sides})
     print(f"load average at the end {os.getloadavg()}")
 
 
