@@ -2,6 +2,7 @@
 
     python bench/agent_loop.py [--episodes 1000] [--service-s 1.0] [--turns 2]
     python bench/agent_loop.py --curve 100,300,1000 [--ramp-s 0,1] [--workers 1,2]
+    python bench/agent_loop.py --sustain-s 30           # throughput with 1,000 episodes always in flight
 
 The server is an in-process fake that answers every request after exactly `service_s` seconds
 (unlimited parallelism, a few microseconds of its own CPU per request), so any wall time above
@@ -15,6 +16,13 @@ Two arrival patterns, side by side:
 - ramp (`--ramp-s R`): episode starts are spread evenly over R seconds, as they are in steady
   state once completions have desynchronised. The ideal is then each episode's own
   `turns x service_s`; overhead = mean over episodes of (episode wall - ideal) / ideal (p99 too).
+
+- sustained (`--sustain-s D`): a closed loop that keeps `episodes` in flight for D seconds (each
+  slot starts its next group the moment its last one ends), the steady state of a rollout worker.
+  Throughput is counted over the second half of the run, after the start-up burst has spread the
+  slots out: a slot's cycle is the time from one group's end to the next one's, ideally
+  `turns x service_s`; the overhead is mean cycle / ideal - 1 over the cycles that start in the
+  second half (ideal / measured throughput - 1, without counting whole waves of completions).
 
 A heartbeat task measures event-loop stalls (how late a 1 ms sleep wakes up). On a shared machine
 a late wake-up is often the OS running another process, not the loop being busy, so the loop
@@ -69,7 +77,7 @@ class FixedServiceServer:
         turn = self.turn_of.get(session_id, 0)
         self.turn_of[session_id] = turn + 1
         await asyncio.sleep(self.service_s)
-        ids = self.scripts[session_id.split("-")[0]][turn]
+        ids = self.scripts[session_id.split("-")[0].split(".")[0]][turn]  # `g3.7-2`: group g3, 7th repeat
         return Generation(ids, [-0.1] * len(ids), "stop", 0)
 
 
@@ -138,6 +146,63 @@ async def _run(template: ChatTemplate, episodes: int, service_s: float, turns: i
     }
 
 
+async def _sustain(template: ChatTemplate, episodes: int, service_s: float, turns: int, group: int,
+                   sustain_s: float) -> dict[str, float]:
+    """Keep `episodes` in flight for `sustain_s` seconds; throughput over the second half."""
+    n_groups = max(1, episodes // group)
+    rows = _rows(0, n_groups)
+    server = FixedServiceServer(template, rows, service_s, turns)
+    loop = AgentLoop(server, template, HermesParser(), AgentLoopConfig(max_turns=turns, episode_timeout_s=3600))
+    worker = RolloutWorker(loop, ArithmeticEnv, max_concurrent=n_groups * group)
+    warm = _rows(10**6, 1)
+    server.scripts.update(FixedServiceServer(template, warm, 0.0, turns).scripts)
+    await worker.run_batch(list(warm.values()), samples_per_prompt=group, first_index=10**6)
+    gc.collect()
+    stalls: list[tuple[float, float]] = []
+    stop = asyncio.Event()
+    beat = asyncio.create_task(_heartbeat(stalls, stop))
+    cycles: list[tuple[float, float]] = []  # (start, length) of each slot's group after its first
+    finished = 0
+    start = time.perf_counter()
+    end = start + sustain_s
+
+    async def slot(i: int, row: dict) -> None:
+        nonlocal finished
+        repeat, last = 0, None
+        while time.perf_counter() < end:
+            trajs = await worker.run_group(row, group, seed=repeat, group_id=f"g{i}.{repeat}")
+            if any(t.reward != 1.0 for t in trajs):
+                sys.exit("an episode did not solve its task: the benchmark is broken")
+            now = time.perf_counter()
+            if last is not None:
+                cycles.append((last, now - last))
+            finished, last, repeat = finished + len(trajs), now, repeat + 1
+
+    cpu0 = time.process_time()
+    await asyncio.gather(*(slot(i, row) for i, row in enumerate(rows.values())))
+    wall, cpu = time.perf_counter() - start, time.process_time() - cpu0
+    stop.set()
+    await beat
+    half = start + sustain_s / 2
+    steady = [length for began, length in cycles if began >= half]
+    if not steady:
+        sys.exit(f"no cycle started in the second half of {sustain_s} s: raise --sustain-s")
+    mean_cycle = statistics.fmean(steady)
+    ideal = n_groups * group / (turns * service_s)
+    late = sorted(s[0] for s in stalls)
+    return {
+        "episodes": finished,
+        "wall_s": wall,
+        "rate": n_groups * group / mean_cycle,
+        "ideal_rate": ideal,
+        "overhead": mean_cycle / (turns * service_s) - 1,
+        "cycles": len(steady),
+        "cpu_ms_per_turn": 1000 * cpu / (finished * turns),
+        "stall_max_ms": 1000 * late[-1],
+        "stall_p99_ms": 1000 * late[int(0.99 * (len(late) - 1))],
+    }
+
+
 def _worker_main(args: tuple) -> dict[str, float]:
     episodes, service_s, turns, group, ramp_s, index, start_at = args
     template = ChatTemplate.from_pretrained(ASSETS / "qwen2.5-0.5b-instruct")
@@ -168,7 +233,21 @@ def main() -> None:
     parser.add_argument("--group", type=int, default=4)
     parser.add_argument("--ramp-s", default="0", help="comma-separated start spreads in seconds (0: burst)")
     parser.add_argument("--workers", default="1", help="comma-separated worker-process counts")
+    parser.add_argument("--sustain-s", type=float, default=0.0,
+                        help="closed loop: keep --episodes in flight this long and report the throughput")
     args = parser.parse_args()
+    if args.sustain_s:
+        template = ChatTemplate.from_pretrained(ASSETS / "qwen2.5-0.5b-instruct")
+        print(f"sustained: {args.episodes} episodes in flight for {args.sustain_s:.0f} s, turns={args.turns} "
+              f"service={args.service_s:.3f}s group={args.group}; load average "
+              f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}", flush=True)
+        r = asyncio.run(_sustain(template, args.episodes, args.service_s, args.turns, args.group, args.sustain_s))
+        print(f"{r['episodes']} episodes in {r['wall_s']:.1f} s; second half ({r['cycles']} group cycles): "
+              f"{r['rate']:.1f} episodes/s against an "
+              f"ideal {r['ideal_rate']:.1f}/s: overhead {100 * r['overhead']:.2f}% (target <= 2%); "
+              f"cpu/turn {r['cpu_ms_per_turn']:.2f} ms; stall max {r['stall_max_ms']:.1f} ms, "
+              f"p99 {r['stall_p99_ms']:.2f} ms (target <= 10 ms)")
+        return
     counts = [int(x) for x in args.curve.split(",")] if args.curve else [args.episodes]
     ramps = [float(x) for x in args.ramp_s.split(",")]
     workers = [int(x) for x in args.workers.split(",")]

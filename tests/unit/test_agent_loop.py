@@ -202,3 +202,35 @@ def test_worker_freezes_the_startup_heap_once(template: ChatTemplate, monkeypatc
     monkeypatch.setattr(worker_module, "_gc_frozen", False)
     asyncio.run(RolloutWorker(loop, ArithmeticEnv, freeze_gc=False).run_batch(rows, samples_per_prompt=2))
     assert calls == []
+
+
+def test_worker_paces_young_collections_only_while_episodes_run(
+    template: ChatTemplate, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import gc
+
+    from agentrl.rollout import worker as worker_module
+
+    collected: list[int] = []
+    real_collect = gc.collect
+    monkeypatch.setattr(worker_module, "GC_PACE_S", 0.001)
+    monkeypatch.setattr(gc, "collect", lambda generation=2: collected.append(generation) or real_collect(0))
+    rows = [make_arithmetic_row(0)]
+    client = ScriptedClient(template, _tool_then_answer(rows[0]), delay_s=0.05)
+    worker = RolloutWorker(AgentLoop(client, template, HermesParser()), ArithmeticEnv)
+
+    async def go() -> tuple[bool, bool]:
+        batch = asyncio.create_task(worker.run_batch(rows, samples_per_prompt=2))
+        await asyncio.sleep(0.03)
+        running = worker._gc_pacer is not None and not worker._gc_pacer.done()
+        await batch
+        await asyncio.sleep(0.01)
+        return running, worker._gc_pacer is None
+
+    assert asyncio.run(go()) == (True, True)
+    paced = [g for g in collected if g in (0, 1)]
+    assert len(paced) >= 10 and 1 in paced  # the youngest every pass, the middle one every tenth
+    assert set(collected) <= {0, 1, 2}
+    before = len(collected)
+    asyncio.run(asyncio.sleep(0.02))
+    assert len(collected) == before  # nothing in flight: no pacing
