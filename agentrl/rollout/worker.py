@@ -27,8 +27,16 @@ objects, and every deallocation counts against that, including the deaths of old
 one wave of episodes ends and the next starts, the young generation can collect the token lists of
 a thousand episodes (1.4 million list items) before a collection runs, which then stops the loop
 for 15-35 ms. So while episodes are in flight the worker collects the youngest generation itself
-every `GC_PACE_S` (10 ms) and the middle one every tenth time: each pass finds little new
-(under 5 ms with 1,000 episodes in flight, `bench/agent_loop.py --sustain-s 30`).
+every `GC_PACE_S` (10 ms) and the middle one every fifth time: each pass finds little new
+(a few ms at most with 1,000 episodes in flight, `bench/agent_loop.py --sustain-s 120`).
+
+A full collection walks every live object that is not frozen, the token lists of all episodes in
+flight included: about 55 ms with 1,000 of them. While episodes are in flight CPython therefore
+runs none on its own (the oldest threshold is raised out of reach); the worker runs one when its
+last episode ends, if at least `_FULL_AT_IDLE` middle collections happened since the last one
+(between batches of a synchronous run, when nobody waits on the loop), and, as a safety net for
+runs that never go idle, after `_FULL_AT_LEAST_EVERY` of them (at most about 8 minutes).
+When idle, the oldest threshold goes back to what it was.
 """
 
 from __future__ import annotations
@@ -48,6 +56,10 @@ _gc_frozen = False
 _GC_GEN2_THRESHOLD = 1_000
 GC_PACE_S = 0.01
 """Seconds between the worker's own young-generation collections while episodes are in flight."""
+_MIDDLE_EVERY = 5
+_FULL_AT_IDLE = 100
+_FULL_AT_LEAST_EVERY = 10_000
+_NO_AUTOMATIC_FULL = 1 << 30
 
 
 def _freeze_gc_once() -> None:
@@ -66,7 +78,10 @@ async def _pace_gc() -> None:
     while True:
         await asyncio.sleep(GC_PACE_S)
         passes += 1
-        gc.collect(1 if passes % 10 == 0 else 0)
+        if gc.get_count()[2] >= _FULL_AT_LEAST_EVERY:
+            gc.collect()
+        else:
+            gc.collect(1 if passes % _MIDDLE_EVERY == 0 else 0)
 
 
 def group_seed(base_seed: int, index: int) -> int:
@@ -89,11 +104,14 @@ class RolloutWorker:
         self._slots = asyncio.Semaphore(max_concurrent)
         self.in_flight = 0
         self._gc_pacer: asyncio.Task[None] | None = None
+        self._gen2_threshold = _GC_GEN2_THRESHOLD
 
     async def run_episode(self, row: dict[str, Any] | None, *, seed: int, group_id: str, episode_id: str) -> Trajectory:
         async with self._slots:
             self.in_flight += 1
             if self.freeze_gc and self._gc_pacer is None:
+                gen0, gen1, self._gen2_threshold = gc.get_threshold()
+                gc.set_threshold(gen0, gen1, _NO_AUTOMATIC_FULL)
                 self._gc_pacer = asyncio.create_task(_pace_gc(), name="agentrl-gc-pacer")
             try:
                 async with self.loop.gate:  # a thousand episodes admitted at once start in slices
@@ -104,6 +122,10 @@ class RolloutWorker:
                 if self.in_flight == 0 and self._gc_pacer is not None:
                     self._gc_pacer.cancel()
                     self._gc_pacer = None
+                    if gc.get_count()[2] >= _FULL_AT_IDLE:
+                        gc.collect()
+                    gen0, gen1, _ = gc.get_threshold()
+                    gc.set_threshold(gen0, gen1, self._gen2_threshold)
 
     async def run_group(
         self, row: dict[str, Any] | None, samples: int, *, seed: int, group_id: str

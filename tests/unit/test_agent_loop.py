@@ -197,7 +197,12 @@ def test_worker_freezes_the_startup_heap_once(template: ChatTemplate, monkeypatc
     loop = AgentLoop(client, template, HermesParser())
     for _ in range(2):
         asyncio.run(RolloutWorker(loop, ArithmeticEnv).run_batch(rows, samples_per_prompt=2))
-    assert calls == [("freeze",), ("threshold", 700, 10, 1000)]
+    no_full = ("threshold", 700, 10, worker_module._NO_AUTOMATIC_FULL)
+    restored = ("threshold", 700, 10, 10)  # what get_threshold reports here
+    # Frozen once; while each batch's episodes run, no automatic full collection, then restored.
+    assert calls[:2] == [("freeze",), ("threshold", 700, 10, 1000)]
+    toggles = calls[2:]
+    assert len(toggles) >= 4 and toggles == [no_full, restored] * (len(toggles) // 2)
     calls.clear()
     monkeypatch.setattr(worker_module, "_gc_frozen", False)
     asyncio.run(RolloutWorker(loop, ArithmeticEnv, freeze_gc=False).run_batch(rows, samples_per_prompt=2))
@@ -214,6 +219,7 @@ def test_worker_paces_young_collections_only_while_episodes_run(
     collected: list[int] = []
     real_collect = gc.collect
     monkeypatch.setattr(worker_module, "GC_PACE_S", 0.001)
+    monkeypatch.setattr(worker_module, "_FULL_AT_IDLE", 0)  # a full collection whenever the worker goes idle
     monkeypatch.setattr(gc, "collect", lambda generation=2: collected.append(generation) or real_collect(0))
     rows = [make_arithmetic_row(0)]
     client = ScriptedClient(template, _tool_then_answer(rows[0]), delay_s=0.05)
@@ -229,8 +235,9 @@ def test_worker_paces_young_collections_only_while_episodes_run(
 
     assert asyncio.run(go()) == (True, True)
     paced = [g for g in collected if g in (0, 1)]
-    assert len(paced) >= 10 and 1 in paced  # the youngest every pass, the middle one every tenth
-    assert set(collected) <= {0, 1, 2}
+    assert len(paced) >= 10 and 1 in paced  # the youngest every pass, the middle one every fifth
+    assert set(collected) <= {0, 1, 2} and collected[-1] == 2  # the full one once the last episode ended
+    assert gc.get_threshold()[2] != worker_module._NO_AUTOMATIC_FULL  # restored once idle
     before = len(collected)
     asyncio.run(asyncio.sleep(0.02))
     assert len(collected) == before  # nothing in flight: no pacing
