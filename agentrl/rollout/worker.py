@@ -36,7 +36,8 @@ runs none on its own (the oldest threshold is raised out of reach); the worker r
 last episode ends, if at least `_FULL_AT_IDLE` middle collections happened since the last one
 (between batches of a synchronous run, when nobody waits on the loop), and, as a safety net for
 runs that never go idle, after `_FULL_AT_LEAST_EVERY` of them (at most about 8 minutes).
-When idle, the oldest threshold goes back to what it was.
+When no worker of the process has episodes in flight, the oldest threshold goes back to what it
+was (several workers in one process, say training and evaluation, share one pacer).
 """
 
 from __future__ import annotations
@@ -72,6 +73,35 @@ def _freeze_gc_once() -> None:
         gc.set_threshold(gen0, gen1, max(gen2, _GC_GEN2_THRESHOLD))
 
 
+_pacing_workers = 0  # workers of this process with episodes in flight
+_gc_pacer: asyncio.Task[None] | None = None
+_saved_gen2_threshold = _GC_GEN2_THRESHOLD
+
+
+def _start_gc_pacing() -> None:
+    """A worker's first episode started: the first such worker takes over the collector."""
+    global _pacing_workers, _gc_pacer, _saved_gen2_threshold
+    _pacing_workers += 1
+    if _pacing_workers == 1:
+        gen0, gen1, _saved_gen2_threshold = gc.get_threshold()
+        gc.set_threshold(gen0, gen1, _NO_AUTOMATIC_FULL)
+        _gc_pacer = asyncio.create_task(_pace_gc(), name="agentrl-gc-pacer")
+
+
+def _stop_gc_pacing() -> None:
+    """A worker's last episode ended: the last such worker hands the collector back."""
+    global _pacing_workers, _gc_pacer
+    _pacing_workers -= 1
+    if _pacing_workers == 0:
+        if _gc_pacer is not None:
+            _gc_pacer.cancel()
+            _gc_pacer = None
+        if gc.get_count()[2] >= _FULL_AT_IDLE:
+            gc.collect()
+        gen0, gen1, _ = gc.get_threshold()
+        gc.set_threshold(gen0, gen1, _saved_gen2_threshold)
+
+
 async def _pace_gc() -> None:
     """Collect the young generations every GC_PACE_S, before they grow large (module docstring)."""
     passes = 0
@@ -103,29 +133,23 @@ class RolloutWorker:
         self.freeze_gc = freeze_gc
         self._slots = asyncio.Semaphore(max_concurrent)
         self.in_flight = 0
-        self._gc_pacer: asyncio.Task[None] | None = None
-        self._gen2_threshold = _GC_GEN2_THRESHOLD
+        self._pacing = False
 
     async def run_episode(self, row: dict[str, Any] | None, *, seed: int, group_id: str, episode_id: str) -> Trajectory:
         async with self._slots:
             self.in_flight += 1
-            if self.freeze_gc and self._gc_pacer is None:
-                gen0, gen1, self._gen2_threshold = gc.get_threshold()
-                gc.set_threshold(gen0, gen1, _NO_AUTOMATIC_FULL)
-                self._gc_pacer = asyncio.create_task(_pace_gc(), name="agentrl-gc-pacer")
+            if self.freeze_gc and not self._pacing:
+                self._pacing = True
+                _start_gc_pacing()
             try:
                 async with self.loop.gate:  # a thousand episodes admitted at once start in slices
                     env = self.env_factory()
                 return await self.loop.run_episode(env, row=row, seed=seed, group_id=group_id, episode_id=episode_id)
             finally:
                 self.in_flight -= 1
-                if self.in_flight == 0 and self._gc_pacer is not None:
-                    self._gc_pacer.cancel()
-                    self._gc_pacer = None
-                    if gc.get_count()[2] >= _FULL_AT_IDLE:
-                        gc.collect()
-                    gen0, gen1, _ = gc.get_threshold()
-                    gc.set_threshold(gen0, gen1, self._gen2_threshold)
+                if self.in_flight == 0 and self._pacing:
+                    self._pacing = False
+                    _stop_gc_pacing()
 
     async def run_group(
         self, row: dict[str, Any] | None, samples: int, *, seed: int, group_id: str

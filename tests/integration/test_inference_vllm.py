@@ -206,9 +206,11 @@ def test_cpu_server_takes_the_configured_kv_cache_and_every_core(server):
 
     import torch
 
+    from agentrl.inference.vllm_server import SMALL_MACHINE_CORES
+
     if torch.cuda.is_available():
         pytest.skip("CPU settings only")
     log = server.log_path.read_text(errors="replace")
     assert "Explicitly set (0.5/" in log
-    if len(os.sched_getaffinity(0)) <= 8:
+    if len(os.sched_getaffinity(0)) <= SMALL_MACHINE_CORES:
         assert "reserved_cpus=[]" in log

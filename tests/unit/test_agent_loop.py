@@ -225,19 +225,27 @@ def test_worker_paces_young_collections_only_while_episodes_run(
     client = ScriptedClient(template, _tool_then_answer(rows[0]), delay_s=0.05)
     worker = RolloutWorker(AgentLoop(client, template, HermesParser()), ArithmeticEnv)
 
-    async def go() -> tuple[bool, bool]:
-        batch = asyncio.create_task(worker.run_batch(rows, samples_per_prompt=2))
-        await asyncio.sleep(0.03)
-        running = worker._gc_pacer is not None and not worker._gc_pacer.done()
-        await batch
-        await asyncio.sleep(0.01)
-        return running, worker._gc_pacer is None
+    slow = ScriptedClient(template, _tool_then_answer(rows[0]), delay_s=0.15)
+    other = RolloutWorker(AgentLoop(slow, template, HermesParser()), ArithmeticEnv)
+    threshold_before = gc.get_threshold()
 
-    assert asyncio.run(go()) == (True, True)
+    async def go() -> tuple[bool, int, int]:
+        # Two workers overlap (say training and evaluation), the one that started second ending
+        # last: one pacer, and the collector is handed back only when both are idle.
+        batch = asyncio.create_task(worker.run_batch(rows, samples_per_prompt=2))
+        await asyncio.sleep(0.02)
+        running = worker_module._gc_pacer is not None and not worker_module._gc_pacer.done()
+        later = asyncio.create_task(other.run_batch(rows, samples_per_prompt=1))
+        await batch
+        during = gc.get_threshold()[2]
+        await later
+        idle_at = len(collected)
+        await asyncio.sleep(0.02)  # nothing in flight: no pacing
+        return running, during, len(collected) - idle_at
+
+    assert asyncio.run(go()) == (True, worker_module._NO_AUTOMATIC_FULL, 0)
+    assert worker_module._gc_pacer is None and worker_module._pacing_workers == 0
     paced = [g for g in collected if g in (0, 1)]
     assert len(paced) >= 10 and 1 in paced  # the youngest every pass, the middle one every fifth
     assert set(collected) <= {0, 1, 2} and collected[-1] == 2  # the full one once the last episode ended
-    assert gc.get_threshold()[2] != worker_module._NO_AUTOMATIC_FULL  # restored once idle
-    before = len(collected)
-    asyncio.run(asyncio.sleep(0.02))
-    assert len(collected) == before  # nothing in flight: no pacing
+    assert gc.get_threshold() == threshold_before  # restored once every worker is idle
