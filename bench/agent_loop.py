@@ -94,18 +94,25 @@ def _rows(first: int, n_groups: int) -> dict[str, dict]:
     return {f"g{first + i}": make_arithmetic_row(first + i) for i in range(n_groups)}
 
 
-async def _run(template: ChatTemplate, episodes: int, service_s: float, turns: int, group: int,
-               ramp_s: float, first_group: int, start_at: float | None = None) -> dict[str, float]:
-    n_groups = max(1, episodes // group)
-    rows = _rows(first_group, n_groups)
+async def _warm_worker(template: ChatTemplate, rows: dict[str, dict], service_s: float, turns: int, group: int,
+                       first_group: int) -> tuple[AgentLoop, RolloutWorker]:
+    """A worker for `rows` against the fixed-service server, after an untimed warm-up batch: it
+    fills the caches and freezes the start-up heap, as in a long-running worker."""
     server = FixedServiceServer(template, rows, service_s, turns)
     loop = AgentLoop(server, template, HermesParser(), AgentLoopConfig(max_turns=turns, episode_timeout_s=3600))
-    worker = RolloutWorker(loop, ArithmeticEnv, max_concurrent=n_groups * group)
-    # Untimed warm-up: fills the caches and freezes the start-up heap, as in a long-running worker.
+    worker = RolloutWorker(loop, ArithmeticEnv, max_concurrent=len(rows) * group)
     warm = _rows(10**6 + first_group, 1)
     server.scripts.update(FixedServiceServer(template, warm, 0.0, turns).scripts)
     await worker.run_batch(list(warm.values()), samples_per_prompt=group, first_index=10**6 + first_group)
     gc.collect()
+    return loop, worker
+
+
+async def _run(template: ChatTemplate, episodes: int, service_s: float, turns: int, group: int,
+               ramp_s: float, first_group: int, start_at: float | None = None) -> dict[str, float]:
+    n_groups = max(1, episodes // group)
+    rows = _rows(first_group, n_groups)
+    loop, worker = await _warm_worker(template, rows, service_s, turns, group, first_group)
     if start_at is not None:  # several worker processes start together
         await asyncio.sleep(max(0.0, start_at - time.time()))
     stalls: list[tuple[float, float]] = []
@@ -151,13 +158,7 @@ async def _sustain(template: ChatTemplate, episodes: int, service_s: float, turn
     """Keep `episodes` in flight for `sustain_s` seconds; throughput over the second half."""
     n_groups = max(1, episodes // group)
     rows = _rows(0, n_groups)
-    server = FixedServiceServer(template, rows, service_s, turns)
-    loop = AgentLoop(server, template, HermesParser(), AgentLoopConfig(max_turns=turns, episode_timeout_s=3600))
-    worker = RolloutWorker(loop, ArithmeticEnv, max_concurrent=n_groups * group)
-    warm = _rows(10**6, 1)
-    server.scripts.update(FixedServiceServer(template, warm, 0.0, turns).scripts)
-    await worker.run_batch(list(warm.values()), samples_per_prompt=group, first_index=10**6)
-    gc.collect()
+    _, worker = await _warm_worker(template, rows, service_s, turns, group, 0)
     stalls: list[tuple[float, float]] = []
     stop = asyncio.Event()
     beat = asyncio.create_task(_heartbeat(stalls, stop))
