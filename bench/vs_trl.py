@@ -231,7 +231,9 @@ def trl_run(variant: str, s: dict[str, Any], steps: int) -> dict[str, Any]:
         tokenizer.chat_template = qwen2_5_chat_template
     model = AutoModelForCausalLM.from_pretrained(s["model"], dtype=torch.float32)
     batch = s["prompts"] * s["samples"]
-    accumulation = max(1, s["prompts"] // 2)
+    accumulation = s.get("trl_accumulation") or max(1, s["prompts"] // 2)
+    if batch % accumulation:
+        raise SystemExit(f"--trl-accumulation {accumulation} does not divide the batch of {batch} completions")
     args = GRPOConfig(
         output_dir=tempfile.mkdtemp(prefix="vs_trl_trl_"), use_cpu=True, bf16=False, fp16=False,
         per_device_train_batch_size=batch // accumulation, gradient_accumulation_steps=accumulation,
@@ -343,11 +345,12 @@ class TreeMemory:
         self._thread.join()
 
 
-def run_child(side: str, variant: str, quick: bool, steps: int, micro_batch_tokens: int, kv_cache_gb: float) -> dict[str, Any]:
+def run_child(side: str, variant: str, args: argparse.Namespace) -> dict[str, Any]:
     out = Path(tempfile.mkdtemp(prefix="vs_trl_")) / "result.json"
-    cmd = [sys.executable, __file__, "--worker", side, "--variant", variant, "--steps", str(steps), "--out", str(out),
-           "--micro-batch-tokens", str(micro_batch_tokens), "--kv-cache-gb", str(kv_cache_gb)]
-    proc = subprocess.Popen([*cmd, *(["--quick"] if quick else [])])
+    cmd = [sys.executable, __file__, "--worker", side, "--variant", variant, "--steps", str(args.steps), "--out", str(out),
+           "--micro-batch-tokens", str(args.micro_batch_tokens), "--kv-cache-gb", str(args.kv_cache_gb),
+           "--trl-accumulation", str(args.trl_accumulation)]
+    proc = subprocess.Popen([*cmd, *(["--quick"] if args.quick else [])])
     memory = TreeMemory(proc.pid)
     rc = proc.wait()
     memory.stop()
@@ -396,12 +399,15 @@ def main() -> None:
                         help="agentrl trainer.micro_batch_tokens (packed tokens per forward/backward)")
     parser.add_argument("--kv-cache-gb", type=float, default=0.5,
                         help="agentrl's vLLM-CPU KV cache, GiB (inference.cpu_kv_cache_gb)")
+    parser.add_argument("--trl-accumulation", type=int, default=0,
+                        help="TRL gradient-accumulation steps per batch (0: 4, micro-batches of 8; 1: one batch of 32)")
     parser.add_argument("--worker", choices=["agentrl", "trl"], help=argparse.SUPPRESS)
     parser.add_argument("--variant", choices=["single", "tool"], help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        s = {**settings(args.quick), "micro_batch_tokens": args.micro_batch_tokens, "kv_cache_gb": args.kv_cache_gb}
+        s = {**settings(args.quick), "micro_batch_tokens": args.micro_batch_tokens, "kv_cache_gb": args.kv_cache_gb,
+             "trl_accumulation": args.trl_accumulation}
         if args.worker == "agentrl":
             result = asyncio.run(agentrl_run(args.variant, s, args.steps + 1))
         else:
@@ -421,8 +427,7 @@ def main() -> None:
           f"fp32, {args.steps} timed steps after 1 warm-up; agentrl micro-batches of {args.micro_batch_tokens} "
           f"packed tokens, a {args.kv_cache_gb} GiB KV cache; load average {os.getloadavg()}")  # fmt: skip
     for variant in args.variants.split(","):
-        report(variant, {side: run_child(side, variant, args.quick, args.steps, args.micro_batch_tokens,
-                                                args.kv_cache_gb) for side in sides})
+        report(variant, {side: run_child(side, variant, args) for side in sides})
     print(f"load average at the end {os.getloadavg()}")
 
 

@@ -151,7 +151,8 @@ class TrainerBackend(abc.ABC):
         """The policy's full (unsharded) tensors under their Hugging Face names, one at a time.
 
         Every rank must iterate it to the end (gathering is collective); every rank sees every
-        tensor.
+        tensor. A tensor may share storage with the live parameter (on one rank it does): copy
+        any you keep past the next update.
         """
 
     @abc.abstractmethod

@@ -2,10 +2,17 @@
 
 Every decoder layer (the model's `_no_split_modules` classes) and then the root are wrapped with
 `fully_shard`, so each rank holds 1/N of every parameter, gradient and AdamW state, and gathers a
-layer's full weights only while it runs. It runs on CPU with gloo (one process still creates a
-one-rank group, so one rank runs the code path of many) and on CUDA with NCCL, where parameters
-are computed in bf16 and gradients reduced in fp32 (`MixedPrecisionPolicy`); on CPU everything is
-fp32. Only the CPU path is tested here; the CUDA path is written but has not been run.
+layer's full weights only while it runs. It runs on CPU with gloo and on CUDA with NCCL, where
+parameters are computed in bf16 and gradients reduced in fp32 (`MixedPrecisionPolicy`); on CPU
+everything is fp32. Only the CPU path is tested here; the CUDA path is written but has not been run.
+
+One process still creates a one-rank group and runs the same planning, scoring and checkpoint
+code, but an fp32 model on one rank is not wrapped with `fully_shard`: with nothing to shard, FSDP2
+only copies every layer in and out of its all-gather and reduce-scatter buffers. On SmolLM2-135M
+(32 trajectories, 512-token micro-batches, CPU) skipping it cut a `train_step`'s peak RSS from 5.7
+to 3.9 GB and its time from 22.9 to 20.9 s. Checkpoints are DCP either way, so a run saved on N
+ranks resumes on one and back. With a low-precision compute dtype one rank is still wrapped, for
+the `MixedPrecisionPolicy`.
 
 Work is split across ranks by tokens (`distributed.balanced_shares`) and within a rank into packed
 token-budget micro-batches; ranks with fewer micro-batches run empty ones, because every forward
@@ -200,6 +207,8 @@ class FSDP2Backend(TrainerBackend):
 
     # ── building ────────────────────────────────────────────────────────────────────────────
     def _shard(self, model: nn.Module, layer_classes: Sequence[str]) -> nn.Module:
+        if self.world_size == 1 and self._mp is None:
+            return model.to(self.device)  # nothing to shard (module docstring)
         kwargs: dict[str, Any] = {"mesh": self.mesh}
         if self._mp is not None:
             kwargs["mp_policy"] = self._mp

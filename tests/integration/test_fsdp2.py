@@ -136,6 +136,44 @@ def test_resume_continues_exactly(tmp_path: Path, ranks: int) -> None:
         assert result["same_weights"]
 
 
+def save_or_load(ckpt: str, out: str, save: bool) -> dict[str, Any]:
+    """Saving side: a step, save, one more step. Loading side (another rank count): load, the same step."""
+    from agentrl.trainer.step import train_step
+
+    algo, trainer = AlgorithmConfig(), TrainerConfig()
+    backend = _backend()
+    if save:
+        train_step(backend, toy_batch(0), algo, trainer)
+        backend.save(ckpt, data_position={"row": 12})
+        loaded = {k: v.clone() for k, v in backend.export_weights()}
+    else:
+        position = backend.load(ckpt)
+        assert position == {"row": 12}
+        loaded = {k: v.clone() for k, v in backend.export_weights()}  # on one rank: live storage
+    metrics = train_step(backend, toy_batch(1), algo, trainer)
+    after = dict(backend.export_weights())  # a collective: every rank calls it
+    if backend.rank == 0:
+        side = "saved" if save else "loaded"
+        torch.save({"at_checkpoint": loaded, "after": after}, Path(out) / f"{side}.pt")
+    return {"step": backend.global_step, "grad_norm": metrics["actor/grad_norm"]}
+
+
+@pytest.mark.parametrize(("save_ranks", "load_ranks"), [(2, 1), (1, 2)])
+def test_a_checkpoint_resumes_on_another_rank_count(tmp_path: Path, save_ranks: int, load_ranks: int) -> None:
+    """One rank trains an unwrapped model, two ranks a sharded one; DCP checkpoints move between them."""
+    from agentrl.trainer import launch
+
+    saved = launch(save_or_load, save_ranks, str(tmp_path / "ckpt"), str(tmp_path), True)
+    loaded = launch(save_or_load, load_ranks, str(tmp_path / "ckpt"), str(tmp_path), False)
+    assert [r["step"] for r in saved + loaded] == [2] * (save_ranks + load_ranks)
+    assert loaded[0]["grad_norm"] == pytest.approx(saved[0]["grad_norm"], rel=1e-5)
+    a, b = torch.load(tmp_path / "saved.pt"), torch.load(tmp_path / "loaded.pt")
+    for name, value in a["at_checkpoint"].items():
+        assert torch.equal(value, b["at_checkpoint"][name]), name  # the checkpoint is exact
+    worst = max((a["after"][k] - b["after"][k]).abs().max().item() for k in a["after"])
+    assert worst < 1e-5, worst  # and the next step agrees up to the reduction order
+
+
 # ── LoRA ────────────────────────────────────────────────────────────────────────────────────────
 def lora_train_and_export() -> dict[str, Any]:
     from agentrl.trainer.fsdp2 import FSDP2Backend
