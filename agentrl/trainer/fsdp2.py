@@ -362,13 +362,15 @@ class FSDP2Backend(TrainerBackend):
         return fn
 
     def _token_scores(
-        self, model: nn.Module, batch: PackedBatch, temperature: float, *, with_entropy: bool
+        self, model: nn.Module, batch: PackedBatch, temperature: float, *, with_entropy: bool,
+        entropy_grad: bool = True,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(logprobs, entropy or None), each (1, N), from the chunked head when the model has one."""
+        """(logprobs, entropy or None), each (1, N), from the chunked head when the model has one;
+        with `entropy_grad=False` the entropy may come without a graph (it is only reported)."""
         head = self._heads.get(id(model))
         if head is not None:
             select = None if self.score_all_tokens else batch.loss_mask > 0
-            with scoring(head, batch.labels, temperature, with_entropy, select=select):
+            with scoring(head, batch.labels, temperature, with_entropy, select=select, entropy_grad=entropy_grad):
                 out = model(**batch.model_inputs()).logits
             return out[..., 0], (out[..., 1] if with_entropy else None)
         logits = model(**batch.model_inputs()).logits
@@ -389,7 +391,9 @@ class FSDP2Backend(TrainerBackend):
         sums = MetricSums()
         for packed, real in self._plan(batch.trajectories):
             tokens = self._gather(packed, real, tensors)
-            logprobs, entropy = self._token_scores(self.policy, packed, batch.temperature, with_entropy=True)
+            logprobs, entropy = self._token_scores(
+                self.policy, packed, batch.temperature, with_entropy=True, entropy_grad=bool(algorithm.entropy_coef)
+            )
             if scored is not None and real:
                 scored.add(packed, logprobs)
             if not algorithm.entropy_coef:

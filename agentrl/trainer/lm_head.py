@@ -4,9 +4,14 @@ With a 150k-token vocabulary the fp32 logits of a micro-batch (and their gradien
 trainer's largest tensors by far: 0.6 MB per token each. `ScoringHead` replaces the model's
 `lm_head` and, while a `scoring` request is active, returns per-token `(logprob, entropy)` at the
 sampling temperature instead of logits, computing logits for `chunk_size` tokens at a time (by
-default as many as make 32M logits) and recomputing each chunk in the backward pass, so
-full-vocabulary logits never exist for the whole micro-batch. Outside a request it is the plain linear head, so generation and ordinary forwards
-see the usual logits. It keeps the head's parameter names (`lm_head.weight`) and any weight tying.
+default as many as make 32M logits) and recomputing each chunk but the last in the backward pass,
+so full-vocabulary logits never exist for the whole micro-batch. The last chunk keeps what its
+backward needs: the backward starts with it, so this saves its recomputation (a head-sized matmul;
+with SmolLM2's 49k vocabulary and 512-token micro-batches, every micro-batch is one chunk) without
+raising the peak. Entropy is differentiated only when asked (`entropy_grad`, for an entropy bonus);
+otherwise it is computed without a graph, as a metric. Outside a request it is the plain linear
+head, so generation and ordinary forwards see the usual logits. It keeps the head's parameter names
+(`lm_head.weight`) and any weight tying.
 
 This is not a general logits processor: models that transform logits after the head (soft-capping,
 scaling) are left with their own head (`install_scoring_head` returns None for them).
@@ -43,12 +48,12 @@ class ScoringHead(nn.Module):
         self.weight = head.weight
         self.register_parameter("bias", head.bias)
         self.chunk_size = chunk_size
-        self.request: tuple[torch.Tensor, float, bool, torch.Tensor | None] | None = None
+        self.request: tuple[torch.Tensor, float, bool, torch.Tensor | None, bool] | None = None
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.request is None:
             return F.linear(hidden, self.weight, self.bias)
-        labels, temperature, with_entropy, select = self.request
+        labels, temperature, with_entropy, select, entropy_grad = self.request
         flat = hidden.reshape(-1, hidden.shape[-1])
         flat_labels = labels.reshape(-1)
         picked = None
@@ -58,13 +63,17 @@ class ScoringHead(nn.Module):
             picked = select.reshape(-1).nonzero().squeeze(-1)
             flat, flat_labels = flat.index_select(0, picked), flat_labels.index_select(0, picked)
         outs = []
-        for start in range(0, flat.shape[0], self.chunk_size):
+        starts = range(0, flat.shape[0], self.chunk_size)
+        for start in starts:
             args = (flat[start : start + self.chunk_size], flat_labels[start : start + self.chunk_size])
-            fn = self._entropy_and_logprob if with_entropy else self._logprob
-            if torch.is_grad_enabled() and flat.requires_grad:
-                outs.append(checkpoint(fn, *args, temperature, use_reentrant=False))
+            if with_entropy:
+                fn, args = self._entropy_and_logprob, (*args, temperature, entropy_grad)
             else:
-                outs.append(fn(*args, temperature))
+                fn, args = self._logprob, (*args, temperature)
+            if torch.is_grad_enabled() and flat.requires_grad and start != starts[-1]:
+                outs.append(checkpoint(fn, *args, use_reentrant=False))
+            else:
+                outs.append(fn(*args))
         if outs:
             out = torch.cat(outs)
         else:
@@ -86,11 +95,15 @@ class ScoringHead(nn.Module):
         lp = z.gather(-1, labels.long().unsqueeze(-1)).squeeze(-1) - torch.logsumexp(z, dim=-1)
         return torch.stack([lp, torch.zeros_like(lp)], dim=-1)
 
-    def _entropy_and_logprob(self, h: torch.Tensor, labels: torch.Tensor, temperature: float) -> torch.Tensor:
+    def _entropy_and_logprob(
+        self, h: torch.Tensor, labels: torch.Tensor, temperature: float, entropy_grad: bool
+    ) -> torch.Tensor:
         z = self._logits(h, temperature)
         lse = torch.logsumexp(z, dim=-1)
         lp = z.gather(-1, labels.long().unsqueeze(-1)).squeeze(-1) - lse
-        entropy = lse - (torch.softmax(z, dim=-1) * z).sum(-1)
+        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+            zz, ll = (z, lse) if entropy_grad else (z.detach(), lse.detach())
+            entropy = ll - (torch.softmax(zz, dim=-1) * zz).sum(-1)
         return torch.stack([lp, entropy], dim=-1)
 
 
@@ -111,14 +124,15 @@ def install_scoring_head(model: nn.Module, chunk_size: int | None = None) -> Sco
 @contextlib.contextmanager
 def scoring(
     head: ScoringHead, labels: torch.Tensor, temperature: float, with_entropy: bool,
-    select: torch.Tensor | None = None,
+    select: torch.Tensor | None = None, entropy_grad: bool = True,
 ) -> Iterator[Any]:
     """While open, the model's `.logits` output is `(..., 2)`: per-token logprob of `labels`
     and entropy (0 when `with_entropy` is False), both at `temperature`, in fp32. With `select`
-    (a mask shaped like `labels`), only the selected tokens are scored; the others read 0."""
+    (a mask shaped like `labels`), only the selected tokens are scored; the others read 0. With
+    `entropy_grad=False` the entropy carries no gradient (a metric, not a loss term)."""
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0 to score tokens, got {temperature}.")
-    head.request = (labels, temperature, with_entropy, select)
+    head.request = (labels, temperature, with_entropy, select, entropy_grad)
     try:
         yield head
     finally:

@@ -27,22 +27,26 @@ def _batch():
 
 
 @pytest.mark.skipif(not TINY_QWEN2.is_dir(), reason="tiny Qwen2 not found in shared assets")
-def test_chunked_head_matches_full_logits_values_and_gradients():
+@pytest.mark.parametrize("chunk_size", [7, 1000])  # chunks that cut across sequences; one chunk
+@pytest.mark.parametrize("entropy_grad", [True, False])
+def test_chunked_head_matches_full_logits_values_and_gradients(chunk_size, entropy_grad):
     from transformers import AutoModelForCausalLM
 
     full = AutoModelForCausalLM.from_pretrained(TINY_QWEN2, dtype=torch.float32)
     chunked = AutoModelForCausalLM.from_pretrained(TINY_QWEN2, dtype=torch.float32)
-    head = install_scoring_head(chunked, chunk_size=7)  # chunks that cut across sequences
+    head = install_scoring_head(chunked, chunk_size=chunk_size)
     assert head is not None and chunked.lm_head.weight is chunked.model.embed_tokens.weight
     assert set(chunked.state_dict()) == set(full.state_dict())
     b = _batch()
     logits = full(**b.model_inputs()).logits
     lp_full = compute_token_logprobs(logits, b.labels, 0.7)
     ent_full = compute_entropy(logits, 0.7)
-    with scoring(head, b.labels, 0.7, with_entropy=True):
+    with scoring(head, b.labels, 0.7, with_entropy=True, entropy_grad=entropy_grad):
         out = chunked(**b.model_inputs()).logits
     torch.testing.assert_close(out[..., 0], lp_full, atol=1e-5, rtol=0)
     torch.testing.assert_close(out[..., 1], ent_full, atol=1e-5, rtol=0)
+    if not entropy_grad:  # the entropy is a metric: the same loss differentiates only the logprobs
+        ent_full = ent_full.detach()
     ((lp_full - 0.1 * ent_full) * b.loss_mask).sum().backward()
     ((out[..., 0] - 0.1 * out[..., 1]) * b.loss_mask).sum().backward()
     for (name, p), q in zip(full.named_parameters(), chunked.parameters(), strict=True):
