@@ -218,6 +218,16 @@ class TrainerConfig(_Section):
     scoring pass over the batch (the same values, one forward fewer). Applies with rollout_is
     'none' or 'tis' and without a KL penalty in the reward; otherwise, or when False, the old
     logprobs are scored first."""
+    zero_advantage_rows: Literal["train", "score", "skip"] = "score"
+    """What the update does with trajectories whose every loss token has advantage 0 (a GRPO group
+    whose rewards are all equal) when the loss has no other term (no entropy bonus, no KL loss):
+    their loss and gradient are exactly 0. `train`: forward and backward like any other row.
+    `score`: a forward without a graph, for the update's metrics (entropy, ratios, clip fraction,
+    rollout mismatch) and no backward, about a third of their cost. `skip`: nothing at all; the
+    metrics then cover the trained rows only (none when every group is flat). In all three they
+    still count in the loss's normaliser and the optimizer still steps, so the weights come out the
+    same; `batch/zero_adv_skipped` counts them. Unlike `algorithm.filter_groups` (DAPO), this
+    changes nothing in what is learned."""
     micro_batch_tokens: int = Field(8192, ge=16)
     """Token budget of one packed micro-batch (gradient accumulation fills the mini-batch). Without
     flash-attention-2 (on CPU) packed attention is sdpa with a block mask, whose compute grows with

@@ -49,6 +49,13 @@ class PolicyBatch:
     constant of `seq-mean-token-sum-norm` aggregation; `temperature` the sampling temperature the
     logprobs are scored at.
 
+    `skip_rows` (None: none) marks trajectories whose loss and gradient are exactly zero (every
+    loss token has advantage 0 and the loss has no other term): the backend runs no backward for
+    them but keeps them in the loss's normaliser, and still takes the optimizer step. With
+    `score_skipped` it still runs their forward, without a graph, so the update's metrics and the
+    on-policy shortcut's `old_logprobs` cover them; otherwise they are left out entirely (metrics
+    cover the trained rows; their `old_logprobs` rows stay 0).
+
     `old_logprobs` None asks for the on-policy shortcut (see `objective`; only for a backend whose
     `scores_in_update` is True, and only when this batch gets exactly one optimizer step): the
     update's own forward gives the old logprobs and the TIS weights, and the backend then sets
@@ -64,6 +71,8 @@ class PolicyBatch:
     is_weights: torch.Tensor | None = None
     temperature: float = 1.0
     max_len: int | None = None
+    skip_rows: torch.Tensor | None = None
+    score_skipped: bool = True
 
     def select(self, idx: Sequence[int]) -> PolicyBatch:
         """The sub-batch of trajectories `idx` (a mini-batch)."""
@@ -72,6 +81,18 @@ class PolicyBatch:
 
     def num_loss_tokens(self) -> int:
         return int(self.loss_mask.sum().item())
+
+    def rows_to_train(self) -> list[int]:
+        """The rows the update runs forward and backward: all but `skip_rows`."""
+        if self.skip_rows is None:
+            return list(range(len(self.trajectories)))
+        return [i for i, skip in enumerate(self.skip_rows.tolist()) if not skip]
+
+    def rows_to_score(self) -> list[int]:
+        """The rows the update runs forward only (for metrics): `skip_rows` with `score_skipped`."""
+        if self.skip_rows is None or not self.score_skipped:
+            return []
+        return [i for i, skip in enumerate(self.skip_rows.tolist()) if skip]
 
 
 @dataclass

@@ -282,9 +282,15 @@ class FSDP2Backend(TrainerBackend):
             dist.all_reduce(tensor, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM)
 
     # ── splitting work ──────────────────────────────────────────────────────────────────────
-    def _plan(self, trajectories: Sequence[Trajectory]) -> list[tuple[PackedBatch, bool]]:
-        """This rank's packed micro-batches, `indices` pointing into `trajectories`, padded with
-        empty ones (flag False) to the count of the busiest rank."""
+    def _plan(
+        self, trajectories: Sequence[Trajectory], rows: Sequence[int] | None = None, *, at_least_one: bool = False
+    ) -> list[tuple[PackedBatch, bool]]:
+        """This rank's packed micro-batches of `trajectories` (only `rows` of them when given),
+        `indices` pointing into `trajectories`, padded with empty ones (flag False) to the count of
+        the busiest rank, and to one when `at_least_one` (an update whose every row is skipped
+        still runs a backward, so each parameter the forward uses gets its zero gradient)."""
+        order = list(range(len(trajectories))) if rows is None else list(rows)
+        trajectories = [trajectories[i] for i in order]
         budget = self.config.micro_batch_tokens
         if self.share_prefixes:
             # Samples of a group stay together so their prompt is packed once (`prefix_units`).
@@ -298,9 +304,9 @@ class FSDP2Backend(TrainerBackend):
             batch = pack_trajectories(
                 [trajectories[i] for i in idx], device=self.device, share_prefixes=self.share_prefixes
             )
-            batch.indices = idx
+            batch.indices = [order[i] for i in idx]
             plan.append((batch, True))
-        count = torch.tensor([len(plan)], dtype=torch.float64)
+        count = torch.tensor([max(len(plan), int(at_least_one))], dtype=torch.float64)
         self._all_reduce(count, "max")
         if len(plan) < int(count.item()):
             empty = Trajectory()
@@ -389,21 +395,29 @@ class FSDP2Backend(TrainerBackend):
         tensors = policy_inputs(batch, loss_mask)
         scored = ScoredRows(batch.trajectories) if batch.old_logprobs is None else None
         sums = MetricSums()
-        for packed, real in self._plan(batch.trajectories):
+        # Rows with a zero loss (`PolicyBatch.skip_rows`) get no backward; they are scored without
+        # a graph after the others when their metrics are wanted.
+        plan = [(p, real, True) for p, real in self._plan(batch.trajectories, batch.rows_to_train(), at_least_one=True)]
+        if batch.skip_rows is not None:
+            plan += [(p, real, False) for p, real in self._plan(batch.trajectories, batch.rows_to_score())]
+        for packed, real, backward in plan:
             tokens = self._gather(packed, real, tensors)
-            logprobs, entropy = self._token_scores(
-                self.policy, packed, batch.temperature, with_entropy=True, entropy_grad=bool(algorithm.entropy_coef)
-            )
-            if scored is not None and real:
-                scored.add(packed, logprobs)
-            if not algorithm.entropy_coef:
-                entropy = entropy.detach()  # reported only
-            loss, metrics = policy_objective(
-                logprobs, tokens, algorithm, denominator=denominator, entropy=entropy, max_len=batch.max_len
-            )
-            # FSDP averages gradients over ranks; the loss is already normalised by the global
-            # count, so undo the average to get the sum over ranks.
-            (loss * self.world_size).backward()
+            with torch.set_grad_enabled(backward):
+                logprobs, entropy = self._token_scores(
+                    self.policy, packed, batch.temperature, with_entropy=True,
+                    entropy_grad=bool(algorithm.entropy_coef),
+                )  # fmt: skip
+                if scored is not None and real:
+                    scored.add(packed, logprobs)
+                if not algorithm.entropy_coef:
+                    entropy = entropy.detach()  # reported only
+                loss, metrics = policy_objective(
+                    logprobs, tokens, algorithm, denominator=denominator, entropy=entropy, max_len=batch.max_len
+                )
+            if backward:
+                # FSDP averages gradients over ranks; the loss is already normalised by the global
+                # count, so undo the average to get the sum over ranks.
+                (loss * self.world_size).backward()
             sums.add(metrics, float(tokens["loss_mask"].sum()))
         out = self._optimizer_step(self.policy, self.optimizer, self.scheduler)
         self._step += 1

@@ -59,7 +59,7 @@ from agentrl.trainer.objective import (
 )
 from agentrl.trainer.packing import PackedBatch, pack_trajectories, packed_to_padded, padded_to_packed
 from agentrl.trainer.rng import rng_state, set_rng_state
-from agentrl.types import Trajectory
+from agentrl.types import TokenOrigin, Trajectory
 
 __all__ = ["MegatronBackend", "padded_micro_batches", "vocab_parallel_scores"]
 
@@ -112,9 +112,11 @@ def vocab_parallel_scores(
     *,
     vocab_start: int,
     with_entropy: bool,
+    entropy_grad: bool = True,
 ) -> torch.Tensor:
     """(n, 2) per-token (logprob of `labels`, entropy) at `temperature`, from this rank's vocabulary
     shard `weight` (rows `vocab_start` onwards) and the same `hidden` (n, h) on every TP rank.
+    With `entropy_grad=False` the entropy is computed without a graph (reported, not a loss term).
 
     Sums over the vocabulary are all-reduced over the tensor-parallel group with megatron-core's
     mappings (all-reduce forward, identity backward; `hidden` is copied in with the reverse), so
@@ -147,8 +149,10 @@ def vocab_parallel_scores(
     logprob = target - log_z
     if not with_entropy:
         return torch.stack([logprob, torch.zeros_like(logprob)], dim=-1)
-    mean_shifted = reduce((exp * shifted).sum(-1)) / sum_exp
-    return torch.stack([logprob, log_z - mean_shifted], dim=-1)
+    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+        e, s, total = (exp, shifted, sum_exp) if entropy_grad else (exp.detach(), shifted.detach(), sum_exp.detach())
+        entropy = total.log() - reduce((e * s).sum(-1)) / total
+    return torch.stack([logprob, entropy], dim=-1)
 
 
 @contextlib.contextmanager
@@ -354,22 +358,27 @@ class MegatronBackend(TrainerBackend):
             )
 
     # ── forward ─────────────────────────────────────────────────────────────────────────────
-    def _plan(self, trajectories: Sequence[Trajectory]) -> list[PackedBatch]:
-        """This replica's micro-batches (packed bookkeeping; run padded), `indices` into `trajectories`."""
+    def _plan(self, trajectories: Sequence[Trajectory], rows: Sequence[int] | None = None) -> list[PackedBatch]:
+        """This replica's micro-batches (packed bookkeeping; run padded) of `trajectories` (only
+        `rows` of them when given), `indices` into `trajectories`."""
+        order = list(range(len(trajectories))) if rows is None else list(rows)
+        trajectories = [trajectories[i] for i in order]
         lengths = [len(t.token_ids) for t in trajectories]
         mine = balanced_shares(lengths, self.dp)[self.dp_rank]
         plan = []
         for members in padded_micro_batches([lengths[i] for i in mine], self.config.micro_batch_tokens):
             idx = sorted(mine[j] for j in members)
             batch = pack_trajectories([trajectories[i] for i in idx])
-            batch.indices = idx
+            batch.indices = [order[i] for i in idx]
             plan.append(batch)
         return plan
 
     def _token_scores(
-        self, model: nn.Module, batch: PackedBatch, temperature: float, *, with_entropy: bool
+        self, model: nn.Module, batch: PackedBatch, temperature: float, *, with_entropy: bool,
+        entropy_grad: bool = True,
     ) -> torch.Tensor:
-        """(1, N, 2) packed (logprob, entropy) of a micro-batch, run as right-padded rows."""
+        """(1, N, 2) packed (logprob, entropy) of a micro-batch, run as right-padded rows; the
+        entropy carries a gradient only with `entropy_grad`."""
         if temperature <= 0:
             raise ValueError(f"temperature must be > 0 to score tokens, got {temperature}.")
         input_ids = packed_to_padded(batch.input_ids, batch.cu_seqlens).to(self.device)
@@ -394,8 +403,9 @@ class MegatronBackend(TrainerBackend):
         outs = []
         for start in range(0, hidden.shape[0], chunk):
             args = (hidden[start : start + chunk], weight, flat_labels[start : start + chunk], temperature)
-            kwargs = {"vocab_start": vocab_start, "with_entropy": with_entropy}
-            if torch.is_grad_enabled() and hidden.requires_grad:
+            kwargs = {"vocab_start": vocab_start, "with_entropy": with_entropy, "entropy_grad": entropy_grad}
+            # Every chunk but the last is recomputed in the backward (see lm_head.ScoringHead).
+            if torch.is_grad_enabled() and hidden.requires_grad and start + chunk < hidden.shape[0]:
                 outs.append(checkpoint(vocab_parallel_scores, *args, use_reentrant=False, **kwargs))
             else:
                 outs.append(vocab_parallel_scores(*args, **kwargs))
@@ -440,21 +450,45 @@ class MegatronBackend(TrainerBackend):
         tensors = policy_inputs(batch, loss_mask)
         scored = ScoredRows(batch.trajectories) if batch.old_logprobs is None else None
         sums = MetricSums()
-        for packed in self._plan(batch.trajectories):
+        plan: list[tuple[PackedBatch | None, bool]] = [
+            (p, True) for p in self._plan(batch.trajectories, batch.rows_to_train())
+        ]
+        if not plan:
+            # Every row skipped, or none on this replica: one zero-loss micro-batch still gives each
+            # parameter its (zero) gradient, so the replicas' gradient all-reduce and the optimizer
+            # step run as they would have.
+            plan = [(None, True)]
+        # Rows with a zero loss (`PolicyBatch.skip_rows`): no backward; scored for the metrics.
+        plan += [(p, False) for p in self._plan(batch.trajectories, batch.rows_to_score())]
+        for packed, backward in plan:
+            real = packed is not None
+            if packed is None:
+                empty = Trajectory()
+                empty.extend([0, 0], TokenOrigin.PROMPT, 0)
+                packed = pack_trajectories([empty])
             tokens: dict[str, Any] = {"segment_ids": packed.segment_ids.to(self.device)}
             for name, value in tensors.items():
                 if value is not None:
-                    tokens[name] = packed.gather(value).to(self.device, torch.float32)
-            scores = self._token_scores(self.policy, packed, batch.temperature, with_entropy=True)
-            logprobs, entropy = scores[..., 0], scores[..., 1]
-            if scored is not None:
-                scored.add(packed, logprobs)
-            if not algorithm.entropy_coef:
-                entropy = entropy.detach()
-            loss, metrics = policy_objective(
-                logprobs, tokens, algorithm, denominator=denominator, entropy=entropy, max_len=batch.max_len
-            )
-            loss.backward()
+                    tokens[name] = (
+                        packed.gather(value).to(self.device, torch.float32)
+                        if real
+                        else torch.zeros((1, packed.num_tokens), device=self.device)
+                    )
+            with torch.set_grad_enabled(backward):
+                scores = self._token_scores(
+                    self.policy, packed, batch.temperature, with_entropy=True,
+                    entropy_grad=bool(algorithm.entropy_coef),
+                )  # fmt: skip
+                logprobs, entropy = scores[..., 0], scores[..., 1]
+                if scored is not None and real:
+                    scored.add(packed, logprobs)
+                if not algorithm.entropy_coef:
+                    entropy = entropy.detach()
+                loss, metrics = policy_objective(
+                    logprobs, tokens, algorithm, denominator=denominator, entropy=entropy, max_len=batch.max_len
+                )
+            if backward:
+                loss.backward()
             sums.add(metrics, float(tokens["loss_mask"].sum()))
         out = self._optimizer_step()
         self._step += 1

@@ -227,7 +227,10 @@ class MetricSums:
         out = {}
         for i, n in enumerate(names):
             w = sums[len(names) + i].item()
-            out[n] = sums[i].item() if n in _SUM_METRICS else (sums[i].item() / w if w > 0 else 0.0)
+            if n in _SUM_METRICS:
+                out[n] = sums[i].item()
+            elif w > 0:  # a mean over no token (every row skipped) is left out, not reported as 0
+                out[n] = sums[i].item() / w
         for n in sorted(set(_MAX_METRICS) | set(_MIN_METRICS)):
             big = float("inf")
             local = self.extreme.get(n, -big if n in _MAX_METRICS else big)

@@ -419,7 +419,7 @@ def prefix_units(
                 chunk = []
             chunk.append(i)
         units.append((chunk, n))
-    while len(units) < min_units:
+    while units and len(units) < min_units:
         k = max(range(len(units)), key=lambda u: (len(units[u][0]), -u))
         members, n = units[k]
         if len(members) < 2:

@@ -212,6 +212,18 @@ def train_step(
         critic_batch = CriticBatch(
             trajectories=list(trajs), loss_mask=mask, returns=returns, old_values=values, max_len=max_len
         )
+    # Rows whose loss and gradient are exactly zero (`trainer.zero_advantage_rows`): every loss
+    # token has advantage 0 and the loss has no entropy or KL term that would still move them.
+    skip_rows = None
+    if (
+        trainer.zero_advantage_rows != "train"
+        and not algorithm.entropy_coef
+        and not (algorithm.kl_coef > 0 and not algorithm.kl_in_reward)
+    ):
+        skip_rows = ~((advantages != 0) & (loss_mask > 0)).any(-1)
+        policy_batch.skip_rows = skip_rows
+        policy_batch.score_skipped = trainer.zero_advantage_rows == "score"
+        metrics["batch/zero_adv_skipped"] = float(skip_rows.sum().item())
     metrics["batch/loss_tokens"] = float(loss_mask.sum().item())
     tokens = sum(len(t.token_ids) for t in trajs)
     metrics["batch/tokens"] = float(tokens)
@@ -235,12 +247,17 @@ def train_step(
         old_logprobs = policy_batch.old_logprobs
         if old_logprobs is None:
             old_logprobs = torch.zeros_like(rollout_logprobs)
-        _rollout_mismatch(metrics, old_logprobs, rollout_logprobs, mask, algorithm)
-        if ref_logprobs is not None:
-            _, kl_metrics = algos.apply_kl_penalty(
-                torch.zeros_like(mask), old_logprobs, ref_logprobs, mask, kl_coef=kl_coef, kind=algorithm.kl_estimator
-            )
-            current_kl = kl_metrics["kl"].item()
+        scored = mask  # rows left out entirely (`skip`) have no old logprobs: they read 0
+        if skip_rows is not None and not policy_batch.score_skipped:
+            scored = mask * (~skip_rows)[:, None]
+        if scored.sum() > 0:
+            _rollout_mismatch(metrics, old_logprobs, rollout_logprobs, scored, algorithm)
+            if ref_logprobs is not None:
+                _, kl_metrics = algos.apply_kl_penalty(
+                    torch.zeros_like(scored), old_logprobs, ref_logprobs, scored, kl_coef=kl_coef,
+                    kind=algorithm.kl_estimator,
+                )  # fmt: skip
+                current_kl = kl_metrics["kl"].item()
     for name in sorted({k for u in updates for k in u}):
         seen = [u[name] for u in updates if name in u]
         pick = max if name.endswith("_max") else min if name.endswith("_min") else None

@@ -369,6 +369,65 @@ def test_the_shortcut_is_not_taken_when_the_old_logprobs_are_needed_first():
         assert all(b.old_logprobs is not None for b in backend.policy_batches)
 
 
+def with_flat_groups() -> list[Trajectory]:
+    """`toy_batch` plus two groups whose four rewards are equal (all 1, all 0): advantage 0."""
+    flat = [make_traj([9, 8, 7], [X] * (2 + k), reward=1.0, group="all-right") for k in range(4)]
+    flat += [make_traj([6, 5], [Y] * (3 + k), reward=0.0, group="all-wrong") for k in range(4)]
+    return toy_batch()[:4] + flat + toy_batch()[4:]
+
+
+def test_zero_advantage_rows_are_marked_only_when_nothing_else_moves_them():
+    cases = [
+        (AlgorithmConfig(), TrainerConfig(), [False] * 4 + [True] * 8 + [False] * 4),
+        (AlgorithmConfig(advantage="rloo"), TrainerConfig(), [False] * 4 + [True] * 8 + [False] * 4),
+        (AlgorithmConfig(entropy_coef=0.01), TrainerConfig(), None),  # the bonus has a gradient
+        (AlgorithmConfig(kl_coef=0.1), TrainerConfig(), None),  # so does a KL loss
+        (AlgorithmConfig(), TrainerConfig(zero_advantage_rows="train"), None),
+    ]
+    for algo, trainer, expected in cases:
+        backend = FakeBackend()
+        backend.has_reference = True  # type: ignore[assignment]
+        backend.compute_ref_logprobs = backend.compute_logprobs  # type: ignore[method-assign]
+        m = train_step(backend, with_flat_groups(), algo, trainer)
+        (batch,) = backend.policy_batches
+        if expected is None:
+            assert batch.skip_rows is None and "batch/zero_adv_skipped" not in m
+        else:
+            assert batch.skip_rows.tolist() == expected and m["batch/zero_adv_skipped"] == 8.0
+            assert batch.rows_to_train() == [i for i, skip in enumerate(expected) if not skip]
+
+
+@needs_model
+@pytest.mark.parametrize("mode", ["score", "skip"])
+@pytest.mark.parametrize("score_in_update", [True, False])
+def test_zero_advantage_rows_without_backward_leave_the_weights_unchanged(mode, score_in_update):
+    """Two steps, one mixed and one where every group is flat (no row is trained at all), with
+    weight decay so that even the all-zero-gradient step moves the weights: they must match
+    training every row. `score` keeps every metric; `skip` measures the trained rows only."""
+    algo = AlgorithmConfig()
+    skip, full = fsdp2(weight_decay=0.1), fsdp2(weight_decay=0.1)
+    flat_only = with_flat_groups()[4:12]
+    for batch, skipped in ((with_flat_groups(), 8.0), (flat_only, 8.0)):
+        m_skip = train_step(skip, batch, algo, TrainerConfig(score_in_update=score_in_update, zero_advantage_rows=mode))
+        m_full = train_step(
+            full, batch, algo, TrainerConfig(score_in_update=score_in_update, zero_advantage_rows="train")
+        )
+        assert m_skip["batch/zero_adv_skipped"] == skipped
+        if mode == "score":  # the same metrics, measured on the same rows
+            for name in ("actor/entropy", "actor/ratio_max", "actor/pg_loss", "rollout/is_ratio_mean",
+                         "rollout/logprob_abs_diff"):  # fmt: skip
+                assert m_skip[name] == pytest.approx(m_full[name], rel=1e-5, abs=1e-7), name
+        assert m_skip["actor/grad_norm"] == pytest.approx(m_full["actor/grad_norm"], rel=1e-5, abs=1e-9)
+        ws, wf = weights(skip), weights(full)
+        for name in wf:
+            # as in the micro-batch test: a dropped row or a missed optimizer step moves weights by
+            # ~lr (1e-3); packing the rows differently moves a few entries by ~1e-4 at most.
+            torch.testing.assert_close(ws[name], wf[name], atol=2e-4, rtol=0)
+    assert m_full["actor/grad_norm"] == 0.0  # the flat step: nothing to learn, and yet a step
+    assert "actor/entropy" in m_full
+    assert ("actor/entropy" in m_skip) == (mode == "score")  # `skip`: no trained token to measure
+
+
 @needs_model
 def test_gradient_checkpointing_changes_memory_not_results():
     batch, algo = toy_batch(), AlgorithmConfig(rollout_is="none")
