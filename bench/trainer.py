@@ -22,6 +22,11 @@ SmolLM2-135M-Instruct when it is in agentrl's model cache (`--prefix-model tiny`
 whose cost is almost all its 152k-word LM head, which sharing does not touch: it scores the same
 answer tokens either way). The ideal speed-up is the ratio of packed tokens (each prompt once
 instead of once per sample); the figure of merit is measured / ideal.
+
+Then flat groups: the same GRPO batch with `--flat` of its groups given equal rewards (advantage 0,
+an exactly-zero gradient), one `train_step` per `trainer.zero_advantage_rows` mode on the same
+model. The ideal speed-up over `train` counts packed tokens, a forward as a third of a forward +
+backward: `skip` runs only the other groups, `score` adds a forward of the flat ones.
 """
 
 from __future__ import annotations
@@ -165,6 +170,35 @@ def shared_prefix_speedup(trajs: list[Trajectory], budget: int, repeats: int, mo
         )
 
 
+def zero_advantage_speedup(
+    trajs: list[Trajectory], flat: int, budget: int, repeats: int, model: Path
+) -> None:
+    from agentrl.trainer.fsdp2 import FSDP2Backend
+    from agentrl.trainer.packing import prefix_units
+    from agentrl.trainer.step import train_step
+
+    groups = list(dict.fromkeys(t.group_id for t in trajs))
+    flat_groups = set(groups[:flat])
+    for t in trajs:
+        if t.group_id in flat_groups:
+            t.reward = 0.0
+    cost = {g: sum(c for _, c in prefix_units([t for t in trajs if t.group_id == g], budget)) for g in groups}
+    every, flat_cost = sum(cost.values()), sum(cost[g] for g in flat_groups)
+    ideal = {"skip": every / (every - flat_cost), "score": 3 * every / (3 * (every - flat_cost) + flat_cost)}
+    times = {}
+    for mode in ("train", "score", "skip"):
+        trainer = TrainerConfig(device="cpu", micro_batch_tokens=budget, zero_advantage_rows=mode)
+        backend = FSDP2Backend(model, trainer, AlgorithmConfig())
+        times[mode] = timed(lambda b=backend, tr=trainer: train_step(b, trajs, AlgorithmConfig(), tr), repeats)
+    print(f"flat groups ({model.name}): {flat} of {len(groups)} groups with equal rewards, {flat_cost} of {every} "
+          f"packed tokens; ideal speed-up over `train`: score {ideal['score']:.2f}x, skip {ideal['skip']:.2f}x")  # fmt: skip
+    for k, clock in enumerate(("wall", "cpu")):
+        print(f"[{clock:4}] train_step " + " | ".join(
+            f"{mode} {times[mode][k]:.2f} s" + ("" if mode == "train" else
+            f" ({times['train'][k] / times[mode][k]:.2f}x, {times['train'][k] / times[mode][k] / ideal[mode]:.2f} of ideal)")
+            for mode in ("train", "score", "skip")))  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--sequences", type=int, default=16)
@@ -174,6 +208,7 @@ def main() -> None:
     parser.add_argument("--groups", type=int, default=4, help="shared prefixes: prompts")
     parser.add_argument("--samples", type=int, default=4, help="shared prefixes: answers per prompt")
     parser.add_argument("--prompt", type=int, default=256, help="shared prefixes: prompt tokens")
+    parser.add_argument("--flat", type=int, default=3, help="flat groups: groups (of --groups) with equal rewards")
     parser.add_argument("--prefix-model", default="smollm2", choices=["smollm2", "tiny"],
                         help="shared prefixes: the model (smollm2 falls back to tiny when not cached)")
     args = parser.parse_args()
@@ -215,6 +250,10 @@ def main() -> None:
         cached = cache_dir() / "smollm2-135m-instruct"
         prefix_model = cached if (cached / "config.json").is_file() else MODEL
     shared_prefix_speedup(group_batch(args.groups, args.samples, args.prompt), args.budget, args.repeats, prefix_model)
+    zero_advantage_speedup(
+        group_batch(args.groups, args.samples, args.prompt), min(args.flat, args.groups), args.budget, args.repeats,
+        prefix_model,
+    )
 
 
 if __name__ == "__main__":
