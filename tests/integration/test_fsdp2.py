@@ -82,6 +82,44 @@ def test_one_and_two_processes_give_the_same_losses_and_weights(tmp_path: Path) 
     (tmp_path / "report.txt").write_text(f"max weight diff {worst}\n")
 
 
+def train_with_flat_groups(out: str) -> dict[str, Any]:
+    """A batch with two flat groups (no backward, scored without a graph), then an all-flat one."""
+    from agentrl.trainer.step import train_step
+
+    backend = _backend(weight_decay=0.1)
+    algo, trainer = AlgorithmConfig(), TrainerConfig()
+    flat = []
+    for g, (reward, prompt) in enumerate(((1.0, [11, 12]), (0.0, [13, 14, 15]))):
+        for k in range(4):
+            traj = Trajectory(reward=reward, group_id=f"flat{g}")
+            traj.extend(prompt, TokenOrigin.PROMPT, 0)
+            traj.extend([100] * (2 + k), TokenOrigin.SAMPLED, 0, logprobs=[-11.9] * (2 + k), version=0)
+            flat.append(traj)
+    metrics = [train_step(backend, batch, algo, trainer) for batch in (toy_batch() + flat, flat)]
+    weights = dict(backend.export_weights())
+    if backend.rank == 0:
+        torch.save(weights, Path(out) / f"flat_world{backend.world_size}.pt")
+    return {"metrics": metrics}
+
+
+def test_flat_groups_train_alike_on_one_and_two_ranks(tmp_path: Path) -> None:
+    """Ranks plan the trained and the scored rows separately, padding each plan to the busiest
+    rank; with every row flat each still runs one zero-loss micro-batch, so all stay in step."""
+    from agentrl.trainer import launch
+
+    one = launch(train_with_flat_groups, 1, str(tmp_path))
+    two = launch(train_with_flat_groups, 2, str(tmp_path))
+    for step, skipped in enumerate((8.0, 8.0)):
+        m1, m2 = one[0]["metrics"][step], two[0]["metrics"][step]
+        assert m1["batch/zero_adv_skipped"] == m2["batch/zero_adv_skipped"] == skipped
+        for key in ("actor/grad_norm", "actor/entropy", "actor/pg_loss", "rollout/is_ratio_mean"):
+            assert m1[key] == pytest.approx(m2[key], abs=1e-5), (step, key, m1[key], m2[key])
+    assert one[0]["metrics"][1]["actor/grad_norm"] == 0.0
+    w1, w2 = torch.load(tmp_path / "flat_world1.pt"), torch.load(tmp_path / "flat_world2.pt")
+    worst = max((w1[k] - w2[k]).abs().max().item() for k in w1)
+    assert worst < 1e-5, worst
+
+
 # ── resume ──────────────────────────────────────────────────────────────────────────────────────
 def _draws() -> list[float]:
     return [random.random(), float(np.random.rand()), float(torch.rand(()))]
