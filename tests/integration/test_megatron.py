@@ -46,6 +46,17 @@ def toy_batch(shift: int = 0) -> list[Trajectory]:
     return out
 
 
+def flat_group() -> list[Trajectory]:
+    """Four samples with the same reward: advantage 0, so the update runs no backward for them."""
+    out = []
+    for k in range(4):
+        traj = Trajectory(reward=1.0, group_id="flat")
+        traj.extend([11, 12, 13], TokenOrigin.PROMPT, 0)
+        traj.extend([100] * (2 + k), TokenOrigin.SAMPLED, 0, logprobs=[-6.2] * (2 + k), version=0)
+        out.append(traj)
+    return out
+
+
 def _trainer(**kw: Any) -> TrainerConfig:
     return TrainerConfig(**{"device": "cpu", "lr": 1e-3, "micro_batch_tokens": 24, **kw})
 
@@ -117,15 +128,12 @@ def megatron_and_fsdp2() -> dict[str, Any]:
     fsdp_exported = dict(fsdp.export_weights())
     before = (mega.compute_logprobs(toy_batch()), fsdp.compute_logprobs(toy_batch()))
     steps = []
-    for s in range(3):
-        # the last step adds an entropy bonus, so the entropy's gradient is compared too
+    # step 1 has a flat group (scored, no backward); step 2 adds an entropy bonus, so the entropy's
+    # gradient is compared too; step 3 is all flat: no row is trained, the optimizer still steps
+    batches = [toy_batch(0), toy_batch(1) + flat_group(), toy_batch(0), flat_group()]
+    for s, batch in enumerate(batches):
         algo, trainer = AlgorithmConfig(entropy_coef=0.05 if s == 2 else 0.0), TrainerConfig()
-        steps.append(
-            (
-                train_step(mega, toy_batch(s % 2), algo, trainer),
-                train_step(fsdp, toy_batch(s % 2), algo, trainer),
-            )
-        )
+        steps.append((train_step(mega, batch, algo, trainer), train_step(fsdp, batch, algo, trainer)))
     return {
         "exact_export": all(torch.equal(exported[k], v.float()) for k, v in original.items()),
         "same_names": set(exported) == set(fsdp_exported),
@@ -148,8 +156,11 @@ def test_megatron_matches_fsdp2_and_learns(tmp_path: Path) -> None:
     assert mean_abs < 1e-6 and worst < 1e-5
     for m, f in result["steps"]:
         assert m["actor/ratio_max"] == pytest.approx(1.0, abs=1e-5)
+        assert m.get("batch/zero_adv_skipped") == f.get("batch/zero_adv_skipped")
         for key in ("actor/pg_loss", "actor/grad_norm", "actor/entropy", "actor/lr"):
             assert m[key] == pytest.approx(f[key], rel=1e-4, abs=1e-5), (key, m[key], f[key])
+    assert [m["batch/zero_adv_skipped"] for m, _ in result["steps"][1::2]] == [4.0, 4.0]
+    assert result["steps"][3][0]["actor/grad_norm"] == 0.0
     # three GRPO steps make the rewarded token likelier and the unrewarded one less likely
     good0, bad0 = _token_means(mega, toy_batch())
     good1, bad1 = _token_means(result["after"], toy_batch())
