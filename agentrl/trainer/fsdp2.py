@@ -70,9 +70,10 @@ from agentrl.trainer.packing import (
     pack_trajectories,
     prefix_units,
     split_micro_batches,
+    zero_loss_micro_batch,
 )
 from agentrl.trainer.rng import rng_state, set_rng_state
-from agentrl.types import TokenOrigin, Trajectory
+from agentrl.types import Trajectory
 
 __all__ = ["FSDP2Backend", "ValueModel"]
 
@@ -309,10 +310,7 @@ class FSDP2Backend(TrainerBackend):
         count = torch.tensor([max(len(plan), int(at_least_one))], dtype=torch.float64)
         self._all_reduce(count, "max")
         if len(plan) < int(count.item()):
-            empty = Trajectory()
-            empty.extend([0, 0], TokenOrigin.PROMPT, 0)  # no sampled token: an all-zero loss mask
-            dummy = pack_trajectories([empty], device=self.device)
-            plan += [(dummy, False)] * (int(count.item()) - len(plan))
+            plan += [(zero_loss_micro_batch(self.device), False)] * (int(count.item()) - len(plan))
         return plan
 
     def _gather(

@@ -57,9 +57,15 @@ from agentrl.trainer.objective import (
     policy_inputs,
     policy_objective,
 )
-from agentrl.trainer.packing import PackedBatch, pack_trajectories, packed_to_padded, padded_to_packed
+from agentrl.trainer.packing import (
+    PackedBatch,
+    pack_trajectories,
+    packed_to_padded,
+    padded_to_packed,
+    zero_loss_micro_batch,
+)
 from agentrl.trainer.rng import rng_state, set_rng_state
-from agentrl.types import TokenOrigin, Trajectory
+from agentrl.types import Trajectory
 
 __all__ = ["MegatronBackend", "padded_micro_batches", "vocab_parallel_scores"]
 
@@ -450,22 +456,15 @@ class MegatronBackend(TrainerBackend):
         tensors = policy_inputs(batch, loss_mask)
         scored = ScoredRows(batch.trajectories) if batch.old_logprobs is None else None
         sums = MetricSums()
-        plan: list[tuple[PackedBatch | None, bool]] = [
-            (p, True) for p in self._plan(batch.trajectories, batch.rows_to_train())
-        ]
-        if not plan:
-            # Every row skipped, or none on this replica: one zero-loss micro-batch still gives each
-            # parameter its (zero) gradient, so the replicas' gradient all-reduce and the optimizer
-            # step run as they would have.
-            plan = [(None, True)]
-        # Rows with a zero loss (`PolicyBatch.skip_rows`): no backward; scored for the metrics.
-        plan += [(p, False) for p in self._plan(batch.trajectories, batch.rows_to_score())]
-        for packed, backward in plan:
-            real = packed is not None
-            if packed is None:
-                empty = Trajectory()
-                empty.extend([0, 0], TokenOrigin.PROMPT, 0)
-                packed = pack_trajectories([empty])
+        # Rows with a zero loss (`PolicyBatch.skip_rows`): scored without a graph for the metrics,
+        # before the backward passes as in the FSDP2 backend, and no backward.
+        plan = [(p, True, False) for p in self._plan(batch.trajectories, batch.rows_to_score())]
+        trained = [(p, True, True) for p in self._plan(batch.trajectories, batch.rows_to_train())]
+        # Every row skipped, or none on this replica: one zero-loss micro-batch still gives each
+        # parameter its (zero) gradient, so the replicas' gradient all-reduce and the optimizer
+        # step run as they would have.
+        plan += trained or [(zero_loss_micro_batch(), False, True)]
+        for packed, real, backward in plan:
             tokens: dict[str, Any] = {"segment_ids": packed.segment_ids.to(self.device)}
             for name, value in tensors.items():
                 if value is not None:

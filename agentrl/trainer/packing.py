@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from agentrl.types import Trajectory
+from agentrl.types import TokenOrigin, Trajectory
 
 __all__ = [
     "PackedBatch",
@@ -47,6 +47,7 @@ __all__ = [
     "prefix_units",
     "shared_cost",
     "split_micro_batches",
+    "zero_loss_micro_batch",
 ]
 
 
@@ -279,6 +280,15 @@ def pack_trajectories(
         attention_mask=attention_mask,
         shared=shared,
     )
+
+
+def zero_loss_micro_batch(device: torch.device | str = "cpu") -> PackedBatch:
+    """A two-token prompt with no sampled token: an all-zero loss mask. A backend runs it to keep a
+    rank in step with the others' collectives, or so that an update whose every row was left out
+    still gives each parameter its (zero) gradient."""
+    empty = Trajectory()
+    empty.extend([0, 0], TokenOrigin.PROMPT, 0)
+    return pack_trajectories([empty], device=device)
 
 
 def pad_trajectories(
