@@ -97,7 +97,8 @@ class RolloutConfig(_Section):
     samples_per_prompt: int = Field(4, ge=1)
     """Episodes per prompt (the GRPO group size)."""
     max_turns: int = Field(4, ge=1)
-    """Most assistant turns per episode; the episode ends as `max_turns` after that."""
+    """Most assistant turns per episode; the episode ends as `max_turns` after that. Envs whose
+    constructor takes `max_turns` get this value (do not set it again in `env.kwargs`)."""
     max_tokens_per_turn: int = Field(256, ge=1)
     """Most tokens sampled in one assistant turn."""
     max_total_tokens: int = Field(2048, ge=16)
@@ -111,11 +112,24 @@ class RolloutConfig(_Section):
     request_timeout_s: float = Field(300.0, gt=0)
     """Deadline of one generation request, retries included."""
     tool_timeout_s: float = Field(30.0, gt=0)
-    """Deadline of one tool call; past it the call is an infrastructure error."""
+    """Deadline of one tool call, sandbox overhead included; past it the call is an infrastructure
+    error and the episode is masked. Envs whose constructor takes `tool_timeout_s` get this value."""
     max_concurrent_episodes: int = Field(256, ge=1)
     """Episodes in flight at once per rollout worker."""
     extra_stop_token_ids: list[int] = Field(default_factory=list)
     """Token ids that also end an assistant turn, besides the chat template's end-of-turn tokens."""
+    close_timeout_s: float = Field(30.0, gt=0)
+    """Deadline for closing an episode's env (releasing its tools and sandbox session)."""
+    verify_template: bool = False
+    """Re-render the whole conversation after each delta to count chat-template mismatches (slow;
+    for debugging a new model's template)."""
+    max_starting: int = Field(16, ge=1)
+    """Episodes in their start-up (env reset, first prompt) at once. asyncio runs every ready task
+    before it looks at timers and sockets, so a thousand episodes starting together would stall the
+    event loop for their whole start-up; admitting a few at a time keeps it responsive."""
+    cpu_slice_s: float = Field(0.002, gt=0)
+    """Longest burst of chat-template and parsing work the agent loop runs before it polls sockets
+    and timers again; bounds event-loop stalls when thousands of episodes are in flight."""
 
 
 class InferenceConfig(_Section):
@@ -297,6 +311,14 @@ class RunConfig(_Section):
         default_factory=lambda: ["console", "jsonl"]
     )
     """Where metrics go each step."""
+    max_infra_failure_rate: float = Field(0.5, ge=0.0, le=1.0)
+    """Stop the run when more than this share of the last `run.infra_failure_window` episodes
+    failed for infrastructure reasons (no sandbox, a dead server, a tool deadline): such episodes
+    are never trained on, so a run above it is not learning. 1.0 never stops."""
+    infra_failure_window: int = Field(64, ge=1)
+    """How many of the latest episodes `run.max_infra_failure_rate` looks at. It is checked after
+    every completed group once the window holds a step's episodes (or the whole window, if
+    smaller), so a run whose tools cannot run stops within its first step."""
 
 
 class AgentRLConfig(_Section):

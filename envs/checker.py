@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import copy
 import math
-import sys
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -94,9 +93,6 @@ def check_env(
                     break
             await env.aclose()
             await env.aclose()
-            session = sys.modules.get("agentrl.tools.session")
-            if session is not None:  # stop this loop's default sandbox before asyncio.run ends
-                await session.close_default_sandbox()
             return a, trace
 
         async_out = _guard(check, "areset/astep", lambda: asyncio.run(twins()))

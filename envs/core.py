@@ -15,7 +15,6 @@ private loop. Environments know nothing of the trainer or of tokens.
 from __future__ import annotations
 
 import asyncio
-import sys
 from typing import Any, ClassVar, SupportsFloat
 
 import gymnasium
@@ -98,6 +97,15 @@ class Env(gymnasium.Env[list, Action]):
     metadata: ClassVar[dict[str, Any]] = {"render_modes": []}
     observation_space = ChatSpace()
     action_space = ActionSpace()
+    reports_resolved: ClassVar[bool] = False
+    """True when the env's episodes report `info["metrics"]["resolved"]` (SWE-style: the task's
+    hidden tests pass); `agentrl eval` then reports a resolved rate."""
+
+    @classmethod
+    def dataset_rows(cls, split: str) -> list[dict[str, Any]] | None:
+        """The env's own rows of `split` ("train" or "test") in verl's format, for runs given no
+        `data.train_files`/`data.val_files`; None when the env ships no dataset."""
+        return None
 
     # ── async twins: default to running the sync methods in a thread ────────────────────────
     async def areset(
@@ -141,9 +149,6 @@ class Env(gymnasium.Env[list, Action]):
             self._drive(self.aclose())
         loop = self.__dict__.pop("_private_loop", None)
         if loop is not None and not loop.is_closed():
-            session = sys.modules.get("agentrl.tools.session")
-            if session is not None:  # a tool started a default sandbox on this loop: stop its workers
-                loop.run_until_complete(session.close_default_sandbox())
             loop.close()
 
     def _drive(self, coro: Any) -> Any:

@@ -1,7 +1,8 @@
 """`retool`: math problems solved with a Python interpreter running in a sandbox (the ReTool recipe).
 
-The agent gets a math question and the `python` tool, which runs its code in the sandbox (the
-default `LocalSandbox`: no network, bounded time and memory) and shows what it printed. It may
+The agent gets a math question and the `python` tool, which runs its code in the run's sandbox
+(`config.sandbox`, passed to the constructor as `sandbox`; the local bubblewrap sandbox by default:
+no network, bounded time and memory) and shows what it printed. It may
 call the tool several times and ends with `\\boxed{answer}`. The reward is 1.0 when the answer
 matches the row's `reward_model.ground_truth` (exact rational equality, or symbolic equivalence
 through math-verify when installed), else 0.0. Optional shaping for a wrong answer: with
@@ -78,6 +79,7 @@ class RetoolEnv(ToolEnv):
         tool_format: Literal["function", "code"] = "function",
         few_shot: int = 0,
         tool_reward: float = 0.0,
+        sandbox: Any | None = None,
     ) -> None:
         if not 0.0 <= format_reward < 1.0:
             raise ValueError(f"format_reward must be in [0, 1), got {format_reward}")
@@ -92,7 +94,7 @@ class RetoolEnv(ToolEnv):
         if few_shot and tool_format != "code":
             raise ValueError("few_shot examples show the code-block protocol; set tool_format='code' too")
         tool = PythonTool(exec_timeout_s=exec_timeout_s, max_output_chars=max_output_chars)
-        super().__init__([tool], max_turns=max_turns, tool_timeout_s=tool_timeout_s)
+        super().__init__([tool], max_turns=max_turns, tool_timeout_s=tool_timeout_s, sandbox=sandbox)
         self.format_reward = format_reward
         self.split = split
         self.tool_format = tool_format

@@ -39,7 +39,6 @@ from agentrl.registry import SANDBOXES
 from agentrl.tools.bash import BashTool
 from agentrl.tools.core import ToolContext, tool
 from agentrl.tools.editor import EditorTool
-from agentrl.tools.session import default_sandbox
 from agentrl.types import Action, Message, ToolCall
 
 __all__ = ["SYSTEM_PROMPT", "SweEnv", "approx_tokens", "reference_fix_actions", "submit_changes"]
@@ -139,7 +138,7 @@ class SweEnv(ToolEnv):
         self,
         *,
         tasks: str | None = None,
-        sandbox: str = "local",
+        sandbox: Any | None = None,
         sandbox_kwargs: dict[str, Any] | None = None,
         max_turns: int = 30,
         max_tokens: int | None = None,
@@ -162,12 +161,10 @@ class SweEnv(ToolEnv):
                 raise ValueError(f"{name} must be positive (or None for no limit), got {value!r}.")
         tools = [BashTool(exec_timeout_s=exec_timeout_s, max_output_chars=max_output_chars),
                  EditorTool(max_output_chars=max_output_chars), submit_changes]
-        super().__init__(tools, max_turns=max_turns, tool_timeout_s=tool_timeout_s)
+        super().__init__(tools, max_turns=max_turns, tool_timeout_s=tool_timeout_s, sandbox=sandbox)
         self.tasks_path = tasks
         self._tasks: tuple[SweTask, ...] | None = None
-        self.sandbox_name = sandbox
         self.sandbox_kwargs = dict(sandbox_kwargs or {})
-        SANDBOXES.resolve(sandbox)  # an unknown backend fails here, in the config's words
         self.max_tokens = max_tokens
         self.max_wall_s = max_wall_s
         self.partial_credit = partial_credit
@@ -211,18 +208,13 @@ class SweEnv(ToolEnv):
 
     # ── sandbox session per episode ─────────────────────────────────────────────────────────
     def _backend(self, task: SweTask) -> Any:
-        if task.image and self.sandbox_name != "docker":
-            raise ConfigError(
-                f"Instance {task.instance_id} runs in the Docker image {task.image!r}; "
-                "set env.kwargs.sandbox=docker (or drop 'image' from the instance to use a local directory)."
-            )
-        if self.sandbox_name == "local" and not self.sandbox_kwargs:
-            return default_sandbox()  # shared by the event loop, closed by whoever owns the loop
+        if self.sandbox is not None and not task.image:
+            return self.sandbox  # the run's, closed by the run
         if task.image not in self._owned:
             kwargs = dict(self.sandbox_kwargs)
             if task.image:
                 kwargs["image"] = task.image
-            self._owned[task.image] = SANDBOXES.resolve(self.sandbox_name)(**kwargs)
+            self._owned[task.image] = SANDBOXES.resolve("docker" if task.image else "local")(**kwargs)
         return self._owned[task.image]
 
     async def create_context(self, episode_id: str, row: dict[str, Any]) -> ToolContext:

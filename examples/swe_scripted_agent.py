@@ -19,7 +19,6 @@ import sys
 
 from agentrl.envs.swe import SweEnv, reference_fix_actions
 from agentrl.envs.swe_tasks import shipped_tasks, task_row
-from agentrl.tools.session import close_default_sandbox
 from agentrl.types import Action, ToolCall
 
 DO_NOTHING = [Action("I could not find the problem.", (ToolCall("submit", {"summary": "no change"}, id="c0"),))]
@@ -53,7 +52,6 @@ async def main(sandbox: str, limit: int | None) -> int:
                   f"do-nothing: reward {idle:.1f}")
     finally:
         await env.aclose()
-        await close_default_sandbox()
     n = len(tasks)
     for agent, count in resolved.items():
         print(f"{agent} agent: resolved {count}/{n} (rate {count / n:.2f})")

@@ -26,7 +26,6 @@ from agentrl.envs import check_env
 from agentrl.envs.swe import SweEnv, reference_fix_actions
 from agentrl.envs.swe_tasks import SweTask, shipped_tasks, task_row
 from agentrl.errors import SandboxError
-from agentrl.tools.session import close_default_sandbox
 from agentrl.types import Action, FinishReason, Generation, SamplingParams, ToolCall
 
 REPO = Path(__file__).resolve().parents[2]
@@ -60,7 +59,6 @@ def run(coro_fn, env: SweEnv):  # type: ignore[no-untyped-def]
             return await coro_fn()
         finally:
             await env.aclose()
-            await close_default_sandbox()
 
     return asyncio.run(body())
 
