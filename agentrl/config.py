@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import importlib.resources
+import os
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any, Literal
@@ -45,12 +46,46 @@ __all__ = [
     "parse_overrides",
     "preset_path",
     "save_config",
+    "trace_reads",
     "validate_config",
 ]
 
 
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_assignment=True)
+
+
+# ── who reads which field (the test that every knob is real) ────────────────────────────────
+
+TRACE_ENV = "AGENTRL_CONFIG_TRACE"
+_traced: set[tuple[str, str]] = set()
+_trace_path: str | None = None
+
+
+def _traced_getattribute(self: Any, name: str) -> Any:
+    value = object.__getattribute__(self, name)
+    cls = type(self)
+    if name in cls.model_fields and (cls.__name__, name) not in _traced and _trace_path:
+        _traced.add((cls.__name__, name))
+        with open(_trace_path, "a") as f:  # one short line: appends from several processes stay whole
+            f.write(f"{cls.__name__}.{name}\n")
+    return value
+
+
+def trace_reads(path: str | os.PathLike[str]) -> None:
+    """Record in `path`, once per process, every config field the code reads (`Section.field`).
+
+    Installed at import when the environment variable AGENTRL_CONFIG_TRACE names a file, so the
+    processes a run starts (trainer actors, servers) record their reads too. It slows every config
+    read; tests use it to check that no field goes unread (a knob that does nothing is a bug).
+    """
+    global _trace_path
+    _trace_path = os.fspath(path)
+    _Section.__getattribute__ = _traced_getattribute  # type: ignore[method-assign]
+
+
+if os.environ.get(TRACE_ENV):
+    trace_reads(os.environ[TRACE_ENV])
 
 
 class ModelConfig(_Section):

@@ -56,8 +56,9 @@ def test_a_sandbox_that_breaks_mid_run_stops_it_in_the_first_step(tmp_path: Path
         "sandbox.name=fault_parts:BreakingSandbox", "sandbox.kwargs={works_for: 2, pool_size: 0}",
         "data.prompts_per_step=3", "rollout.samples_per_prompt=2", "rollout.max_tokens_per_turn=8",
         "rollout.max_turns=1", "rollout.max_total_tokens=256", "trainer.device=cpu", "run.total_steps=3",
-        f"run.output_dir={tmp_path}", "run.name=broken", "run.eval_every=0", "data.num_val_rows=2",
+        f"run.output_dir={tmp_path}", "run.name=broken", "run.eval_every=0", "data.num_val_rows=2", "eval.k=1",
     ])  # fmt: skip
+    # The run's sandbox serves the 2 episodes of the evaluation before training, then breaks.
     with pytest.raises(InfraFailureError) as caught:
         run_training(config)
     message = str(caught.value)
@@ -69,5 +70,7 @@ def test_a_sandbox_that_breaks_mid_run_stops_it_in_the_first_step(tmp_path: Path
     steps = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.is_file() else []
     assert steps == [], "no step may train on infrastructure failures"
     ledger = [json.loads(line) for line in (run_dir / "ledger.jsonl").read_text().splitlines() if line.strip()]
-    assert not any(e["status"] == "trained" for e in ledger)
+    assert ledger and not any(e["status"] == "trained" for e in ledger)
+    evals = [json.loads(line) for line in (run_dir / "eval.jsonl").read_text().splitlines()]
+    assert [e["step"] for e in evals] == [0] and evals[0]["infra_failed"] == 0
     assert "failed for infrastructure reasons" in (run_dir / "driver.log").read_text()
