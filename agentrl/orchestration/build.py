@@ -94,7 +94,7 @@ class Job:
 def env_takes(env_cls: type, name: str) -> bool:
     """Whether `env_cls(...)` accepts a keyword argument `name` (declared, not through **kwargs)."""
     try:
-        params = inspect.signature(env_cls.__init__).parameters
+        params = inspect.signature(env_cls).parameters
     except (TypeError, ValueError):
         return False
     param = params.get(name)

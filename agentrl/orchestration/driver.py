@@ -215,7 +215,7 @@ class _Run:
         every = self.config.run.eval_every
         if self.val_rows and (last or (every and (step + 1) % every == 0)):
             result = await self.evaluate(step + 1)
-            metrics.update({f"eval/{k}": v for k, v in result.items()})
+            metrics.update({f"eval/{k}": v for k, v in result.items() if v is not None})  # unmeasured: absent
             if last:
                 self.eval_after = result
         self.logger.log(step, metrics)
@@ -333,7 +333,7 @@ class _Run:
         try:
             if self.val_rows and start_step == 0:
                 self.eval_before = await self.evaluate(0)
-                self.logger.log_event(0, self.eval_before, "eval")
+                self.logger.log_event(0, {k: v for k, v in self.eval_before.items() if v is not None}, "eval")
             await self.scheduler.run(start_step, config.run.total_steps)
         finally:
             self.logger.close()

@@ -68,7 +68,7 @@ class EvalReport:
     parse_errors_per_episode: float
     mean_sampled_tokens: float
     seconds: float
-    by_data_source: dict[str, dict[str, float]] = field(default_factory=dict)
+    by_data_source: dict[str, dict[str, float | None]] = field(default_factory=dict)
     resolved_rate: float | None = None
     output_dir: str = ""
 
@@ -122,7 +122,7 @@ def summarise(
     by_source: dict[str, list[list[Trajectory]]] = defaultdict(list)
     for g in groups:
         by_source[g[0].data_source or "unknown"].append(g)
-    breakdown = {}
+    breakdown: dict[str, dict[str, float | None]] = {}
     for source, gs in sorted(by_source.items()):
         s1, sk = _rates(gs, config.eval.k)
         breakdown[source] = {"problems": len(gs), "pass_at_1": s1, f"pass_at_{config.eval.k}": sk}
