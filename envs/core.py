@@ -98,6 +98,10 @@ class Env(gymnasium.Env[list, Action]):
     metadata: ClassVar[dict[str, Any]] = {"render_modes": []}
     observation_space = ChatSpace()
     action_space = ActionSpace()
+    requires_ground_truth: ClassVar[bool] = True
+    """Every dataset row must carry `reward_model.ground_truth` (the answer it is scored against);
+    a row without one is refused when the data is loaded. Envs that score otherwise (by running
+    tests, by a judge) set it False."""
 
     # ── async twins: default to running the sync methods in a thread ────────────────────────
     async def areset(

@@ -36,7 +36,7 @@ from typing import Any
 
 from agentrl.config import AgentRLConfig, save_config
 from agentrl.errors import ConfigError
-from agentrl.orchestration.components import build_agent_loop, env_factory, load_split_rows
+from agentrl.orchestration.components import build_agent_loop, env_factory, load_split, load_split_rows
 from agentrl.orchestration.evaluate import evaluate
 from agentrl.orchestration.ledger import PromptLedger, PromptRef, PromptSampler
 from agentrl.orchestration.metrics import MetricsLogger, episode_metrics
@@ -129,7 +129,9 @@ class _Run:
         self.config = config
         self.run_dir = run_dir
         self.checkpoint = checkpoint
-        self.train_rows = load_split_rows(config, "train")
+        train = load_split(config, "train")
+        # Indexed by dataset row number (ledger indices); None where a malformed row was skipped.
+        self.train_rows = train.by_index()
         try:
             self.val_rows: list[dict[str, Any]] = load_split_rows(config, "test")
         except ConfigError as exc:
@@ -137,11 +139,16 @@ class _Run:
             self.val_rows = []
         if config.data.num_val_rows:
             self.val_rows = self.val_rows[: config.data.num_val_rows]
-        self.sampler = PromptSampler(len(self.train_rows), seed=config.run.seed, shuffle=config.data.shuffle)
+        self.sampler = PromptSampler(len(self.train_rows), seed=config.run.seed, shuffle=config.data.shuffle,
+                                     skip=[s.index for s in train.skipped])
+        self.make_env = env_factory(config)  # env and reward function checked before anything starts
         if checkpoint is None:  # a fresh run: no records of an earlier, checkpoint-less attempt
             for stale in ("ledger.jsonl", "metrics.jsonl", "eval.jsonl"):
                 (run_dir / stale).unlink(missing_ok=True)
         self.ledger = PromptLedger(run_dir / "ledger.jsonl")
+        if checkpoint is None:  # a resumed run has them in its checkpoint's ledger
+            for bad in train.skipped:
+                self.ledger.skipped(bad.index, str(bad))
         self.eval_before: dict[str, float] = {}
         self.eval_after: dict[str, float] = {}
         self.steps_done = 0
@@ -152,6 +159,7 @@ class _Run:
     # ── pieces the scheduler calls ──────────────────────────────────────────────────────────
     async def rollout(self, ref: PromptRef) -> list[Any]:
         row = self.train_rows[ref.index]
+        assert row is not None, "the sampler never hands out a skipped row"
         index = ref.epoch * len(self.train_rows) + ref.index
         seed = group_seed(self.config.run.seed, index * 16 + ref.attempt)
         return await self.worker.run_group(row, self.config.rollout.samples_per_prompt, seed=seed, group_id=ref.key)
@@ -281,7 +289,7 @@ class _Run:
         self.weights_dir = self.run_dir / "weights"
         await self.router.start()
         loop = build_agent_loop(config, self.router)
-        self.worker = RolloutWorker(loop, env_factory(config), max_concurrent=config.rollout.max_concurrent_episodes)
+        self.worker = RolloutWorker(loop, self.make_env, max_concurrent=config.rollout.max_concurrent_episodes)
 
         start_step, version = 0, 0
         if self.checkpoint is not None:

@@ -186,6 +186,7 @@ def run_eval(config: AgentRLConfig, *, client: GenerateClient | None = None) -> 
     from agentrl.inference.serve import serve_from_config
 
     rows = load_split_rows(config, "test")
+    env_factory(config)  # the env and reward.function fail here, before any server starts
     if config.eval.max_rows:
         rows = rows[: config.eval.max_rows]
     stamp = time.strftime("%Y%m%d-%H%M%S")
