@@ -8,7 +8,7 @@ they use `compute_score`, which picks the answer format by `data_source` as verl
 `default_compute_score` does:
 
     data_source                                     the model's final answer is
-    openai/gsm8k, gsm8k                             the last `#### 72`
+    openai/gsm8k, gsm8k                             the last `#### 72` (else the last \\boxed{})
     math_dapo, math, math_dapo_reasoning, aime*     the last `Answer: 34` line (else the last \\boxed{})
     lighteval/MATH, DigitalLearningGmbH/MATH-lighteval, HuggingFaceH4/MATH-500, numina_*
                                                     the last \\boxed{...}
@@ -19,8 +19,10 @@ The answer is compared with the ground truth by `answers_match`: exactly as rati
 both are numbers, else symbolically with math-verify. Where verl differs: every built-in scorer
 scores 1.0 or 0.0 (verl's DAPO scorer gives -1.0 for a wrong answer; under GRPO's group
 normalisation the two train alike), GSM8K compares numbers rather than strings ("72.0" is 72), and
-a DAPO/AIME row also accepts a \\boxed{} answer when no `Answer:` line was written (our system
-prompts ask for boxed answers). A ground truth given as a list accepts any of its items.
+a GSM8K or DAPO/AIME reply without its `####` or `Answer:` marker is read for its last \\boxed{}
+answer instead of scoring 0 (agentrl's envs ask for boxed answers in their system prompts, e.g.
+retool's code mode, so a model obeying them is not failed for it). A ground truth given as a list
+accepts any of its items.
 
 A user function is named in the config (`reward.function`, with `reward.kwargs`; verl's
 `custom_reward_function.path`/`.name` and `reward_kwargs`) and resolved by `RewardFunction`, which
@@ -94,6 +96,11 @@ def _extract_gsm8k(text: str) -> str | None:
     return found[-1].replace(",", "") if found else None
 
 
+def _extract_gsm8k_or_boxed(text: str) -> str | None:
+    found = _extract_gsm8k(text)
+    return found if found is not None else extract_boxed(text)
+
+
 def _extract_answer_line(text: str) -> str | None:
     found = _ANSWER_LINE_RE.findall(text)
     if found:
@@ -102,7 +109,7 @@ def _extract_answer_line(text: str) -> str | None:
 
 
 ANSWER_FORMATS: dict[str, AnswerFormat] = {
-    "gsm8k": AnswerFormat("gsm8k", _extract_gsm8k, lambda a: f"The total is {a}.\n#### {a}"),
+    "gsm8k": AnswerFormat("gsm8k", _extract_gsm8k_or_boxed, lambda a: f"The total is {a}.\n#### {a}"),
     "answer_line": AnswerFormat("answer_line", _extract_answer_line, lambda a: f"So it is {a}.\nAnswer: {a}"),
     "boxed": AnswerFormat("boxed", extract_boxed, lambda a: f"The answer is $\\boxed{{{a}}}$."),
     "boxed_or_number": AnswerFormat("boxed_or_number", final_answer, lambda a: f"The result is \\boxed{{{a}}}."),
@@ -278,7 +285,8 @@ def _resolve(spec: str) -> RewardFn:
         where = f"the module '{target}'"
     fn = getattr(module, name, None)
     if fn is None:
-        public = sorted(n for n, v in vars(module).items() if callable(v) and not n.startswith("_"))
+        public = sorted(n for n, v in vars(module).items()
+                        if callable(v) and not isinstance(v, type) and not n.startswith("_"))
         shown = ", ".join(public[:10]) or "none"
         raise ConfigError(
             f"reward.function: {where} has no function '{name}' (its functions: {shown}); "

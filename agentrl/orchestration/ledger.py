@@ -36,7 +36,7 @@ __all__ = ["LedgerError", "PromptLedger", "PromptRef", "PromptSampler", "PromptS
 
 PromptStatus = Literal["in_flight", "trained", "filtered", "requeued", "failed", "unfinished", "skipped"]
 _FINAL: frozenset[str] = frozenset({"trained", "filtered", "requeued", "failed", "unfinished"})
-_SKIPPED = "skipped"
+_SKIPPED: Literal["skipped"] = "skipped"
 
 
 class LedgerError(AgentRLError):
@@ -219,7 +219,7 @@ class PromptLedger:
 
     def summary(self) -> dict[str, int]:
         """Attempts `taken` and how many are in each state; `skipped` rows are counted apart."""
-        by_status = Counter(e.status for e in self.entries.values())
+        by_status: Counter[str] = Counter(e.status for e in self.entries.values())
         return {"taken": len(self.entries) - by_status.get(_SKIPPED, 0),
                 **{s: by_status.get(s, 0) for s in (*sorted(_FINAL), "in_flight")},
                 _SKIPPED: by_status.get(_SKIPPED, 0)}
