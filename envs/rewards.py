@@ -149,6 +149,8 @@ def answer_format(data_source: str | None) -> AnswerFormat:
 
 def ground_truth_of(ground_truth: Any) -> list[str]:
     """The acceptable answers a ground truth stands for (a GSM8K solution text gives its `####` number)."""
+    if hasattr(ground_truth, "tolist") and not isinstance(ground_truth, str):
+        ground_truth = ground_truth.tolist()  # numpy values, as pandas-read parquet gives them
     items = list(ground_truth) if isinstance(ground_truth, (list, tuple)) else [ground_truth]
     out = []
     for item in items:
@@ -349,7 +351,10 @@ def _as_result(value: Any, name: str) -> RewardResult:
 def score_row(
     reward_fn: RewardFn, row: Mapping[str, Any], solution_str: str, *, default_data_source: str | None = None
 ) -> RewardResult:
-    """Score `solution_str` (the final reply) against dataset `row` with `reward_fn`.
+    """Score `solution_str` against dataset `row` with `reward_fn`.
+
+    The envs pass the episode's final assistant turn as `solution_str` (the turn that gives the
+    answer; verl's single-turn reward sees the whole response, which is that turn there).
 
     `default_data_source` stands in for a row without `data_source` (an env's own task family).
     Raises `EnvError` when the row has no `reward_model.ground_truth` (nothing to measure against:
