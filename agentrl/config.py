@@ -34,6 +34,7 @@ __all__ = [
     "EvalConfig",
     "InferenceConfig",
     "ModelConfig",
+    "RewardConfig",
     "RolloutConfig",
     "RunConfig",
     "SandboxConfig",
@@ -118,7 +119,8 @@ class DataConfig(_Section):
     num_val_rows: int | None = Field(None, ge=1)
     """Use only the first N held-out rows (None: all)."""
     skip_bad_rows: bool = False
-    """Train on the good rows when some are malformed (each bad row is reported); default: refuse."""
+    """Use the good rows when some are malformed; each bad row is logged (file, row, reason) and
+    recorded in the run's `ledger.jsonl` as `skipped`, keeping its row number. Default: refuse."""
 
 
 class EnvConfig(_Section):
@@ -126,6 +128,27 @@ class EnvConfig(_Section):
     """The environment: a registered name (`agentrl envs list`) or `package.module:Class`."""
     kwargs: dict[str, Any] = Field(default_factory=dict)
     """Keyword arguments for the environment's constructor."""
+
+
+class RewardConfig(_Section):
+    function: str | None = None
+    """The reward function, with verl's signature `fn(data_source, solution_str, ground_truth,
+    extra_info=None, **kwargs) -> float | dict` (a dict holds "score" and extra fields):
+    `package.module:fn` or `path/to/file.py:fn` (`:fn` left out means `compute_score`). None: the
+    built-in `agentrl.envs.rewards.compute_score`, which picks the answer format by each row's
+    `data_source` (GSM8K `####`, DAPO/AIME `Answer:`, MATH `\\boxed{}`). Used by the envs that score a
+    final answer (retool, arithmetic)."""
+    kwargs: dict[str, Any] = Field(default_factory=dict)
+    """Extra keyword arguments passed to `function` on every call (verl's `reward_kwargs`)."""
+
+    @pydantic.field_validator("function")
+    @classmethod
+    def _looks_like_a_function(cls, value: str | None) -> str | None:
+        if value is not None:
+            target, sep, name = value.strip().rpartition(":")
+            if not value.strip() or (sep and (not target or not name)):
+                raise ValueError("must look like 'package.module:function' or 'path/to/file.py:function'")
+        return value
 
 
 class RolloutConfig(_Section):
@@ -365,6 +388,8 @@ class AgentRLConfig(_Section):
     """Datasets and batch size."""
     env: EnvConfig = Field(default_factory=EnvConfig)
     """The environment the agent acts in."""
+    reward: RewardConfig = Field(default_factory=RewardConfig)
+    """How a final answer is scored (envs that score one against the row's ground truth)."""
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     """Episode budgets and sampling."""
     inference: InferenceConfig = Field(default_factory=InferenceConfig)

@@ -106,6 +106,10 @@ class Env(gymnasium.Env[list, Action]):
         """The env's own rows of `split` ("train" or "test") in verl's format, for runs given no
         `data.train_files`/`data.val_files`; None when the env ships no dataset."""
         return None
+    requires_ground_truth: ClassVar[bool] = True
+    """Every dataset row must carry `reward_model.ground_truth` (the answer it is scored against);
+    a row without one is refused when the data is loaded. Envs that score otherwise (by running
+    tests, by a judge) set it False."""
 
     # ── async twins: default to running the sync methods in a thread ────────────────────────
     async def areset(

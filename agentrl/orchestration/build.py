@@ -5,14 +5,15 @@ anything `validate` accepts, `run` can build, and every error surfaces in second
 `AgentRLError` naming the config key, instead of minutes later after servers and trainers started.
 It builds, in this order: the model directory (`model.path`, converting the built-in default once),
 the chat template and tokenizer, the tool-call parser and the end-of-turn ids, the env class and its
-constructor arguments (one env is built to check them), the sandbox, the reward function, the
-dataset rows, and checks the names the later stages resolve (inference engine, advantage
+constructor arguments (one env is built to check them), the sandbox, the reward function
+(`reward.function`), the dataset rows (each checked; `data.skip_bad_rows` keeps the bad ones' numbers), and checks the names the later stages resolve (inference engine, advantage
 estimator, trainer backend, weight-sync engine) and the budgets against each other.
 
 Run-level resources reach an env through its constructor, by parameter name (`ENV_RESOURCES`): an
 env whose `__init__` takes `sandbox` gets the one sandbox built from `config.sandbox` (the job
 closes it: `Job.aclose`), `tool_timeout_s` gets `rollout.tool_timeout_s`, `max_turns` gets
-`rollout.max_turns`. Setting one of those again in `env.kwargs` is refused (one knob per budget),
+`rollout.max_turns`, `reward_fn` gets the run's reward function (`reward.function` with
+`reward.kwargs`; verl's `compute_score` by default). Setting one of those again in `env.kwargs` is refused (one knob per budget),
 and so is a `sandbox` section for an env that runs no code. Nothing here starts a process, a
 server or Ray; the sandbox object is made but starts its workers only when first used.
 """
@@ -29,9 +30,10 @@ from typing import Any, Literal
 
 from agentrl.chat import ChatTemplate
 from agentrl.config import AgentRLConfig
-from agentrl.datasets import load_rows
+from agentrl.datasets import LoadedRows, SkippedRow, check_row, load_rows
 from agentrl.envs import Env
-from agentrl.errors import AgentRLError, ConfigError, SandboxUnavailableError
+from agentrl.envs.rewards import RewardFunction
+from agentrl.errors import AgentRLError, ConfigError, DatasetError, SandboxUnavailableError
 from agentrl.models import TOOL_CHATML_TEMPLATE, resolve_model_path
 from agentrl.registry import ADVANTAGE_ESTIMATORS, ENVS, INFERENCE_ENGINES, SANDBOXES, TOOL_PARSERS
 from agentrl.rollout import AgentLoop, GenerateClient
@@ -49,6 +51,7 @@ BUILTIN_TEMPLATES = {"chatml-tools": TOOL_CHATML_TEMPLATE}
 # that sets each (so `env.kwargs` cannot set it a second time).
 ENV_RESOURCES: dict[str, str] = {
     "sandbox": "sandbox",
+    "reward_fn": "reward.function",
     "tool_timeout_s": "rollout.tool_timeout_s",
     "max_turns": "rollout.max_turns",
 }
@@ -67,8 +70,14 @@ class Job:
     env_cls: type[Env]
     env_kwargs: dict[str, Any]
     sandbox: Any | None
-    train_rows: list[dict[str, Any]] = field(default_factory=list)
+    reward_fn: RewardFunction | None = None
+    train_rows: list[dict[str, Any] | None] = field(default_factory=list)
+    """Training rows at their dataset row numbers (the prompt ledger's indices); None where a
+    malformed row was skipped (`data.skip_bad_rows`), which `train_skipped` names."""
+    train_skipped: list[SkippedRow] = field(default_factory=list)
     val_rows: list[dict[str, Any]] = field(default_factory=list)
+    sources: dict[str, list[str]] = field(default_factory=dict)
+    """Where the good rows of each split came from (`file row N`), for messages."""
     notes: list[str] = field(default_factory=list)
 
     def make_env(self) -> Env:
@@ -125,7 +134,8 @@ def build_job(config: AgentRLConfig, purpose: Purpose) -> Job:
     template = _template(config, model_path)
     parser_factory = _parser(config)
     stop_ids = set(end_of_turn_ids(template.tokenizer)) | set(config.rollout.extra_stop_token_ids)
-    env_cls, env_kwargs = _env(config)
+    env_cls, env_kwargs = env_arguments(config)
+    reward_fn = env_kwargs.get("reward_fn")
     sandbox = None
     if env_takes(env_cls, "sandbox"):
         sandbox = build_sandbox(config)
@@ -136,17 +146,20 @@ def build_job(config: AgentRLConfig, purpose: Purpose) -> Job:
             "'sandbox'), so these settings would do nothing; remove them."
         )
     job = Job(config, purpose, model_path, template, parser_factory, tuple(sorted(stop_ids)), env_cls,
-              env_kwargs, sandbox)
+              env_kwargs, sandbox, reward_fn)
     try:
         _check_env_builds(job)
         _check_names(config, purpose)
         if purpose == "run":
-            job.train_rows = _rows(config, env_cls, "train")
-            job.val_rows = _optional_val_rows(config, env_cls, job)
+            train = _rows(config, env_cls, "train")
+            job.train_rows, job.train_skipped, job.sources["train"] = train.by_index(), train.skipped, train.sources
+            val = _optional_val_rows(config, env_cls, job)
+            job.val_rows, job.sources["test"] = val.rows, val.sources
             if config.data.num_val_rows:
                 job.val_rows = job.val_rows[: config.data.num_val_rows]
         else:
-            job.val_rows = _rows(config, env_cls, "test")
+            val = _rows(config, env_cls, "test")
+            job.val_rows, job.sources["test"] = val.rows, val.sources
             if config.eval.max_rows:
                 job.val_rows = job.val_rows[: config.eval.max_rows]
     except BaseException:
@@ -239,7 +252,9 @@ def _parser(config: AgentRLConfig) -> Callable[[], Any]:
     return parser_cls  # type: ignore[no-any-return]
 
 
-def _env(config: AgentRLConfig) -> tuple[type[Env], dict[str, Any]]:
+def env_arguments(config: AgentRLConfig) -> tuple[type[Env], dict[str, Any]]:
+    """The env class `env.name` names and the keyword arguments each env gets: `env.kwargs` plus the
+    run's resources it takes (`ENV_RESOURCES`; the sandbox is added by `build_job`). Errors name the key."""
     try:
         env_cls = ENVS.resolve(config.env.name)
     except AgentRLError as exc:
@@ -253,6 +268,13 @@ def _env(config: AgentRLConfig) -> tuple[type[Env], dict[str, Any]]:
                 f"env.kwargs.{name}: the run sets this for every env through {key}; set {key} "
                 "instead (one knob per budget)."
             )
+    if env_takes(env_cls, "reward_fn"):
+        kwargs["reward_fn"] = RewardFunction(config.reward.function, config.reward.kwargs)
+    elif config.reward.function is not None or config.reward.kwargs:
+        raise ConfigError(
+            f"reward.function: env '{config.env.name}' scores its episodes itself (its constructor takes no "
+            "reward_fn), so a reward function would do nothing; remove reward.function and reward.kwargs."
+        )
     if env_takes(env_cls, "tool_timeout_s"):
         kwargs["tool_timeout_s"] = config.rollout.tool_timeout_s
     if env_takes(env_cls, "max_turns"):
@@ -320,20 +342,35 @@ def _check_names(config: AgentRLConfig, purpose: Purpose) -> None:
         )
 
 
-def _rows(config: AgentRLConfig, env_cls: type[Env], split: str) -> list[dict[str, Any]]:
+def _rows(config: AgentRLConfig, env_cls: type[Env], split: str) -> LoadedRows:
+    """The rows of `split`: the configured files, else the env's own dataset, every row checked.
+
+    Rows must carry `reward_model.ground_truth` unless the env declares `requires_ground_truth =
+    False`. Rows skipped under `data.skip_bad_rows` keep their numbers and are logged, one line each.
+    """
     files = config.data.train_files if split == "train" else config.data.val_files
+    require_truth = env_cls.requires_ground_truth
     if files:
-        return load_rows(files, skip_bad_rows=config.data.skip_bad_rows).rows
+        loaded = load_rows(files, skip_bad_rows=config.data.skip_bad_rows, require_ground_truth=require_truth)
+        for bad in loaded.skipped:
+            log.warning("data.skip_bad_rows: skipping %s row %d (dataset row %d): %s",
+                        bad.file, bad.row, bad.index, bad.reason)
+        return loaded
     rows = env_cls.dataset_rows(split)
     if rows is None:
         key = "data.train_files" if split == "train" else "data.val_files"
         raise ConfigError(f"{key}: env '{config.env.name}' ships no dataset; give {key}=[path.jsonl or .parquet].")
-    return list(rows)
+    loaded = LoadedRows.of(list(rows), f"env '{config.env.name}' {split} split")
+    problems = [f"{where}: {problem}" for where, row in zip(loaded.sources, loaded.rows, strict=True)
+                if (problem := check_row(row, require_ground_truth=require_truth))]
+    if problems:  # a bug in the env, not in the user's data
+        raise DatasetError(f"{len(problems)} of the env's own rows are malformed:\n  " + "\n  ".join(problems[:20]))
+    return loaded
 
 
-def _optional_val_rows(config: AgentRLConfig, env_cls: type[Env], job: Job) -> list[dict[str, Any]]:
+def _optional_val_rows(config: AgentRLConfig, env_cls: type[Env], job: Job) -> LoadedRows:
     try:
         return _rows(config, env_cls, "test")
     except ConfigError as exc:
         job.notes.append(f"no held-out evaluation: {exc}")
-        return []
+        return LoadedRows()

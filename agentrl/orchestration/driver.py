@@ -140,17 +140,22 @@ class _Run:
         self.config = config
         self.run_dir = run_dir
         self.checkpoint = checkpoint
+        # Indexed by dataset row number (the ledger's indices); None where a malformed row was skipped.
         self.train_rows = job.train_rows
         self.val_rows: list[dict[str, Any]] = job.val_rows
         for note in job.notes:
             log.warning("%s", note)
         self.infra = InfraMonitor(config.run.max_infra_failure_rate, config.run.infra_failure_window,
                                   min_episodes=config.data.prompts_per_step * config.rollout.samples_per_prompt)
-        self.sampler = PromptSampler(len(self.train_rows), seed=config.run.seed, shuffle=config.data.shuffle)
+        self.sampler = PromptSampler(len(self.train_rows), seed=config.run.seed, shuffle=config.data.shuffle,
+                                     skip=[s.index for s in job.train_skipped])
         if checkpoint is None:  # a fresh run: no records of an earlier, checkpoint-less attempt
             for stale in ("ledger.jsonl", "metrics.jsonl", "eval.jsonl"):
                 (run_dir / stale).unlink(missing_ok=True)
         self.ledger = PromptLedger(run_dir / "ledger.jsonl")
+        if checkpoint is None:  # a resumed run has them in its checkpoint's ledger
+            for bad in job.train_skipped:
+                self.ledger.skipped(bad.index, str(bad))
         self.eval_before: dict[str, float | None] = {}
         self.eval_after: dict[str, float | None] = {}
         self.steps_done = 0
@@ -161,6 +166,7 @@ class _Run:
     # ── pieces the scheduler calls ──────────────────────────────────────────────────────────
     async def rollout(self, ref: PromptRef) -> list[Any]:
         row = self.train_rows[ref.index]
+        assert row is not None, "the sampler never hands out a skipped row"
         index = ref.epoch * len(self.train_rows) + ref.index
         seed = group_seed(self.config.run.seed, index * 16 + ref.attempt)
         group = await self.worker.run_group(row, self.config.rollout.samples_per_prompt, seed=seed, group_id=ref.key)

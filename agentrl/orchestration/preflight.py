@@ -8,7 +8,9 @@ cheap (seconds):
   the env has a `python` tool), on an instance of its own that is closed afterwards.
 - `inference`: the engine can start here (vLLM importable by the python that will run it), or the
   external servers answer.
-- `rows`: the dataset has rows, and each row's reward can be computed (the env's scoring contract).
+- `rows`: the dataset has rows, and the reward function scores rows' own answers (ground truths
+  written in their source's format) as correct: a sample of up to 64 rows, every data source
+  included. A mis-keyed dataset or a broken `reward.function` is found here, not after training.
 - `disk`: free space under `run.output_dir` for the checkpoints and weight versions the run keeps.
 - `memory`: the planned processes (trainer, servers) fit in the memory available.
 
@@ -27,7 +29,9 @@ import shutil
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+from agentrl.envs.rewards import check_ground_truths
 from agentrl.errors import AgentRLError, PreflightError
 from agentrl.orchestration.build import Job, build_sandbox
 
@@ -37,6 +41,7 @@ log = logging.getLogger(__name__)
 
 _GB = 1 << 30
 _SNIPPET_TIMEOUT_S = 60.0
+_REWARD_SAMPLE = 64  # rows whose own answers are scored, spread over the data sources
 
 
 @dataclass
@@ -157,13 +162,47 @@ def _check_inference(job: Job) -> Check:
 
 
 def _check_rows(job: Job) -> Check:
-    rows = job.train_rows if job.purpose == "run" else job.val_rows
+    split = "train" if job.purpose == "run" else "test"
+    rows = [r for r in job.train_rows if r is not None] if split == "train" else job.val_rows
     what = "training" if job.purpose == "run" else "evaluation"
     if not rows:
         key = "data.train_files" if job.purpose == "run" else "data.val_files"
         return Check("dataset", False, f"no {what} rows", f"give {key}=[file.jsonl] with rows in verl's format")
-    return Check("dataset", True, f"{len(rows)} {what} rows" + (f", {len(job.val_rows)} held-out rows"
-                                                                if job.purpose == "run" else ""))
+    detail = f"{len(rows)} {what} rows" + (f", {len(job.val_rows)} held-out rows" if job.purpose == "run" else "")
+    if job.train_skipped:
+        detail += f", {len(job.train_skipped)} malformed rows skipped (data.skip_bad_rows)"
+    if job.reward_fn is None:
+        return Check("dataset", True, detail)
+    sources = job.sources.get(split, [])
+    picked = _sample_by_source(rows, _REWARD_SAMPLE)
+    problems = check_ground_truths(job.reward_fn, [rows[i] for i in picked],
+                                   where=[sources[i] if i < len(sources) else f"row {i}" for i in picked])
+    if problems:
+        shown = "\n       ".join(problems[:5]) + (f"\n       ... and {len(problems) - 5} more" if len(problems) > 5 else "")
+        return Check("dataset", False, f"the reward function {job.reward_fn!r} does not score the rows' own "
+                     f"answers as correct:\n       {shown}",
+                     "check each row's data_source and reward_model.ground_truth, or name a reward "
+                     "function that reads them (reward.function=module:fn)")
+    return Check("dataset", True, f"{detail}; {len(picked)} rows' own answers score 1.0 with {job.reward_fn!r}")
+
+
+def _sample_by_source(rows: list[dict[str, Any]], n: int) -> list[int]:
+    """Up to `n` row indices, the first rows of every data source first, so each source is checked."""
+    by_source: dict[str, list[int]] = {}
+    for i, row in enumerate(rows):
+        by_source.setdefault(str(row.get("data_source")), []).append(i)
+    picked: list[int] = []
+    depth = 0
+    while len(picked) < min(n, len(rows)):
+        added = False
+        for indices in by_source.values():
+            if depth < len(indices) and len(picked) < n:
+                picked.append(indices[depth])
+                added = True
+        if not added:
+            break
+        depth += 1
+    return sorted(picked)
 
 
 def _model_bytes(model_path: str) -> int:
