@@ -366,8 +366,8 @@ def run_training(config: AgentRLConfig) -> RunResult:
     handler = logging.FileHandler(run_dir / "driver.log")
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     logging.getLogger("agentrl").addHandler(handler)
-    run = _Run(job, run_dir, checkpoint)
     try:
+        run = _Run(job, run_dir, checkpoint)
         _init_ray()
         trainer = TrainerGroup(config, job.model_path, run_dir / "weights")  # loads while the servers start
         try:
