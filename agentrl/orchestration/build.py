@@ -232,7 +232,8 @@ def _template(config: AgentRLConfig, model_path: str) -> ChatTemplate:
                 "nor a Jinja file."
             )
     try:
-        template = ChatTemplate.from_pretrained(tokenizer_path, template=text)
+        template = ChatTemplate.from_pretrained(tokenizer_path, template=text,
+                                                trust_remote_code=config.model.trust_remote_code)
         template.render([{"role": "user", "content": "hi"}])
     except Exception as exc:
         raise ConfigError(f"{key}: cannot load a tokenizer with a chat template from '{tokenizer_path}': "
