@@ -16,7 +16,7 @@ import importlib.resources
 import os
 from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import pydantic
 import yaml
@@ -369,6 +369,11 @@ class RunConfig(_Section):
         default_factory=lambda: ["console", "jsonl"]
     )
     """Where metrics go each step."""
+    keep_rollouts: Annotated[int, Field(ge=0)] | Literal["all"] = 4
+    """Rollouts kept for `agentrl view`: each step writes `rollouts/step-N.jsonl` (token ledger,
+    decoded text, rewards) with `all` of its groups, or N groups: the best and the worst by mean
+    reward, the rest drawn at random, plus every group with an infrastructure-failed episode.
+    0 writes nothing."""
     max_infra_failure_rate: float = Field(0.5, ge=0.0, le=1.0)
     """Stop the run when more than this share of the last `run.infra_failure_window` episodes
     failed for infrastructure reasons (no sandbox, a dead server, a tool deadline): such episodes

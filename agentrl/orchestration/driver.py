@@ -43,6 +43,7 @@ from agentrl.orchestration.ledger import PromptLedger, PromptRef, PromptSampler
 from agentrl.orchestration.metrics import MetricsLogger, episode_metrics
 from agentrl.orchestration.preflight import preflight
 from agentrl.orchestration.schedule import GroupResult, Scheduler, StepRecord, Verdict, default_classify
+from agentrl.orchestration.trajectory_log import RolloutLog
 from agentrl.rollout import RolloutWorker
 from agentrl.rollout.worker import group_seed
 
@@ -156,6 +157,7 @@ class _Run:
         if checkpoint is None:  # a resumed run has them in its checkpoint's ledger
             for bad in job.train_skipped:
                 self.ledger.skipped(bad.index, str(bad))
+        self.rollouts = RolloutLog(run_dir, job.template.tokenizer, config.run.keep_rollouts, seed=config.run.seed)
         self.eval_before: dict[str, float | None] = {}
         self.eval_after: dict[str, float | None] = {}
         self.steps_done = 0
@@ -216,6 +218,8 @@ class _Run:
         metrics["episodes/infra_rate"] = self.infra.rate
         metrics["episodes/infra_failed_total"] = float(self.infra.failed)
         metrics.update({f"ledger/{k}": float(v) for k, v in self.ledger.summary().items()})
+        self.rollouts.write_step(step, record.groups, record.discarded, self.train_rows)  # for `agentrl view`
+        metrics["time/rollout_log_s"] = self.rollouts.last_seconds
         self.steps_done = step + 1
         last = step + 1 >= self.config.run.total_steps
         every = self.config.run.eval_every

@@ -12,7 +12,8 @@ resolved rate: resolved valid episodes over all valid episodes (an episode the A
 before the env graded it counts as not resolved).
 
 Written to the output directory: `report.json`, and `trajectories.jsonl` with every episode's
-ledger plus its decoded text, for inspection. Training is not this module's business.
+ledger and decoded text (the format of `agentrl.orchestration.trajectory_log`; `agentrl view DIR`
+shows it). Training is not this module's business.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from agentrl.config import AgentRLConfig, save_config
 from agentrl.errors import InfraFailureError
 from agentrl.orchestration.build import Job, build_job
 from agentrl.orchestration.infra import describe_infra_failures, fix_for
+from agentrl.orchestration.trajectory_log import write_eval_trajectories
 from agentrl.rollout import GenerateClient, RolloutWorker
 from agentrl.types import Trajectory
 
@@ -163,14 +165,7 @@ async def evaluate(job: Job, client: GenerateClient, rows: list[dict[str, Any]],
     start = time.perf_counter()
     groups = await worker.run_batch(rows, config.eval.k, seed=config.run.seed)
     seconds = time.perf_counter() - start
-    tokenizer = loop.template.tokenizer
-    with (out / "trajectories.jsonl").open("w") as f:
-        for group, row in zip(groups, rows, strict=True):
-            for t in group:
-                record = t.to_dict()
-                record["text"] = tokenizer.decode(t.token_ids, skip_special_tokens=False)
-                record["ground_truth"] = (row.get("reward_model") or {}).get("ground_truth")
-                f.write(json.dumps(record) + "\n")
+    write_eval_trajectories(out / "trajectories.jsonl", groups, rows, loop.template.tokenizer)
     report = summarise(config, groups, seconds, str(out), reports_resolved=job.env_cls.reports_resolved)
     (out / "report.json").write_text(json.dumps(asdict(report), indent=2))
     return report
