@@ -1,4 +1,4 @@
-"""The `agentrl` command line: run, eval, plot, serve, sandbox, envs, tools, config, validate, doctor, version.
+"""The `agentrl` command line: run, eval, plot, view, serve, sandbox, envs, tools, config, validate, doctor, version.
 
 Each subcommand parses its arguments, builds what it needs from the layers below, and turns any
 `AgentRLError` into one readable message and exit status 1 (2 for a command-line usage error).
@@ -57,6 +57,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("run_dir", help="the run directory (holds metrics.jsonl)")
     p.add_argument("--out", default=None, help="where the PNGs go (default: RUN_DIR/plots)")
     p.add_argument("--keys", nargs="*", help="metrics to draw (default: the dashboard's main curves)")
+
+    p = sub.add_parser("view", help="look at a run's episodes and curves in the browser (a local page)",
+                       description="Serve a local page over a run directory, an 'agentrl eval' directory or a "
+                                   "trajectories .jsonl file: the dashboard curves, each step's kept rollouts, each "
+                                   "evaluation, and every episode turn by turn with its tokens coloured by origin.")
+    p.add_argument("run_dir", help="a run directory (runs/NAME), an eval directory or a trajectories .jsonl file")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, this machine only)")
+    p.add_argument("--port", type=int, default=0, help="port to bind (default: a free one)")
+    p.add_argument("--open", action="store_true", help="open the page in the default browser")
 
     p = sub.add_parser("config", help="list every config key with its type, default and meaning")
     p.add_argument("section", nargs="?", help="only keys under this section (e.g. trainer)")
@@ -199,6 +208,27 @@ def cmd_plot(ns: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_view(ns: argparse.Namespace) -> int:
+    from agentrl.viewer import ViewerServer
+
+    try:
+        server = ViewerServer(ns.run_dir, host=ns.host, port=ns.port)
+    except OSError as exc:
+        from agentrl.errors import ConfigError
+
+        raise ConfigError(f"cannot listen on {ns.host}:{ns.port}: {exc}; pick another --port (0: a free one).") from exc
+    print(f"agentrl view: {server.reader.root} at {server.url}  (Ctrl-C stops it)", flush=True)
+    if ns.open:
+        import webbrowser
+
+        webbrowser.open(server.url)
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
 def cmd_eval(ns: argparse.Namespace) -> int:
     from agentrl.orchestration.evaluate import run_eval
 
@@ -323,6 +353,7 @@ _COMMANDS = {
     "run": cmd_run,
     "eval": cmd_eval,
     "plot": cmd_plot,
+    "view": cmd_view,
     "serve": cmd_serve,
     "validate": cmd_validate,
     "doctor": cmd_doctor,
