@@ -10,11 +10,12 @@ import json
 import math
 import os
 import random
+import sys
 from pathlib import Path
 
 import pytest
 
-from agentrl.chat import ChatTemplate, ConversationTokenizer
+from agentrl.chat import ChatTemplate
 from agentrl.orchestration.ledger import PromptRef
 from agentrl.orchestration.schedule import GroupResult
 from agentrl.orchestration.trajectory_log import (
@@ -27,7 +28,10 @@ from agentrl.orchestration.trajectory_log import (
     trajectory_record,
     write_eval_trajectories,
 )
-from agentrl.types import FinishReason, Generation, TokenOrigin, ToolResult, Trajectory
+from agentrl.types import TokenOrigin
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from viewer_runs import tool_episode
 
 ASSETS = Path(os.environ.get("AGENTRL_ASSETS", "/work/shared/assets"))
 QWEN25 = ASSETS / "qwen2.5-0.5b-instruct"
@@ -35,39 +39,9 @@ MISTRAL = ASSETS / "mistral-nemo-instruct-2407"
 
 pytestmark = pytest.mark.skipif(not QWEN25.is_dir(), reason=f"tokenizer assets not found under {ASSETS}")
 
-TOOLS = [{"type": "function", "function": {
-    "name": "calculator", "description": "Evaluate an arithmetic expression.",
-    "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]},
-}}]  # fmt: skip
-
-
 @pytest.fixture(scope="module")
 def template() -> ChatTemplate:
     return ChatTemplate.from_pretrained(QWEN25)
-
-
-def tool_episode(template: ChatTemplate, *, reward: float = 1.0, version: int = 2, episode_id: str = "ep",
-                 group_id: str = "g", fault: str | None = None) -> Trajectory:
-    """A two-turn episode: a calculator call (sampled), its result (tool), the final answer (sampled)."""
-    from agentrl.registry import TOOL_PARSERS
-
-    parser = TOOL_PARSERS.resolve("hermes")()
-    conv = ConversationTokenizer(template, Trajectory(episode_id=episode_id, group_id=group_id, data_source="calc"))
-    conv.start([{"role": "user", "content": "What is 12*7? Schöne Grüße 🙂"}], TOOLS)
-    first = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "12*7"}}\n</tool_call>'
-    ids = [*template.encode(first), template.closing_ids[0]]
-    action = parser.parse(template.decode_turn(ids))
-    conv.add_generation(Generation(ids, [-0.25 - 0.01 * i for i in range(len(ids))], "stop", version),
-                        action.to_message())
-    conv.add_messages([ToolResult("84", None, "calculator", action.tool_calls[0].id).to_message()])
-    ids = [*template.encode("The answer is \\boxed{84}."), template.closing_ids[0]]
-    conv.add_generation(Generation(ids, [-0.125] * len(ids), "stop", version + 1),
-                        parser.parse(template.decode_turn(ids)).to_message())
-    t = conv.trajectory
-    t.reward, t.finish_reason, t.fault = reward, FinishReason.DONE, fault  # type: ignore[assignment]
-    t.error = "sandbox died" if fault == "infra" else None
-    t.metrics.update({"tool_calls": 1.0, "tool_errors_model": 0.0, "tool_errors_infra": 0.0})
-    return t
 
 
 def test_token_pieces_join_to_the_tokenizers_decoding() -> None:
