@@ -19,6 +19,7 @@ import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -39,7 +40,7 @@ def need_browser() -> None:
 
 
 @contextlib.contextmanager
-def chromium() -> Iterator[object]:
+def chromium() -> Iterator[Any]:
     """A headless Chromium (a selenium WebDriver) with a fresh profile; quit on exit."""
     from selenium import webdriver
     from selenium.webdriver.chrome.service import Service
@@ -48,7 +49,7 @@ def chromium() -> Iterator[object]:
     def refuse(*args: object, **kwargs: object) -> None:
         raise AssertionError("Selenium Manager must never run here: it downloads drivers")
 
-    selenium_manager.SeleniumManager.binary_paths = refuse  # type: ignore[method-assign]
+    selenium_manager.SeleniumManager.binary_paths = refuse  # type: ignore[method-assign,assignment]
     profile = tempfile.mkdtemp(prefix="agentrl-chromium-")
     options = webdriver.ChromeOptions()
     options.binary_location = CHROMIUM
@@ -89,26 +90,70 @@ def agentrl_view(path: str | Path, timeout_s: float = 120.0) -> Iterator[str]:
             proc.wait()
 
 
-def wait_ready(driver: object, timeout_s: float = 60.0) -> None:
+def wait_ready(driver: Any, timeout_s: float = 60.0) -> None:
     """Wait until the page has loaded its run (body[data-ready])."""
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support.ui import WebDriverWait
 
-    WebDriverWait(driver, timeout_s).until(  # type: ignore[arg-type]
+    WebDriverWait(driver, timeout_s).until(
         lambda d: d.find_element(By.TAG_NAME, "body").get_attribute("data-ready"))
-    state = driver.find_element(By.TAG_NAME, "body").get_attribute("data-ready")  # type: ignore[attr-defined]
-    assert state == "1", driver.find_element(By.ID, "main").text  # type: ignore[attr-defined]
+    state = driver.find_element(By.TAG_NAME, "body").get_attribute("data-ready")
+    assert state == "1", driver.find_element(By.ID, "main").text
 
 
-def screenshot(driver: object, name: str) -> Path:
+def screenshot(driver: Any, name: str) -> Path:
     """Save a screenshot under tests/artifacts/ (ignored by git) and print where it went."""
     ARTIFACTS.mkdir(exist_ok=True)
     path = ARTIFACTS / f"{name}.png"
-    driver.save_screenshot(str(path))  # type: ignore[attr-defined]
+    driver.save_screenshot(str(path))
     print(f"screenshot: {path}")
     return path
 
 
-def page_errors(driver: object) -> list[str]:
+def page_errors(driver: Any) -> list[str]:
     """The page's JavaScript errors so far (console messages at SEVERE level)."""
-    return [e["message"] for e in driver.get_log("browser") if e.get("level") == "SEVERE"]  # type: ignore[attr-defined]
+    return [e["message"] for e in driver.get_log("browser") if e.get("level") == "SEVERE"]
+
+
+def shown_tokens(driver: Any) -> list[dict[str, Any]]:
+    """Every token span of the open episode, as the page shows it: index, origin, mask, text,
+    computed colours, rollout logprob and policy version (one script call, not one per token)."""
+    return driver.execute_script("""
+        return [...document.querySelectorAll('#episode .turn .tok[data-i]')].map((s) => {
+          const style = getComputedStyle(s);
+          return {i: Number(s.dataset.i), origin: s.dataset.origin, mask: s.dataset.mask, text: s.textContent,
+                  background: style.backgroundColor, underline: style.boxShadow,
+                  lp: s.dataset.lp === undefined ? null : Number(s.dataset.lp),
+                  version: s.dataset.v === undefined ? null : Number(s.dataset.v)};
+        });""")
+
+
+def legend_colours(driver: Any) -> dict[str, str]:
+    """The background of each legend sample (`o-prompt m0`, `o-sampled m1`, ...)."""
+    return driver.execute_script("""
+        const out = {};
+        for (const s of document.querySelectorAll('.legend-bar .tok')) out[s.className.replace('tok ', '')] = getComputedStyle(s).backgroundColor;
+        return out;""")
+
+
+def check_tokens_match_ledger(driver: Any, record: dict[str, Any]) -> list[dict[str, Any]]:
+    """Assert that the open episode shows exactly the ledger of `record` (a trajectory-file line):
+    every token once, in order, with its text, its origin's colour (the legend's), the trained
+    underline exactly on the sampled tokens of a trained episode, and its logprob and version."""
+    shown = shown_tokens(driver)
+    ledger = []
+    for seg in record["segments"]:
+        for j, piece in enumerate(seg["pieces"]):
+            ledger.append({"origin": seg["origin"], "text": piece,
+                           "lp": seg["logprobs"][j] if "logprobs" in seg else None, "version": seg.get("version")})
+    assert [t["i"] for t in shown] == list(range(len(ledger))) == list(range(record["num_tokens"]))
+    legend = legend_colours(driver)
+    for t, want in zip(shown, ledger, strict=True):
+        trained = bool(record["trained"]) and want["origin"] == "sampled"
+        assert (t["origin"], t["text"], t["lp"], t["version"]) == (want["origin"], want["text"], want["lp"], want["version"]), t
+        assert t["mask"] == ("1" if trained else "0"), t
+        assert t["background"] == legend[f"o-{want['origin']} m{int(trained)}"], t
+        assert (t["underline"] != "none") == trained, t
+    colours = {f"o-{t['origin']} m{t['mask']}": t["background"] for t in shown}
+    assert len(set(colours.values())) == len(colours), f"two kinds of token share a colour: {colours}"
+    return shown

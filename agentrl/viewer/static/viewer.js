@@ -290,7 +290,7 @@ function whyBox(r) {
   rows.push(["tools", tools.join(", ")]);
   const skip = new Set(["tool_calls", "tool_errors_model", "tool_errors_infra", "parse_errors", "turns", "sampled_tokens",
     "total_tokens", "episode_s", "generate_s", "env_s"]);
-  const extra = Object.entries(m).filter(([k]) => !skip.has(k));
+  const extra = Object.entries(m).filter(([k, v]) => !skip.has(k) && v !== 0);
   if (extra.length) rows.push(["env metrics", extra.map(([k, v]) => `${k} ${fmt(v)}`).join(", ")]);
   for (const [k, v] of Object.entries(r.info || {})) {
     if (k === "template_mismatches") continue;
@@ -510,6 +510,7 @@ async function start() {
   $("show-curves").addEventListener("click", () => showCurves());
   for (const id of ["f-reward-min", "f-reward-max", "f-finish", "f-fault", "f-tool", "f-source", "f-status"]) {
     $(id).addEventListener("input", renderList);
+    $(id).addEventListener("change", renderList);
   }
   $("episode").addEventListener("mouseover", onTokenHover);
   $("episode").addEventListener("mouseleave", () => { $("tooltip").hidden = true; });
