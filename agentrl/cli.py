@@ -195,7 +195,8 @@ def cmd_run(ns: argparse.Namespace) -> int:
     _log_to_console()
     result = run_training(cfg)
     print(result.summary())
-    print(f"metrics: {result.run_dir}/metrics.jsonl   plots: agentrl plot {result.run_dir}")
+    print(f"metrics: {result.run_dir}/metrics.jsonl   plots: agentrl plot {result.run_dir}   "
+          f"episodes: agentrl view {result.run_dir}")
     return 0
 
 
@@ -235,7 +236,8 @@ def cmd_eval(ns: argparse.Namespace) -> int:
     cfg = _load(ns.args)
     report = run_eval(cfg)
     print(report.summary())
-    print(f"report: {report.output_dir}/report.json   trajectories: {report.output_dir}/trajectories.jsonl")
+    print(f"report: {report.output_dir}/report.json   trajectories: {report.output_dir}/trajectories.jsonl   "
+          f"look: agentrl view {report.output_dir}")
     return 0
 
 

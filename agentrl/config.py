@@ -16,7 +16,7 @@ import importlib.resources
 import os
 from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
 import pydantic
 import yaml
@@ -369,7 +369,7 @@ class RunConfig(_Section):
         default_factory=lambda: ["console", "jsonl"]
     )
     """Where metrics go each step."""
-    keep_rollouts: Annotated[int, Field(ge=0)] | Literal["all"] = 4
+    keep_rollouts: int | Literal["all"] = 4
     """Rollouts kept for `agentrl view`: each step writes `rollouts/step-N.jsonl` (token ledger,
     decoded text, rewards) with `all` of its groups, or N groups: the best and the worst by mean
     reward, the rest drawn at random, plus every group with an infrastructure-failed episode.
@@ -382,6 +382,13 @@ class RunConfig(_Section):
     """How many of the latest episodes `run.max_infra_failure_rate` looks at. It is checked after
     every completed group once the window holds a step's episodes (or the whole window, if
     smaller), so a run whose tools cannot run stops within its first step."""
+
+    @pydantic.field_validator("keep_rollouts")
+    @classmethod
+    def _keep_rollouts_not_negative(cls, value: int | str) -> int | str:
+        if isinstance(value, int) and value < 0:
+            raise ValueError(f"give 'all' or a number of groups >= 0 (0 keeps none), not {value}")
+        return value
 
 
 class AgentRLConfig(_Section):
