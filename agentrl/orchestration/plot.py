@@ -60,6 +60,7 @@ def _draw(ax: Any, data: PanelData, *, small: bool) -> None:
     ax.set_title(title, fontsize=9 if small else 11, color="#d62728" if alarm else "black")
     ax.grid(alpha=0.3)
     ax.xaxis.get_major_locator().set_params(integer=True)
+    ax.ticklabel_format(axis="y", useOffset=False)  # 11.9184 rather than "1e-5 + 1.19184e1"
     if len(series) > 1 or panel.stacked:
         ax.legend(fontsize=6 if small else 8, loc="best", framealpha=0.6)
     if not small:

@@ -117,11 +117,12 @@ class ViewerServer:
     def __init__(self, path: str | Path, *, host: str = "127.0.0.1", port: int = 0) -> None:
         self.reader = RunReader(path)
         self._server = _Server((host, port), self.reader)
-        self.host, self.port = self._server.server_address[:2]
+        address = self._server.server_address
+        self.host, self.port = str(address[0]), int(address[1])
 
     @property
     def url(self) -> str:
-        host = f"[{self.host}]" if ":" in str(self.host) else self.host
+        host = f"[{self.host}]" if ":" in self.host else self.host
         return f"http://{host}:{self.port}/"
 
     def serve_forever(self) -> None:
