@@ -66,6 +66,10 @@ class _Handler(BaseHTTPRequestHandler):
         self._json({"error": message}, status)
 
     def do_GET(self) -> None:
+        if not self.server.host_allowed(self.headers.get("Host", "")):
+            # A page elsewhere that rebinds its own name to 127.0.0.1 must not read the run.
+            self._error(HTTPStatus.FORBIDDEN, "this server answers requests for its own address only")
+            return
         url = urlparse(self.path)
         query = {k: v[0] for k, v in parse_qs(url.query).items()}
         reader = self.server.reader
@@ -105,6 +109,14 @@ class _Server(ThreadingHTTPServer):
     def __init__(self, address: tuple[str, int], reader: RunReader) -> None:
         self.reader = reader
         super().__init__(address, _Handler)
+        self.loopback = address[0] in ("127.0.0.1", "localhost", "::1")
+
+    def host_allowed(self, host: str) -> bool:
+        """On loopback, only requests addressed to loopback names (DNS-rebinding guard)."""
+        if not self.loopback:
+            return True
+        name = host.rsplit(":", 1)[0] if not host.startswith("[") else host.split("]")[0] + "]"
+        return name in ("127.0.0.1", "localhost", "[::1]")
 
 
 class ViewerServer:

@@ -32,6 +32,7 @@ __all__ = ["RunReader", "Source"]
 log = logging.getLogger(__name__)
 
 _STEP = re.compile(r"step-(\d+)")
+_CACHED_FILES = 8  # parsed trajectory files kept in memory (a step of a big run can be tens of MB)
 
 
 @dataclass(frozen=True)
@@ -201,10 +202,14 @@ class RunReader:
         with self._lock:
             cached = self._files.get(path)
             if cached is not None and cached[0] == stamp:
+                self._files[path] = self._files.pop(path)
                 return cached[1]
         records = read_trajectory_file(path)
         with self._lock:
+            self._files.pop(path, None)
             self._files[path] = (stamp, records)
+            while len(self._files) > _CACHED_FILES:  # the least recently read go first
+                del self._files[next(iter(self._files))]
         return records
 
     def _config(self) -> dict[str, Any]:

@@ -63,6 +63,9 @@ def test_the_server_answers_json_and_refuses_what_is_not_the_run(calc_run: Path)
         assert httpx.get(url + "static/..%2Fsources.py").status_code == 404
         assert httpx.get(url + "api/episode", params={"source": "eval/step-000000", "index": 9}).status_code == 404
         assert httpx.get(url + "nope").status_code == 404
+        # A page elsewhere whose name was rebound to 127.0.0.1 is refused.
+        assert httpx.get(url + "api/run", headers={"Host": "rebound.example"}).status_code == 403
+        assert httpx.get(url.replace("127.0.0.1", "localhost") + "api/run").status_code == 200
 
 
 def test_the_page_shows_turns_tool_calls_and_what_was_trained(browser, calc_run: Path) -> None:
