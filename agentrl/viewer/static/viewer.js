@@ -498,7 +498,8 @@ function drawPanel(panel, mark) {
   });
   const legend = lines.length > 1 ? el("div", {class: "legend"}, lines.map((l, k) => el("span", {},
     el("i", {style: `background:${alarm && k === 0 ? "#c62828" : COLOURS[k % COLOURS.length]}`}), l.key.split("/").pop()))) : null;
-  const last = lines.length === 1 ? ` · last ${fmt(lines[0].y[lines[0].y.length - 1], 4)}` : "";
+  let last = lines.length === 1 ? ` · last ${fmt(lines[0].y[lines[0].y.length - 1], 4)}` : "";
+  if (alarm) last = ` · up to ${fmt(Math.max(...ys) * 100, 1)}%`;
   return el("div", {class: "panel" + (alarm ? " alarm" : ""), "data-title": panel.title},
     el("h3", {text: panel.title + last}), el("p", {class: "hint", text: panel.hint}), g, legend);
 }
