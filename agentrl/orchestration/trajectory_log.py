@@ -349,7 +349,7 @@ class RolloutLog:
         return self.dir / f"step-{step:06d}.jsonl"
 
     def write_step(self, step: int, trained: Sequence[Any], discarded: Sequence[Any] = (),
-                   rows: Sequence[dict[str, Any]] | None = None) -> Path | None:
+                   rows: Sequence[dict[str, Any] | None] | None = None) -> Path | None:
         """Write step `step`'s sample (`step` 0-based as the scheduler counts; the file is 1-based).
 
         `trained` and `discarded` are the step's `GroupResult`s (trained, and filtered or failed);
@@ -377,7 +377,7 @@ class RolloutLog:
         return path
 
 
-def _row(rows: Sequence[dict[str, Any]] | None, group: Any) -> dict[str, Any] | None:
+def _row(rows: Sequence[dict[str, Any] | None] | None, group: Any) -> dict[str, Any] | None:
     prompt = getattr(group, "prompt", None)
     if rows is None or prompt is None or not 0 <= prompt.index < len(rows):
         return None
