@@ -39,7 +39,9 @@ def make_run(overrides: list[str]) -> Path:
     command = [sys.executable, "-m", "agentrl.cli", "run", *RUN_OVERRIDES, *overrides,
                f"run.output_dir={out}", "run.name=bench"]
     print("running:", " ".join(command[2:]), flush=True)
-    subprocess.run(command, check=True)
+    done = subprocess.run(command)
+    if done.returncode != 0:  # e.g. stopped by infrastructure failures: measure the steps it made
+        print(f"the run exited with status {done.returncode}; measuring the steps it completed", flush=True)
     return out / "bench"
 
 
@@ -110,7 +112,8 @@ def main() -> int:
             t0 = time.perf_counter()
             warm.write_step(step, [Group()])
             warm_s = time.perf_counter() - t0
-            step_tokens = r.get("episodes/count", 0) * r.get("episodes/total_tokens_mean", 0)
+            # the step's episodes (the metrics count trained groups; the file also has the discarded)
+            step_tokens = max(tokens, r.get("episodes/count", 0) * r.get("episodes/total_tokens_mean", 0))
             whole = cold_s / max(tokens, 1) * step_tokens
             worst.append(whole / r["time/step_s"])
             print(f"  step {step}: {tokens} tokens: cold {cold_s * 1e3:.1f} ms, warm {warm_s * 1e3:.1f} ms "
