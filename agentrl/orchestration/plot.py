@@ -6,7 +6,7 @@ failures, tool use and the model's tool errors, finish reasons, response length,
 signal, KL, entropy, clip fraction, grad norm, the rollout/trainer mismatch, staleness and the time
 split. A panel with nothing to show (never logged, or 0 at every step) is left out, and
 `dashboard.png` names what was left out and why, so a flat line never hides among the others.
-Infrastructure failures above zero are drawn in red: they are episodes that were never trained.
+A panel of infrastructure failures above zero gets a red title: they are episodes that were never trained.
 
 Written: `dashboard.png` with every drawn panel, and one PNG per panel (`reward.png`,
 `infrastructure_failures.png`, ...). `keys=[...]` draws one panel per named metric instead.
@@ -51,7 +51,7 @@ def _draw(ax: Any, data: PanelData, *, small: bool) -> None:
         ax.stackplot(xs, *stacks, labels=[_label(k) for k in series], colors=_COLOURS[: len(stacks)], alpha=0.85)
     else:
         for i, (key, (sx, sy)) in enumerate(series.items()):
-            colour = "#d62728" if alarm and i == 0 else _COLOURS[i % len(_COLOURS)]
+            colour = _COLOURS[i % len(_COLOURS)]
             ax.plot(sx, sy, marker="o" if len(sx) < 30 else None, markersize=3, label=_label(key), color=colour)
     title = panel.title
     if alarm:

@@ -474,7 +474,7 @@ function drawPanel(panel, mark) {
   const ticks = xs.length <= 8 ? xs : [x0, Math.round((x0 + x1) / 2), x1];
   for (const v of ticks) g.append(svg("text", {x: px(v), y: H - 5, "text-anchor": "middle", text: fmt(v)}));
   lines.forEach((l, k) => {
-    const colour = alarm && k === 0 ? "#c62828" : COLOURS[k % COLOURS.length];
+    const colour = COLOURS[k % COLOURS.length];
     if (panel.stacked) {
       const top = l.x.map((x, i) => `${px(x)},${py(l.y[i])}`);
       const bottom = l.x.map((x, i) => `${px(x)},${py(l.lo[i])}`).reverse();
@@ -497,7 +497,7 @@ function drawPanel(panel, mark) {
     selectSource(near.id);
   });
   const legend = lines.length > 1 ? el("div", {class: "legend"}, lines.map((l, k) => el("span", {},
-    el("i", {style: `background:${alarm && k === 0 ? "#c62828" : COLOURS[k % COLOURS.length]}`}), l.key.split("/").pop()))) : null;
+    el("i", {style: `background:${COLOURS[k % COLOURS.length]}`}), l.key.split("/").pop()))) : null;
   let last = lines.length === 1 ? ` · last ${fmt(lines[0].y[lines[0].y.length - 1], 4)}` : "";
   if (alarm) last = ` · up to ${fmt(Math.max(...ys) * 100, 1)}%`;
   return el("div", {class: "panel" + (alarm ? " alarm" : ""), "data-title": panel.title},
