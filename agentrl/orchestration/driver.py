@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from agentrl.config import AgentRLConfig, save_config
-from agentrl.errors import AgentRLError, ConfigError
+from agentrl.errors import AgentRLError, ConfigError, InfraFailureError
 from agentrl.orchestration.build import Job, build_job
 from agentrl.orchestration.evaluate import check_infra_failures, evaluate
 from agentrl.orchestration.infra import InfraMonitor
@@ -173,7 +173,13 @@ class _Run:
         seed = group_seed(self.config.run.seed, index * 16 + ref.attempt)
         group = await self.worker.run_group(row, self.config.rollout.samples_per_prompt, seed=seed, group_id=ref.key)
         self.infra.record(group)
-        self.infra.check()
+        try:
+            self.infra.check()
+        except InfraFailureError:
+            # The step never reaches after_step: keep its failed episodes for `agentrl view` here.
+            path = self.rollouts.write_stopped(self.steps_done, list(self.infra.window))
+            log.error("the infrastructure-failed episodes that stopped the run are in %s", path)
+            raise
         return group
 
     def classify(self, group: GroupResult) -> Verdict:

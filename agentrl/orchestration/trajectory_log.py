@@ -377,6 +377,18 @@ class RolloutLog:
         return path
 
 
+    def write_stopped(self, step: int, trajectories: Sequence[Trajectory]) -> Path:
+        """Write the infrastructure-failed episodes that stopped the run in step `step` (0-based) to
+        `rollouts/step-N-stopped.jsonl`, whatever `keep` is: they are what a user needs to see."""
+        path = self.dir / f"step-{step + 1:06d}-stopped.jsonl"
+        write_trajectories(path, (
+            trajectory_record(t, self.pieces, source="train", step=step + 1, status="infra",
+                              kept_as="the run stopped on infrastructure failures")
+            for t in trajectories if not t.trainable
+        ))  # fmt: skip
+        return path
+
+
 def _row(rows: Sequence[dict[str, Any] | None] | None, group: Any) -> dict[str, Any] | None:
     prompt = getattr(group, "prompt", None)
     if rows is None or prompt is None or not 0 <= prompt.index < len(rows):

@@ -99,7 +99,8 @@ class RunReader:
         out = []
         for path in sorted((root / "rollouts").glob("step-*.jsonl")):
             step = _step_of(path.stem)
-            out.append(Source(f"rollouts/{path.stem}", "train", f"step {step} rollouts", step, path))
+            label = f"step {step} rollouts" + (" (the run stopped here)" if path.stem.endswith("-stopped") else "")
+            out.append(Source(f"rollouts/{path.stem}", "train", label, step, path))
         for path in sorted((root / "eval").glob("step-*/trajectories.jsonl")):
             step = _step_of(path.parent.name)
             label = "eval before training" if step == 0 else f"eval after step {step}"
