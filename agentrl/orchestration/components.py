@@ -7,6 +7,7 @@ here starts processes; `agentrl.inference.serve` does that.
 from __future__ import annotations
 
 import functools
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -16,19 +17,47 @@ from agentrl.datasets import load_rows
 from agentrl.envs import Env, make_env
 from agentrl.errors import ConfigError
 from agentrl.models import TOOL_CHATML_TEMPLATE, resolve_model_path
-from agentrl.registry import ENVS, TOOL_PARSERS
+from agentrl.registry import ENVS, SANDBOXES, TOOL_PARSERS
 from agentrl.rollout import AgentLoop, AgentLoopConfig, GenerateClient
 from agentrl.rollout.agent_loop import end_of_turn_ids
 
-__all__ = ["build_agent_loop", "build_chat_template", "env_factory", "load_split_rows"]
+__all__ = ["build_agent_loop", "build_chat_template", "build_sandbox", "close_run_sandbox", "env_factory",
+           "load_split_rows"]
 
 _BUILTIN_TEMPLATES = {"chatml-tools": TOOL_CHATML_TEMPLATE}
 
 
+def build_sandbox(config: AgentRLConfig) -> Any:
+    """The run's one sandbox, built from `config.sandbox` (its owner closes it: `close_run_sandbox`)."""
+    cls = SANDBOXES.resolve(config.sandbox.name)
+    try:
+        return cls(**config.sandbox.kwargs)
+    except TypeError as exc:
+        raise ConfigError(f"Cannot build sandbox '{config.sandbox.name}' with sandbox.kwargs "
+                          f"{sorted(config.sandbox.kwargs)}: {exc}") from exc
+
+
 def env_factory(config: AgentRLConfig) -> Callable[[], Env]:
-    """A zero-argument constructor of the configured env (checked once, here)."""
-    make_env(config.env.name, **config.env.kwargs)  # fail now, in the config's words (nothing to close yet)
-    return functools.partial(make_env, config.env.name, **config.env.kwargs)
+    """A zero-argument constructor of the configured env (checked once, here).
+
+    An env whose constructor takes `sandbox` gets the run's one sandbox (`build_sandbox`), the same
+    object for every episode; `close_run_sandbox(factory)` closes it when the run is done with it.
+    """
+    kwargs = dict(config.env.kwargs)
+    if "sandbox" in inspect.signature(ENVS.resolve(config.env.name)).parameters:
+        if "sandbox" in kwargs:
+            raise ConfigError(f"env.kwargs.sandbox={kwargs['sandbox']!r}: the sandbox is the config's own section; "
+                              "set sandbox.name (and sandbox.kwargs) instead.")
+        kwargs["sandbox"] = build_sandbox(config)
+    make_env(config.env.name, **kwargs)  # fail now, in the config's words (nothing to close yet)
+    return functools.partial(make_env, config.env.name, **kwargs)
+
+
+async def close_run_sandbox(factory: Callable[[], Env]) -> None:
+    """Close the sandbox `env_factory` built for `factory`, if it built one."""
+    sandbox = getattr(factory, "keywords", {}).get("sandbox")
+    if sandbox is not None:
+        await sandbox.close()
 
 
 def load_split_rows(config: AgentRLConfig, split: str) -> list[dict[str, Any]]:

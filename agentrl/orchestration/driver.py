@@ -36,7 +36,7 @@ from typing import Any
 
 from agentrl.config import AgentRLConfig, save_config
 from agentrl.errors import ConfigError
-from agentrl.orchestration.components import build_agent_loop, env_factory, load_split_rows
+from agentrl.orchestration.components import build_agent_loop, close_run_sandbox, env_factory, load_split_rows
 from agentrl.orchestration.evaluate import evaluate
 from agentrl.orchestration.ledger import PromptLedger, PromptRef, PromptSampler
 from agentrl.orchestration.metrics import MetricsLogger, episode_metrics
@@ -315,6 +315,7 @@ class _Run:
             await self.scheduler.run(start_step, config.run.total_steps)
         finally:
             self.logger.close()
+            await close_run_sandbox(self.worker.env_factory)
             await close_default_sandbox()
 
 

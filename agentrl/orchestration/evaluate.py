@@ -28,7 +28,7 @@ from typing import Any
 
 from agentrl.config import AgentRLConfig, save_config
 from agentrl.errors import AgentRLError
-from agentrl.orchestration.components import build_agent_loop, env_factory, load_split_rows
+from agentrl.orchestration.components import build_agent_loop, close_run_sandbox, env_factory, load_split_rows
 from agentrl.registry import ENVS
 from agentrl.rollout import GenerateClient, RolloutWorker
 from agentrl.tools.session import close_default_sandbox
@@ -160,11 +160,13 @@ async def evaluate(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     loop = build_agent_loop(config, client, temperature=config.eval.temperature)
-    worker = RolloutWorker(loop, env_factory(config), max_concurrent=config.rollout.max_concurrent_episodes)
+    factory = env_factory(config)
+    worker = RolloutWorker(loop, factory, max_concurrent=config.rollout.max_concurrent_episodes)
     start = time.perf_counter()
     try:
         groups = await worker.run_batch(rows, config.eval.k, seed=config.run.seed)
     finally:
+        await close_run_sandbox(factory)
         if close_sandbox:
             await close_default_sandbox()
     seconds = time.perf_counter() - start
