@@ -334,6 +334,12 @@ class SweEnv(ToolEnv):
             except (OSError, ValueError) as exc:  # PatchError is a ValueError too: the image is not the one expected
                 raise SandboxError(f"The start_patch of {task.instance_id} does not apply to its image: {exc}") from exc
 
+    async def apply_patch(self, patch: str) -> None:
+        """Apply a unified diff to the open episode's repository, as an agent's edits would (`--check` does)."""
+        if self._ctx is None:
+            raise ConfigError("SweEnv.apply_patch needs an open episode: call reset first.")
+        await apply_patch_in_session(self._ctx.sandbox, patch)
+
     async def release_context(self, ctx: ToolContext) -> None:
         if ctx.sandbox is not None:
             await ctx.sandbox.close()
