@@ -1,8 +1,8 @@
 """Containers outlive the process that started them; this module removes the ones whose owner died.
 
 Every container `DockerSandbox` starts carries labels naming its owner: a random token per
-sandbox object (`agentrl.owner`), the owner's pid and process start time, and this machine's
-boot id (`agentrl.host`). Two mechanisms remove them when the owner cannot:
+sandbox object (`agentrl.owner`), the owner's pid, process start time and pid namespace, and this
+machine's boot id (`agentrl.host`). Two mechanisms remove them when the owner cannot:
 
 - A watchdog per sandbox (`start_watchdog`): a small detached process (`python -m
   agentrl.sandboxes.docker_reaper --owner TOKEN`) that blocks reading a pipe whose only writer is
@@ -11,10 +11,11 @@ boot id (`agentrl.host`). Two mechanisms remove them when the owner cannot:
   `close()` it finds none and exits at once. It is the one process a sandbox leaves running, and
   only for as long as its owner lives.
 - A reaper at start (`reap_orphans`): the first `DockerSandbox` of a process removes containers
-  of this machine whose owner process is gone (its pid no longer runs, or runs a different
-  process start time): what a killed watchdog could not clean.
+  of this machine and pid namespace whose owner process is gone (its pid no longer runs, or runs
+  a different process start time): what a killed watchdog could not clean.
 
-Containers of other machines sharing a daemon, and of owners still alive, are never touched.
+Containers of other machines sharing a daemon, of other pid namespaces (a sandbox server in a
+container drives the host's daemon too), and of owners still alive, are never touched.
 Neither mechanism needs anything but the Docker SDK; neither kills a process.
 """
 
@@ -27,7 +28,7 @@ import subprocess
 import sys
 from typing import Any
 
-__all__ = ["LABEL_HOST", "LABEL_OWNER", "LABEL_OWNER_PID", "LABEL_OWNER_START", "LABEL_SANDBOX",
+__all__ = ["LABEL_HOST", "LABEL_OWNER", "LABEL_OWNER_PID", "LABEL_OWNER_START", "LABEL_PIDNS", "LABEL_SANDBOX",
            "owner_labels", "reap_orphans", "start_watchdog"]
 
 LABEL_SANDBOX = "agentrl.sandbox"
@@ -35,6 +36,7 @@ LABEL_OWNER = "agentrl.owner"
 LABEL_OWNER_PID = "agentrl.owner_pid"
 LABEL_OWNER_START = "agentrl.owner_start"
 LABEL_HOST = "agentrl.host"
+LABEL_PIDNS = "agentrl.pidns"
 
 
 def _boot_id() -> str:
@@ -45,6 +47,13 @@ def _boot_id() -> str:
         import socket
 
         return socket.gethostname()
+
+
+def _pid_namespace() -> str:
+    try:
+        return os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return ""
 
 
 def process_start(pid: int) -> str | None:
@@ -61,7 +70,7 @@ def owner_labels(token: str) -> dict[str, str]:
     """The labels that tie a container to this process and to the sandbox object `token`."""
     pid = os.getpid()
     return {LABEL_SANDBOX: "1", LABEL_OWNER: token, LABEL_OWNER_PID: str(pid),
-            LABEL_OWNER_START: process_start(pid) or "", LABEL_HOST: _boot_id()}
+            LABEL_OWNER_START: process_start(pid) or "", LABEL_HOST: _boot_id(), LABEL_PIDNS: _pid_namespace()}
 
 
 def _remove(client: Any, filters: dict[str, Any]) -> int:
@@ -75,10 +84,9 @@ def _remove(client: Any, filters: dict[str, Any]) -> int:
 
 def reap_orphans(client: Any) -> int:
     """Remove this machine's sandbox containers whose owner process is gone; how many were removed."""
-    host = _boot_id()
+    wanted = [f"{LABEL_SANDBOX}=1", f"{LABEL_HOST}={_boot_id()}", f"{LABEL_PIDNS}={_pid_namespace()}"]
     removed = 0
-    for container in client.containers.list(all=True, filters={"label": [f"{LABEL_SANDBOX}=1", f"{LABEL_HOST}={host}"]},
-                                            ignore_removed=True):
+    for container in client.containers.list(all=True, filters={"label": wanted}, ignore_removed=True):
         labels = container.labels or {}
         try:
             pid = int(labels.get(LABEL_OWNER_PID, ""))
