@@ -10,10 +10,9 @@ at once through the real `SweEnv` on one `DockerSandbox` (warm pool of `--pool-s
 per image). Each episode is played by a scripted agent: it looks around with `bash`, applies the
 reference fix with `str_replace_editor`, runs the repository's tests, submits, and is graded.
 
-Reported: episodes per minute, the time an episode's reset takes (its session, pool hits included, and
-the repository's start-up),
-container start latency p50/p99 (creation to running), peak memory per container (cgroup
-`max_usage`), and the resolved count (every episode must resolve). Then it checks that nothing
+Reported: episodes per minute, the time an episode's reset takes (its session, pool hits
+included, and the repository's start-up), container start latency p50/p99 (creation to running),
+peak memory per container (cgroup `max_usage`), and the resolved count (every episode must resolve). Then it checks that nothing
 is left behind: after the run, no container of this process, no process it started, no new file
 in its temporary directory (a private TMPDIR, which its children inherit); and after a SIGKILL
 of a process in the middle of its episodes, the same, once its watchdog has removed its

@@ -321,8 +321,9 @@ class SweEnv(ToolEnv):
         archive = await asyncio.to_thread(task.repo_archive)
         if archive is not None:
             await self._run(session, _EXTRACT, task, "Could not copy the repository into the sandbox", 120, archive)
-        elif task.image_repo_dir and getattr(session, "workdir", None) != task.image_repo_dir:
-            await self._run(session, f"cp -a {shlex.quote(task.image_repo_dir)}/. .", task,
+        elif task.image_repo_dir:  # the image's repository: in place when it is the work dir, else copied
+            repo = shlex.quote(task.image_repo_dir)
+            await self._run(session, f'[ "$(pwd -P)" = "$(cd {repo} && pwd -P)" ] || cp -a {repo}/. .', task,
                             "Could not copy the repository into the work dir", 300)
 
     async def _start_state(self, session: Any, task: SweTask) -> None:

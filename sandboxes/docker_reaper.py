@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib
 import os
 import subprocess
 import sys
@@ -118,8 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     with contextlib.suppress(OSError):
         while os.read(0, 65536):  # returns b"" once the owner (the pipe's only writer) is gone
             pass
-    import docker
-
+    docker: Any = importlib.import_module("docker")
     client = docker.DockerClient(base_url=args.base_url) if args.base_url else docker.from_env()
     _remove(client, {"label": f"{LABEL_OWNER}={args.owner}"})
     return 0

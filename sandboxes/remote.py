@@ -150,7 +150,9 @@ class RemoteSandbox:
             raise SandboxError("SandboxFusion has no sessions; use api='agentrl' with 'agentrl sandbox serve'.")
         options = {k: v for k, v in (("image", image), ("workdir", workdir)) if v is not None}
         data = await self._call("POST", "/v1/sessions", json=options or None)
-        return RemoteSession(self, data["session_id"])
+        session = RemoteSession(self, data["session_id"])
+        session.image, session.workdir = image, workdir
+        return session
 
     async def health(self) -> dict[str, Any]:
         """The server's `/health` answer."""
@@ -179,6 +181,9 @@ class RemoteSession:
     def __init__(self, owner: RemoteSandbox, session_id: str) -> None:
         self._owner = owner
         self.session_id = session_id
+        self.image: str | None = None
+        self.workdir: str | None = None
+        """What the session was opened with (None: the server's defaults)."""
         self._closed = False
 
     def _path(self, suffix: str = "") -> str:

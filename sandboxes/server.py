@@ -146,7 +146,7 @@ def create_app(
         from agentrl.sandboxes.local import LocalSandbox
 
         sandbox = LocalSandbox(max_concurrency=max_concurrency, **sandbox_kwargs)
-    limit = asyncio.Semaphore(max_concurrency or getattr(sandbox, "max_concurrency", 4))
+    limit = asyncio.Semaphore(int(max_concurrency or getattr(sandbox, "max_concurrency", None) or 4))
     sessions: dict[str, Any] = {}
     last_used: dict[str, float] = {}
     stats = _Stats()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -54,12 +55,18 @@ def server_image(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 def _serve(image: str, *args: str) -> tuple[str, str]:
-    """Run the server container; return its id and URL once /health answers."""
-    cid = subprocess.run(["docker", "run", "-d", "--label", "agentrl.test=sandbox-server", "-p", "127.0.0.1::8765",
-                          "-e", f"AGENTRL_SANDBOX_TOKEN={TOKEN}", *args, image, "--backend", "docker"],
+    """Run the server container; return its id and URL once /health answers.
+
+    This machine's daemon has no bridge network (dockerd --bridge=none), so the container shares
+    the host's network and the server binds a free loopback port (later flags win over the image's).
+    """
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cid = subprocess.run(["docker", "run", "-d", "--label", "agentrl.test=sandbox-server", "--network", "host",
+                          "-e", f"AGENTRL_SANDBOX_TOKEN={TOKEN}", *args, image, "--backend", "docker",
+                          "--host", "127.0.0.1", "--port", str(port)],
                          capture_output=True, text=True, check=True).stdout.strip()
-    port = subprocess.run(["docker", "port", cid, "8765"], capture_output=True, text=True,
-                          check=True).stdout.split(":")[-1].strip()
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:

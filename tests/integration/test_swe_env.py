@@ -293,3 +293,27 @@ def test_agentrl_eval_reports_the_resolved_rate(assets: Path, tmp_path: Path, fi
     assert (report.problems, report.k, report.infra_failed_episodes) == (3, 1, 0)
     assert report.resolved_rate == report.pass_at_1 == (1.0 if fix else 0.0)
     assert json.loads((tmp_path / "report.json").read_text())["resolved_rate"] == report.resolved_rate
+
+
+def test_the_runs_one_sandbox_reaches_every_env_it_builds() -> None:
+    from agentrl.config import load_config
+    from agentrl.errors import ConfigError
+    from agentrl.orchestration.components import close_run_sandbox, env_factory
+    from agentrl.sandboxes.local import LocalSandbox
+
+    factory = env_factory(load_config(overrides=["env=swe"]))
+    first, second = factory(), factory()
+    assert isinstance(first.sandbox, LocalSandbox) and first.sandbox is second.sandbox
+    task = TASKS["casing__acronyms"]
+
+    async def body():  # type: ignore[no-untyped-def]
+        try:
+            return await play(first, task, reference_fix_actions(task))
+        finally:
+            await first.aclose()
+            await close_run_sandbox(factory)  # the run closes it, never the env
+
+    assert run(body, second)[0] == 1.0
+    assert "sandbox" not in env_factory(load_config(overrides=["env=arithmetic"])).keywords
+    with pytest.raises(ConfigError, match=r"set sandbox\.name"):
+        env_factory(load_config(overrides=["env=swe", "env.kwargs.sandbox=docker"]))

@@ -4,7 +4,7 @@ The images (tests/swe_images.py) are built here from Debian suites (nothing is p
 (SWE-bench format), Python 3.9 (SWE-smith format) and no Python at all (agentrl format). Each is
 played through the real env on the real Docker backend by scripted agents (the reference fix,
 a plausible wrong fix, no change), through `agentrl eval env=swe sandbox=docker` against a real
-OpenAI-compatible server, and through `--check`. The reference fixes are shown to fail on the
+HTTP policy server that plays scripted turns, and through `--check`. The reference fixes are shown to fail on the
 host's own Python, so only the image's toolchain makes them pass.
 """
 
