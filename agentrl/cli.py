@@ -1,4 +1,4 @@
-"""The `agentrl` command line: run, eval, plot, serve, sandbox, envs, tools, config, validate, version.
+"""The `agentrl` command line: run, eval, plot, serve, sandbox, envs, tools, config, validate, doctor, version.
 
 Each subcommand parses its arguments, builds what it needs from the layers below, and turns any
 `AgentRLError` into one readable message and exit status 1 (2 for a command-line usage error).
@@ -40,10 +40,14 @@ def build_parser() -> argparse.ArgumentParser:
         ("run", "train a policy with RL (e.g. agentrl run env=retool)"),
         ("eval", "score an agent offline on an environment's dataset"),
         ("serve", "start LLM servers and the router from a config"),
-        ("validate", "check a config and print every error at once"),
+        ("validate", "check a config and build every piece of the job it describes, starting nothing"),
+        ("doctor", "check that a job can run here: build it and run the pre-flight checks"),
     ):
         p = sub.add_parser(name, help=help_text, description=help_text)
         p.add_argument("args", nargs="*", metavar="CONFIG_OR_OVERRIDE", help=_CONFIG_HELP)
+        if name in ("validate", "doctor"):
+            p.add_argument("--eval", action="store_true", dest="for_eval",
+                           help="check the config for 'agentrl eval' rather than 'agentrl run'")
         if name == "validate":
             p.add_argument("--show", action="store_true", help="print the resolved config as YAML")
         if name == "serve":
@@ -98,16 +102,59 @@ def _load(args: Sequence[str]) -> Any:
     return load_config(config, overrides)
 
 
+def _purpose(cfg: Any, for_eval: bool) -> str:
+    return "eval" if for_eval or cfg.inference.engine == "external" else "run"
+
+
 def cmd_validate(ns: argparse.Namespace) -> int:
+    import asyncio
+
     import yaml
 
+    from agentrl.orchestration.build import build_job
+
     cfg = _load(ns.args)
+    purpose = _purpose(cfg, ns.for_eval)
+    job = build_job(cfg, purpose)  # type: ignore[arg-type]
+    sandbox = cfg.sandbox.name if job.sandbox is not None else "none"
+    asyncio.run(job.aclose())
     if ns.show:
         sys.stdout.write(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
     else:
-        print(f"Config OK: env={cfg.env.name} model={cfg.model.path} engine={cfg.inference.engine} "
-              f"mode={cfg.run.mode} steps={cfg.run.total_steps}")
+        rows = len(job.train_rows) if purpose == "run" else len(job.val_rows)
+        print(f"Config OK for 'agentrl {purpose}': env={cfg.env.name} model={cfg.model.path} "
+              f"engine={cfg.inference.engine} mode={cfg.run.mode} steps={cfg.run.total_steps} "
+              f"sandbox={sandbox} rows={rows}")
+        for note in job.notes:
+            print(f"note: {note}")
     return 0
+
+
+def cmd_doctor(ns: argparse.Namespace) -> int:
+    import asyncio
+
+    from agentrl.errors import AgentRLError
+    from agentrl.orchestration.build import build_job
+    from agentrl.orchestration.preflight import run_checks
+
+    cfg = _load(ns.args)
+    purpose = _purpose(cfg, ns.for_eval)
+    print(f"Checking 'agentrl {purpose}' with env={cfg.env.name} model={cfg.model.path} ...", flush=True)
+    try:
+        job = build_job(cfg, purpose)  # type: ignore[arg-type]
+    except AgentRLError as exc:
+        print(f"[FAIL] build: {exc}")
+        return EXIT_ERROR
+    print("[ok  ] build: the model, tokenizer, chat template, parser, env, sandbox and dataset are built")
+    try:
+        checks = run_checks(job)
+    finally:
+        asyncio.run(job.aclose())
+    for check in checks:
+        print(check.line())
+    failed = [c for c in checks if not c.ok]
+    print(f"{len(failed)} problem(s) found." if failed else "Everything this job needs is here.")
+    return EXIT_ERROR if failed else 0
 
 
 def cmd_not_built(what: str, issue: str, hint: str = "Your config can already be checked with 'agentrl validate'.") -> int:
@@ -280,6 +327,7 @@ _COMMANDS = {
     "plot": cmd_plot,
     "serve": cmd_serve,
     "validate": cmd_validate,
+    "doctor": cmd_doctor,
     "config": cmd_config,
     "sandbox": cmd_sandbox,
     "envs": cmd_envs,

@@ -19,7 +19,6 @@ and info. By default that is a reward of 0; envs that judge the work done (SWE) 
 from __future__ import annotations
 
 import asyncio
-import sys
 from typing import Any, ClassVar, SupportsFloat
 
 import gymnasium
@@ -102,6 +101,19 @@ class Env(gymnasium.Env[list, Action]):
     metadata: ClassVar[dict[str, Any]] = {"render_modes": []}
     observation_space = ChatSpace()
     action_space = ActionSpace()
+    reports_resolved: ClassVar[bool] = False
+    """True when the env's episodes report `info["metrics"]["resolved"]` (SWE-style: the task's
+    hidden tests pass); `agentrl eval` then reports a resolved rate."""
+
+    @classmethod
+    def dataset_rows(cls, split: str) -> list[dict[str, Any]] | None:
+        """The env's own rows of `split` ("train" or "test") in verl's format, for runs given no
+        `data.train_files`/`data.val_files`; None when the env ships no dataset."""
+        return None
+    requires_ground_truth: ClassVar[bool] = True
+    """Every dataset row must carry `reward_model.ground_truth` (the answer it is scored against);
+    a row without one is refused when the data is loaded. Envs that score otherwise (by running
+    tests, by a judge) set it False."""
 
     # ── async twins: default to running the sync methods in a thread ────────────────────────
     async def areset(
@@ -156,9 +168,6 @@ class Env(gymnasium.Env[list, Action]):
             self._drive(self.aclose())
         loop = self.__dict__.pop("_private_loop", None)
         if loop is not None and not loop.is_closed():
-            session = sys.modules.get("agentrl.tools.session")
-            if session is not None:  # a tool started a default sandbox on this loop: stop its workers
-                loop.run_until_complete(session.close_default_sandbox())
             loop.close()
 
     def _drive(self, coro: Any) -> Any:

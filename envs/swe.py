@@ -225,10 +225,9 @@ class SweEnv(ToolEnv):
                 raise ValueError(f"{name} must be positive (or None for no limit), got {value!r}.")
         tools = [BashTool(exec_timeout_s=exec_timeout_s, max_output_chars=max_output_chars),
                  EditorTool(max_output_chars=max_output_chars), submit_changes]
-        super().__init__(tools, max_turns=max_turns, tool_timeout_s=tool_timeout_s)
+        super().__init__(tools, max_turns=max_turns, tool_timeout_s=tool_timeout_s, sandbox=sandbox)
         self.tasks_path = tasks
         self._tasks: tuple[SweTask, ...] | None = None
-        self.sandbox = sandbox
         self._own_sandbox: Any = None
         self.max_tokens = max_tokens
         self.max_wall_s = max_wall_s

@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from agentrl.chat import ChatTemplate, ConversationTokenizer
+from agentrl.config import RolloutConfig
 from agentrl.errors import AgentRLError
 from agentrl.rollout.pacing import CpuGate
 from agentrl.types import Action, FinishReason, Generation, Message, SamplingParams, Trajectory
@@ -71,42 +72,12 @@ class EpisodeState(enum.Enum):
     TERMINATED = "terminated"
 
 
-@dataclass(frozen=True)
-class AgentLoopConfig:
-    """Budgets and sampling of one episode (the `rollout` section of the run config)."""
-
-    max_turns: int = 4
-    max_tokens_per_turn: int = 256
-    max_total_tokens: int = 2048
-    temperature: float = 1.0
-    top_p: float = 1.0
-    episode_timeout_s: float = 600.0
-    request_timeout_s: float = 300.0
-    close_timeout_s: float = 30.0
-    truncate_timeout_s: float = 900.0
-    """Deadline of `env.atruncate` (an env grading an episode a loop budget ended); past it the
-    episode is an infrastructure failure. Keep the env's own grading deadlines below it."""
-    verify_template: bool = False
-    """Re-render the whole conversation after each delta to count template mismatches (slow)."""
-    max_starting: int = 16
-    """Episodes in their start-up (env reset, first prompt) at once. asyncio runs every ready task
-    before it looks at timers and sockets, so a thousand episodes starting together would stall the
-    event loop for their whole start-up; admitting a few at a time keeps it responsive."""
-    cpu_slice_s: float = 0.002
-    """Longest burst of chat-template and parsing work the loop runs before it polls sockets and
-    timers again (`agentrl.rollout.pacing.CpuGate`); bounds event-loop stalls."""
-
-    @classmethod
-    def from_rollout_config(cls, rollout: Any) -> AgentLoopConfig:
-        return cls(
-            max_turns=rollout.max_turns,
-            max_tokens_per_turn=rollout.max_tokens_per_turn,
-            max_total_tokens=rollout.max_total_tokens,
-            temperature=rollout.temperature,
-            top_p=rollout.top_p,
-            episode_timeout_s=rollout.episode_timeout_s,
-            request_timeout_s=rollout.request_timeout_s,
-        )
+AgentLoopConfig = RolloutConfig
+"""Budgets and sampling of one episode: the run config's `rollout` section itself, so every knob
+the loop reads can be set from YAML and there is no second copy to keep in step. The loop reads
+`max_turns`, `max_tokens_per_turn`, `max_total_tokens`, `temperature`, `top_p`,
+`episode_timeout_s`, `request_timeout_s`, `close_timeout_s`, `truncate_timeout_s`, `verify_template`,
+`max_starting` and `cpu_slice_s`."""
 
 
 def end_of_turn_ids(tokenizer: Any) -> tuple[int, ...]:
