@@ -143,6 +143,7 @@ class AgentLoop:
         self.template = template
         self.parser = parser
         self.config = config or AgentLoopConfig()
+        self.truncate_timeout_s = self.config.truncate_timeout_s  # the deadline of env.atruncate
         tokenizer = template.tokenizer
         self.stop_token_ids = stop_token_ids if stop_token_ids is not None else end_of_turn_ids(tokenizer)
         self._starting: asyncio.Semaphore | None = None
@@ -310,7 +311,7 @@ class AgentLoop:
         if not ep.env_open:
             return over
         ep.env_open = False
-        limit = self.config.truncate_timeout_s
+        limit = self.truncate_timeout_s
         t0 = time.perf_counter()
         try:
             async with asyncio.timeout(limit):
