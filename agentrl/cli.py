@@ -79,6 +79,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--port", type=int, default=8765, help="port to bind (default: 8765)")
     sp.add_argument("--token", default=None, help="bearer token clients must send (default: $AGENTRL_SANDBOX_TOKEN)")
     sp.add_argument("--max-concurrency", type=int, default=None, help="most executions at once")
+    sp.add_argument("--backend", default="local",
+                    help="sandbox backend behind the server: local (bubblewrap) or docker (instance images)")
 
     p = sub.add_parser("envs", help="environments")
     esub = p.add_subparsers(dest="envs_command", metavar="SUBCOMMAND")
@@ -319,7 +321,7 @@ def cmd_sandbox(ns: argparse.Namespace) -> int:
         except ModuleNotFoundError:
             return cmd_not_built("sandbox serve", "the sandbox server (agentrl.sandboxes.server)", "")
         token = ns.token or os.environ.get("AGENTRL_SANDBOX_TOKEN")
-        kwargs: dict[str, Any] = {"host": ns.host, "port": ns.port, "token": token}
+        kwargs: dict[str, Any] = {"host": ns.host, "port": ns.port, "token": token, "backend": ns.backend}
         if ns.max_concurrency:
             kwargs["max_concurrency"] = ns.max_concurrency
         server.serve(**kwargs)

@@ -178,6 +178,10 @@ class RolloutConfig(_Section):
     """Token ids that also end an assistant turn, besides the chat template's end-of-turn tokens."""
     close_timeout_s: float = Field(30.0, gt=0)
     """Deadline for closing an episode's env (releasing its tools and sandbox session)."""
+    truncate_timeout_s: float = Field(900.0, gt=0)
+    """Deadline of the env settling an episode that a budget of this section ended first
+    (`Env.atruncate`: the SWE env grades the repository as it stands). Past it the episode is an
+    infrastructure failure, masked; keep the env's own grading deadlines below it."""
     verify_template: bool = False
     """Re-render the whole conversation after each delta to count chat-template mismatches (slow;
     for debugging a new model's template)."""

@@ -10,6 +10,10 @@
 methods in a worker thread; environments that call tools implement the async side natively (see
 `ToolEnv`) so thousands of episodes share one event loop, and then the sync methods drive it on a
 private loop. Environments know nothing of the trainer or of tokens.
+
+`atruncate(reason)` is the AgentLoop telling the env that one of the loop's own budgets (turns,
+tokens, wall time) ended an episode the env had not ended; it returns the episode's last reward
+and info. By default that is a reward of 0; envs that judge the work done (SWE) grade it there.
 """
 
 from __future__ import annotations
@@ -127,6 +131,17 @@ class Env(gymnasium.Env[list, Action]):
         if type(self).step is Env.step:
             raise NotImplementedError(f"{type(self).__name__} must implement step or astep.")
         return await asyncio.to_thread(self.step, action)
+
+    async def atruncate(self, reason: str) -> tuple[float, dict[str, Any]]:
+        """The AgentLoop's own budget ended the episode before the env did: settle it, return (reward, info).
+
+        `reason` names the budget, as its config key (`rollout.max_turns`, `rollout.max_total_tokens`,
+        `rollout.max_tokens_per_turn`, `rollout.episode_timeout_s`). The reward is added to the
+        episode's; `info["metrics"]` reaches the trajectory like a step's. Called at most once per
+        episode, after the last `astep`, under a deadline of its own; raise an `AgentRLError` for an
+        infrastructure failure (the episode is then masked, not scored). Default: reward 0, no info.
+        """
+        return 0.0, {}
 
     async def aclose(self) -> None:
         """Async `close`; closing twice must be harmless."""

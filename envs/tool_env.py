@@ -17,8 +17,10 @@ An episode terminates when the assistant answers without calling a tool (or a to
 whose episodes are judged by work done rather than by a final answer (SWE) may instead answer a
 turn without tool calls with a reminder (`end_without_tool_call = False`), add budgets of their own
 (`budget_exceeded`), score truncated episodes too (`score_truncated = True`) and score
-asynchronously while the episode's tools and sandbox are still alive (`ascore`). It does not
-tokenise anything or sample from a model; the AgentLoop does.
+asynchronously while the episode's tools and sandbox are still alive (`ascore`). When a budget of
+the AgentLoop ends an episode first, `atruncate` ends it the same way (scored when
+`score_truncated`, with `info["truncated_by"]` naming the budget). It does not tokenise anything
+or sample from a model; the AgentLoop does.
 """
 
 from __future__ import annotations
@@ -216,6 +218,24 @@ class ToolEnv(Env):
                 await self._end_episode()
                 self._done = True
         return messages, reward, terminated, truncated, info
+
+    async def atruncate(self, reason: str) -> tuple[float, dict[str, Any]]:
+        """End an episode the AgentLoop's budget cut short: scored like an env truncation (see `Env`)."""
+        ctx, row = self._ctx, self._row
+        if ctx is None or row is None or self._done:
+            return 0.0, {}
+        info: dict[str, Any] = {"metrics": dict(self._metrics), "turn": self._turn, "truncated_by": reason}
+        reward = 0.0
+        try:
+            if self.score_truncated:
+                reward = float(await self.ascore("", row, ctx))
+                extra = dict(ctx.state.get("score_info") or {})
+                info["metrics"].update(extra.pop("metrics", {}))
+                info.update(extra)
+        finally:
+            await self._end_episode()
+            self._done = True
+        return reward, info
 
     async def aclose(self) -> None:
         await self._end_episode()
