@@ -251,7 +251,6 @@ def test_the_reaper_removes_containers_of_dead_owners_only(debian):
     import sys
 
     import docker
-
     from agentrl.sandboxes.docker_reaper import owner_labels, reap_orphans
 
     client = docker.from_env()
