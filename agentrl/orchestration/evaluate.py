@@ -22,6 +22,7 @@ import json
 import math
 import time
 from collections import Counter, defaultdict
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -34,9 +35,13 @@ from agentrl.rollout import GenerateClient, RolloutWorker
 from agentrl.tools.session import close_default_sandbox
 from agentrl.types import Trajectory
 
-__all__ = ["EvalReport", "evaluate", "pass_at_k", "run_eval"]
+__all__ = ["EvalProgress", "EvalReport", "evaluate", "pass_at_k", "run_eval"]
 
 SOLVED = 1.0 - 1e-9
+
+EvalProgress = Callable[[int, int, float], None]
+"""Called with (episodes done, episodes in total, seconds since the first episode started) as each
+problem's samples finish, and once with (0, total, 0.0) before the first starts."""
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -151,11 +156,12 @@ async def evaluate(
     out_dir: str | Path,
     *,
     close_sandbox: bool = True,
+    progress: EvalProgress | None = None,
 ) -> EvalReport:
     """Play `rows` with `eval.k` samples each through `client`; write and return the report.
 
     `close_sandbox=False` leaves this event loop's default sandbox open, for a caller (the training
-    driver) whose other episodes still use it.
+    driver) whose other episodes still use it. `progress` hears of every finished problem.
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -163,7 +169,10 @@ async def evaluate(
     worker = RolloutWorker(loop, env_factory(config), max_concurrent=config.rollout.max_concurrent_episodes)
     start = time.perf_counter()
     try:
-        groups = await worker.run_batch(rows, config.eval.k, seed=config.run.seed)
+        if progress is None:
+            groups = await worker.run_batch(rows, config.eval.k, seed=config.run.seed)
+        else:
+            groups = await _run_with_progress(worker, rows, config.eval.k, config.run.seed, progress, start)
     finally:
         if close_sandbox:
             await close_default_sandbox()
@@ -181,7 +190,22 @@ async def evaluate(
     return report
 
 
-def run_eval(config: AgentRLConfig, *, client: GenerateClient | None = None) -> EvalReport:
+async def _run_with_progress(
+    worker: RolloutWorker, rows: list[dict[str, Any]], k: int, seed: int, progress: EvalProgress, start: float
+) -> list[list[Trajectory]]:
+    """`worker.run_batch`, reporting each group as it finishes (groups come back in row order)."""
+    total = len(rows) * k
+    progress(0, total, 0.0)
+    by_index: dict[int, list[Trajectory]] = {}
+    async for group in worker.stream_groups(rows, k, seed=seed):
+        by_index[int(group[0].group_id.removeprefix("g"))] = group
+        progress(len(by_index) * k, total, time.perf_counter() - start)
+    return [by_index[i] for i in range(len(rows))]
+
+
+def run_eval(
+    config: AgentRLConfig, *, client: GenerateClient | None = None, progress: EvalProgress | None = None
+) -> EvalReport:
     """`agentrl eval`: start the configured servers (unless a client is given), evaluate, stop them."""
     from agentrl.inference.serve import serve_from_config
 
@@ -197,7 +221,7 @@ def run_eval(config: AgentRLConfig, *, client: GenerateClient | None = None) -> 
         service = serve_from_config(config, log_dir=out / "logs")
         client = service.client
     try:
-        return asyncio.run(evaluate(config, client, rows, out))
+        return asyncio.run(evaluate(config, client, rows, out, progress=progress))
     finally:
         if service is not None:
             service.stop()
