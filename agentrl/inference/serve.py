@@ -48,6 +48,7 @@ class ExternalClient:
         base_url: str,
         *,
         model: str | None = None,
+        model_hint: str | None = None,
         weight_version: int = 0,
         api_key: str | None = None,
         timeout_s: float = 300.0,
@@ -57,6 +58,7 @@ class ExternalClient:
         self.base_url = url[: -len("/v1")] if url.endswith("/v1") else url
         self.server_id = self.base_url
         self.model = model
+        self.model_hint = model_hint
         self.weight_version = weight_version
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._http = httpx.AsyncClient(
@@ -81,12 +83,8 @@ class ExternalClient:
     async def _model_name(self) -> str:
         if self.model is None:
             data = await self._call("GET", "/v1/models", timeout_s=10.0)
-            models = data.get("data") or []
-            if not models:
-                raise InferenceError(
-                    f"{self.base_url}/v1/models lists no model; pass model=... to ExternalClient."
-                )
-            self.model = str(models[0]["id"])
+            served = [str(m["id"]) for m in data.get("data") or [] if isinstance(m, dict) and "id" in m]
+            self.model = _pick_served_model(served, self.model_hint, self.base_url)
         return self.model
 
     async def generate(
@@ -142,6 +140,25 @@ class ExternalClient:
 
     async def aclose(self) -> None:
         await self._http.aclose()
+
+
+def _pick_served_model(served: list[str], hint: str | None, url: str) -> str:
+    """The model name to send: the only one served, else the one named like `hint` (the model path)."""
+    if len(served) == 1:
+        return served[0]
+    if not served:
+        raise InferenceError(f"{url}/v1/models lists no model; is it an OpenAI-compatible server that has loaded one?")
+    if hint:
+        def base(name: str) -> str:
+            return name.rstrip("/").rsplit("/", 1)[-1].lower()
+
+        for name in served:
+            if name == hint or base(name) == base(hint):
+                return name
+    raise InferenceError(
+        f"{url} serves several models ({', '.join(served)}) and none is named like model.path={hint!r}; "
+        "set model.path to the one to use (and model.tokenizer if its tokenizer lives elsewhere)."
+    )
 
 
 def _token_id(token: str, url: str) -> int:
@@ -217,7 +234,9 @@ def serve_from_config(config: AgentRLConfig, *, log_dir: str | Path | None = Non
                 "inference.engine is 'external' but inference.urls is empty; give the base URLs of running "
                 "OpenAI-compatible servers, e.g. inference.urls=[http://127.0.0.1:8000]."
             )
-        clients = [ExternalClient(u, model=config.model.path) for u in inf.urls]
+        # The served name is asked from the server (`vllm serve PATH` calls its model PATH); the
+        # configured model path only picks among several, and is the tokenizer the loop uses.
+        clients = [ExternalClient(u, model_hint=config.model.path) for u in inf.urls]
         return InferenceService(Router(clients, **router_opts))
     if inf.urls:
         # Servers someone already started (`agentrl serve`, or another job): connect, start nothing.

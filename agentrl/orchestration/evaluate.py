@@ -23,6 +23,7 @@ import json
 import math
 import time
 from collections import Counter, defaultdict
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -35,9 +36,13 @@ from agentrl.orchestration.trajectory_log import write_eval_trajectories
 from agentrl.rollout import GenerateClient, RolloutWorker
 from agentrl.types import Trajectory
 
-__all__ = ["EvalReport", "evaluate", "pass_at_k", "run_eval"]
+__all__ = ["EvalProgress", "EvalReport", "evaluate", "pass_at_k", "run_eval"]
 
 SOLVED = 1.0 - 1e-9
+
+EvalProgress = Callable[[int, int, float], None]
+"""Called with (episodes done, episodes in total, seconds since the first episode started) as each
+problem's samples finish, and once with (0, total, 0.0) before the first starts."""
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -152,10 +157,18 @@ def summarise(
     )
 
 
-async def evaluate(job: Job, client: GenerateClient, rows: list[dict[str, Any]], out_dir: str | Path) -> EvalReport:
+async def evaluate(
+    job: Job,
+    client: GenerateClient,
+    rows: list[dict[str, Any]],
+    out_dir: str | Path,
+    *,
+    progress: EvalProgress | None = None,
+) -> EvalReport:
     """Play `rows` with `eval.k` samples each through `client`; write and return the report.
 
-    The job's sandbox stays open: whoever built the job closes it (`Job.aclose`).
+    The job's sandbox stays open: whoever built the job closes it (`Job.aclose`). `progress` hears of
+    every finished problem.
     """
     config = job.config
     out = Path(out_dir)
@@ -163,7 +176,10 @@ async def evaluate(job: Job, client: GenerateClient, rows: list[dict[str, Any]],
     loop = job.agent_loop(client, evaluation=True)
     worker = RolloutWorker(loop, job.make_env, max_concurrent=config.rollout.max_concurrent_episodes)
     start = time.perf_counter()
-    groups = await worker.run_batch(rows, config.eval.k, seed=config.run.seed)
+    if progress is None:
+        groups = await worker.run_batch(rows, config.eval.k, seed=config.run.seed)
+    else:
+        groups = await _run_with_progress(worker, rows, config.eval.k, config.run.seed, progress, start)
     seconds = time.perf_counter() - start
     write_eval_trajectories(out / "trajectories.jsonl", groups, rows, loop.template.tokenizer)
     report = summarise(config, groups, seconds, str(out), reports_resolved=job.env_cls.reports_resolved)
@@ -186,6 +202,20 @@ def check_infra_failures(config: AgentRLConfig, report: EvalReport, groups_dir: 
     )
 
 
+async def _run_with_progress(
+    worker: RolloutWorker, rows: list[dict[str, Any]], k: int, seed: int, progress: EvalProgress, start: float
+) -> list[list[Trajectory]]:
+    """`worker.run_batch`, reporting each group as it finishes (groups come back in row order)."""
+    total = len(rows) * k
+    progress(0, total, 0.0)
+    by_index: dict[int, list[Trajectory]] = {}
+    async for group in worker.stream_groups(rows, k, seed=seed):
+        by_index[int(group[0].group_id.removeprefix("g"))] = group
+        progress(len(by_index) * k, total, time.perf_counter() - start)
+    return [by_index[i] for i in range(len(rows))]
+
+
+
 def _read_trajectories(path: Path) -> list[Trajectory]:
     out = []
     if path.is_file():
@@ -196,7 +226,9 @@ def _read_trajectories(path: Path) -> list[Trajectory]:
     return out
 
 
-def run_eval(config: AgentRLConfig, *, client: GenerateClient | None = None) -> EvalReport:
+def run_eval(
+    config: AgentRLConfig, *, client: GenerateClient | None = None, progress: EvalProgress | None = None
+) -> EvalReport:
     """`agentrl eval`: build and check everything, start the configured servers (unless a client is
     given), evaluate, stop them. Raises `InfraFailureError` (after writing the report) when too many
     episodes failed for infrastructure reasons."""
@@ -217,7 +249,7 @@ def run_eval(config: AgentRLConfig, *, client: GenerateClient | None = None) -> 
             service = serve_from_config(served, log_dir=out / "logs")
             client = service.client
         try:
-            report = asyncio.run(_evaluate_and_close(job, client, out))
+            report = asyncio.run(_evaluate_and_close(job, client, out, progress))
         finally:
             if service is not None:
                 service.stop()
@@ -227,8 +259,10 @@ def run_eval(config: AgentRLConfig, *, client: GenerateClient | None = None) -> 
     return report
 
 
-async def _evaluate_and_close(job: Job, client: GenerateClient, out: Path) -> EvalReport:
+async def _evaluate_and_close(
+    job: Job, client: GenerateClient, out: Path, progress: EvalProgress | None
+) -> EvalReport:
     try:
-        return await evaluate(job, client, job.val_rows, out)
+        return await evaluate(job, client, job.val_rows, out, progress=progress)
     finally:
         await job.aclose()  # the sandbox's workers belong to this event loop

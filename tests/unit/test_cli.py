@@ -67,3 +67,27 @@ def test_keep_rollouts_takes_all_or_a_count(capsys: pytest.CaptureFixture[str]) 
     assert main(["validate", "env=arithmetic", "run.keep_rollouts=-2"]) == EXIT_ERROR
     err = capsys.readouterr().err
     assert "run.keep_rollouts" in err and "0 keeps none" in err
+
+
+@pytest.mark.parametrize("command", ["run", "eval"])
+def test_run_and_eval_without_arguments_print_usage(command: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main([command]) == EXIT_USAGE  # and nothing starts
+    err = capsys.readouterr().err
+    assert err.startswith(f"usage: agentrl {command} [CONFIG] key=value ...")
+    assert f"agentrl {command} env=retool" in err
+    assert "presets:       arithmetic, retool, swe" in err
+
+
+def test_eval_progress_lines_on_a_pipe(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    from agentrl.cli import _EvalProgressLine
+
+    show = _EvalProgressLine(every_s=3600.0)
+    assert not show.tty  # pytest captures stderr
+    show(0, 8, 0.0)
+    show(2, 8, 10.0)  # within every_s of the last line: not shown
+    show(8, 8, 40.0)  # the last one always is
+    assert capsys.readouterr().err.splitlines() == [
+        "eval: 0/8 episodes done, 0 s elapsed", "eval: 8/8 episodes done, 40 s elapsed"]
+    show = _EvalProgressLine(every_s=0.0)
+    show(2, 8, 10.0)
+    assert capsys.readouterr().err == "eval: 2/8 episodes done, 10 s elapsed, about 30 s to go\n"

@@ -220,3 +220,27 @@ def test_engine_kwargs_follow_the_config():
     kw = engine_kwargs_from_config(cfg)
     assert kw["max_model_len"] == 1024 and kw["enforce_eager"] is False and kw["prefix_caching"] is True
     assert kw["cpu_kv_cache_gb"] == 0.25
+
+
+def test_external_engine_is_a_valid_config_and_picks_the_served_model():
+    from agentrl.config import load_config
+
+    cfg = load_config(None, ["env=retool", "inference.engine=external", "inference.urls=[http://127.0.0.1:8000]"])
+    assert cfg.inference.engine == "external" and cfg.inference.urls == ["http://127.0.0.1:8000"]
+
+    def served(*names: str):
+        def handler(request: httpx.Request) -> httpx.Response:
+            return httpx.Response(200, json={"object": "list", "data": [{"id": n} for n in names]})
+
+        return httpx.MockTransport(handler)
+
+    def pick(hint: str | None, *names: str) -> str:
+        return run(ExternalClient("http://ext:1", model_hint=hint, transport=served(*names))._model_name())
+
+    # `vllm serve DIR` calls its model DIR: the only one served is used, whatever model.path says
+    assert pick("smollm2-135m-instruct", "/models/SmolLM2") == "/models/SmolLM2"
+    assert pick("smollm2-135m-instruct", "other", "/cache/smollm2-135m-instruct/") == "/cache/smollm2-135m-instruct/"
+    with pytest.raises(InferenceError, match=r"serves several models \(a, b\).*model\.path"):
+        pick("c", "a", "b")
+    with pytest.raises(InferenceError, match="lists no model"):
+        pick("c")
