@@ -324,10 +324,9 @@ class TrainerBackend(abc.ABC):
         metrics.update(sums.reduce(self._all_reduce))
         if scored is None:
             return UpdateResult(metrics)
-        left_out = batch.skip_rows is not None and not batch.score_skipped
-        return UpdateResult(
-            metrics, scored.result(self._all_reduce), ~batch.skip_rows if left_out else None  # type: ignore[operator]
-        )
+        skipped = batch.skip_rows
+        scored_rows = ~skipped if skipped is not None and not batch.score_skipped else None
+        return UpdateResult(metrics, scored.result(self._all_reduce), scored_rows)
 
     def update_critic(self, batch: CriticBatch, algorithm: Any) -> dict[str, float]:
         """One optimizer step of the critic on `batch`; metrics prefixed `critic/`."""
