@@ -3,8 +3,9 @@
 `algos` holds advantage estimators, policy and value losses, KL estimators and controllers,
 loss aggregation, rollout/trainer importance corrections and reward shaping; `packing` turns a
 list of `Trajectory` into padding-free model inputs; `objective` assembles one micro-batch's loss;
-`backend` is the interface every backend implements, `fsdp2` the FSDP2 one and `megatron` the
-Megatron-core one (each imported on first use); `step.train_step` is one RL step for any backend;
+`backend` is the interface every backend implements and the update loop they share, `fsdp2` the
+FSDP2 backend and `megatron` the Megatron-core one (each imported on first use, each filling the
+loop's hooks); `step.train_step` is one RL step for any backend;
 `distributed` joins or spawns ranks.
 This package imports torch, so nothing below the trainer layer may import it.
 """
@@ -36,7 +37,7 @@ from agentrl.trainer.algos import (
     stop_properly_penalty,
     value_loss,
 )
-from agentrl.trainer.backend import CriticBatch, PolicyBatch, TrainerBackend, make_backend
+from agentrl.trainer.backend import CriticBatch, PolicyBatch, TrainerBackend, UpdateResult, make_backend
 from agentrl.trainer.distributed import launch
 from agentrl.trainer.packing import (
     PackedBatch,
@@ -64,6 +65,7 @@ __all__ = [
     "PaddedBatch",
     "PolicyBatch",
     "TrainerBackend",
+    "UpdateResult",
     "aggregate_loss",
     "apply_kl_penalty",
     "block_causal_mask",

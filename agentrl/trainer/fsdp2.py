@@ -27,7 +27,10 @@ global step, data position (rank 0) and the RNG states of every rank. Every rank
 Hugging Face checkpoint before sharding it: fine for small models, wasteful for large ones (meta
 device initialisation with a rank-0 broadcast is not built).
 
-This module is not the RL algorithm (see `step.train_step`) nor the loss maths (`objective`).
+The update loop (mini-batches, gradient accumulation, zero-loss rows, clipping, the optimizer
+step) is `backend.TrainerBackend`'s; this module fills its hooks: the micro-batch plan above, the
+forward through the chunked head, the backward scaled for FSDP's gradient average, the norm of the
+sharded gradient. It is not the RL algorithm (see `step.train_step`) nor the loss maths (`objective`).
 """
 
 from __future__ import annotations
@@ -36,7 +39,6 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -52,17 +54,9 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from agentrl.errors import ConfigError, FeatureUnavailableError, TrainerError
-from agentrl.trainer.backend import CriticBatch, PolicyBatch, TrainerBackend
+from agentrl.trainer.backend import MicroBatches, TrainerBackend
 from agentrl.trainer.distributed import balanced_shares, init_distributed, resolve_device
 from agentrl.trainer.lm_head import ScoringHead, install_scoring_head, scoring
-from agentrl.trainer.objective import (
-    MetricSums,
-    ScoredRows,
-    critic_objective,
-    loss_denominator,
-    policy_inputs,
-    policy_objective,
-)
 from agentrl.trainer.packing import (
     PackedBatch,
     compute_entropy,
@@ -72,13 +66,12 @@ from agentrl.trainer.packing import (
     split_micro_batches,
     zero_loss_micro_batch,
 )
-from agentrl.trainer.rng import rng_state, set_rng_state
+from agentrl.trainer.rng import load_rng, save_rng
 from agentrl.types import Trajectory
 
 __all__ = ["FSDP2Backend", "ValueModel"]
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-_STATE_FILE = "trainer_state.pt"
 
 
 class ValueModel(nn.Module):
@@ -103,10 +96,6 @@ class ValueModel(nn.Module):
         )
         # A fresh tensor, not a squeeze view: FSDP2 hooks its backward on the module's output.
         return self.value_head(hidden.last_hidden_state).float().sum(-1)
-
-
-def _warmup(steps: int) -> Any:
-    return lambda s: min(1.0, (s + 1) / steps) if steps > 0 else 1.0
 
 
 class FSDP2Backend(TrainerBackend):
@@ -176,34 +165,18 @@ class FSDP2Backend(TrainerBackend):
         if with_critic is None:
             with_critic = bool(algorithm is not None and algorithm.advantage == "gae")
 
-        # The fused AdamW kernel (CPU and CUDA) updates each tensor in one pass: on this model's
-        # CPU step 5x faster than the foreach one, without its whole-model temporaries.
-        self._fused_adam = self.device.type in ("cpu", "cuda")
         torch.manual_seed(seed)  # every rank initialises new weights (the value head) alike
         self.policy = self._build_policy(trainable=True)
         # Shared prefixes need an explicit boolean mask, which only the sdpa path takes as is.
         attention = getattr(getattr(self.policy, "config", None), "_attn_implementation", None)
         self.share_prefixes = trainer.share_prefixes and attention == "sdpa"
-        self.optimizer = torch.optim.AdamW(
-            [p for p in self.policy.parameters() if p.requires_grad],
-            lr=trainer.lr,
-            weight_decay=trainer.weight_decay,
-            fused=self._fused_adam,
+        self.optimizer, self.scheduler = self._optimizer(
+            [p for p in self.policy.parameters() if p.requires_grad], trainer.lr
         )
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, _warmup(trainer.warmup_steps))
         self.reference = self._build_policy(trainable=False) if with_reference else None
-        self.critic: nn.Module | None = None
         if with_critic:
             self.critic = self._build_critic()
-            self.critic_optimizer = torch.optim.AdamW(
-                self.critic.parameters(),
-                lr=trainer.critic_lr,
-                weight_decay=trainer.weight_decay,
-                fused=self._fused_adam,
-            )
-            self.critic_scheduler = torch.optim.lr_scheduler.LambdaLR(
-                self.critic_optimizer, _warmup(trainer.warmup_steps)
-            )
+            self.critic_optimizer, self.critic_scheduler = self._optimizer(self.critic.parameters(), trainer.critic_lr)
         self._step = 0
 
     # ── building ────────────────────────────────────────────────────────────────────────────
@@ -227,20 +200,20 @@ class FSDP2Backend(TrainerBackend):
     def _build_policy(self, *, trainable: bool) -> nn.Module:
         from transformers import AutoModelForCausalLM
 
-        model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32)
+        model: Any = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32)
         if trainable and self.config.gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if not trainable:
             model.requires_grad_(False)
             model.eval()
         head = install_scoring_head(model) if self._chunked_head else None
-        layer_classes = model._no_split_modules or []
+        layer_classes = list(model._no_split_modules or [])
         if trainable and self.config.lora_rank > 0:
             model = self._add_lora(model)
         self._heads[id(model)] = head
         return self._shard(model, layer_classes)
 
-    def _add_lora(self, model: nn.Module) -> nn.Module:
+    def _add_lora(self, model: Any) -> nn.Module:
         """Freeze the model and wrap it with peft LoRA adapters (`trainer.lora_*`)."""
         from peft import LoraConfig, get_peft_model
 
@@ -265,31 +238,16 @@ class FSDP2Backend(TrainerBackend):
         critic = ValueModel(backbone, backbone.config.hidden_size)
         return self._shard(critic, backbone._no_split_modules or [])
 
-    # ── the interface's small parts ─────────────────────────────────────────────────────────
-    @property
-    def has_reference(self) -> bool:
-        return self.reference is not None
-
-    @property
-    def has_critic(self) -> bool:
-        return self.critic is not None
-
-    @property
-    def global_step(self) -> int:
-        return self._step
-
+    # ── hooks of the update loop (`TrainerBackend`) ─────────────────────────────────────────
     def _all_reduce(self, tensor: torch.Tensor, op: str) -> None:
         if self.world_size > 1:
             dist.all_reduce(tensor, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM)
 
-    # ── splitting work ──────────────────────────────────────────────────────────────────────
-    def _plan(
+    def _micro_batches(
         self, trajectories: Sequence[Trajectory], rows: Sequence[int] | None = None, *, at_least_one: bool = False
-    ) -> list[tuple[PackedBatch, bool]]:
-        """This rank's packed micro-batches of `trajectories` (only `rows` of them when given),
-        `indices` pointing into `trajectories`, padded with empty ones (flag False) to the count of
-        the busiest rank, and to one when `at_least_one` (an update whose every row is skipped
-        still runs a backward, so each parameter the forward uses gets its zero gradient)."""
+    ) -> MicroBatches:
+        # Every forward and backward of a sharded model is a collective: pad each rank's list with
+        # empty micro-batches to the count of the busiest rank.
         order = list(range(len(trajectories))) if rows is None else list(rows)
         trajectories = [trajectories[i] for i in order]
         budget = self.config.micro_batch_tokens
@@ -313,64 +271,14 @@ class FSDP2Backend(TrainerBackend):
             plan += [(zero_loss_micro_batch(self.device), False)] * (int(count.item()) - len(plan))
         return plan
 
-    def _gather(
-        self, batch: PackedBatch, real: bool, tensors: dict[str, torch.Tensor | None]
-    ) -> dict[str, Any]:
-        """Rows of (B, L) tensors laid out like the packed micro-batch: (1, N) on the device."""
-        out: dict[str, Any] = {"segment_ids": batch.segment_ids}
-        for name, value in tensors.items():
-            if value is None:
-                continue
-            if real:
-                out[name] = batch.gather(value).to(self.device, torch.float32)
-            else:
-                out[name] = torch.zeros((1, batch.num_tokens), device=self.device)
-        return out
-
-    @torch.no_grad()
-    def _score(self, model: nn.Module, trajectories: Sequence[Trajectory], fn: Any) -> torch.Tensor:
-        """Run `fn(model, micro_batch) -> (1, N)` over this rank's share, scatter into (B, L) and
-        sum over ranks (each row is written by exactly one rank)."""
-        out = ScoredRows(trajectories)
-        was_training = model.training
-        model.eval()
-        for batch, real in self._plan(trajectories):
-            values = fn(model, batch)
-            if real:
-                out.add(batch, values)
-        model.train(was_training)
-        return out.result(self._all_reduce)
-
-    # ── scoring ─────────────────────────────────────────────────────────────────────────────
-    def compute_logprobs(
-        self, trajectories: Sequence[Trajectory], *, temperature: float = 1.0
-    ) -> torch.Tensor:
-        return self._score(self.policy, trajectories, self._logprob_fn(temperature))
-
-    def compute_ref_logprobs(
-        self, trajectories: Sequence[Trajectory], *, temperature: float = 1.0
-    ) -> torch.Tensor:
-        if self.reference is None:
-            raise TrainerError("this backend has no reference model; build it with with_reference=True.")
-        return self._score(self.reference, trajectories, self._logprob_fn(temperature))
-
-    def compute_values(self, trajectories: Sequence[Trajectory]) -> torch.Tensor:
-        if self.critic is None:
-            raise TrainerError("this backend has no critic; build it with with_critic=True.")
-        return self._score(self.critic, trajectories, lambda model, b: model(**b.model_inputs()))
-
-    def _logprob_fn(self, temperature: float) -> Any:
-        def fn(model: nn.Module, batch: PackedBatch) -> torch.Tensor:
-            return self._token_scores(model, batch, temperature, with_entropy=False)[0]
-
-        return fn
+    def _values(self, model: nn.Module, batch: PackedBatch) -> torch.Tensor:
+        return model(**batch.model_inputs())
 
     def _token_scores(
         self, model: nn.Module, batch: PackedBatch, temperature: float, *, with_entropy: bool,
         entropy_grad: bool = True,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(logprobs, entropy or None), each (1, N), from the chunked head when the model has one;
-        with `entropy_grad=False` the entropy may come without a graph (it is only reported)."""
+        # From the chunked head when the model has one (`lm_head.ScoringHead`).
         head = self._heads.get(id(model))
         if head is not None:
             select = None if self.score_all_tokens else batch.loss_mask > 0
@@ -381,87 +289,15 @@ class FSDP2Backend(TrainerBackend):
         logprobs = compute_token_logprobs(logits, batch.labels, temperature)
         return logprobs, (compute_entropy(logits, temperature) if with_entropy else None)
 
-    # ── updates ─────────────────────────────────────────────────────────────────────────────
-    def update_policy(self, batch: PolicyBatch, algorithm: Any) -> dict[str, float]:
-        # Infrastructure failures never reach the loss, whatever mask the caller built.
-        loss_mask = batch.loss_mask * _trainable_rows(batch.trajectories)
-        denominator = loss_denominator(loss_mask, algorithm.loss_agg)
-        if denominator == 0:
-            # Nothing to learn from (all masked): no optimizer step, on every rank alike.
-            return {"skipped": 1.0}
-        self.policy.train()
-        tensors = policy_inputs(batch, loss_mask)
-        scored = ScoredRows(batch.trajectories) if batch.old_logprobs is None else None
-        sums = MetricSums()
-        # Rows with a zero loss (`PolicyBatch.skip_rows`) get no backward; when their metrics are
-        # wanted they are scored without a graph first: a no-grad forward of a sharded model after
-        # the backward passes left wrong gradients on two ranks (grad norm 3.63 against 6.82).
-        plan = []
-        if batch.skip_rows is not None:
-            plan += [(p, real, False) for p, real in self._plan(batch.trajectories, batch.rows_to_score())]
-        plan += [(p, real, True) for p, real in self._plan(batch.trajectories, batch.rows_to_train(), at_least_one=True)]
-        for packed, real, backward in plan:
-            tokens = self._gather(packed, real, tensors)
-            with torch.set_grad_enabled(backward):
-                logprobs, entropy = self._token_scores(
-                    self.policy, packed, batch.temperature, with_entropy=True,
-                    entropy_grad=bool(algorithm.entropy_coef),
-                )  # fmt: skip
-                if scored is not None and real:
-                    scored.add(packed, logprobs)
-                if not algorithm.entropy_coef:
-                    entropy = entropy.detach()  # reported only
-                loss, metrics = policy_objective(
-                    logprobs, tokens, algorithm, denominator=denominator, entropy=entropy, max_len=batch.max_len
-                )
-            if backward:
-                # FSDP averages gradients over ranks; the loss is already normalised by the global
-                # count, so undo the average to get the sum over ranks.
-                (loss * self.world_size).backward()
-            sums.add(metrics, float(tokens["loss_mask"].sum()))
-        out = self._optimizer_step(self.policy, self.optimizer, self.scheduler)
-        self._step += 1
-        out.update(sums.reduce(self._all_reduce))
-        if scored is not None:
-            batch.old_logprobs = scored.result(self._all_reduce)
-        return out
+    def _backward(self, loss: torch.Tensor) -> None:
+        # FSDP averages gradients over ranks; the loss is already normalised by the global count,
+        # so undo the average to get the sum over ranks.
+        (loss * self.world_size).backward()
 
-    def update_critic(self, batch: CriticBatch, algorithm: Any) -> dict[str, float]:
-        if self.critic is None:
-            raise TrainerError("this backend has no critic; build it with with_critic=True.")
-        loss_mask = batch.loss_mask * _trainable_rows(batch.trajectories)
-        denominator = loss_denominator(loss_mask, algorithm.loss_agg)
-        if denominator == 0:
-            return {"critic/skipped": 1.0}
-        self.critic.train()
-        tensors = {"loss_mask": loss_mask, "returns": batch.returns, "old_values": batch.old_values}
-        sums = MetricSums()
-        for packed, real in self._plan(batch.trajectories):
-            tokens = self._gather(packed, real, tensors)
-            values = self.critic(**packed.model_inputs())
-            loss, metrics = critic_objective(
-                values, tokens, algorithm, denominator=denominator, max_len=batch.max_len
-            )
-            (loss * self.world_size).backward()
-            sums.add(metrics, float(tokens["loss_mask"].sum()))
-        out = self._optimizer_step(self.critic, self.critic_optimizer, self.critic_scheduler)
-        out.update(sums.reduce(self._all_reduce))
-        return {f"critic/{k}": v for k, v in out.items()}
-
-    def _optimizer_step(self, model: nn.Module, optimizer: Any, scheduler: Any) -> dict[str, float]:
-        params = [p for p in model.parameters() if p.grad is not None]
-        grads = [p.grad for p in params]
+    def _grad_norm(self, model: nn.Module) -> torch.Tensor:
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
         norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
-        if isinstance(norm, DTensor):
-            norm = norm.full_tensor()
-        grad_norm = float(norm)
-        lr = scheduler.get_last_lr()[0]
-        if np.isfinite(grad_norm):
-            torch.nn.utils.clip_grads_with_norm_(params, self.config.grad_clip, norm)
-            optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        return {"grad_norm": grad_norm, "lr": lr, "grad_nonfinite": float(not np.isfinite(grad_norm))}
+        return norm.full_tensor() if isinstance(norm, DTensor) else norm
 
     # ── weights and checkpoints ─────────────────────────────────────────────────────────────
     def export_weights(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
@@ -510,17 +346,9 @@ class FSDP2Backend(TrainerBackend):
             fresh["critic"] = not self.critic_optimizer.state
         dcp.save(self._app_state(), checkpoint_id=str(path / "dcp"))
         self._clear_fresh(fresh)
-        torch.save(rng_state(), path / f"rng_rank{self.rank}.pt")
-        if self.rank == 0:
-            meta = {
-                "global_step": self._step,
-                "world_size": self.world_size,
-                "scheduler": self.scheduler.state_dict(),
-                "critic_scheduler": self.critic_scheduler.state_dict() if self.critic is not None else None,
-                "data_position": dict(data_position or {}),
-                "fresh_optimizers": fresh,
-            }
-            torch.save(meta, path / _STATE_FILE)
+        save_rng(path, self.rank)
+        critic_scheduler = self.critic_scheduler.state_dict() if self.critic is not None else None
+        self._write_state(path, data_position, critic_scheduler=critic_scheduler, fresh_optimizers=fresh)
         dist.barrier()
 
     def _clear_fresh(self, fresh: dict[str, bool]) -> None:
@@ -531,17 +359,13 @@ class FSDP2Backend(TrainerBackend):
 
     def load(self, path: str | Path) -> dict[str, Any]:
         path = Path(path)
-        if not (path / _STATE_FILE).is_file():
-            raise TrainerError(
-                f"no trainer checkpoint at '{path}' (missing {_STATE_FILE}); pass a folder `save` wrote."
-            )
+        meta = self._read_state(path)
         state = self._app_state()
         if self.critic is None:
             state.pop("critic", None)
         dcp.load(state, checkpoint_id=str(path / "dcp"))
         set_model_state_dict(self.policy, state["policy"])
         set_optimizer_state_dict(self.policy, self.optimizer, state["policy_optim"])
-        meta = torch.load(path / _STATE_FILE, weights_only=True)
         self.scheduler.load_state_dict(meta["scheduler"])
         if self.critic is not None:
             set_model_state_dict(self.critic, state["critic"])
@@ -549,12 +373,6 @@ class FSDP2Backend(TrainerBackend):
             self.critic_scheduler.load_state_dict(meta["critic_scheduler"])
         self._clear_fresh(meta["fresh_optimizers"])
         self._step = int(meta["global_step"])
-        rng_file = path / f"rng_rank{self.rank}.pt"
-        if not rng_file.is_file():  # resumed on more ranks than saved: reuse rank 0's streams
-            rng_file = path / "rng_rank0.pt"
-        set_rng_state(torch.load(rng_file, weights_only=True))
+        load_rng(path, self.rank)
         return dict(meta["data_position"])
 
-
-def _trainable_rows(trajectories: Sequence[Trajectory]) -> torch.Tensor:
-    return torch.tensor([[1.0 if t.trainable else 0.0] for t in trajectories])

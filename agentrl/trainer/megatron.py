@@ -17,7 +17,9 @@ of near-equal length (`padded_micro_batches`, at most `micro_batch_tokens` padde
 the per-token results are moved back into the packed layout `objective` expects. Logprobs and
 entropy are computed from vocabulary-parallel logits a chunk of tokens at a time (recomputed in
 the backward pass), so full-vocabulary logits never exist. The optimizer is torch's AdamW on each
-rank's shards, with the gradient norm taken over the whole (unsharded) model.
+rank's shards, with the gradient norm taken over the whole (unsharded) model. The update loop is
+`backend.TrainerBackend`'s; this module fills its hooks (micro-batch plan, forward and scoring,
+the replicas' gradient all-reduce and the tensor-parallel gradient norm).
 
 Not built here: a critic (GAE needs the FSDP2 backend), LoRA, pipeline/sequence/context
 parallelism, megatron's distributed optimizer, and, on CPU, activation recomputation (megatron's
@@ -33,7 +35,6 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -41,21 +42,13 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from agentrl.errors import ConfigError, FeatureUnavailableError, TrainerError
-from agentrl.trainer.backend import CriticBatch, PolicyBatch, TrainerBackend
+from agentrl.trainer.backend import MicroBatches, TrainerBackend
 from agentrl.trainer.distributed import balanced_shares, init_distributed, resolve_device
 from agentrl.trainer.megatron_convert import (
-    GPTLayout,
     gpt_layout_from_hf,
     hf_to_megatron,
     megatron_to_hf,
     partition_dim,
-)
-from agentrl.trainer.objective import (
-    MetricSums,
-    ScoredRows,
-    loss_denominator,
-    policy_inputs,
-    policy_objective,
 )
 from agentrl.trainer.packing import (
     PackedBatch,
@@ -64,12 +57,11 @@ from agentrl.trainer.packing import (
     padded_to_packed,
     zero_loss_micro_batch,
 )
-from agentrl.trainer.rng import rng_state, set_rng_state
+from agentrl.trainer.rng import load_rng, save_rng
 from agentrl.types import Trajectory
 
 __all__ = ["MegatronBackend", "padded_micro_batches", "vocab_parallel_scores"]
 
-_STATE_FILE = "trainer_state.pt"
 _CHUNK_ELEMENTS = 1 << 25  # logits per scoring chunk, as in lm_head.ScoringHead
 
 
@@ -162,7 +154,7 @@ def vocab_parallel_scores(
 
 
 @contextlib.contextmanager
-def _hidden_states_only(model: nn.Module) -> Iterator[None]:
+def _hidden_states_only(model: Any) -> Iterator[None]:
     # GPTModel returns the final (normed) hidden states instead of logits when it is not the
     # post-processing stage; the output layer is applied by `vocab_parallel_scores` in chunks.
     model.post_process = False
@@ -170,10 +162,6 @@ def _hidden_states_only(model: nn.Module) -> Iterator[None]:
         yield
     finally:
         model.post_process = True
-
-
-def _warmup(steps: int) -> Any:
-    return lambda s: min(1.0, (s + 1) / steps) if steps > 0 else 1.0
 
 
 class MegatronBackend(TrainerBackend):
@@ -268,13 +256,7 @@ class MegatronBackend(TrainerBackend):
         self.policy = self._build_model(hf_state, trainable=True)
         self.reference = self._build_model(hf_state, trainable=False) if with_reference else None
         del hf_state
-        self.optimizer = torch.optim.AdamW(
-            self.policy.parameters(),
-            lr=trainer.lr,
-            weight_decay=trainer.weight_decay,
-            fused=self.device.type in ("cpu", "cuda"),  # one pass per tensor, as in FSDP2
-        )
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, _warmup(trainer.warmup_steps))
+        self.optimizer, self.scheduler = self._optimizer(self.policy.parameters(), trainer.lr)
         self._step = 0
 
     # ── building ────────────────────────────────────────────────────────────────────────────
@@ -284,43 +266,21 @@ class MegatronBackend(TrainerBackend):
         lay = self.layout
         recompute: dict[str, Any] = {}
         if self.config.gradient_checkpointing:
-            recompute = {
-                "recompute_granularity": "full",
-                "recompute_method": "uniform",
-                "recompute_num_layers": 1,
-            }
+            recompute = {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=_QUIET)
-            return self._make_config(TransformerConfig, lay, recompute)
-
-    def _make_config(self, cls: Any, lay: GPTLayout, recompute: dict[str, Any]) -> Any:
-        return cls(
-            num_layers=lay.num_layers,
-            hidden_size=lay.hidden_size,
-            ffn_hidden_size=lay.ffn_hidden_size,
-            num_attention_heads=lay.num_attention_heads,
-            num_query_groups=lay.num_query_groups,
-            kv_channels=lay.head_dim,
-            normalization="RMSNorm",
-            layernorm_epsilon=lay.norm_eps,
-            gated_linear_unit=True,
-            activation_func=F.silu,
-            add_bias_linear=False,
-            add_qkv_bias=lay.qkv_bias,
-            hidden_dropout=0.0,
-            attention_dropout=0.0,
-            tensor_model_parallel_size=self.tp,
-            params_dtype=torch.float32,
-            use_cpu_initialization=True,
-            perform_initialization=False,  # every weight comes from the checkpoint
-            bias_activation_fusion=False,
-            bias_dropout_fusion=False,
-            masked_softmax_fusion=False,
-            apply_rope_fusion=False,
-            persist_layer_norm=False,
-            gradient_accumulation_fusion=False,
-            **recompute,
-        )
+            return TransformerConfig(
+                num_layers=lay.num_layers, hidden_size=lay.hidden_size, ffn_hidden_size=lay.ffn_hidden_size,
+                num_attention_heads=lay.num_attention_heads, num_query_groups=lay.num_query_groups,
+                kv_channels=lay.head_dim, normalization="RMSNorm", layernorm_epsilon=lay.norm_eps,
+                gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False, add_qkv_bias=lay.qkv_bias,
+                hidden_dropout=0.0, attention_dropout=0.0, tensor_model_parallel_size=self.tp,
+                params_dtype=torch.float32, use_cpu_initialization=True,
+                perform_initialization=False,  # every weight comes from the checkpoint
+                bias_activation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
+                apply_rope_fusion=False, persist_layer_norm=False, gradient_accumulation_fusion=False,
+                **recompute,
+            )  # fmt: skip
 
     def _build_model(self, hf_state: dict[str, torch.Tensor], *, trainable: bool) -> nn.Module:
         from megatron.core.models.gpt import GPTModel
@@ -343,30 +303,19 @@ class MegatronBackend(TrainerBackend):
             model.eval()
         return model
 
-    # ── the interface's small parts ─────────────────────────────────────────────────────────
-    @property
-    def has_reference(self) -> bool:
-        return self.reference is not None
-
-    @property
-    def has_critic(self) -> bool:
-        return False
-
-    @property
-    def global_step(self) -> int:
-        return self._step
-
-    def _dp_all_reduce(self, tensor: torch.Tensor, op: str) -> None:
+    # ── hooks of the update loop (`TrainerBackend`) ─────────────────────────────────────────
+    def _all_reduce(self, tensor: torch.Tensor, op: str) -> None:
         # TP ranks of one replica hold identical results: combine across replicas only.
         if self.dp > 1:
             dist.all_reduce(
                 tensor, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM, group=self._dp_group
             )
 
-    # ── forward ─────────────────────────────────────────────────────────────────────────────
-    def _plan(self, trajectories: Sequence[Trajectory], rows: Sequence[int] | None = None) -> list[PackedBatch]:
-        """This replica's micro-batches (packed bookkeeping; run padded) of `trajectories` (only
-        `rows` of them when given), `indices` into `trajectories`."""
+    def _micro_batches(
+        self, trajectories: Sequence[Trajectory], rows: Sequence[int] | None = None, *, at_least_one: bool = False
+    ) -> MicroBatches:
+        # This replica's share, packed for the bookkeeping and run padded. The replicas meet only
+        # in the gradient all-reduce, so none pads its list to another's.
         order = list(range(len(trajectories))) if rows is None else list(rows)
         trajectories = [trajectories[i] for i in order]
         lengths = [len(t.token_ids) for t in trajectories]
@@ -376,15 +325,16 @@ class MegatronBackend(TrainerBackend):
             idx = sorted(mine[j] for j in members)
             batch = pack_trajectories([trajectories[i] for i in idx])
             batch.indices = [order[i] for i in idx]
-            plan.append(batch)
+            plan.append((batch, True))
+        if at_least_one and not plan:
+            plan.append((zero_loss_micro_batch(), False))
         return plan
 
     def _token_scores(
         self, model: nn.Module, batch: PackedBatch, temperature: float, *, with_entropy: bool,
         entropy_grad: bool = True,
-    ) -> torch.Tensor:
-        """(1, N, 2) packed (logprob, entropy) of a micro-batch, run as right-padded rows; the
-        entropy carries a gradient only with `entropy_grad`."""
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        # Run as right-padded rows; the per-token results go back into the packed layout.
         if temperature <= 0:
             raise ValueError(f"temperature must be > 0 to score tokens, got {temperature}.")
         input_ids = packed_to_padded(batch.input_ids, batch.cu_seqlens).to(self.device)
@@ -401,113 +351,37 @@ class MegatronBackend(TrainerBackend):
             hidden = model(input_ids, positions, causal)  # (width, rows, h)
         hidden = hidden.transpose(0, 1).reshape(rows * width, -1)
         flat_labels = labels.reshape(-1)
-        weight = model.shared_embedding_or_output_weight() if self.layout.tied_embeddings else None
+        gpt: Any = model  # a megatron-core GPTModel (untyped)
+        weight = gpt.shared_embedding_or_output_weight() if self.layout.tied_embeddings else None
         if weight is None:
-            weight = model.output_layer.weight
+            weight = gpt.output_layer.weight
         vocab_start = self.tp_rank * weight.shape[0]
         chunk = max(16, _CHUNK_ELEMENTS // weight.shape[0])
         outs = []
         for start in range(0, hidden.shape[0], chunk):
             args = (hidden[start : start + chunk], weight, flat_labels[start : start + chunk], temperature)
-            kwargs = {"vocab_start": vocab_start, "with_entropy": with_entropy, "entropy_grad": entropy_grad}
+            kwargs: dict[str, Any] = {"vocab_start": vocab_start, "with_entropy": with_entropy, "entropy_grad": entropy_grad}
             # Every chunk but the last is recomputed in the backward (see lm_head.ScoringHead).
             if torch.is_grad_enabled() and hidden.requires_grad and start + chunk < hidden.shape[0]:
                 outs.append(checkpoint(vocab_parallel_scores, *args, use_reentrant=False, **kwargs))
             else:
                 outs.append(vocab_parallel_scores(*args, **kwargs))
-        scores = torch.cat(outs).reshape(rows, width, 2)
-        return padded_to_packed(scores, batch.cu_seqlens)
+        scores = padded_to_packed(torch.cat(outs).reshape(rows, width, 2), batch.cu_seqlens)
+        return scores[..., 0], (scores[..., 1] if with_entropy else None)
 
-    @torch.no_grad()
-    def _score(
-        self, model: nn.Module, trajectories: Sequence[Trajectory], temperature: float
-    ) -> torch.Tensor:
-        out = ScoredRows(trajectories)
-        was_training = model.training
-        model.eval()
-        for batch in self._plan(trajectories):
-            out.add(batch, self._token_scores(model, batch, temperature, with_entropy=False)[0, :, 0])
-        model.train(was_training)
-        return out.result(self._dp_all_reduce)
-
-    def compute_logprobs(
-        self, trajectories: Sequence[Trajectory], *, temperature: float = 1.0
-    ) -> torch.Tensor:
-        return self._score(self.policy, trajectories, temperature)
-
-    def compute_ref_logprobs(
-        self, trajectories: Sequence[Trajectory], *, temperature: float = 1.0
-    ) -> torch.Tensor:
-        if self.reference is None:
-            raise TrainerError("this backend has no reference model; build it with with_reference=True.")
-        return self._score(self.reference, trajectories, temperature)
-
-    def compute_values(self, trajectories: Sequence[Trajectory]) -> torch.Tensor:
-        raise TrainerError("the Megatron backend has no critic; use trainer.backend=fsdp2 for GAE.")
-
-    # ── updates ─────────────────────────────────────────────────────────────────────────────
-    def update_policy(self, batch: PolicyBatch, algorithm: Any) -> dict[str, float]:
-        trainable = torch.tensor([[1.0 if t.trainable else 0.0] for t in batch.trajectories])
-        loss_mask = batch.loss_mask * trainable
-        denominator = loss_denominator(loss_mask, algorithm.loss_agg)
-        if denominator == 0:
-            return {"skipped": 1.0}
-        self.policy.train()
-        tensors = policy_inputs(batch, loss_mask)
-        scored = ScoredRows(batch.trajectories) if batch.old_logprobs is None else None
-        sums = MetricSums()
-        # Rows with a zero loss (`PolicyBatch.skip_rows`): scored without a graph for the metrics,
-        # before the backward passes as in the FSDP2 backend, and no backward.
-        plan = [(p, True, False) for p in self._plan(batch.trajectories, batch.rows_to_score())]
-        trained = [(p, True, True) for p in self._plan(batch.trajectories, batch.rows_to_train())]
-        # Every row skipped, or none on this replica: one zero-loss micro-batch still gives each
-        # parameter its (zero) gradient, so the replicas' gradient all-reduce and the optimizer
-        # step run as they would have.
-        plan += trained or [(zero_loss_micro_batch(), False, True)]
-        for packed, real, backward in plan:
-            tokens: dict[str, Any] = {"segment_ids": packed.segment_ids.to(self.device)}
-            for name, value in tensors.items():
-                if value is not None:
-                    tokens[name] = (
-                        packed.gather(value).to(self.device, torch.float32)
-                        if real
-                        else torch.zeros((1, packed.num_tokens), device=self.device)
-                    )
-            with torch.set_grad_enabled(backward):
-                scores = self._token_scores(
-                    self.policy, packed, batch.temperature, with_entropy=True,
-                    entropy_grad=bool(algorithm.entropy_coef),
-                )  # fmt: skip
-                logprobs, entropy = scores[..., 0], scores[..., 1]
-                if scored is not None and real:
-                    scored.add(packed, logprobs)
-                if not algorithm.entropy_coef:
-                    entropy = entropy.detach()
-                loss, metrics = policy_objective(
-                    logprobs, tokens, algorithm, denominator=denominator, entropy=entropy, max_len=batch.max_len
-                )
-            if backward:
-                loss.backward()
-            sums.add(metrics, float(tokens["loss_mask"].sum()))
-        out = self._optimizer_step()
-        self._step += 1
-        out.update(sums.reduce(self._dp_all_reduce))
-        if scored is not None:
-            batch.old_logprobs = scored.result(self._dp_all_reduce)
-        return out
-
-    def update_critic(self, batch: CriticBatch, algorithm: Any) -> dict[str, float]:
-        raise TrainerError("the Megatron backend has no critic; use trainer.backend=fsdp2 for GAE.")
-
-    def _grad_norm(self, named: list[tuple[str, nn.Parameter]]) -> torch.Tensor:
-        """The L2 norm of the whole model's gradient: sharded parameters summed over TP ranks,
-        replicated ones (identical on every TP rank) counted once. Which is which comes from the
-        parameter's name: megatron-core marks its weights `tensor_model_parallel` only when it
-        initialises them, which the backend skips."""
+    def _grad_norm(self, model: nn.Module) -> torch.Tensor:
+        # The loss is normalised by the global count: sum the replicas' gradients. In the norm,
+        # sharded parameters are summed over TP ranks and replicated ones (identical on every TP
+        # rank) counted once. Which is which comes from the parameter's name: megatron-core marks
+        # its weights `tensor_model_parallel` only when it initialises them, which we skip.
+        grads = [(n, g) for n, p in model.named_parameters() if (g := p.grad) is not None]
+        if self.dp > 1:
+            for _, grad in grads:
+                dist.all_reduce(grad, group=self._dp_group)
         sharded = torch.zeros((), dtype=torch.float64, device=self.device)
         replicated = torch.zeros((), dtype=torch.float64, device=self.device)
-        for name, p in named:
-            sq = p.grad.detach().double().pow(2).sum()
+        for name, grad in grads:
+            sq = grad.detach().double().pow(2).sum()
             if partition_dim(name) is not None:
                 sharded += sq
             else:
@@ -515,22 +389,6 @@ class MegatronBackend(TrainerBackend):
         if self.tp > 1:
             dist.all_reduce(sharded, group=self._tp_group)
         return (sharded + replicated).sqrt().float()
-
-    def _optimizer_step(self) -> dict[str, float]:
-        named = [(n, p) for n, p in self.policy.named_parameters() if p.grad is not None]
-        params = [p for _, p in named]
-        if self.dp > 1:
-            for p in params:  # the loss is normalised by the global count: sum the replicas
-                dist.all_reduce(p.grad, group=self._dp_group)
-        norm = self._grad_norm(named)
-        grad_norm = float(norm)
-        lr = self.scheduler.get_last_lr()[0]
-        if np.isfinite(grad_norm):
-            torch.nn.utils.clip_grads_with_norm_(params, self.config.grad_clip, norm)
-            self.optimizer.step()
-        self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        return {"grad_norm": grad_norm, "lr": lr, "grad_nonfinite": float(not np.isfinite(grad_norm))}
 
     # ── weights and checkpoints ─────────────────────────────────────────────────────────────
     def _shards(self, name: str, tensor: torch.Tensor) -> list[torch.Tensor]:
@@ -555,29 +413,15 @@ class MegatronBackend(TrainerBackend):
         if self.dp_rank == 0:  # one copy of each TP shard
             shard = {"policy": self.policy.state_dict(), "optimizer": self.optimizer.state_dict()}
             torch.save(shard, path / f"model_tp{self.tp_rank}.pt")
-        rng = rng_state()
-        rng["megatron"] = {k: v.clone() for k, v in get_cuda_rng_tracker().get_states().items()}
-        torch.save(rng, path / f"rng_rank{self.rank}.pt")
-        if self.rank == 0:
-            meta = {
-                "global_step": self._step,
-                "world_size": self.world_size,
-                "tensor_parallel": self.tp,
-                "scheduler": self.scheduler.state_dict(),
-                "data_position": dict(data_position or {}),
-            }
-            torch.save(meta, path / _STATE_FILE)
+        save_rng(path, self.rank, megatron={k: v.clone() for k, v in get_cuda_rng_tracker().get_states().items()})
+        self._write_state(path, data_position, tensor_parallel=self.tp)
         dist.barrier()
 
     def load(self, path: str | Path) -> dict[str, Any]:
         from megatron.core.tensor_parallel import get_cuda_rng_tracker
 
         path = Path(path)
-        if not (path / _STATE_FILE).is_file():
-            raise TrainerError(
-                f"no trainer checkpoint at '{path}' (missing {_STATE_FILE}); pass a folder `save` wrote."
-            )
-        meta = torch.load(path / _STATE_FILE, weights_only=True)
+        meta = self._read_state(path)
         if meta["tensor_parallel"] != self.tp:
             raise TrainerError(
                 f"the checkpoint at '{path}' was saved with tensor_parallel={meta['tensor_parallel']}; "
@@ -588,10 +432,5 @@ class MegatronBackend(TrainerBackend):
         self.optimizer.load_state_dict(shard["optimizer"])
         self.scheduler.load_state_dict(meta["scheduler"])
         self._step = int(meta["global_step"])
-        rng_file = path / f"rng_rank{self.rank}.pt"
-        if not rng_file.is_file():  # resumed on more ranks than saved: reuse rank 0's streams
-            rng_file = path / "rng_rank0.pt"
-        rng = torch.load(rng_file, weights_only=True)
-        set_rng_state(rng)
-        get_cuda_rng_tracker().set_states(dict(rng["megatron"]))
+        get_cuda_rng_tracker().set_states(dict(load_rng(path, self.rank)["megatron"]))
         return dict(meta["data_position"])

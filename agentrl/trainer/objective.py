@@ -11,8 +11,9 @@ On-policy shortcut: when a batch is used for exactly one optimizer step, the pol
 it (after the rollout engine) is the one being updated, so the "old" logprobs equal the update
 forward's own logprobs. `PolicyBatch.old_logprobs` is then None: `policy_objective` takes
 `logprobs.detach()` as the old logprobs (the PPO ratio is exactly 1) and forms the TIS weights
-from them and the rollout logprobs, and the backend hands the detached logprobs back
-(`ScoredRows`) so the step reports the same mismatch metrics as with a separate scoring pass.
+from them and the rollout logprobs, and the update returns the detached logprobs (`ScoredRows`,
+`UpdateResult.old_logprobs`) so the step reports the same mismatch metrics as with a separate
+scoring pass.
 That saves one forward over the whole batch.
 """
 
@@ -32,6 +33,7 @@ __all__ = [
     "loss_denominator",
     "policy_inputs",
     "policy_objective",
+    "zero_loss_rows",
 ]
 
 # Metrics combined by max / min instead of a token-weighted mean.
@@ -63,6 +65,15 @@ def policy_inputs(batch: Any, loss_mask: torch.Tensor) -> dict[str, torch.Tensor
     if batch.old_logprobs is None:
         tensors["rollout_logprobs"] = batch.rollout_logprobs
     return tensors
+
+
+def zero_loss_rows(advantages: torch.Tensor, loss_mask: torch.Tensor, algorithm: Any) -> torch.Tensor | None:
+    """(batch,) bool: the trajectories whose policy loss and gradient are exactly zero, because
+    every loss token has advantage 0 (a GRPO group whose rewards are all equal); None when the
+    loss has another term that still moves them (an entropy bonus, a KL loss)."""
+    if algorithm.entropy_coef or (algorithm.kl_coef > 0 and not algorithm.kl_in_reward):
+        return None
+    return ~((advantages != 0) & (loss_mask > 0)).any(-1)
 
 
 def policy_objective(

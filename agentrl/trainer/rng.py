@@ -9,12 +9,13 @@ tensor-parallel RNG tracker) are the backend's business.
 from __future__ import annotations
 
 import random
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-__all__ = ["rng_state", "set_rng_state"]
+__all__ = ["load_rng", "rng_state", "save_rng", "set_rng_state"]
 
 
 def rng_state() -> dict[str, Any]:
@@ -38,3 +39,17 @@ def set_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
+
+
+def save_rng(path: Path, rank: int, **extra: Any) -> None:
+    """Save this rank's generators (and a backend's `extra` streams) under checkpoint `path`."""
+    torch.save({**rng_state(), **extra}, path / f"rng_rank{rank}.pt")
+
+
+def load_rng(path: Path, rank: int) -> dict[str, Any]:
+    """Restore what `save_rng` wrote for `rank` (rank 0's streams when a run resumes on more ranks
+    than saved) and return it, `extra` streams included."""
+    file = path / f"rng_rank{rank}.pt"
+    state = torch.load(file if file.is_file() else path / "rng_rank0.pt", weights_only=True)
+    set_rng_state(state)
+    return state

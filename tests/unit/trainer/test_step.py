@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from agentrl.config import AlgorithmConfig, TrainerConfig
-from agentrl.trainer.backend import CriticBatch, PolicyBatch, TrainerBackend
-from agentrl.trainer.step import mini_batch_indices, train_step
+from agentrl.trainer.backend import CriticBatch, PolicyBatch, TrainerBackend, UpdateResult, mini_batch_indices
+from agentrl.trainer.step import train_step
 from agentrl.types import TokenOrigin, Trajectory
 
 TINY_QWEN2 = Path("/work/shared/assets/tiny-random-qwen2")
@@ -76,9 +76,9 @@ class FakeBackend(TrainerBackend):
     def compute_values(self, trajectories):  # pragma: no cover - unused
         raise AssertionError
 
-    def update_policy(self, batch: PolicyBatch, algorithm: Any) -> dict[str, float]:
+    def update_policy(self, batch: PolicyBatch, algorithm: Any) -> UpdateResult:
         self.policy_batches.append(batch)
-        return {"pg_loss": float(len(self.policy_batches))}
+        return UpdateResult({"pg_loss": float(len(self.policy_batches))})
 
     def update_critic(self, batch: CriticBatch, algorithm: Any) -> dict[str, float]:  # pragma: no cover
         raise AssertionError
@@ -184,7 +184,7 @@ class RefFakeBackend(FakeBackend):
         b = pad_trajectories(trajectories)
         return b.rollout_logprobs + self.ref_shift * b.loss_mask
 
-    def update_policy(self, batch: PolicyBatch, algorithm: Any) -> dict[str, float]:
+    def update_policy(self, batch: PolicyBatch, algorithm: Any) -> UpdateResult:
         self.algorithms.append(algorithm)
         return super().update_policy(batch, algorithm)
 
@@ -315,7 +315,7 @@ def test_grpo_raises_the_logprob_of_rewarded_answers():
     # within one step (fixed old logprobs and advantages) the surrogate loss falls update by update
     losses: list[float] = []
     update = backend.update_policy
-    backend.update_policy = lambda b, a: (r := update(b, a), losses.append(r["pg_loss"]))[0]
+    backend.update_policy = lambda b, a: (r := update(b, a), losses.append(r.metrics["pg_loss"]))[0]
     train_step(backend, batch, AlgorithmConfig(), TrainerConfig(ppo_epochs=3))
     assert losses[0] > losses[1] > losses[2], losses
 
@@ -367,6 +367,23 @@ def test_the_shortcut_is_not_taken_when_the_old_logprobs_are_needed_first():
         m = train_step(backend, toy_batch(), algo, trainer)
         assert m["batch/scored_in_update"] == 0.0 and backend.scored
         assert all(b.old_logprobs is not None for b in backend.policy_batches)
+
+
+def test_the_update_refuses_to_score_old_logprobs_over_several_steps():
+    from agentrl.errors import TrainerError
+    from agentrl.trainer.packing import pad_trajectories
+
+    backend = FakeBackend()
+    backend.scores_in_update = True
+    layout = pad_trajectories(toy_batch())
+    batch = PolicyBatch(
+        trajectories=toy_batch(), loss_mask=layout.loss_mask, advantages=layout.loss_mask, old_logprobs=None,
+        rollout_logprobs=layout.rollout_logprobs,
+    )  # fmt: skip
+    for trainer in (TrainerConfig(ppo_epochs=2), TrainerConfig(mini_batches=2), TrainerConfig(score_in_update=False)):
+        with pytest.raises(TrainerError, match="old_logprobs=None"):
+            backend.update(batch, AlgorithmConfig(), trainer)
+    assert not backend.policy_batches
 
 
 def with_flat_groups() -> list[Trajectory]:
@@ -426,6 +443,34 @@ def test_zero_advantage_rows_without_backward_leave_the_weights_unchanged(mode, 
     assert m_full["actor/grad_norm"] == 0.0  # the flat step: nothing to learn, and yet a step
     assert "actor/entropy" in m_full
     assert ("actor/entropy" in m_skip) == (mode == "score")  # `skip`: no trained token to measure
+
+
+@needs_model
+@pytest.mark.parametrize("mode", ["score", "skip"])
+def test_the_update_returns_the_old_logprobs_it_scored_and_leaves_its_input_alone(mode):
+    """On-policy shortcut: the update hands back the logprobs its forward gave (those of the
+    weights before the step) for the rows it ran; it writes nothing into the batch it was given."""
+    from agentrl.trainer.packing import pad_trajectories
+
+    backend, trajs = fsdp2(), with_flat_groups()
+    before = backend.compute_logprobs(trajs)
+    layout = pad_trajectories(trajs)
+    adv = layout.loss_mask * torch.tensor([[1.0], [-1.0]] * 2 + [[0.0]] * 8 + [[1.0], [-1.0]] * 2)
+    batch = PolicyBatch(
+        trajectories=trajs, loss_mask=layout.loss_mask, advantages=adv, old_logprobs=None,
+        rollout_logprobs=layout.rollout_logprobs,
+    )  # fmt: skip
+    result = backend.update(batch, AlgorithmConfig(), TrainerConfig(zero_advantage_rows=mode))
+    assert batch.old_logprobs is None and batch.skip_rows is None  # the input is untouched
+    flat = torch.tensor([False] * 4 + [True] * 8 + [False] * 4)
+    assert result.metrics["batch/zero_adv_skipped"] == 8.0 and result.metrics["actor/updates"] == 1.0
+    if mode == "score":
+        assert result.scored_rows is None
+        torch.testing.assert_close(result.old_logprobs, before * layout.loss_mask, atol=1e-5, rtol=0)
+    else:  # the flat rows were not run at all: they read 0
+        assert result.scored_rows.tolist() == (~flat).tolist()
+        torch.testing.assert_close(result.old_logprobs[~flat], (before * layout.loss_mask)[~flat], atol=1e-5, rtol=0)
+        assert torch.all(result.old_logprobs[flat] == 0)
 
 
 @needs_model
