@@ -25,7 +25,7 @@ import abc
 import argparse
 import asyncio
 import logging
-from typing import Any
+from typing import Any, Literal
 
 from agentrl.inference.protocol import (
     GenerateRequest,
@@ -190,10 +190,9 @@ class ServerState:
                     self.resume()
 
     def health(self) -> HealthResponse:
+        status: Literal["ok", "paused", "loading"] = "paused" if self.paused else "ok"
         if self.weights_error is not None:
             status = "loading"
-        else:
-            status = "paused" if self.paused else "ok"
         return HealthResponse(
             status=status,
             weight_version=self.weight_version,

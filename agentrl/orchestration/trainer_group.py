@@ -258,7 +258,8 @@ class TrainerGroup:
 
     async def ready(self) -> None:
         await self._all("ready")
-        self.endpoint = await self.actors[0].weight_endpoint.remote()
+        rank0: Any = self.actors[0]
+        self.endpoint = await rank0.weight_endpoint.remote()
 
     def weight_source(self, version: int) -> tuple[str, str | None]:
         """(source, token) the servers load `version` from: its directory (files) or the endpoint (http)."""

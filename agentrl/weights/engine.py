@@ -21,7 +21,7 @@ from __future__ import annotations
 import queue
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Iterator
+from collections.abc import Generator, Iterable, Iterator
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -179,7 +179,7 @@ class WeightStream(Iterator[tuple[str, torch.Tensor]]):
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _run(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def _run(self) -> Generator[tuple[str, torch.Tensor], None, None]:
         item = self._first
         held: Bucket | None = None
         try:

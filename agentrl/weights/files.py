@@ -73,7 +73,7 @@ def _write_shard(path: Path, bucket: Bucket) -> None:
         f.write(struct.pack("<Q", len(raw)))
         f.write(raw)
         if meta.nbytes:
-            f.write(memoryview(data.numpy()))
+            f.write(data.numpy().data)
 
 
 class FilesCheckpointEngine(CheckpointEngine):
@@ -238,7 +238,7 @@ def _read_shards(path: Path, pool: BufferPool | None) -> Iterator[Bucket | PushE
             else:
                 data = torch.empty(size, dtype=torch.uint8)
                 release = _Once(lambda: None)
-            view = memoryview(data.numpy())
+            view = data.numpy().data
             got = 0
             while got < size:
                 n = f.readinto(view[got:])

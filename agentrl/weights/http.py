@@ -202,7 +202,8 @@ class HTTPCheckpointEngine(CheckpointEngine):
         server.engine = self
         self._server = server
         bound_host, bound_port = server.server_address[:2]
-        shown = f"[{bound_host}]" if ":" in str(bound_host) else str(bound_host)
+        name = bound_host.decode() if isinstance(bound_host, bytes) else str(bound_host)
+        shown = f"[{name}]" if ":" in name else name
         self.url = f"http://{shown}:{bound_port}"
         thread = threading.Thread(target=server.serve_forever, name="agentrl-weights-endpoint", daemon=True)
         thread.start()
@@ -231,7 +232,7 @@ class HTTPCheckpointEngine(CheckpointEngine):
 
     def _bucket_bytes(self, bucket: Bucket) -> memoryview:
         """The bytes served for one bucket (a hook: tests corrupt them to play a bad link)."""
-        return memoryview(bucket.data.numpy())
+        return bucket.data.numpy().data
 
     # ---------------------------------------------------------------- sending
     def send(self, named_tensors: Any, version: int) -> None:
@@ -311,7 +312,7 @@ class HTTPCheckpointEngine(CheckpointEngine):
         if length != data.numel():
             resp.read()
             raise WeightSyncError(f"GET {self.url}{path} sent {length} bytes, the manifest says {data.numel()}.")
-        view = memoryview(data.numpy()) if data.numel() else memoryview(b"")
+        view = data.numpy().data
         got = 0
         while got < length:
             n = resp.readinto(view[got:])
