@@ -331,10 +331,15 @@ class TrainerConfig(_Section):
 
 
 class WeightSyncConfig(_Section):
-    backend: Literal["auto", "inprocess", "broadcast", "files"] = "auto"
-    """How new weights reach the servers; `auto` picks by placement (colocated, distributed, files)."""
+    backend: Literal["auto", "files", "http", "broadcast", "inprocess"] = "auto"
+    """How new weights reach the servers, bucketed and checksummed (every server verifies every
+    bucket): `files` writes each version as a Hugging Face directory under the run's `weights/` that
+    the servers read (they must share that filesystem; checked at start); `http` has the servers pull
+    the buckets from an endpoint on the trainer's node (no shared filesystem, no NCCL). `auto` takes
+    `files` when this run starts its own servers on this machine outside a Ray cluster, else `http`.
+    `broadcast` and `inprocess` are engines of `agentrl.weights` not wired into runs yet."""
     bucket_mb: int = Field(256, ge=1)
-    """Size of one weight bucket."""
+    """Size of one weight bucket in MiB: the unit of transfer, of checksumming and of retry."""
 
 
 class EvalConfig(_Section):

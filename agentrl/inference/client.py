@@ -3,7 +3,7 @@
 `InferenceClient` is the whole surface the rollout layer needs: `generate(prompt_ids, sampling,
 session_id=...) -> Generation`, plus `aclose`. `HTTPServerClient` speaks the agentrl HTTP API
 (`protocol.py`) to one server and adds the control calls (`health`, `pause`, `resume`,
-`update_weights`, `metrics`) that the router, the launcher and the weight sync use. The router
+`update_weights`, `probe_weights`, `metrics`) that the router, the launcher and the weight sync use. The router
 (`router.py`) implements the same protocol over many servers; `sglang.SGLangClient` and
 `serve.ExternalClient` implement it over other engines' native APIs.
 
@@ -24,8 +24,11 @@ from agentrl.inference.protocol import (
     HealthResponse,
     MetricsResponse,
     PauseRequest,
+    ProbeWeightsRequest,
+    ProbeWeightsResponse,
     SamplingSpec,
     UpdateWeightsRequest,
+    UpdateWeightsResponse,
 )
 from agentrl.types import Generation, SamplingParams
 
@@ -151,12 +154,23 @@ class HTTPServerClient:
         return HealthResponse.model_validate(data)
 
     async def update_weights(
-        self, path: str, version: int, *, timeout_s: float | None = None
-    ) -> HealthResponse:
-        """Load the safetensors in directory `path` (on the server's machine) and report `version`."""
-        body = UpdateWeightsRequest(path=str(path), version=version).model_dump()
+        self, source: str, version: int, *, token: str | None = None, timeout_s: float | None = None
+    ) -> UpdateWeightsResponse:
+        """Load weights `version` from `source` and serve them; the answer reports the verified buckets.
+
+        `source` is a directory on the server's machine (files engine, or any HF model directory) or
+        the URL of a trainer's weight endpoint (http engine, with its `token`). A load that fails
+        raises InferenceError with the server's reason (see `server_app` for what the server does).
+        """
+        body = UpdateWeightsRequest(source=str(source), version=version, token=token).model_dump()
         data = await self._call("POST", "/update_weights", json=body, timeout_s=timeout_s or self.timeout_s)
-        return HealthResponse.model_validate(data)
+        return UpdateWeightsResponse.model_validate(data)
+
+    async def probe_weights(self, source: str, *, token: str | None = None) -> ProbeWeightsResponse:
+        """Ask the server to read a weight source's probe nonce (can it reach the trainer's weights?)."""
+        body = ProbeWeightsRequest(source=str(source), token=token).model_dump()
+        data = await self._call("POST", "/probe_weights", json=body, timeout_s=self.control_timeout_s * 3)
+        return ProbeWeightsResponse.model_validate(data)
 
     async def metrics(self) -> MetricsResponse:
         data = await self._call("GET", "/metrics", timeout_s=self.control_timeout_s)

@@ -21,13 +21,20 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from agentrl.inference.protocol import GenerateRequest, GenerateResponse
-from agentrl.inference.server_app import ServerEngine, run_server, server_arg_parser
+from agentrl.inference.protocol import GenerateRequest, GenerateResponse, WeightLoadReport
+from agentrl.inference.server_app import (
+    ServerEngine,
+    WeightLoadError,
+    run_server,
+    server_arg_parser,
+    weight_load_report,
+)
 
 __all__ = ["HFEngine", "main", "sample_token"]
 
@@ -123,31 +130,34 @@ class HFEngine(ServerEngine):
         self._abort_epoch += 1
 
     # ── weights ─────────────────────────────────────────────────────────────────────────────
-    async def load_weights(self, path: str) -> None:
+    async def load_weights(self, source: str, *, version: int, token: str | None) -> WeightLoadReport:
         async with self._lock:
-            await asyncio.to_thread(self._load_weights, path)
+            return await asyncio.to_thread(self._load_weights, source, version, token)
 
-    @torch.inference_mode()
-    def _load_weights(self, path: str) -> None:
-        from safetensors.torch import load_file
+    def _load_weights(self, source: str, version: int, token: str | None) -> WeightLoadReport:
+        """Stream verified buckets from `source` into the model (`load_into_module`, cast to its dtype)."""
+        from agentrl.weights import load_into_module, receive_weights
 
-        files = sorted(Path(path).glob("*.safetensors"))
-        if not files:
-            raise ValueError(f"no *.safetensors files in {path}")
-        params = dict(self.model.named_parameters())
-        params.update(dict(self.model.named_buffers()))
-        incoming: dict[str, torch.Tensor] = {}
-        for f in files:
-            incoming.update(load_file(str(f)))
-        unknown = sorted(set(incoming) - set(params))
-        if unknown:
-            raise ValueError(f"{len(unknown)} tensors match no parameter of the model, e.g. {unknown[:3]}")
-        for name, tensor in incoming.items():
-            target = params[name]
-            if target.shape != tensor.shape:
-                raise ValueError(f"{name}: shape {tuple(tensor.shape)} != model's {tuple(target.shape)}")
-        for name, tensor in incoming.items():
-            params[name].copy_(tensor.to(params[name].dtype))
+        start = time.perf_counter()
+        applied = 0
+
+        def counted(stream: Any) -> Any:
+            nonlocal applied
+            for item in stream:
+                applied += 1
+                yield item
+
+        try:
+            with receive_weights(source, version=version, token=token, owned=False) as stream:
+                report = load_into_module(self.model, counted(stream), strict=False, allow_cast=True)
+        except Exception as exc:
+            raise WeightLoadError(f"{type(exc).__name__}: {exc}", touched=applied > 0) from exc
+        if report.unexpected:
+            raise WeightLoadError(
+                f"{len(report.unexpected)} tensors match no parameter of the model, e.g. {report.unexpected[:3]}; "
+                "trainer and server must serve the same architecture", touched=bool(report.loaded)
+            )
+        return weight_load_report(source, version, stream.stats.as_dict(), time.perf_counter() - start)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -7,7 +7,8 @@ One request shape and one answer shape per endpoint, shared by the servers (`hf_
     GET  /health                               -> HealthResponse
     POST /pause           PauseRequest         -> HealthResponse
     POST /resume                               -> HealthResponse
-    POST /update_weights  UpdateWeightsRequest -> HealthResponse
+    POST /update_weights  UpdateWeightsRequest -> UpdateWeightsResponse (a HealthResponse plus the load's report)
+    POST /probe_weights   ProbeWeightsRequest  -> ProbeWeightsResponse
     GET  /metrics                              -> MetricsResponse
 
 Everything is token ids: text is never sent, so it is never re-tokenised. This module holds the
@@ -18,7 +19,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field
 
 from agentrl.types import Generation, SamplingParams
 
@@ -28,8 +29,12 @@ __all__ = [
     "HealthResponse",
     "MetricsResponse",
     "PauseRequest",
+    "ProbeWeightsRequest",
+    "ProbeWeightsResponse",
     "SamplingSpec",
     "UpdateWeightsRequest",
+    "UpdateWeightsResponse",
+    "WeightLoadReport",
 ]
 
 
@@ -88,11 +93,15 @@ class GenerateResponse(_Wire):
 
 class HealthResponse(_Wire):
     status: Literal["ok", "paused", "loading"]
+    """"loading": the server does not serve (it is starting, or a weight push failed part-way and
+    its weights are a mix of two versions until a push succeeds; `detail` says which)."""
     weight_version: int
     model: str
     engine: str
     load: int
     """Requests running or waiting on this server right now."""
+    detail: str | None = None
+    """Why the server is not serving, when it is not."""
 
 
 class PauseRequest(_Wire):
@@ -101,9 +110,46 @@ class PauseRequest(_Wire):
 
 
 class UpdateWeightsRequest(_Wire):
-    path: str
-    """A directory of safetensors files whose tensor names match the served model's."""
+    source: str = Field(validation_alias=AliasChoices("source", "path"))
+    """Where the weights are: a directory of safetensors files on the server's machine (the files
+    engine's `weights/version-N`, or any Hugging Face model directory), or the http(s) URL of a
+    trainer's weight endpoint (the http engine). Tensor names must match the served model's."""
     version: int = Field(ge=0)
+    token: str | None = None
+    """The bearer token of a weight endpoint (never logged)."""
+
+
+class WeightLoadReport(_Wire):
+    """What one server did with one weight push: every bucket counted, every checksum compared."""
+
+    version: int
+    source: str
+    buckets: int
+    verified_buckets: int
+    """Buckets whose checksum matched the sender's before any of their tensors was loaded."""
+    unverified_buckets: int = 0
+    """Buckets that carried no checksum (a foreign checkpoint directory)."""
+    retried_buckets: int = 0
+    """Buckets fetched again after a failed check or a broken connection."""
+    bytes: int
+    checksum: str | None
+    seconds: float
+
+
+class UpdateWeightsResponse(HealthResponse):
+    push: WeightLoadReport
+
+
+class ProbeWeightsRequest(_Wire):
+    source: str
+    """A weights directory (files engine) or a trainer's weight endpoint URL (http engine)."""
+    token: str | None = None
+
+
+class ProbeWeightsResponse(_Wire):
+    nonce: str | None = None
+    """What the source holds (the run compares it with what the trainer wrote); None on error."""
+    error: str | None = None
 
 
 class MetricsResponse(_Wire):
@@ -116,3 +162,9 @@ class MetricsResponse(_Wire):
     prefix_cache_hits: int | None = None
     """Prompt tokens found in the prefix cache (None: the engine does not report it)."""
     weight_updates: int = 0
+    weight_buckets_verified: int = 0
+    """Weight buckets whose checksum this server compared with the sender's, over all pushes."""
+    weight_bytes_received: int = 0
+    weight_buckets_retried: int = 0
+    weight_load_failures: int = 0
+    """Pushes that failed on this server (a corrupted bucket, an unreachable source, a wrong model)."""

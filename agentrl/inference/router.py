@@ -18,6 +18,10 @@ Routing rules (DESIGN.md §4 Inference):
 - A generation the server ended with finish_reason "abort" (it was paused with abort, e.g. for a
   weight push) is returned as it is, partial tokens included: whether to continue or drop it is
   the agent loop's decision, not the router's.
+- A weight push (`update_weights(source, version)`) goes to every healthy server at once; a server
+  whose load fails is asked again, and one that still fails stops the push with a WeightSyncError
+  that names it and its reason. The last source is remembered, so `sync_server` can bring a server
+  that comes back to the current version before it serves.
 
 A server's load is the requests this router has in flight there plus the part of its reported
 `/health` load that is not ours. A routing decision costs one dict lookup and O(1) arithmetic on a
@@ -36,7 +40,7 @@ from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from agentrl.errors import InferenceError, ServerUnavailableError
+from agentrl.errors import InferenceError, ServerUnavailableError, WeightSyncError
 from agentrl.types import Generation, SamplingParams
 
 __all__ = ["RoutedServer", "Router"]
@@ -116,6 +120,8 @@ class Router:
         self._eligible_load = 0
         self._n_eligible = 0
         self._changed: asyncio.Event | None = None
+        self.weight_source: tuple[str, int, str | None] | None = None
+        """(source, version, token) of the last `update_weights`, for `sync_server`."""
         self._health_task: asyncio.Task[None] | None = None
         self.counters = {
             "requests": 0,
@@ -346,17 +352,106 @@ class Router:
             await asyncio.sleep(self.health_interval_s)
 
     # ── fleet control ───────────────────────────────────────────────────────────────────────
-    async def update_weights(self, path: str, version: int) -> None:
-        """Load weights `path` on every server (each pauses itself), then serve only `version`."""
+    async def update_weights(
+        self, source: str, version: int, *, token: str | None = None, attempts: int = 2
+    ) -> dict[str, Any]:
+        """Load weights `version` from `source` on every healthy server, then serve only `version`.
+
+        `source` is a weights directory the servers can read (files engine) or a trainer's weight
+        endpoint URL (http engine, with its bearer `token`). Each server verifies every bucket's
+        checksum before loading it; a server whose load fails is asked again, up to `attempts` times
+        in all, and if it still fails this raises WeightSyncError naming each failed server and its
+        reason (those servers refuse to serve until a push succeeds). Returns each server's load
+        report (`WeightLoadReport`, or None for engines that give none) by server id.
+        """
         cannot = [s.server_id for s in self.servers if not hasattr(s.client, "update_weights")]
         if cannot:
             raise InferenceError(
                 f"Servers {cannot} cannot load weights (external OpenAI-compatible servers have no such call); "
                 "update them yourself, then call set_version()."
             )
-        await asyncio.gather(*(s.client.update_weights(path, version) for s in self.servers if s.healthy))
+        if attempts < 1:
+            raise ValueError(f"attempts must be >= 1, got {attempts}")
+        self.weight_source = (source, version, token)
+        # Servers that answer but do not serve (a push that failed part-way) need this push most.
+        reachable = await asyncio.gather(*(self._answers(s) for s in self.servers))
+        targets = [s for s, ok in zip(self.servers, reachable, strict=True) if ok]
+        outcomes = await asyncio.gather(*(self._push_one(s, source, version, token, attempts) for s in targets))
         await self.check_health()
+        failed = {s.server_id: out for s, out in zip(targets, outcomes, strict=True) if isinstance(out, str)}
+        if failed:
+            reasons = "; ".join(f"{sid}: {why}" for sid, why in failed.items())
+            raise WeightSyncError(
+                f"Weight version {version} from {source} did not load on {len(failed)} of {len(targets)} "
+                f"server(s) after {attempts} attempt(s) each: {reasons}. A server whose push failed part-way "
+                "serves nothing until a push succeeds. Check that the trainer's weights are readable from the "
+                "servers (weights.backend) and intact, then resume the run (resume=true)."
+            )
         self.set_version(version)
+        return {s.server_id: getattr(out, "push", None) for s, out in zip(targets, outcomes, strict=True)}
+
+    async def _answers(self, server: RoutedServer) -> bool:
+        if server.healthy:
+            return True
+        health = getattr(server.client, "health", None)
+        if health is None:
+            return False
+        try:
+            await health(timeout_s=self.health_timeout_s)
+        except (InferenceError, OSError, TimeoutError):
+            return False
+        return True
+
+    async def _push_one(self, server: RoutedServer, source: str, version: int, token: str | None,
+                        attempts: int) -> Any:
+        """One server's load, retried; its answer, or the reason it failed (a string)."""
+        kwargs = {"token": token} if token is not None else {}
+        reason = ""
+        for attempt in range(1, attempts + 1):
+            try:
+                return await server.client.update_weights(source, version, **kwargs)
+            except InferenceError as exc:
+                reason = str(exc)
+                log.warning("weight version %d failed on %s (attempt %d of %d): %s", version, server.server_id,
+                            attempt, attempts, exc)
+        return reason
+
+    async def sync_server(self, server_id: str) -> Any:
+        """Push the last pushed weights (`update_weights`' source and version) to one server, e.g. one
+        that restarted; returns its load report. Raises WeightSyncError if it cannot load them."""
+        if self.weight_source is None:
+            raise WeightSyncError("No weights were pushed through this router yet; nothing to re-sync.")
+        source, version, token = self.weight_source
+        server = next((s for s in self.servers if s.server_id == server_id), None)
+        if server is None:
+            raise InferenceError(f"No server {server_id!r} behind this router; known: {[s.server_id for s in self.servers]}")
+        out = await self._push_one(server, source, version, token, 2)
+        await self._check_one(server)
+        self._refresh_eligibility()
+        if isinstance(out, str):
+            raise WeightSyncError(f"Server {server_id} could not load weight version {version} from {source}: {out}")
+        return getattr(out, "push", None)
+
+    async def check_weight_source(self, source: str, expected: str, *, token: str | None = None) -> None:
+        """Check that every healthy server reads the nonce `expected` from `source` (see
+        `agentrl.weights.sources.probe_source`); raise WeightSyncError naming the servers that do not.
+
+        Servers whose client cannot probe (SGLang) are not checked."""
+        targets = [s for s in self.servers if s.healthy and hasattr(s.client, "probe_weights")]
+        kwargs = {"token": token} if token is not None else {}
+        answers = await asyncio.gather(*(s.client.probe_weights(source, **kwargs) for s in targets),
+                                       return_exceptions=True)
+        bad = []
+        for server, answer in zip(targets, answers, strict=True):
+            if isinstance(answer, BaseException):
+                bad.append(f"{server.server_id}: {answer}")
+            elif answer.nonce != expected:
+                bad.append(f"{server.server_id}: {answer.error or f'read {answer.nonce!r}, not what the trainer wrote'}")
+        if bad:
+            raise WeightSyncError(
+                f"{len(bad)} of {len(targets)} server(s) cannot reach the trainer's weights at {source}: "
+                + "; ".join(bad)
+            )
 
     def stats(self) -> dict[str, Any]:
         return {

@@ -6,6 +6,17 @@ them: the HTTP routes of `protocol.py`, pause and resume (new requests wait whil
 ones finish, or end with finish_reason "abort"), the weight version, the load figure the router
 balances on, and the counters behind `/metrics`. It runs inside the server process; clients never
 import it.
+
+Weight pushes. `POST /update_weights {source, version, token}` pauses the server (in-flight
+requests finish first), and the engine receives the weights through `agentrl.weights`
+(`receive_weights`): every bucket's checksum is compared with the sender's before any tensor of it
+is loaded, and the answer reports how many were verified. Buckets are loaded as they arrive, so a
+push that fails part-way (a bucket still corrupted after its retries, a sender that vanished, a
+tensor the model does not have) leaves the model holding two versions at once. The server then
+refuses to serve rather than serve that mix: `/health` says "loading" with the reason, and
+`/generate` (including the requests that waited for the push) answers 503 so the router sends them
+elsewhere, until a push completes. A push that fails before it touched the model (the source was
+unreachable) leaves the server serving its old version.
 """
 
 from __future__ import annotations
@@ -14,7 +25,7 @@ import abc
 import argparse
 import asyncio
 import logging
-from typing import Any
+from typing import Any, Literal
 
 from agentrl.inference.protocol import (
     GenerateRequest,
@@ -22,12 +33,46 @@ from agentrl.inference.protocol import (
     HealthResponse,
     MetricsResponse,
     PauseRequest,
+    ProbeWeightsRequest,
+    ProbeWeightsResponse,
     UpdateWeightsRequest,
+    UpdateWeightsResponse,
+    WeightLoadReport,
 )
 
-__all__ = ["ServerEngine", "ServerState", "build_app", "run_server", "server_arg_parser"]
+__all__ = [
+    "ServerEngine",
+    "ServerState",
+    "WeightLoadError",
+    "WeightsIncompleteError",
+    "build_app",
+    "run_server",
+    "server_arg_parser",
+    "weight_load_report",
+]
 
 log = logging.getLogger(__name__)
+
+
+class WeightLoadError(Exception):
+    """A weight push failed on this server; `touched` says whether some weights were already replaced."""
+
+    def __init__(self, message: str, *, touched: bool) -> None:
+        super().__init__(message)
+        self.touched = touched
+
+
+def weight_load_report(source: str, version: int, stats: dict[str, Any], seconds: float) -> WeightLoadReport:
+    """The wire report of one load from a receiving stream's `stats` (`TransferStats.as_dict()`)."""
+    return WeightLoadReport(
+        version=version, source=source, buckets=stats["buckets"], verified_buckets=stats["verified"],
+        unverified_buckets=stats["unverified"], retried_buckets=stats["retried"], bytes=stats["bytes"],
+        checksum=stats["checksum"], seconds=seconds,
+    )  # fmt: skip
+
+
+class WeightsIncompleteError(Exception):
+    """The server's weights are a mix of two versions after a failed push; it serves nothing until a push succeeds."""
 
 
 class ServerEngine(abc.ABC):
@@ -51,8 +96,9 @@ class ServerEngine(abc.ABC):
         """Make every in-flight `generate` return soon with finish_reason "abort"."""
 
     @abc.abstractmethod
-    async def load_weights(self, path: str) -> None:
-        """Load the safetensors files in `path` into the running model, in place."""
+    async def load_weights(self, source: str, *, version: int, token: str | None) -> WeightLoadReport:
+        """Receive the weights at `source` through `agentrl.weights.receive_weights` and load them into
+        the running model, in place; raise WeightLoadError (saying whether the model was touched)."""
 
     def prefix_cache_stats(self) -> tuple[int | None, int | None]:
         """(tokens queried, tokens hit) of the prefix cache, or (None, None) if not exposed."""
@@ -73,6 +119,7 @@ class ServerState:
         self._idle = asyncio.Event()
         self._idle.set()
         self._update_lock = asyncio.Lock()
+        self.weights_error: str | None = None  # set while the weights are a mix of two versions
 
     @property
     def paused(self) -> bool:
@@ -83,6 +130,8 @@ class ServerState:
         try:
             while not self._resumed.is_set():
                 await self._resumed.wait()
+            if self.weights_error is not None:
+                raise WeightsIncompleteError(self.weights_error)
             self._running += 1
             self._idle.clear()
             try:
@@ -109,25 +158,48 @@ class ServerState:
     def resume(self) -> None:
         self._resumed.set()
 
-    async def update_weights(self, path: str, version: int) -> None:
+    async def update_weights(self, source: str, version: int, token: str | None = None) -> WeightLoadReport:
+        """Pause, load `version` from `source`, resume; see the module docstring for failures."""
         async with self._update_lock:
             was_paused = self.paused
             await self.pause(abort=False)
+            m = self.metrics
             try:
-                await self.engine.load_weights(path)
+                try:
+                    report = await self.engine.load_weights(source, version=version, token=token)
+                except WeightLoadError as exc:
+                    m.weight_load_failures += 1
+                    if exc.touched:
+                        self.weights_error = (f"weight version {version} from {source} failed part-way and the "
+                                              f"weights are incomplete until a push succeeds: {exc}")
+                    log.error("weight version %d from %s failed (%s): %s", version, source,
+                              "weights incomplete, not serving" if exc.touched else "weights unchanged", exc)
+                    raise
+                self.weights_error = None
                 self.weight_version = version
-                self.metrics.weight_updates += 1
+                m.weight_updates += 1
+                m.weight_buckets_verified += report.verified_buckets
+                m.weight_buckets_retried += report.retried_buckets
+                m.weight_bytes_received += report.bytes
+                log.info("weight version %d from %s: %d/%d buckets verified (%s), %d retried, %.1f MB in %.2f s",
+                         version, source, report.verified_buckets, report.buckets, report.checksum,
+                         report.retried_buckets, report.bytes / 1e6, report.seconds)
+                return report
             finally:
                 if not was_paused:
                     self.resume()
 
     def health(self) -> HealthResponse:
+        status: Literal["ok", "paused", "loading"] = "paused" if self.paused else "ok"
+        if self.weights_error is not None:
+            status = "loading"
         return HealthResponse(
-            status="paused" if self.paused else "ok",
+            status=status,
             weight_version=self.weight_version,
             model=self.engine.model_name,
             engine=self.engine.engine_name,
             load=self.inflight,
+            detail=self.weights_error,
         )
 
 
@@ -135,7 +207,8 @@ def build_app(engine: ServerEngine, weight_version: int = 0) -> Any:
     """The FastAPI app serving `engine`; the engine is started in the app's lifespan."""
     import contextlib
 
-    from fastapi import FastAPI, HTTPException
+    from fastapi import FastAPI, HTTPException, Request
+    from fastapi.responses import JSONResponse
 
     state_box: dict[str, ServerState] = {}
 
@@ -150,6 +223,10 @@ def build_app(engine: ServerEngine, weight_version: int = 0) -> Any:
             await engine.shutdown()
 
     app = FastAPI(title=f"agentrl {engine.engine_name} server", lifespan=lifespan)
+
+    @app.exception_handler(WeightsIncompleteError)
+    async def weights_incomplete(_request: Request, exc: WeightsIncompleteError) -> JSONResponse:
+        return JSONResponse(status_code=503, content={"detail": f"not serving: {exc}"})
 
     @app.post("/generate", response_model=GenerateResponse)
     async def generate(request: GenerateRequest) -> GenerateResponse:
@@ -171,16 +248,26 @@ def build_app(engine: ServerEngine, weight_version: int = 0) -> Any:
         state.resume()
         return state.health()
 
-    @app.post("/update_weights", response_model=HealthResponse)
-    async def update_weights(request: UpdateWeightsRequest) -> HealthResponse:
+    @app.post("/update_weights", response_model=UpdateWeightsResponse)
+    async def update_weights(request: UpdateWeightsRequest) -> UpdateWeightsResponse:
         state = state_box["s"]
         try:
-            await state.update_weights(request.path, request.version)
-        except (OSError, ValueError, KeyError, RuntimeError) as exc:
+            report = await state.update_weights(request.source, request.version, request.token)
+        except WeightLoadError as exc:
             raise HTTPException(
-                status_code=400, detail=f"update_weights({request.path}) failed: {exc}"
+                status_code=422, detail=f"weight version {request.version} from {request.source} failed: {exc}"
             ) from exc
-        return state.health()
+        return UpdateWeightsResponse(**state.health().model_dump(), push=report)
+
+    @app.post("/probe_weights", response_model=ProbeWeightsResponse)
+    async def probe_weights(request: ProbeWeightsRequest) -> ProbeWeightsResponse:
+        from agentrl.weights import probe_source
+
+        try:
+            nonce = await asyncio.to_thread(probe_source, request.source, token=request.token)
+        except Exception as exc:  # reported to the caller, who names the fix
+            return ProbeWeightsResponse(error=f"{type(exc).__name__}: {exc}")
+        return ProbeWeightsResponse(nonce=nonce)
 
     @app.get("/metrics", response_model=MetricsResponse)
     async def metrics() -> MetricsResponse:

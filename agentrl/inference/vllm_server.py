@@ -31,10 +31,13 @@ start-up to a healthy /health measured 66-69 s on a shared, busy 2-core machine 
 - Prefix caching is on by default; `/metrics` reports prompt tokens queried and found in the cache
   (summed from each request's `num_cached_tokens`).
 - Pause, resume and abort are done by the shared `server_app` layer; abort calls `AsyncLLM.abort`.
-- Weight updates load a directory of safetensors in place: `collective_rpc` of
-  `vllm_worker.VLLMWorkerExtension.agentrl_reload_weights`, which is vLLM's own
-  `reload_weights(weights_path=..., is_checkpoint_format=True)` plus a fix for tied embeddings on
-  CPU (see that module), and then the prefix cache is reset: its entries hold the old weights' KV.
+- Weight updates are received by the model's workers themselves: `collective_rpc` of
+  `vllm_worker.VLLMWorkerExtension.agentrl_receive_weights`, which opens the source with
+  `agentrl.weights.receive_weights` (a files-engine directory, or a trainer's http endpoint: the
+  bytes go straight to the worker, never through this frontend), verifies every bucket's checksum
+  before loading it, and feeds the tensors to vLLM's in-place reload (`reload_weights` with a
+  weights iterator, which calls `model.load_weights`), plus a fix for tied embeddings on CPU (see
+  that module). The prefix cache is reset afterwards: its entries hold the old weights' KV.
 """
 
 from __future__ import annotations
@@ -42,12 +45,19 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import time
 import uuid
 from pathlib import Path
 from typing import Any
 
-from agentrl.inference.protocol import GenerateRequest, GenerateResponse
-from agentrl.inference.server_app import ServerEngine, run_server, server_arg_parser
+from agentrl.inference.protocol import GenerateRequest, GenerateResponse, WeightLoadReport
+from agentrl.inference.server_app import (
+    ServerEngine,
+    WeightLoadError,
+    run_server,
+    server_arg_parser,
+    weight_load_report,
+)
 
 __all__ = ["VLLMEngine", "main"]
 
@@ -176,12 +186,22 @@ class VLLMEngine(ServerEngine):
         return self._cache_queries, self._cache_hits
 
     # ── weights ─────────────────────────────────────────────────────────────────────────────
-    async def load_weights(self, path: str) -> None:
-        if not any(Path(path).glob("*.safetensors")):
-            raise ValueError(f"no *.safetensors files in {path}")
-        repacked = await self.llm.collective_rpc("agentrl_reload_weights", args=(str(path),))
-        await self.llm.reset_prefix_cache()
-        log.info("reloaded weights from %s (re-packed CPU GEMMs per worker: %s)", path, repacked)
+    async def load_weights(self, source: str, *, version: int, token: str | None) -> WeightLoadReport:
+        start = time.perf_counter()
+        request = {"source": source, "version": version, "token": token}
+        try:
+            results = await self.llm.collective_rpc("agentrl_receive_weights", args=(request,))
+        except Exception as exc:  # the RPC itself failed: whether a worker had started loading is unknown
+            raise WeightLoadError(f"{type(exc).__name__}: {exc}", touched=True) from exc
+        touched = any(r.get("touched", True) for r in results)
+        if touched:
+            await self.llm.reset_prefix_cache()
+        failed = [r for r in results if not r.get("ok")]
+        if failed:
+            raise WeightLoadError(str(failed[0].get("error")), touched=touched)
+        log.info("workers received weight version %d (re-packed CPU GEMMs per worker: %s)", version,
+                 [r.get("repacked") for r in results])
+        return weight_load_report(source, version, results[0]["stats"], time.perf_counter() - start)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -336,11 +336,9 @@ def _check_names(config: AgentRLConfig, purpose: Purpose) -> None:
 
         if not torch.cuda.is_available():
             raise ConfigError("trainer.device=cuda but no CUDA device is visible here; use auto or cpu.")
-    if config.weights.backend not in ("auto", "files"):
-        raise ConfigError(
-            f"weights.backend: '{config.weights.backend}' is not wired into runs yet; use 'auto' or "
-            "'files' (new weights reach the servers as checksummed safetensors files)."
-        )
+    from agentrl.orchestration.trainer_group import weights_backend
+
+    weights_backend(config)  # refuses engines runs cannot use, naming the key
 
 
 def _rows(config: AgentRLConfig, env_cls: type[Env], split: str) -> LoadedRows:

@@ -9,8 +9,9 @@ One run, on Ray (a local instance by default; the cluster when `ray start` made 
    actors load the policy (`TrainerGroup`).
 3. The `Scheduler` runs the steps in `run.mode`: rollouts are asyncio tasks in this process (the
    AgentLoop over the router), training is a Ray call, and each new policy reaches the servers
-   through the files checkpoint engine (`weights/version-N`), after which the router serves only
-   that version.
+   through the checkpoint engine `weights.backend` selects (`weights/version-N` directories, or an
+   HTTP endpoint on the trainer's node), every bucket checksummed and verified by each server,
+   after which the router serves only that version.
 4. After every step the dashboard metrics go to the console, `metrics.jsonl` and TensorBoard;
    every `run.eval_every` steps (and before the first and after the last) the held-out split is
    evaluated (`eval/pass_at_1`, ...), with its report under `eval/step-N/`; every `run.save_every`
@@ -205,8 +206,11 @@ class _Run:
         return metrics
 
     async def push(self, version: int) -> None:
-        path = self.weights_dir / f"version-{version:08d}"
-        await self.router.update_weights(str(path), version)
+        source, token = self.trainer.weight_source(version)
+        reports = await self.router.update_weights(source, version, token=token)
+        done = [r for r in reports.values() if r is not None]
+        log.info("weight version %d on %d server(s) from %s: %s bucket(s) verified of %s", version, len(reports),
+                 source, sum(r.verified_buckets for r in done), sum(r.buckets for r in done))
 
     async def after_step(self, record: StepRecord) -> None:
         assert self.scheduler is not None
@@ -316,7 +320,6 @@ class _Run:
         config = self.config
         self.trainer = trainer
         self.router: Router = service.client
-        self.weights_dir = self.run_dir / "weights"
         await self.router.start()
         loop = self.job.agent_loop(self.router)
         self.worker = RolloutWorker(loop, self.job.make_env, max_concurrent=config.rollout.max_concurrent_episodes)
@@ -329,11 +332,12 @@ class _Run:
                      start_step, version)
         await trainer.ready()
         await self.router.check_health()
+        await trainer.check_servers(self.router)  # every server reaches the trainer's weights
         served = {s["weight_version"] for s in self.router.stats()["servers"]}
         if version > 0 or served != {0}:
             # Resumed, or servers that were already running hold other weights: serve the trainer's.
-            path, _ = await trainer.export(version)
-            await self.router.update_weights(path, version)
+            await trainer.export(version)
+            await self.push(version)
         self.scheduler = Scheduler(
             mode=config.run.mode, prompts_per_step=config.data.prompts_per_step, sampler=self.sampler,
             ledger=self.ledger, rollout=self.rollout, train=self.train, push=self.push,

@@ -1,12 +1,24 @@
 """The trainer as Ray actors: one actor per trainer rank, driven as one group.
 
 `TrainerWorker` is one rank: it builds the configured backend (`make_backend`), runs `train_step`
-on the batches it is sent, exports the policy's weights through the files checkpoint engine (rank
-0 writes, every rank takes part in gathering the shards), and saves and loads checkpoints. With
+on the batches it is sent, exports the policy's weights through the run's checkpoint engine (rank
+0 sends, every rank takes part in gathering the shards), and saves and loads checkpoints. With
 `trainer.num_processes > 1` the ranks form a torch.distributed group (gloo on CPU, NCCL on GPU)
 whose address the group picks. `TrainerGroup` starts the actors and calls every rank alike, which
 is what FSDP2 needs; it returns rank 0's answer. The calls are Ray futures, so the asyncio driver
 awaits them while rollouts go on.
+
+Weights (`weights_backend` resolves `weights.backend`):
+- `files`: each export is `weights/version-N` in the run directory, a complete Hugging Face model
+  directory (safetensors with per-shard checksums, config.json, generation_config.json, the
+  tokenizer and the chat template the run used), which the servers read. The newest three are
+  kept, plus every version a checkpoint was taken at.
+- `http`: rank 0 publishes each export on an HTTP endpoint bound to its node's address (as Ray
+  reports it; no address is assumed) and the servers pull it; nothing is written per step. At
+  every checkpoint the current version is also written to `weights/version-N` as above, so the
+  policy of every checkpoint, and the final one, is a directory `agentrl eval model.path=...` loads.
+At start the servers prove they can reach the weights (`check_servers`): they read back a nonce the
+trainer wrote into its weights directory, or asked of its endpoint.
 
 Nothing here decides when to train or push: that is `schedule.py`.
 """
@@ -16,15 +28,75 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 from agentrl.config import AgentRLConfig
-from agentrl.errors import AgentRLError, TrainerError
+from agentrl.errors import AgentRLError, ConfigError, TrainerError, WeightSyncError
 from agentrl.types import Trajectory
 
-__all__ = ["TrainerGroup", "TrainerWorker"]
+__all__ = ["TrainerGroup", "TrainerWorker", "export_assets", "weights_backend"]
+
+FILES_KEEP_LAST = 3
+"""Versions the files engine keeps in `weights/` (besides those a checkpoint was taken at)."""
+
+
+def weights_backend(config: AgentRLConfig) -> str:
+    """The engine a run pushes weights with: `weights.backend`, with `auto` resolved (`files` or `http`).
+
+    `auto` takes `files` when this run starts its own servers on this machine and Ray is not a
+    cluster (`RAY_ADDRESS` unset): trainer and servers then share the run directory. Servers named by
+    `inference.urls`, or a cluster, may be on other machines: `http`. SGLang servers load only from
+    disk, so they always get `files`. Refused values raise ConfigError naming the key.
+    """
+    backend = config.weights.backend
+    engine = config.inference.engine
+    if backend == "broadcast":
+        raise ConfigError(
+            "weights.backend: 'broadcast' is not wired into runs yet (the servers' workers would join a "
+            "torch.distributed group with the trainer); use 'http' for servers on other machines (they "
+            "pull the weights from the trainer's node, no shared filesystem or NCCL needed) or 'files'."
+        )
+    if backend == "inprocess":
+        raise ConfigError(
+            "weights.backend: 'inprocess' is for the colocated placement (trainer and inference engine in "
+            "one process), which runs do not have yet; use 'files' or 'http'."
+        )
+    if backend == "auto":
+        remote = bool(config.inference.urls) or bool(os.environ.get("RAY_ADDRESS"))
+        backend = "http" if remote and engine != "sglang" else "files"
+    if backend == "http" and engine == "sglang":
+        raise ConfigError("weights.backend: SGLang servers load new weights only from disk "
+                          "(update_weights_from_disk); use weights.backend=files.")
+    return backend
+
+
+def export_assets(config: AgentRLConfig, model_path: str) -> dict[str, bytes]:
+    """The files besides the weights that make an export a complete Hugging Face model directory:
+    config.json and generation_config.json of `model_path`, and the tokenizer (`model.tokenizer`, else
+    the model's) saved with the chat template the run renders with (`model.chat_template`, else its own)."""
+    from transformers import AutoTokenizer
+
+    from agentrl.models import resolve_model_path
+    from agentrl.orchestration.build import BUILTIN_TEMPLATES
+
+    tokenizer_path = resolve_model_path(config.model.tokenizer) if config.model.tokenizer else model_path
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
+    choice = config.model.chat_template
+    if choice is not None:
+        tokenizer.chat_template = BUILTIN_TEMPLATES[choice] if choice in BUILTIN_TEMPLATES else Path(choice).read_text()
+    assets: dict[str, bytes] = {}
+    with tempfile.TemporaryDirectory(prefix="agentrl-assets-") as tmp:
+        tokenizer.save_pretrained(tmp)
+        for path in sorted(Path(tmp).iterdir()):
+            if path.is_file():
+                assets[path.name] = path.read_bytes()
+    for name in ("config.json", "generation_config.json"):
+        if (Path(model_path) / name).is_file():
+            assets[name] = (Path(model_path) / name).read_bytes()
+    return assets
 
 
 class TrainerWorker:
@@ -32,7 +104,7 @@ class TrainerWorker:
 
     def __init__(
         self, config: dict[str, Any], model_path: str, weights_dir: str, *, rank: int = 0, world_size: int = 1,
-        master: tuple[str, int] | None = None, threads: int | None = None,
+        master: tuple[str, int] | None = None, threads: int | None = None, weights: str = "files",
     ) -> None:
         if world_size > 1:
             assert master is not None  # TrainerGroup always passes it for several ranks
@@ -45,15 +117,29 @@ class TrainerWorker:
         if threads:
             torch.set_num_threads(threads)
         from agentrl.trainer.backend import make_backend
-        from agentrl.weights import make_checkpoint_engine
 
         self.config = AgentRLConfig.model_validate(config)
         self.config.model.path = model_path
         self.rank = rank
         self.backend = make_backend(self.config)
-        self.engine = make_checkpoint_engine(
-            "files", directory=weights_dir, keep_last=3, bucket_bytes=self.config.weights.bucket_mb << 20
-        )
+        self.weights = weights
+        self.version: int | None = None  # the version of the last export
+        self.files: Any = None  # rank 0: weights/version-N directories
+        self.http: Any = None  # rank 0 with the http engine: the endpoint servers pull from
+        self.nonce = ""
+        if rank == 0:
+            from agentrl.weights import FilesCheckpointEngine, HTTPCheckpointEngine, write_probe
+
+            bucket_bytes = self.config.weights.bucket_mb << 20
+            self.files = FilesCheckpointEngine(directory=weights_dir, keep_last=FILES_KEEP_LAST,
+                                               bucket_bytes=bucket_bytes, assets=export_assets(self.config, model_path))
+            if weights == "http":
+                import ray.util
+
+                self.http = HTTPCheckpointEngine(host=ray.util.get_node_ip_address(), bucket_bytes=bucket_bytes)
+                self.nonce = self.http.nonce
+            else:
+                self.nonce = write_probe(weights_dir)
         from agentrl.trainer.step import make_kl_controller
 
         # Kept across steps (adaptive when algorithm.kl_target is set) and saved in checkpoints.
@@ -64,6 +150,12 @@ class TrainerWorker:
     def ready(self) -> int:
         return self.rank
 
+    def weight_endpoint(self) -> dict[str, Any]:
+        """Rank 0: where servers find the weights (`location`, `token`) and the probe `nonce` there."""
+        if self.http is not None:
+            return {"backend": "http", "location": self.http.url, "token": self.http.token, "nonce": self.nonce}
+        return {"backend": "files", "location": str(self.files.directory), "token": None, "nonce": self.nonce}
+
     def train(self, trajectories: list[Trajectory]) -> dict[str, float]:
         from agentrl.trainer.step import train_step
 
@@ -73,20 +165,32 @@ class TrainerWorker:
             kl_controller=self.kl_controller,
         )  # fmt: skip
 
-    def export(self, version: int) -> tuple[str, float]:
-        """Write the policy's weights as `version`; return (directory, seconds)."""
-        start = time.perf_counter()
+    def _send(self, engine: Any, version: int) -> None:
         named = self.backend.export_weights()
         if self.rank == 0:
-            self.engine.send(named, version)
+            engine.send(named, version)
         else:
-            for _ in named:  # take part in gathering every shard; rank 0 writes
+            for _ in named:  # take part in gathering every shard; rank 0 sends
                 pass
-        return str(self.engine.path_for(version)), time.perf_counter() - start
+
+    def export(self, version: int) -> tuple[str, float]:
+        """Publish the policy's weights as `version` through the run's engine; return (source, seconds):
+        the version's directory (files) or the endpoint's URL (http)."""
+        start = time.perf_counter()
+        self._send(self.http or self.files, version)
+        self.version = version
+        source = "" if self.rank else (self.http.url if self.http is not None else str(self.files.path_for(version)))
+        return source, time.perf_counter() - start
 
     def save(self, path: str, data_position: dict[str, Any]) -> float:
+        """Save the trainer's state, and keep the current version as a complete HF directory in `weights/`."""
         start = time.perf_counter()
         self.backend.save(path, {**data_position, "kl_coef": self.kl_controller.value})
+        if self.version is not None:
+            if self.weights == "http":
+                self._send(self.files, self.version)  # nothing was written per step: write this one
+            if self.rank == 0:
+                self.files.keep(self.version)
         return time.perf_counter() - start
 
     def load(self, path: str) -> dict[str, Any]:
@@ -108,6 +212,9 @@ class TrainerGroup:
     def __init__(self, config: AgentRLConfig, model_path: str, weights_dir: str | Path) -> None:
         import ray
 
+        self.weights = weights_backend(config)
+        self.weights_dir = Path(weights_dir)
+        self.endpoint: dict[str, Any] = {}
         n = config.trainer.num_processes
         use_gpu = config.trainer.device == "cuda" or (
             config.trainer.device == "auto" and bool(ray.cluster_resources().get("GPU"))
@@ -119,7 +226,7 @@ class TrainerGroup:
         self.actors = [
             actor_cls.remote(  # type: ignore[attr-defined]
                 payload, model_path, str(weights_dir), rank=r, world_size=n, master=master,
-                threads=max(1, cpus // n),
+                threads=max(1, cpus // n), weights=self.weights,
             )
             for r in range(n)
         ]
@@ -151,6 +258,28 @@ class TrainerGroup:
 
     async def ready(self) -> None:
         await self._all("ready")
+        rank0: Any = self.actors[0]
+        self.endpoint = await rank0.weight_endpoint.remote()
+
+    def weight_source(self, version: int) -> tuple[str, str | None]:
+        """(source, token) the servers load `version` from: its directory (files) or the endpoint (http)."""
+        if not self.endpoint:
+            raise TrainerError("weight_source() before ready(): the trainer has not started yet.")
+        if self.endpoint["backend"] == "http":
+            return self.endpoint["location"], self.endpoint["token"]
+        return str(self.weights_dir / f"version-{version:08d}"), None
+
+    async def check_servers(self, router: Any) -> None:
+        """Check at start that every server reaches the trainer's weights; raise with the fix if not."""
+        location, token = self.endpoint["location"], self.endpoint["token"]
+        try:
+            await router.check_weight_source(location, self.endpoint["nonce"], token=token)
+        except WeightSyncError as exc:
+            fix = ("the files engine needs a directory that the trainer and every server share: use "
+                   "weights.backend=http, or a run directory (run.output_dir) every node mounts"
+                   if self.weights == "files" else
+                   "the servers must reach the trainer node's address over TCP (firewall, routes)")
+            raise WeightSyncError(f"weights.backend={self.weights}: {exc}. Fix: {fix}.") from exc
 
     async def train(self, trajectories: list[Trajectory]) -> dict[str, float]:
         return await self._all("train", trajectories)

@@ -183,7 +183,7 @@ def compute_checksum(data: torch.Tensor, kind: str = "sum64") -> int:
         data = data.cpu()  # a device-to-host copy: the cost of checksumming GPU buckets
     raw = data.numpy()
     if kind == "crc32":
-        return zlib.crc32(raw)
+        return zlib.crc32(raw.data)
     # Word i is added into lane i % 512: summing down the columns of a (rows, 512) view is a
     # stream of contiguous vector adds, about twice as fast as summing along rows.
     n_words = raw.size // 8
@@ -191,8 +191,8 @@ def compute_checksum(data: torch.Tensor, kind: str = "sum64") -> int:
     words = raw[: n_words * 8].view("<u8")
     lanes = words[:full].reshape(-1, _SUM64_LANES).sum(axis=0, dtype=np.uint64)
     extra = np.array([words[full:].sum(dtype=np.uint64), raw.size], dtype=np.uint64)
-    crc = zlib.crc32(np.concatenate([lanes, extra]).astype("<u8", copy=False))
-    return zlib.crc32(raw[n_words * 8 :], crc)
+    crc = zlib.crc32(np.concatenate([lanes, extra]).astype("<u8", copy=False).data)
+    return zlib.crc32(raw[n_words * 8 :].data, crc)
 
 
 def bucket_checksum(data: torch.Tensor, kind: str, pieces: tuple[tuple[int, int], ...] = ()) -> int:

@@ -13,7 +13,7 @@ stream is asked for the item after the last tensor of their bucket. Copy them ou
 `load_into_module` does) or pass `copy=True` to `receive`.
 
 This module holds the pipeline and the factory; the transports live in `inprocess.py`,
-`broadcast.py` and `files.py`. It does not decide when to push: the orchestration layer does.
+`broadcast.py`, `files.py` and `http.py`. It does not decide when to push: the orchestration layer does.
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ from __future__ import annotations
 import queue
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from collections.abc import Generator, Iterable, Iterator
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
@@ -37,6 +37,7 @@ __all__ = [
     "BufferPool",
     "CheckpointEngine",
     "PushEnd",
+    "TransferStats",
     "WeightStream",
     "make_checkpoint_engine",
 ]
@@ -46,6 +47,7 @@ DEFAULT_BUCKET_BYTES = 256 << 20
 BACKENDS: dict[str, str] = {
     "broadcast": "agentrl.weights.broadcast:BroadcastCheckpointEngine",
     "files": "agentrl.weights.files:FilesCheckpointEngine",
+    "http": "agentrl.weights.http:HTTPCheckpointEngine",
     "inprocess": "agentrl.weights.inprocess:InProcessCheckpointEngine",
 }
 
@@ -59,6 +61,27 @@ class PushEnd:
     version: int
     num_buckets: int
     error: str | None = None
+
+
+@dataclass
+class TransferStats:
+    """What the receiving end of one push saw; filled in as the stream is read.
+
+    `verified` counts buckets whose checksum was compared with the sender's and matched before any
+    of their tensors were handed out; `unverified` those that carried no checksum (a foreign
+    checkpoint directory, or an engine built with `checksum=None`); `retried` buckets fetched
+    again after a failed check (the http engine re-fetches a corrupted bucket before giving up).
+    """
+
+    buckets: int = 0
+    verified: int = 0
+    unverified: int = 0
+    retried: int = 0
+    bytes: int = 0
+    checksum: str | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
 
 
 class BufferPool:
@@ -111,16 +134,18 @@ class WeightStream(Iterator[tuple[str, torch.Tensor]]):
     """The receiving end of one push: iterate it for `(name, tensor)`; `version` is known up front.
 
     `num_buckets` is set once the stream is exhausted. A corrupted bucket raises ChecksumError
-    when the iteration reaches it; the rest of the push is still drained so that the sender and
-    any other receivers stay in step.
+    when the iteration reaches it, before any of its tensors is yielded; the rest of the push is
+    still drained so that the sender and any other receivers stay in step. `stats` counts the
+    buckets and bytes received and the checksums verified so far.
     """
 
     def __init__(self, items: queue.Queue[Any], worker: threading.Thread | None, *, copy: bool,
-                 verify: bool = True) -> None:
+                 verify: bool = True, stats: TransferStats | None = None) -> None:
         self._items = items
         self._worker = worker
         self._copy = copy
         self._verify = verify
+        self.stats = stats if stats is not None else TransferStats()
         self._first = items.get()
         first = self._first
         self.version: int | None = (
@@ -154,7 +179,7 @@ class WeightStream(Iterator[tuple[str, torch.Tensor]]):
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _run(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def _run(self) -> Generator[tuple[str, torch.Tensor], None, None]:
         item = self._first
         held: Bucket | None = None
         try:
@@ -170,9 +195,18 @@ class WeightStream(Iterator[tuple[str, torch.Tensor]]):
                     self.num_buckets = item.num_buckets
                     return
                 held = item
+                meta = item.meta
                 if self._verify:
-                    verify_bucket(item.meta, item.data, item.received_checksum)
-                for name, tensor in unpack_bucket(item.meta, item.data, verify=False):
+                    verify_bucket(meta, item.data, item.received_checksum)
+                stats = self.stats
+                stats.buckets += 1
+                stats.bytes += meta.nbytes
+                if self._verify and meta.checksum is not None and meta.checksum_kind is not None:
+                    stats.verified += 1
+                    stats.checksum = meta.checksum_kind
+                else:
+                    stats.unverified += 1
+                for name, tensor in unpack_bucket(meta, item.data, verify=False):
                     yield name, (tensor.clone() if self._copy else tensor)
                 # The caller asked past this bucket's last tensor: its buffer may be refilled now.
                 held = None
@@ -217,6 +251,7 @@ class CheckpointEngine(ABC):
         self.send_buffers = BufferPool(bucket_bytes, num_buffers, self.device)
         self.recv_buffers = BufferPool(bucket_bytes, num_buffers, self.device)
         self._sending = threading.Lock()
+        self._recv_stats = TransferStats()
 
     # ---------------------------------------------------------------- sending
     def send(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
@@ -311,10 +346,11 @@ class CheckpointEngine(ABC):
     def receive(self, *, copy: bool = False) -> WeightStream:
         """Wait for the next push and return its stream; `copy=True` yields tensors the caller owns."""
         items: queue.Queue[Any] = queue.Queue(maxsize=1)
+        self._recv_stats = TransferStats()  # transports that retry count into it (fetch thread)
         worker = threading.Thread(target=self._fetch_loop, args=(items,),
                                   name=f"agentrl-weights-recv-{self.name}", daemon=True)
         worker.start()
-        return WeightStream(items, worker, copy=copy)
+        return WeightStream(items, worker, copy=copy, stats=self._recv_stats)
 
     def _fetch_loop(self, items: queue.Queue[Any]) -> None:
         try:
@@ -344,7 +380,7 @@ class _Once:
 
 
 def make_checkpoint_engine(backend: str, **kwargs: Any) -> CheckpointEngine:
-    """Build a checkpoint engine by backend name: "inprocess", "broadcast" or "files".
+    """Build a checkpoint engine by backend name: "inprocess", "broadcast", "files" or "http".
 
     Keyword arguments go to the backend's constructor (all take `bucket_bytes`, `checksum`,
     `device`); an unknown name raises UnknownNameError with the closest names.

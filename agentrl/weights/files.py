@@ -4,15 +4,19 @@
 `model-0000k-of-0000n.safetensors` once the count is known, writes `model.safetensors.index.json`
 (with the usual `weight_map` and `metadata.total_size`, plus `metadata.agentrl` holding the
 version, the checksum kind and one checksum per shard) and then renames the staging directory to
-`<directory>/version-<version>` in one step, so a reader never sees half a checkpoint. vLLM,
-transformers' `from_pretrained` and the `hf` server (`POST /update_weights {path, version}`) can
-load that directory; `keep_last` older versions are kept and the rest deleted.
+`<directory>/version-<version>` in one step, so a reader never sees half a checkpoint. `assets`
+(file name -> bytes: config.json, generation_config.json, the tokenizer files and chat template)
+are written into every version before it is published, so each one is a complete Hugging Face
+model directory that `agentrl eval model.path=...`, vLLM and `from_pretrained` load as is. The
+newest `keep_last` versions are kept, plus any marked with `keep(version)` (a checkpoint's
+policy), and the rest deleted.
 
 A bucket's bytes are the safetensors data section as is (see `buckets`), so writing is one header
 and one buffer write. `receive` (or `read_checkpoint_dir` for any HF directory, ours or not)
 reads the shards back into reused buffers and verifies their checksums when the index has them.
 
-This backend does not notify servers that a version is ready; the caller posts the path.
+This backend does not notify servers that a version is ready; the caller posts the path, and it
+works only where the servers read the same filesystem as the trainer (the run checks that at start).
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ import os
 import re
 import shutil
 import struct
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -34,14 +38,18 @@ from agentrl.weights.engine import BufferPool, CheckpointEngine, PushEnd, Weight
 
 __all__ = [
     "INDEX_NAME",
+    "KEEP_MARKER",
     "METADATA_KEY",
     "FilesCheckpointEngine",
+    "index_of",
     "read_checkpoint_dir",
     "shard_name",
 ]
 
 INDEX_NAME = "model.safetensors.index.json"
 METADATA_KEY = "agentrl"
+KEEP_MARKER = ".agentrl-keep"
+"""A file in a version directory that pruning must leave alone (a checkpoint's policy)."""
 _VERSION_DIR = re.compile(r"^version-(\d+)$")
 
 
@@ -65,7 +73,7 @@ def _write_shard(path: Path, bucket: Bucket) -> None:
         f.write(struct.pack("<Q", len(raw)))
         f.write(raw)
         if meta.nbytes:
-            f.write(memoryview(data.numpy()))
+            f.write(data.numpy().data)
 
 
 class FilesCheckpointEngine(CheckpointEngine):
@@ -73,7 +81,8 @@ class FilesCheckpointEngine(CheckpointEngine):
 
     name = "files"
 
-    def __init__(self, *, directory: str | os.PathLike[str], keep_last: int | None = 2, **kwargs: Any) -> None:
+    def __init__(self, *, directory: str | os.PathLike[str], keep_last: int | None = 2,
+                 assets: Mapping[str, bytes] | None = None, **kwargs: Any) -> None:
         kwargs.setdefault("device", "cpu")
         super().__init__(**kwargs)
         if self.device.type != "cpu":
@@ -82,6 +91,11 @@ class FilesCheckpointEngine(CheckpointEngine):
             raise WeightSyncError(f"keep_last must be at least 1 (or None to keep all), got {keep_last}.")
         self.directory = Path(directory)
         self.keep_last = keep_last
+        self.assets = dict(assets or {})
+        for name in self.assets:
+            if "/" in name or name.startswith(".") or name.endswith(".safetensors") or name == INDEX_NAME:
+                raise WeightSyncError(f"Asset '{name}' cannot be written beside the weights: give plain file "
+                                      "names such as config.json or tokenizer.json.")
         self.last_path: Path | None = None
         self._staging: Path | None = None
         self._shards: list[tuple[BucketMeta, str]] = []
@@ -143,6 +157,8 @@ class FilesCheckpointEngine(CheckpointEngine):
             "weight_map": weight_map,
         }
         (staging / INDEX_NAME).write_text(json.dumps(index, indent=1))
+        for name, content in self.assets.items():
+            (staging / name).write_bytes(content)
         final_dir = self.path_for(end.version)
         if final_dir.exists():
             shutil.rmtree(final_dir)
@@ -150,10 +166,18 @@ class FilesCheckpointEngine(CheckpointEngine):
         self.last_path = final_dir
         self._prune(end.version)
 
+    def keep(self, version: int) -> Path:
+        """Exempt a published version from pruning (it backs a checkpoint); return its directory."""
+        path = self.path_for(version)
+        if not path.is_dir():
+            raise WeightSyncError(f"Weight version {version} is not published in {self.directory}; send() it first.")
+        (path / KEEP_MARKER).touch()
+        return path
+
     def _prune(self, current: int) -> None:
         if self.keep_last is None:
             return
-        old = [v for v in self.versions() if v != current]
+        old = [v for v in self.versions() if v != current and not (self.path_for(v) / KEEP_MARKER).exists()]
         for version in old[: max(0, len(old) - (self.keep_last - 1))]:
             shutil.rmtree(self.path_for(version), ignore_errors=True)
 
@@ -214,7 +238,7 @@ def _read_shards(path: Path, pool: BufferPool | None) -> Iterator[Bucket | PushE
             else:
                 data = torch.empty(size, dtype=torch.uint8)
                 release = _Once(lambda: None)
-            view = memoryview(data.numpy())
+            view = data.numpy().data
             got = 0
             while got < size:
                 n = f.readinto(view[got:])
@@ -236,9 +260,10 @@ def _read_shards(path: Path, pool: BufferPool | None) -> Iterator[Bucket | PushE
 def read_checkpoint_dir(path: str | os.PathLike[str]) -> WeightStream:
     """Stream the tensors of any HF safetensors directory (sharded or single-file).
 
-    Checksums are verified when the index carries agentrl's; the stream's version is -1 for a
-    directory that does not record one. Each shard is read into fresh memory, so unlike
-    `FilesCheckpointEngine.receive` the tensors may be kept without copying.
+    Checksums are verified when the index carries agentrl's (`stream.stats` counts them); the
+    stream's version is -1 for a directory that does not record one. Each shard is read into
+    fresh memory, so unlike `FilesCheckpointEngine.receive` the tensors may be kept without
+    copying, and the next shard is read while the caller consumes this one.
     """
     import queue
     import threading
@@ -255,3 +280,15 @@ def read_checkpoint_dir(path: str | os.PathLike[str]) -> WeightStream:
     worker = threading.Thread(target=fetch, name="agentrl-weights-read", daemon=True)
     worker.start()
     return WeightStream(items, worker, copy=False)
+
+
+def index_of(path: str | os.PathLike[str]) -> dict[str, Any] | None:
+    """agentrl's metadata of a checkpoint directory written by this engine (None for foreign ones)."""
+    index_path = Path(path) / INDEX_NAME
+    if not index_path.is_file():
+        return None
+    try:
+        info = json.loads(index_path.read_text()).get("metadata", {}).get(METADATA_KEY)
+    except (OSError, ValueError) as exc:
+        raise WeightSyncError(f"Cannot read {index_path}: {exc}") from exc
+    return info if isinstance(info, dict) else None

@@ -8,7 +8,7 @@ import asyncio
 import httpx
 import pytest
 
-from agentrl.errors import InferenceError, ServerUnavailableError
+from agentrl.errors import InferenceError, ServerUnavailableError, WeightSyncError
 from agentrl.inference import HTTPServerClient, Router
 from agentrl.inference.protocol import HealthResponse
 from agentrl.types import Generation, SamplingParams
@@ -30,6 +30,8 @@ class FakeServer:
         self.reject = False
         self.calls: list[str] = []
         self.inflight = 0
+        self.pushes: list[tuple] = []
+        self.failing_pushes = 0  # this many pushes fail before one succeeds
 
     async def generate(self, prompt_ids, sampling, *, session_id, timeout_s=None):
         if self.dead:
@@ -57,7 +59,11 @@ class FakeServer:
             load=self.inflight + self.external_load,
         )
 
-    async def update_weights(self, path, version):
+    async def update_weights(self, source, version, token=None):
+        self.pushes.append((source, version, token))
+        if self.failing_pushes:
+            self.failing_pushes -= 1
+            raise InferenceError(f"{self.server_id}: ChecksumError: bucket 2 failed its check")
         self.version = version
 
     async def aclose(self):
@@ -235,6 +241,30 @@ def test_update_weights_pushes_to_every_server_and_gates_on_the_new_version():
     run(scenario())
     assert a.version == b.version == 3 and router.current_version == 3
     assert all(s.eligible for s in router.servers)
+    assert a.pushes == [("/tmp/w", 3, None)]
+
+
+def test_a_failed_push_is_retried_and_a_server_that_keeps_failing_stops_the_push():
+    a, b = FakeServer("a"), FakeServer("b")
+    router = Router([a, b], health_interval_s=60)
+    b.failing_pushes = 1  # a corrupted bucket once: the second attempt loads
+
+    async def flaky():
+        await router.update_weights("http://trainer:9/", 4, token="tok")
+
+    run(flaky())
+    assert b.pushes == [("http://trainer:9/", 4, "tok")] * 2 and b.version == 4 and router.current_version == 4
+
+    b.failing_pushes = 5
+    with pytest.raises(WeightSyncError, match=r"did not load on 1 of 2 server\(s\) after 2 attempt.*b: .*bucket 2"):
+        run(router.update_weights("http://trainer:9/", 5, token="tok"))
+    assert router.current_version == 4  # the version is not switched to one a server lacks
+    assert len(b.pushes) == 4
+
+    b.failing_pushes = 0  # a server that comes back is brought to the last pushed version
+    b.version = 0
+    run(router.sync_server("b"))
+    assert b.version == 5 and b.pushes[-1] == ("http://trainer:9/", 5, "tok")
 
 
 def test_session_table_is_bounded_and_sessions_can_end():

@@ -1,12 +1,21 @@
 """The engine-independent server layer: pause waits or aborts, paused requests wait, weight
-updates pause, swap and report the new version. A fake engine stands in for hf/vLLM."""
+updates pause, swap and report the new version, and a push that failed part-way stops the server
+serving until a push succeeds. A fake engine stands in for hf/vLLM."""
 
 from __future__ import annotations
 
 import asyncio
 
-from agentrl.inference.protocol import GenerateRequest, GenerateResponse, SamplingSpec
-from agentrl.inference.server_app import ServerEngine, ServerState
+import pytest
+
+from agentrl.inference.protocol import GenerateRequest, GenerateResponse, SamplingSpec, WeightLoadReport
+from agentrl.inference.server_app import (
+    ServerEngine,
+    ServerState,
+    WeightLoadError,
+    WeightsIncompleteError,
+    build_app,
+)
 
 
 class FakeEngine(ServerEngine):
@@ -16,6 +25,8 @@ class FakeEngine(ServerEngine):
     def __init__(self) -> None:
         self.aborted = asyncio.Event()
         self.loaded: list[str] = []
+        self.fail: WeightLoadError | None = None  # the next load raises this
+        self.load_delay_s = 0.0
 
     async def generate(self, request: GenerateRequest, version: int) -> GenerateResponse:
         steps = request.sampling.max_tokens
@@ -34,8 +45,14 @@ class FakeEngine(ServerEngine):
     async def abort_all(self) -> None:
         self.aborted.set()
 
-    async def load_weights(self, path: str) -> None:
-        self.loaded.append(path)
+    async def load_weights(self, source: str, *, version: int, token: str | None) -> WeightLoadReport:
+        await asyncio.sleep(self.load_delay_s)
+        if self.fail is not None:
+            fail, self.fail = self.fail, None
+            raise fail
+        self.loaded.append(source)
+        return WeightLoadReport(version=version, source=source, buckets=3, verified_buckets=3, bytes=300,
+                                checksum="sum64", seconds=0.01)
 
 
 def req(n: int) -> GenerateRequest:
@@ -89,3 +106,59 @@ def test_update_weights_drains_swaps_and_reports_the_version():
         assert state.metrics.weight_updates == 2
 
     asyncio.run(go())
+
+
+def test_a_push_that_failed_part_way_stops_serving_until_a_push_succeeds():
+    async def go():
+        engine = FakeEngine()
+        state = ServerState(engine, weight_version=4)
+        await state.update_weights("/w/5", 5)
+        assert state.metrics.weight_buckets_verified == 3 and state.metrics.weight_bytes_received == 300
+        engine.fail = WeightLoadError("ChecksumError: bucket 1 failed its sum64 check", touched=True)
+        engine.load_delay_s = 0.05
+        push = asyncio.create_task(state.update_weights("/w/6", 6))
+        await asyncio.sleep(0.01)
+        queued = asyncio.create_task(state.generate(req(1)))  # arrives while the push is loading
+        with pytest.raises(WeightLoadError):
+            await push
+        with pytest.raises(WeightsIncompleteError):  # it waited for the push, and is refused now
+            await queued
+        health = state.health()
+        assert health.status == "loading" and "bucket 1" in (health.detail or "") and health.weight_version == 5
+        assert state.metrics.weight_load_failures == 1
+        with pytest.raises(WeightsIncompleteError):  # never served on the mix of versions 5 and 6
+            await state.generate(req(1))
+        await state.update_weights("/w/6", 6)  # a good push heals it
+        assert state.health().status == "ok" and state.health().detail is None
+        assert (await state.generate(req(1))).weight_version == 6
+
+    asyncio.run(go())
+
+
+def test_a_push_that_failed_before_touching_the_model_keeps_serving_the_old_version():
+    async def go():
+        engine = FakeEngine()
+        state = ServerState(engine, weight_version=2)
+        engine.fail = WeightLoadError("WeightSyncError: cannot reach the endpoint", touched=False)
+        with pytest.raises(WeightLoadError):
+            await state.update_weights("http://trainer:1", 3)
+        assert state.health().status == "ok" and state.health().weight_version == 2
+        assert (await state.generate(req(1))).weight_version == 2
+
+    asyncio.run(go())
+
+
+def test_http_routes_answer_422_for_a_failed_push_and_503_while_weights_are_incomplete():
+    from fastapi.testclient import TestClient
+
+    engine = FakeEngine()
+    with TestClient(build_app(engine)) as http:
+        ok = http.post("/update_weights", json={"source": "/w/1", "version": 1}).json()
+        assert ok["weight_version"] == 1 and ok["push"]["verified_buckets"] == 3
+        engine.fail = WeightLoadError("ChecksumError: bucket 0", touched=True)
+        bad = http.post("/update_weights", json={"path": "/w/2", "version": 2, "token": "t"})
+        assert bad.status_code == 422 and "bucket 0" in bad.json()["detail"]
+        assert http.get("/health").json()["status"] == "loading"
+        refused = http.post("/generate", json={"prompt_ids": [1], "sampling": {"max_tokens": 1}})
+        assert refused.status_code == 503 and "not serving" in refused.json()["detail"]
+        assert http.get("/metrics").json()["weight_load_failures"] == 1

@@ -306,3 +306,21 @@ def test_pushes_on_one_engine_do_not_overlap() -> None:
     release.set()
     first.join(5)
     assert not first.is_alive()
+
+
+def test_files_versions_carry_their_assets_and_kept_versions_survive_pruning(tmp_path: Path) -> None:
+    assets = {"config.json": b'{"model_type": "toy"}', "tokenizer.json": b"{}", "chat_template.jinja": b"{{ x }}"}
+    engine = FilesCheckpointEngine(directory=tmp_path, bucket_bytes=BUCKET, keep_last=2, assets=assets)
+    for version in range(1, 6):
+        engine.send(iter(_weights(seed=version)), version)
+        if version == 2:
+            engine.keep(2)  # a checkpoint was taken at version 2
+    assert engine.versions() == [2, 4, 5]
+    for version in (2, 4, 5):
+        path = engine.path_for(version)
+        assert {name: (path / name).read_bytes() for name in assets} == assets
+        assert json.loads((path / "model.safetensors.index.json").read_text())["metadata"]["agentrl"]["version"] == version
+    with pytest.raises(WeightSyncError, match="not published"):
+        engine.keep(1)
+    with pytest.raises(WeightSyncError, match="plain file names"):
+        FilesCheckpointEngine(directory=tmp_path, assets={"../config.json": b""})
