@@ -93,6 +93,8 @@ class HealthResponse(_Wire):
     engine: str
     load: int
     """Requests running or waiting on this server right now."""
+    max_model_len: int | None = None
+    """The longest sequence (prompt plus generation) the server accepts; None: it does not say."""
 
 
 class PauseRequest(_Wire):

@@ -10,11 +10,21 @@ Routing rules (DESIGN.md §4 Inference):
   that sessions do not bounce between nearly idle servers). The mean is taken over the *other*
   servers because over all of them the rule could never fire with two servers and a threshold of 2.
 - A request that fails because a server is unreachable, timed out or answered 5xx is retried on
-  another server until the request's deadline; a request the server rejects (4xx) is not retried.
+  another server (or on the same one once it is back) until the request's deadline; a request
+  that got a 5xx answer `MAX_SERVER_ERRORS` times is given up (a request the servers choke on must
+  not be retried forever). A request the server rejects (4xx, `InferenceRequestError`: too long for
+  its context, bad parameters) is not retried and does not count against the server.
 - A server whose weight_version is behind `current_version` (`set_version`) gets no requests; while
   no server is eligible, requests wait (until their deadline) instead of failing.
 - A background task polls `GET /health` of every server: liveness, weight version, and the load
-  that other clients put on it.
+  that other clients put on it. A server that answers again but is behind the last weights pushed
+  (it was restarted, or missed a push while it was down) is re-synced first: the router keeps
+  what it pushed last (`update_weights`) and pushes it to that server alone (`resync`), so a
+  server never serves from weights that are behind.
+- Servers that agentrl started are supervised (`serve.ServerSupervisor`): a dead one is restarted
+  (`server_down` while that happens) and re-synced; one that cannot be brought back is given up
+  (`give_up`), and once every server is given up, `fatal` holds the reason and every request
+  fails at once with it instead of waiting out its deadline.
 - A generation the server ended with finish_reason "abort" (it was paused with abort, e.g. for a
   weight push) is returned as it is, partial tokens included: whether to continue or drop it is
   the agent loop's decision, not the router's.
@@ -36,12 +46,15 @@ from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from agentrl.errors import InferenceError, ServerUnavailableError
+from agentrl.errors import InferenceError, InferenceRequestError, ServerUnavailableError
 from agentrl.types import Generation, SamplingParams
 
-__all__ = ["RoutedServer", "Router"]
+__all__ = ["MAX_SERVER_ERRORS", "RoutedServer", "Router"]
 
 log = logging.getLogger(__name__)
+
+MAX_SERVER_ERRORS = 3
+"""A request that servers answered with HTTP 5xx this many times is given up (see the module docstring)."""
 
 
 class RoutedServer:
@@ -52,10 +65,13 @@ class RoutedServer:
         "eligible",
         "external_load",
         "failures",
+        "given_up",
         "healthy",
         "inflight",
+        "restarting",
         "server_id",
         "sessions",
+        "syncing",
         "weight_version",
     )
 
@@ -69,6 +85,9 @@ class RoutedServer:
         self.failures = 0
         self.sessions = 0
         self.eligible = True
+        self.restarting = False  # its supervisor is starting it again
+        self.syncing = False  # a re-sync to the last pushed weights is under way
+        self.given_up: str | None = None  # why it will not come back
 
     @property
     def load(self) -> int:
@@ -77,7 +96,8 @@ class RoutedServer:
     def __repr__(self) -> str:
         return (
             f"RoutedServer({self.server_id!r}, load={self.load}, healthy={self.healthy}, "
-            f"version={self.weight_version}, sessions={self.sessions})"
+            f"version={self.weight_version}, sessions={self.sessions}"
+            + (", restarting" if self.restarting else "") + (", given up" if self.given_up else "") + ")"
         )
 
 
@@ -117,6 +137,12 @@ class Router:
         self._n_eligible = 0
         self._changed: asyncio.Event | None = None
         self._health_task: asyncio.Task[None] | None = None
+        self._push_lock: asyncio.Lock | None = None
+        self._syncs: set[asyncio.Task[None]] = set()
+        self.last_push: tuple[str, int] | None = None
+        """The weights pushed last (`update_weights`' arguments): what a returning server gets."""
+        self.fatal: ServerUnavailableError | None = None
+        """Set once every server was given up: why no request can be served any more."""
         self.counters = {
             "requests": 0,
             "new_sessions": 0,
@@ -124,12 +150,14 @@ class Router:
             "retries": 0,
             "failures": 0,
             "waits": 0,
+            "rejected": 0,
+            "resyncs": 0,
         }
         self._refresh_eligibility()
 
     # ── eligibility and load bookkeeping ────────────────────────────────────────────────────
     def _is_eligible(self, s: RoutedServer) -> bool:
-        if not s.healthy:
+        if not s.healthy or s.restarting or s.given_up is not None:
             return False
         if self.current_version is None:
             return True
@@ -235,10 +263,13 @@ class Router:
         deadline = time.monotonic() + budget
         tried: list[RoutedServer] = []
         errors: list[str] = []
+        server_errors = 0
         self.counters["requests"] += 1
         while True:
             server = await self._acquire_or_wait(session_id, tried, deadline)
             if server is None:
+                if self.fatal is not None:
+                    raise ServerUnavailableError(str(self.fatal))
                 raise ServerUnavailableError(
                     f"No eligible inference server answered session {session_id!r} within {budget:.1f} s "
                     f"(version >= {self.current_version}; tried {[s.server_id for s in tried]}): "
@@ -261,8 +292,18 @@ class Router:
                 self.counters["failures"] += 1
                 errors.append(f"{server.server_id}: {exc}")
                 tried.append(server)
+                if exc.status_code is not None:
+                    server_errors += 1
+                    if server_errors >= MAX_SERVER_ERRORS:
+                        raise ServerUnavailableError(
+                            f"Session {session_id!r}: the servers answered this request with an HTTP 5xx error "
+                            f"{server_errors} times; giving up on it: " + "; ".join(errors[-3:])
+                        ) from exc
                 self._mark_failed(server)
                 continue
+            except InferenceRequestError:
+                self.counters["rejected"] += 1  # the request's fault, not the server's
+                raise
             finally:
                 self.release(server)
             server.failures = 0
@@ -278,6 +319,8 @@ class Router:
         self, session_id: str, tried: list[RoutedServer], deadline: float
     ) -> RoutedServer | None:
         while True:
+            if self.fatal is not None:
+                return None
             server = self.acquire(session_id, tried)
             if server is not None:
                 return server
@@ -321,7 +364,7 @@ class Router:
 
     async def _check_one(self, s: RoutedServer) -> None:
         health = getattr(s.client, "health", None)
-        if health is None:
+        if health is None or s.given_up is not None:
             return
         try:
             h = await health(timeout_s=self.health_timeout_s)
@@ -336,6 +379,18 @@ class Router:
         s.healthy = h.status != "loading"
         s.weight_version = h.weight_version
         s.external_load = max(0, h.load - s.inflight)
+        if self._behind(s) and not s.syncing and not s.restarting and self._changed is not None:
+            # back, but behind the weights pushed last (it was restarted, or missed a push): catch up
+            s.syncing = True
+            task = asyncio.ensure_future(self.resync(s))
+            self._syncs.add(task)
+            task.add_done_callback(self._syncs.discard)
+
+    def _behind(self, s: RoutedServer) -> bool:
+        return (
+            self.last_push is not None and s.healthy and hasattr(s.client, "update_weights")
+            and (s.weight_version is None or s.weight_version < self.last_push[1])
+        )
 
     async def _health_loop(self) -> None:
         while True:
@@ -346,17 +401,89 @@ class Router:
             await asyncio.sleep(self.health_interval_s)
 
     # ── fleet control ───────────────────────────────────────────────────────────────────────
+    def _lock(self) -> asyncio.Lock:
+        if self._push_lock is None:
+            self._push_lock = asyncio.Lock()
+        return self._push_lock
+
     async def update_weights(self, path: str, version: int) -> None:
-        """Load weights `path` on every server (each pauses itself), then serve only `version`."""
+        """Load weights `path` on every live server (each pauses itself), then serve only `version`.
+
+        A server that dies during the push is marked failed; it gets these weights when it is back
+        (`resync`). A server that refuses the weights (4xx: a bad path or file) raises."""
         cannot = [s.server_id for s in self.servers if not hasattr(s.client, "update_weights")]
         if cannot:
             raise InferenceError(
                 f"Servers {cannot} cannot load weights (external OpenAI-compatible servers have no such call); "
                 "update them yourself, then call set_version()."
             )
-        await asyncio.gather(*(s.client.update_weights(path, version) for s in self.servers if s.healthy))
+        async with self._lock():
+            targets = [s for s in self.servers if s.healthy and not s.restarting and s.given_up is None]
+            results = await asyncio.gather(
+                *(s.client.update_weights(path, version) for s in targets), return_exceptions=True
+            )
+            self.last_push = (path, version)
+            for s, result in zip(targets, results, strict=True):
+                if isinstance(result, ServerUnavailableError):
+                    log.warning("inference server %s failed during the push of weights version %d (%s); it "
+                                "gets them when it answers again", s.server_id, version, result)
+                    self._mark_failed(s)
+                elif isinstance(result, BaseException):
+                    raise result
         await self.check_health()
         self.set_version(version)
+
+    async def resync(self, server: RoutedServer | int) -> None:
+        """Push the weights pushed last to `server` alone if it is behind them (it came back after a
+        restart, or missed a push), so it can serve again. Safe to call at any time."""
+        s = self.servers[server] if isinstance(server, int) else server
+        s.syncing = True
+        try:
+            async with self._lock():
+                await self._check_one(s)
+                if not self._behind(s):
+                    return
+                assert self.last_push is not None  # _behind says so
+                path, version = self.last_push
+                start = time.monotonic()
+                try:
+                    await s.client.update_weights(path, version)
+                except ServerUnavailableError as exc:
+                    log.warning("re-syncing inference server %s to weights version %d failed: %s",
+                                s.server_id, version, exc)
+                    self._mark_failed(s)
+                    return
+                self.counters["resyncs"] += 1
+                log.info("inference server %s re-synced to weights version %d (%.1f s)", s.server_id, version,
+                         time.monotonic() - start)
+                await self._check_one(s)
+        finally:
+            s.syncing = False
+            self._refresh_eligibility()
+
+    # ── supervision (see serve.ServerSupervisor) ────────────────────────────────────────────
+    def server_down(self, index: int) -> None:
+        """Server `index` died and is being restarted: route around it until it is back and re-synced."""
+        s = self.servers[index]
+        s.restarting, s.healthy = True, False
+        self._refresh_eligibility()
+
+    def server_restarted(self, index: int) -> None:
+        """Server `index` answers /health again; it serves once it holds the current weights."""
+        self.servers[index].restarting = False
+        self._refresh_eligibility()
+
+    def give_up(self, index: int, reason: str) -> None:
+        """Server `index` will not come back. Once every server is given up, requests fail at once."""
+        s = self.servers[index]
+        s.given_up, s.restarting, s.healthy = reason, False, False
+        log.error("inference server %s is given up: %s", s.server_id, reason)
+        if all(x.given_up is not None for x in self.servers):
+            self.fatal = ServerUnavailableError(
+                "Every inference server is down and could not be restarted: "
+                + "; ".join(f"{x.server_id}: {x.given_up}" for x in self.servers)
+            )
+        self._refresh_eligibility()
 
     def stats(self) -> dict[str, Any]:
         return {
@@ -369,12 +496,17 @@ class Router:
                     "healthy": s.healthy,
                     "weight_version": s.weight_version,
                     "sessions": s.sessions,
+                    "restarting": s.restarting,
+                    "given_up": s.given_up,
                 }
                 for s in self.servers
             ],
         }
 
     async def aclose(self) -> None:
+        for task in list(self._syncs):
+            task.cancel()
+        await asyncio.gather(*self._syncs, return_exceptions=True)
         if self._health_task is not None:
             self._health_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):

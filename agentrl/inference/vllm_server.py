@@ -31,6 +31,9 @@ start-up to a healthy /health measured 66-69 s on a shared, busy 2-core machine 
 - Prefix caching is on by default; `/metrics` reports prompt tokens queried and found in the cache
   (summed from each request's `num_cached_tokens`).
 - Pause, resume and abort are done by the shared `server_app` layer; abort calls `AsyncLLM.abort`.
+- Errors: vLLM's request errors (`VLLMClientError`, e.g. a prompt longer than `max_model_len`) are
+  raised as `server_app.RequestRejected` (HTTP 400); a dead engine core fails `check_health`
+  (`/health` answers 503).
 - Weight updates load a directory of safetensors in place: `collective_rpc` of
   `vllm_worker.VLLMWorkerExtension.agentrl_reload_weights`, which is vLLM's own
   `reload_weights(weights_path=..., is_checkpoint_format=True)` plus a fix for tied embeddings on
@@ -47,7 +50,7 @@ from pathlib import Path
 from typing import Any
 
 from agentrl.inference.protocol import GenerateRequest, GenerateResponse
-from agentrl.inference.server_app import ServerEngine, run_server, server_arg_parser
+from agentrl.inference.server_app import RequestRejected, ServerEngine, run_server, server_arg_parser
 
 __all__ = ["VLLMEngine", "main"]
 
@@ -109,6 +112,11 @@ class VLLMEngine(ServerEngine):
             kwargs["kv_cache_memory_bytes"] = self.cpu_kv_cache_bytes
         args = AsyncEngineArgs(**kwargs)
         self.llm = AsyncLLM.from_engine_args(args)
+        self.max_model_len = int(self.llm.model_config.max_model_len)
+
+    async def check_health(self) -> None:
+        if self.llm is not None:
+            await self.llm.check_health()
 
     async def shutdown(self) -> None:
         if self.llm is not None:
@@ -142,6 +150,10 @@ class VLLMEngine(ServerEngine):
                 final = out
         except asyncio.CancelledError:
             await self.llm.abort(request_id)
+            raise
+        except Exception as exc:
+            if _is_request_error(exc):
+                raise RequestRejected(str(exc)) from exc
             raise
         finally:
             self._inflight.discard(request_id)
@@ -182,6 +194,15 @@ class VLLMEngine(ServerEngine):
         repacked = await self.llm.collective_rpc("agentrl_reload_weights", args=(str(path),))
         await self.llm.reset_prefix_cache()
         log.info("reloaded weights from %s (re-packed CPU GEMMs per worker: %s)", path, repacked)
+
+
+def _is_request_error(exc: BaseException) -> bool:
+    """vLLM's own split: `VLLMClientError` is the request's fault (4xx), the rest the server's."""
+    try:
+        from vllm.exceptions import VLLMClientError
+    except ImportError:  # older vLLM: validation errors were ValueErrors
+        return isinstance(exc, ValueError)
+    return isinstance(exc, (VLLMClientError, ValueError))
 
 
 def main(argv: list[str] | None = None) -> None:
