@@ -14,7 +14,14 @@ that group and then watches two things:
   signal), so the parent's `Popen.returncode` reads as the command's own.
 
 A SIGTERM from the parent (`killpg`, as `ServerProcess.stop` does) is treated like the parent's
-death: the group stops, gracefully first. Nothing survives the lifeline except processes that left
+death: the group stops, gracefully first.
+
+`start_reaper()` starts the other kind of lifeline, once per process: it runs no command, but
+records, every second, every process descended from its parent (the driver): Ray's head and
+agents, trainer actors, servers, sandboxes. When the parent dies it ends them all (SIGTERM, then
+SIGKILL after the grace), checking each one's start time so that a reused pid is never hit.
+Ray's own processes do not all die with the driver that started them (its dashboard and
+runtime-env agents outlive a SIGKILL of the driver), which is why this exists. Nothing survives the lifeline except processes that left
 its process group (`setsid`) on purpose. It is run as a script by path, with `python -I`, and
 imports nothing but the standard library, so it starts in milliseconds under any interpreter.
 This is not `atexit`: it needs no cooperation from the parent, which may be gone.
@@ -30,7 +37,7 @@ import sys
 import time
 from pathlib import Path
 
-__all__ = ["LIFELINE_PATH", "group_members", "lifeline_argv"]
+__all__ = ["LIFELINE_PATH", "group_members", "lifeline_argv", "start_reaper"]
 
 LIFELINE_PATH = str(Path(__file__).resolve())
 _POLL_S = 0.5
@@ -40,6 +47,67 @@ def lifeline_argv(command: list[str], *, grace_s: float = 10.0, python: str | No
     """`command` run under a lifeline (see the module docstring); start it with `start_new_session=True`."""
     return [python or sys.executable, "-I", LIFELINE_PATH, "--parent", str(os.getpid()), "--grace", str(grace_s),
             "--", *command]
+
+
+_reaper: subprocess.Popen[bytes] | None = None
+
+
+def start_reaper(*, grace_s: float = 10.0) -> int:
+    """Start (once per process) the reaper that ends this process's descendants when it dies; return its pid."""
+    global _reaper
+    if _reaper is None or _reaper.poll() is not None:
+        argv = [sys.executable, "-I", LIFELINE_PATH, "--parent", str(os.getpid()), "--grace", str(grace_s),
+                "--reap-tree"]
+        _reaper = subprocess.Popen(argv, stdin=subprocess.DEVNULL, start_new_session=True)
+    return _reaper.pid
+
+
+def _stat(pid: int | str) -> tuple[int, int, str] | None:
+    """(ppid, start time, state) of a process, or None when it is gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat[stat.rfind(")") + 2:].split()
+    return int(fields[1]), int(fields[19]), fields[0]
+
+
+def _reap_tree(parent: int, grace_s: float) -> int:
+    me = os.getpid()
+    seen: dict[int, int] = {}  # pid -> start time, of every descendant of `parent` ever seen
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    while os.getppid() == parent:
+        children: dict[int, list[int]] = {}
+        starts: dict[int, int] = {}
+        for entry in os.listdir("/proc"):
+            if entry.isdigit() and (st := _stat(entry)) is not None:
+                children.setdefault(st[0], []).append(int(entry))
+                starts[int(entry)] = st[1]
+        todo = list(children.get(parent, []))
+        while todo:
+            pid = todo.pop()
+            if pid != me and pid in starts:
+                seen[pid] = starts[pid]
+                todo.extend(children.get(pid, []))
+        time.sleep(1.0)
+
+    def alive() -> list[int]:
+        out = []
+        for pid, start in seen.items():
+            st = _stat(pid)
+            if st is not None and st[1] == start and st[2] != "Z":
+                out.append(pid)
+        return out
+
+    deadline = time.monotonic() + grace_s
+    for signum in (signal.SIGTERM, signal.SIGKILL):
+        for pid in alive():
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signum)
+        while alive() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        deadline = time.monotonic() + 5.0
+    return 0
 
 
 def group_members(pgid: int) -> list[int]:
@@ -52,9 +120,9 @@ def group_members(pgid: int) -> list[int]:
             stat = Path(f"/proc/{entry}/stat").read_text()
         except OSError:
             continue
-        # the fields after the command name (which may hold spaces and parentheses)
+        # the fields after the command name (which may hold spaces and parentheses): state, ppid, pgrp
         fields = stat[stat.rfind(")") + 2:].split()
-        if len(fields) > 2 and int(fields[2]) == pgid:
+        if len(fields) > 2 and int(fields[2]) == pgid and fields[0] != "Z":  # zombies are dead already
             out.append(int(entry))
     return out
 
@@ -111,10 +179,12 @@ def main(argv: list[str]) -> None:
         else:
             parent = int(argv[1])
         argv = argv[2:]
+    if argv == ["--reap-tree"]:
+        sys.exit(_reap_tree(parent, grace_s))
     if argv[:1] == ["--"]:
         argv = argv[1:]
     if not argv:
-        sys.exit("usage: lifeline.py [--parent PID] [--grace S] -- command [args...]")
+        sys.exit("usage: lifeline.py [--parent PID] [--grace S] (-- command [args...] | --reap-tree)")
     code = _watch(argv, grace_s, parent)
     sys.stdout.flush()
     if code < 0:  # end by the same signal, so the parent sees what the command saw

@@ -137,6 +137,11 @@ def _prepare_run_dir(config: AgentRLConfig) -> tuple[Path, CheckpointStore, Chec
 def _init_ray() -> None:
     import ray
 
+    from agentrl.lifeline import start_reaper
+
+    # Ray's processes, the trainer actors, the servers and the sandboxes end when this process
+    # does, however it ends (SIGKILL included): Ray's own clean-up does not cover a killed driver.
+    start_reaper()
     if ray.is_initialized():
         return
     address = os.environ.get("RAY_ADDRESS")
