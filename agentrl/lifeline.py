@@ -188,7 +188,8 @@ def main(argv: list[str]) -> None:
     code = _watch(argv, grace_s, parent)
     sys.stdout.flush()
     if code < 0:  # end by the same signal, so the parent sees what the command saw
-        signal.signal(-code, signal.SIG_DFL)
+        with contextlib.suppress(OSError, ValueError):  # SIGKILL and SIGSTOP have no handler to reset
+            signal.signal(-code, signal.SIG_DFL)
         os.kill(os.getpid(), -code)
         time.sleep(1.0)
     sys.exit(code if code >= 0 else 128 - code)

@@ -17,7 +17,8 @@
   If checkpoints exist and none is intact, `CheckpointError` lists each with its problem. This runs
   before any server or trainer starts.
 - `move_aside_earlier_attempt(run_dir)`: a fresh start in a directory holding another attempt's
-  records but no checkpoint moves them into `previous/<time>/`; nothing a run wrote is deleted.
+  records but no checkpoint moves them into `previous/<time>/` (the `checkpoints/` folder, which
+  then holds no checkpoint, stays: it may be a mount point); nothing a run wrote is deleted.
 
 The trainer backends' own file formats are not this module's business; it checksums whatever
 files they write.
@@ -278,7 +279,7 @@ class CheckpointStore:
         )
 
 
-_EARLIER_ATTEMPT_KEEP = {"previous"}
+_EARLIER_ATTEMPT_KEEP = {"previous", "checkpoints"}
 
 
 def move_aside_earlier_attempt(run_dir: Path) -> Path | None:

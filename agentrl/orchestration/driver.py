@@ -248,6 +248,8 @@ class _Run:
         save_every = self.config.run.save_every
         if last or (save_every and (step + 1) % save_every == 0):
             await self.save(step)
+        if self.router.fatal is not None:  # every server is gone for good: stop now, the step is saved
+            raise self.router.fatal
 
     # ── evaluation and checkpoints ──────────────────────────────────────────────────────────
     async def evaluate(self, after_steps: int) -> dict[str, float | None]:
