@@ -12,8 +12,9 @@
   oldest checkpoints beyond `keep` are deleted (0 keeps every one; the newest is never deleted).
 - `resumable()` finds the checkpoint to resume from: the newest whose files all match their
   manifest (same size, same checksum: a same-size corruption inside a shard is found) and whose
-  driver state parses. Newer ones that fail are reported by name and file, moved aside as
-  `step-N.bad/` (kept for inspection, out of pruning's way), and the next older intact one is used.
+  driver state parses. Newer ones that fail are moved aside as `step-N.bad/` (kept for inspection,
+  out of pruning's way; `Checkpoint.set_aside` says why, naming the file), and the next older
+  intact one is used.
   If checkpoints exist and none is intact, `CheckpointError` lists each with its problem. This runs
   before any server or trainer starts.
 - `move_aside_earlier_attempt(run_dir)`: a fresh start in a directory holding another attempt's
@@ -68,6 +69,8 @@ class Checkpoint:
     path: Path
     step: int
     state: dict[str, Any] = field(default_factory=dict)
+    set_aside: list[str] = field(default_factory=list)
+    """What was wrong with each newer checkpoint that was skipped and moved aside, for the log."""
 
     @property
     def name(self) -> str:
@@ -171,7 +174,8 @@ def _disk_full(exc: BaseException, folder: Path) -> bool:
     if "No space left on device" in text or "Errno 28" in text:
         return True
     with contextlib.suppress(OSError):
-        return shutil.disk_usage(folder).free < (1 << 20)
+        usage = shutil.disk_usage(folder)
+        return usage.free < max(1 << 20, usage.total // 100)
     return False
 
 
@@ -228,8 +232,9 @@ class CheckpointStore:
             pointer.replace(self.directory / LATEST)
             _fsync_dir(self.directory)
         except BaseException as exc:
+            full = isinstance(exc, Exception) and _disk_full(exc, self.directory)  # before freeing the space
             shutil.rmtree(tmp, ignore_errors=True)
-            if isinstance(exc, Exception) and _disk_full(exc, self.directory):
+            if full:
                 previous = self.latest_name()
                 raise CheckpointError(
                     f"Could not write checkpoint {name}: the disk under {self.directory} is full "
@@ -264,12 +269,13 @@ class CheckpointStore:
         for step, path in reversed(done):
             state, problem = verify_checkpoint(path)
             if state is not None:
+                notes = []
                 for bad, why in rejected:
                     aside = bad.with_name(f"{bad.name}.bad")
                     bad.rename(aside)
-                    log.error("checkpoint %s is damaged (%s); moved aside to %s, resuming from %s instead",
-                              bad.name, why, aside, path.name)
-                return Checkpoint(path, step, state)
+                    notes.append(f"checkpoint {bad.name} is damaged ({why}); moved aside to {aside}, resuming "
+                                 f"from {path.name} instead")
+                return Checkpoint(path, step, state, notes)
             rejected.append((path, problem))
         raise CheckpointError(
             f"No intact checkpoint in {self.directory}; nothing was started:\n"

@@ -175,6 +175,7 @@ class _Run:
             log.warning("%d prompt(s) were in flight when an earlier session of this run was killed; they are "
                         "closed as unfinished in ledger.jsonl", orphans)
         self.ledger = PromptLedger(journal, session=self.session)
+        journal.touch()  # the run's books exist from its start, even if it stops before taking a prompt
         self.eval_before: dict[str, float | None] = {}
         self.eval_after: dict[str, float | None] = {}
         self.steps_done = 0
@@ -388,6 +389,8 @@ def run_training(config: AgentRLConfig) -> RunResult:
     logging.getLogger("agentrl").addHandler(handler)
     for note in notes:
         log.warning("%s", note)
+    for damaged in checkpoint.set_aside if checkpoint else []:
+        log.error("%s", damaged)
     run = _Run(job, run_dir, store, checkpoint)
     try:
         _init_ray()

@@ -32,8 +32,19 @@ OWN_SERVER = "--max-model-len 1024"  # on the command line of servers a run star
 
 
 @pytest.fixture(scope="session", autouse=True)
-def _ray_tmpdir() -> None:
+def _run_environment() -> None:
     os.environ.setdefault("RAY_TMPDIR", "/tmp/ray-faults")
+    # as `agentrl run` does: driver.log gets the run's INFO lines (restarts, re-syncs, resumes)
+    import logging
+
+    logging.getLogger("agentrl").setLevel(logging.INFO)
+
+
+def shutdown_ray() -> None:
+    """End this process's Ray (a test that starts `agentrl run` as a process wants the machine to itself)."""
+    import ray
+
+    ray.shutdown()
 
 
 @pytest.fixture(scope="module")

@@ -28,6 +28,7 @@ from conftest import (
     make_config,
     overrides,
     procs_matching,
+    shutdown_ray,
     trained_by_step,
     wait_until_gone,
 )
@@ -69,6 +70,7 @@ def test_ctrl_c_closes_every_prompt_leaves_nothing_running_and_resumes(
 ) -> None:
     from agentrl.orchestration.driver import run_training
 
+    shutdown_ray()
     args = overrides(tmp_path, "sigint", assets, "run.total_steps=4", url=shared_url)
     proc = start_cli(tmp_path, args)
     run_dir = tmp_path / "sigint"
@@ -95,6 +97,7 @@ def test_sigkill_of_the_driver_leaves_nothing_behind_and_the_resume_closes_its_b
 ) -> None:
     from agentrl.orchestration.driver import run_training
 
+    shutdown_ray()
     args = overrides(tmp_path, "sigkill", assets, "run.total_steps=4")  # starts a vLLM server of its own
     proc = start_cli(tmp_path, args)
     run_dir = tmp_path / "sigkill"
