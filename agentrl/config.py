@@ -216,7 +216,11 @@ class InferenceConfig(_Section):
     overload_threshold: float = Field(2.0, gt=1.0)
     """A session moves off its server when that server's load exceeds this multiple of the mean."""
     startup_timeout_s: float = Field(600.0, gt=0)
-    """How long to wait for a server to become healthy."""
+    """How long to wait for a server to become healthy (at start, and after a restart)."""
+    max_restarts: int = Field(3, ge=0)
+    """Servers agentrl started are restarted when they die (and re-synced to the current weights
+    before they serve again) at most this many times each; after that the server is given up, and
+    the run stops once every server is. 0 never restarts."""
 
 
 class SandboxConfig(_Section):
@@ -366,6 +370,12 @@ class RunConfig(_Section):
     """Run the held-out evaluation every N steps (0: only before and after training)."""
     save_every: int = Field(10, ge=0)
     """Save a checkpoint every N steps (0: only at the end)."""
+    keep_checkpoints: int = Field(2, ge=0)
+    """Keep the newest N checkpoints and delete older ones after each save (0: keep every one). Two
+    keep a fallback: a resume whose newest checkpoint is damaged continues from the one before."""
+    max_skipped_steps: int = Field(3, ge=0)
+    """Stop the run when this many steps in a row had nothing to train (every group filtered or
+    failed): it is making no progress. 0 never stops."""
     output_dir: str = "runs"
     """Parent folder of run directories."""
     name: str | None = None

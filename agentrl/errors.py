@@ -19,9 +19,11 @@ This module holds no logic beyond the classes; it is imported by everything and 
     │   ├── SandboxUnavailableError  the isolation tools it needs are missing
     │   └── SandboxClosedError       the session was already closed
     ├── InferenceError               an LLM server or the router failed
-    │   └── ServerUnavailableError   no healthy server answered in time
+    │   ├── ServerUnavailableError   no healthy server answered in time
+    │   └── InferenceRequestError    a server refused one request (HTTP 4xx: too long, bad parameters)
     ├── DatasetError                 a dataset file or row is malformed
     ├── TrainerError                 the trainer cannot proceed
+    ├── CheckpointError              a checkpoint cannot be written, or none intact can be read
     ├── WeightSyncError              a weight push failed
     │   └── ChecksumError            a bucket arrived corrupted
     ├── InfraFailureError            too many episodes failed for infrastructure reasons
@@ -33,6 +35,7 @@ from __future__ import annotations
 __all__ = [
     "AgentRLError",
     "ChatTemplateError",
+    "CheckpointError",
     "ChecksumError",
     "ConfigError",
     "DatasetError",
@@ -40,6 +43,7 @@ __all__ = [
     "EnvError",
     "FeatureUnavailableError",
     "InferenceError",
+    "InferenceRequestError",
     "InfraFailureError",
     "PreflightError",
     "SandboxClosedError",
@@ -131,7 +135,21 @@ class InferenceError(AgentRLError):
 
 
 class ServerUnavailableError(InferenceError):
-    """No healthy inference server answered within the deadline."""
+    """No healthy inference server answered within the deadline.
+
+    `status_code` is the HTTP status when a server answered with a 5xx error, None when it could
+    not be reached or did not answer."""
+
+    status_code: int | None = None
+
+
+class InferenceRequestError(InferenceError):
+    """A server refused one request (HTTP 4xx): a prompt longer than its context, bad parameters.
+
+    The server is fine, so the router does not retry elsewhere or mark it failed; the episode ends
+    with `fault="request"` and its prompt is filtered with this message as the reason."""
+
+    status_code: int | None = None
 
 
 class DatasetError(AgentRLError):
@@ -140,6 +158,11 @@ class DatasetError(AgentRLError):
 
 class TrainerError(AgentRLError):
     """The trainer cannot proceed (bad batch, diverged loss, missing checkpoint)."""
+
+
+class CheckpointError(AgentRLError):
+    """A checkpoint could not be written (disk full), or none intact was found to resume from;
+    the message names the checkpoint and the file."""
 
 
 class WeightSyncError(AgentRLError):

@@ -30,7 +30,7 @@ __all__ = [
 ]
 
 Role = Literal["system", "user", "assistant", "tool"]
-Fault = Literal["model", "infra"]
+Fault = Literal["model", "infra", "request"]
 
 
 class Message(TypedDict, total=False):
@@ -209,8 +209,10 @@ class Trajectory:
     token, -1 for tokens that were not sampled). `response_mask` is 1 exactly on sampled tokens.
 
     `fault` marks why an episode that ended in `error` failed: "infra" episodes are masked out of
-    the loss by the trainer instead of being scored 0 (`trainable` is False); "model" errors are the
-    policy's own and are trained on.
+    the loss by the trainer instead of being scored 0 (`trainable` is False); "request" episodes
+    were refused by the server (a prompt longer than its context, bad parameters): they are not
+    trained on either, and their prompt is filtered with the reason instead of being retried;
+    "model" errors are the policy's own and are trained on.
     """
 
     token_ids: list[int] = field(default_factory=list)
@@ -292,8 +294,9 @@ class Trajectory:
 
     @property
     def trainable(self) -> bool:
-        """False when the episode failed for infrastructure reasons and must be masked out."""
-        return self.fault != "infra"
+        """False when the episode failed for infrastructure reasons, or the server refused its
+        request, and it must be masked out."""
+        return self.fault not in ("infra", "request")
 
     def tokens_of(self, origin: TokenOrigin) -> list[int]:
         return [t for t, o in zip(self.token_ids, self.origins, strict=True) if o == int(origin)]

@@ -8,7 +8,8 @@ session_id=...) -> Generation`, plus `aclose`. `HTTPServerClient` speaks the age
 `serve.ExternalClient` implement it over other engines' native APIs.
 
 Errors: a server that cannot be reached, times out or answers 5xx raises `ServerUnavailableError`
-(the router retries those elsewhere); a request the server rejects (4xx) raises `InferenceError`.
+(the router retries those elsewhere); a request the server rejects (4xx: a prompt longer than its
+context, bad parameters) raises `InferenceRequestError`, which says nothing about the server.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import httpx
 
-from agentrl.errors import InferenceError, ServerUnavailableError
+from agentrl.errors import InferenceRequestError, ServerUnavailableError
 from agentrl.inference.protocol import (
     GenerateRequest,
     GenerateResponse,
@@ -102,13 +103,17 @@ class HTTPServerClient:
                 "is it running? Start one with 'agentrl serve'."
             ) from exc
         if resp.status_code >= 500:
-            raise ServerUnavailableError(
+            unavailable = ServerUnavailableError(
                 f"{method} {self.base_url}{path} failed: HTTP {resp.status_code} {resp.text[:300]}"
             )
+            unavailable.status_code = resp.status_code
+            raise unavailable
         if resp.status_code >= 400:
-            raise InferenceError(
+            rejected = InferenceRequestError(
                 f"{method} {self.base_url}{path} was rejected: HTTP {resp.status_code} {resp.text[:500]}"
             )
+            rejected.status_code = resp.status_code
+            raise rejected
         return resp.json()
 
     # ── InferenceClient ─────────────────────────────────────────────────────────────────────

@@ -2,16 +2,21 @@
 
 A server is a child process (`python -m agentrl.inference.hf_server ...`, the vLLM wrapper run by
 the vLLM venv's python, or SGLang's own launcher) bound to 127.0.0.1, with its output in a log
-file. `launch_server` starts one and waits until `GET /health` answers; `ServerProcess.stop` ends
-it (SIGTERM to its process group, then SIGKILL), and every server still running when the parent
-exits is stopped by an `atexit` hook, so tests leave no processes behind. Which command starts which
-engine is an `EngineSpec`, registered by name in `agentrl.registry.INFERENCE_ENGINES`. This module
-does not route requests; see `router.py`.
+file. `launch_server` starts one and waits until `GET /health` answers (`wait_healthy`, or
+`await wait_healthy_async` from an event loop); `ServerProcess.stop` ends it (SIGTERM to its
+process group, then SIGKILL). Each server runs under a lifeline (`agentrl.lifeline`): a small
+process that leads the server's process group and ends it, the engine's own children included
+(vLLM's engine core), when the driver dies in any way, SIGKILL included, or when the server itself
+exits. So no server outlives the process that started it, whether or not that process got to
+clean up. `ServerProcess.restart` starts a stopped or dead server again on the same port (the
+supervisor in `serve.py` uses it). Which command starts which engine is an `EngineSpec`,
+registered by name in `agentrl.registry.INFERENCE_ENGINES`. This module does not route requests;
+see `router.py`.
 """
 
 from __future__ import annotations
 
-import atexit
+import asyncio
 import contextlib
 import logging
 import os
@@ -21,7 +26,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,6 +33,7 @@ from typing import Any
 import httpx
 
 from agentrl.errors import ConfigError, InferenceError, ServerUnavailableError
+from agentrl.lifeline import lifeline_argv
 from agentrl.registry import INFERENCE_ENGINES, import_object
 
 __all__ = [
@@ -42,7 +47,6 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
-_LIVE: weakref.WeakSet[ServerProcess] = weakref.WeakSet()
 
 
 @dataclass(frozen=True)
@@ -134,7 +138,19 @@ class ServerProcess:
 
     @property
     def pid(self) -> int | None:
+        """The lifeline's pid, which is also the process group of the server and its children."""
         return self.proc.pid if self.proc else None
+
+    @property
+    def server_pid(self) -> int | None:
+        """The server process itself (the lifeline's child), while it runs."""
+        if not self.alive or self.proc is None:
+            return None
+        try:
+            children = Path(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children").read_text().split()
+        except OSError:
+            return None
+        return int(children[0]) if children else None
 
     def __repr__(self) -> str:
         return f"ServerProcess({self.spec.name!r}, {self.url}, pid={self.pid}, alive={self.alive})"
@@ -149,10 +165,11 @@ class ServerProcess:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as logf:
             self.proc = subprocess.Popen(
-                self.command, stdout=logf, stderr=subprocess.STDOUT, env=self.env, start_new_session=True
+                lifeline_argv(self.command), stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT,
+                env=self.env, start_new_session=True,
             )
         self._t0 = time.monotonic()
-        _LIVE.add(self)
+        self.startup_s = None
         log.info("started %s: %s (log %s)", self.spec.name, " ".join(self.command), self.log_path)
         return self
 
@@ -162,31 +179,56 @@ class ServerProcess:
         except OSError:
             return ""
 
+    def _not_starting(self, deadline: float, timeout_s: float) -> None:
+        """Raise if the process died, or (stopping it) if `deadline` has passed."""
+        if not self.alive:
+            code = self.proc.returncode if self.proc else None
+            hint = ""
+            if self.spec.python_env:
+                hint = f" (it ran under {self.command[0]}; set {self.spec.python_env} to the python of an environment with {self.spec.name} installed)"
+            raise ServerUnavailableError(
+                f"The {self.spec.name} server exited with code {code} before it became healthy{hint}; "
+                f"command: {' '.join(self.command)}\nlast lines of {self.log_path}:\n{self.log_tail()}"
+            )
+        if time.monotonic() > deadline:
+            self.stop()
+            raise ServerUnavailableError(
+                f"No {self.spec.name} server answered at {self.url}/health within {timeout_s:.0f} s; "
+                f"see {self.log_path}:\n{self.log_tail()}"
+            )
+
     def wait_healthy(self, timeout_s: float = 600.0) -> ServerProcess:
         """Block until `GET /health` answers 200; raise if the process dies or time runs out."""
         deadline = time.monotonic() + timeout_s
         with httpx.Client(timeout=2.0) as http:
             while True:
-                if not self.alive:
-                    code = self.proc.returncode if self.proc else None
-                    hint = ""
-                    if self.spec.python_env:
-                        hint = f" (it ran under {self.command[0]}; set {self.spec.python_env} to the python of an environment with {self.spec.name} installed)"
-                    raise ServerUnavailableError(
-                        f"The {self.spec.name} server exited with code {code} before it became healthy{hint}; "
-                        f"command: {' '.join(self.command)}\nlast lines of {self.log_path}:\n{self.log_tail()}"
-                    )
+                self._not_starting(deadline, timeout_s)
                 with contextlib.suppress(httpx.HTTPError):
                     if http.get(self.url + "/health").status_code == 200:
                         self.startup_s = time.monotonic() - self._t0
                         return self
-                if time.monotonic() > deadline:
-                    self.stop()
-                    raise ServerUnavailableError(
-                        f"No {self.spec.name} server answered at {self.url}/health within {timeout_s:.0f} s; "
-                        f"see {self.log_path}:\n{self.log_tail()}"
-                    )
                 time.sleep(0.25)
+
+    async def wait_healthy_async(self, timeout_s: float = 600.0) -> ServerProcess:
+        """`wait_healthy` for an event loop: the same checks, without blocking the loop."""
+        deadline = time.monotonic() + timeout_s
+        async with httpx.AsyncClient(timeout=2.0) as http:
+            while True:
+                self._not_starting(deadline, timeout_s)
+                with contextlib.suppress(httpx.HTTPError):
+                    if (await http.get(self.url + "/health")).status_code == 200:
+                        self.startup_s = time.monotonic() - self._t0
+                        return self
+                await asyncio.sleep(0.5)
+
+    def restart(self) -> ServerProcess:
+        """Stop the server if it still runs (its whole process group), and start it again on the
+        same port, appending to the same log. Returns at once; wait with `wait_healthy(_async)`."""
+        self.stop(timeout_s=5.0)
+        self.proc = None
+        with open(self.log_path, "ab") as logf:
+            logf.write(f"\n---- agentrl: restarting the server at {time.strftime('%Y-%m-%d %H:%M:%S')} ----\n".encode())
+        return self.start()
 
     def client(self, **kwargs: Any) -> Any:
         """A client for this server (an `HTTPServerClient`, or the engine's own adapter)."""
@@ -214,19 +256,12 @@ class ServerProcess:
         # children that outlived the leader (engine workers) go too
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.proc.pid, signal.SIGKILL)
-        _LIVE.discard(self)
 
     def __enter__(self) -> ServerProcess:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
-
-
-@atexit.register
-def _stop_all() -> None:
-    for server in list(_LIVE):
-        server.stop(timeout_s=5.0)
 
 
 def launch_server(

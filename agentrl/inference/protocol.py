@@ -102,6 +102,8 @@ class HealthResponse(_Wire):
     """Requests running or waiting on this server right now."""
     detail: str | None = None
     """Why the server is not serving, when it is not."""
+    max_model_len: int | None = None
+    """The longest sequence (prompt plus generation) the server accepts; None: it does not say."""
 
 
 class PauseRequest(_Wire):

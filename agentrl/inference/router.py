@@ -10,18 +10,27 @@ Routing rules (DESIGN.md §4 Inference):
   that sessions do not bounce between nearly idle servers). The mean is taken over the *other*
   servers because over all of them the rule could never fire with two servers and a threshold of 2.
 - A request that fails because a server is unreachable, timed out or answered 5xx is retried on
-  another server until the request's deadline; a request the server rejects (4xx) is not retried.
+  another server (or on the same one once it is back) until the request's deadline; a request
+  that got a 5xx answer `MAX_SERVER_ERRORS` times is given up (a request the servers choke on must
+  not be retried forever). A request the server rejects (4xx, `InferenceRequestError`: too long for
+  its context, bad parameters) is not retried and does not count against the server.
 - A server whose weight_version is behind `current_version` (`set_version`) gets no requests; while
   no server is eligible, requests wait (until their deadline) instead of failing.
 - A background task polls `GET /health` of every server: liveness, weight version, and the load
-  that other clients put on it.
+  that other clients put on it. A server that answers again but is behind the last weights pushed
+  (it was restarted, or missed a push while it was down) is re-synced first: the router keeps
+  what it pushed last (`update_weights`) and pushes it to that server alone (`resync`), so a
+  server never serves from weights that are behind.
+- Servers that agentrl started are supervised (`serve.ServerSupervisor`): a dead one is restarted
+  (`server_down` while that happens) and re-synced; one that cannot be brought back is given up
+  (`give_up`), and once every server is given up, `fatal` holds the reason and every request
+  fails at once with it instead of waiting out its deadline.
 - A generation the server ended with finish_reason "abort" (it was paused with abort, e.g. for a
   weight push) is returned as it is, partial tokens included: whether to continue or drop it is
   the agent loop's decision, not the router's.
 - A weight push (`update_weights(source, version)`) goes to every healthy server at once; a server
   whose load fails is asked again, and one that still fails stops the push with a WeightSyncError
-  that names it and its reason. The last source is remembered, so `sync_server` can bring a server
-  that comes back to the current version before it serves.
+  that names it and its reason; a server that dies during the push is re-synced when it is back.
 
 A server's load is the requests this router has in flight there plus the part of its reported
 `/health` load that is not ours. A routing decision costs one dict lookup and O(1) arithmetic on a
@@ -40,12 +49,18 @@ from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from agentrl.errors import InferenceError, ServerUnavailableError, WeightSyncError
+from agentrl.errors import InferenceError, InferenceRequestError, ServerUnavailableError, WeightSyncError
 from agentrl.types import Generation, SamplingParams
 
-__all__ = ["RoutedServer", "Router"]
+__all__ = ["MAX_SERVER_ERRORS", "RoutedServer", "Router"]
 
 log = logging.getLogger(__name__)
+
+_DIED = object()
+"""`_push_one`'s answer for a server that died during the push."""
+
+MAX_SERVER_ERRORS = 3
+"""A request that servers answered with HTTP 5xx this many times is given up (see the module docstring)."""
 
 
 class RoutedServer:
@@ -56,10 +71,13 @@ class RoutedServer:
         "eligible",
         "external_load",
         "failures",
+        "given_up",
         "healthy",
         "inflight",
+        "restarting",
         "server_id",
         "sessions",
+        "syncing",
         "weight_version",
     )
 
@@ -73,6 +91,9 @@ class RoutedServer:
         self.failures = 0
         self.sessions = 0
         self.eligible = True
+        self.restarting = False  # its supervisor is starting it again
+        self.syncing = False  # a re-sync to the last pushed weights is under way
+        self.given_up: str | None = None  # why it will not come back
 
     @property
     def load(self) -> int:
@@ -81,7 +102,8 @@ class RoutedServer:
     def __repr__(self) -> str:
         return (
             f"RoutedServer({self.server_id!r}, load={self.load}, healthy={self.healthy}, "
-            f"version={self.weight_version}, sessions={self.sessions})"
+            f"version={self.weight_version}, sessions={self.sessions}"
+            + (", restarting" if self.restarting else "") + (", given up" if self.given_up else "") + ")"
         )
 
 
@@ -120,9 +142,13 @@ class Router:
         self._eligible_load = 0
         self._n_eligible = 0
         self._changed: asyncio.Event | None = None
-        self.weight_source: tuple[str, int, str | None] | None = None
-        """(source, version, token) of the last `update_weights`, for `sync_server`."""
         self._health_task: asyncio.Task[None] | None = None
+        self._push_lock: asyncio.Lock | None = None
+        self._syncs: set[asyncio.Task[None]] = set()
+        self.last_push: tuple[str, int, str | None] | None = None
+        """(source, version, token) of the last `update_weights`: what a returning server gets."""
+        self.fatal: ServerUnavailableError | None = None
+        """Set once every server was given up: why no request can be served any more."""
         self.counters = {
             "requests": 0,
             "new_sessions": 0,
@@ -130,12 +156,14 @@ class Router:
             "retries": 0,
             "failures": 0,
             "waits": 0,
+            "rejected": 0,
+            "resyncs": 0,
         }
         self._refresh_eligibility()
 
     # ── eligibility and load bookkeeping ────────────────────────────────────────────────────
     def _is_eligible(self, s: RoutedServer) -> bool:
-        if not s.healthy:
+        if not s.healthy or s.restarting or s.given_up is not None:
             return False
         if self.current_version is None:
             return True
@@ -241,10 +269,13 @@ class Router:
         deadline = time.monotonic() + budget
         tried: list[RoutedServer] = []
         errors: list[str] = []
+        server_errors = 0
         self.counters["requests"] += 1
         while True:
             server = await self._acquire_or_wait(session_id, tried, deadline)
             if server is None:
+                if self.fatal is not None:
+                    raise ServerUnavailableError(str(self.fatal))
                 raise ServerUnavailableError(
                     f"No eligible inference server answered session {session_id!r} within {budget:.1f} s "
                     f"(version >= {self.current_version}; tried {[s.server_id for s in tried]}): "
@@ -267,8 +298,18 @@ class Router:
                 self.counters["failures"] += 1
                 errors.append(f"{server.server_id}: {exc}")
                 tried.append(server)
+                if exc.status_code is not None:
+                    server_errors += 1
+                    if server_errors >= MAX_SERVER_ERRORS:
+                        raise ServerUnavailableError(
+                            f"Session {session_id!r}: the servers answered this request with an HTTP 5xx error "
+                            f"{server_errors} times; giving up on it: " + "; ".join(errors[-3:])
+                        ) from exc
                 self._mark_failed(server)
                 continue
+            except InferenceRequestError:
+                self.counters["rejected"] += 1  # the request's fault, not the server's
+                raise
             finally:
                 self.release(server)
             server.failures = 0
@@ -284,6 +325,8 @@ class Router:
         self, session_id: str, tried: list[RoutedServer], deadline: float
     ) -> RoutedServer | None:
         while True:
+            if self.fatal is not None:
+                return None
             server = self.acquire(session_id, tried)
             if server is not None:
                 return server
@@ -327,7 +370,7 @@ class Router:
 
     async def _check_one(self, s: RoutedServer) -> None:
         health = getattr(s.client, "health", None)
-        if health is None:
+        if health is None or s.given_up is not None:
             return
         try:
             h = await health(timeout_s=self.health_timeout_s)
@@ -342,6 +385,18 @@ class Router:
         s.healthy = h.status != "loading"
         s.weight_version = h.weight_version
         s.external_load = max(0, h.load - s.inflight)
+        if self._behind(s) and not s.syncing and not s.restarting and self._changed is not None:
+            # back, but behind the weights pushed last (it was restarted, or missed a push): catch up
+            s.syncing = True
+            task = asyncio.ensure_future(self.resync(s))
+            self._syncs.add(task)
+            task.add_done_callback(self._syncs.discard)
+
+    def _behind(self, s: RoutedServer) -> bool:
+        return (
+            self.last_push is not None and s.healthy and hasattr(s.client, "update_weights")
+            and (s.weight_version is None or s.weight_version < self.last_push[1])
+        )
 
     async def _health_loop(self) -> None:
         while True:
@@ -352,17 +407,24 @@ class Router:
             await asyncio.sleep(self.health_interval_s)
 
     # ── fleet control ───────────────────────────────────────────────────────────────────────
+    def _lock(self) -> asyncio.Lock:
+        if self._push_lock is None:
+            self._push_lock = asyncio.Lock()
+        return self._push_lock
+
     async def update_weights(
         self, source: str, version: int, *, token: str | None = None, attempts: int = 2
     ) -> dict[str, Any]:
-        """Load weights `version` from `source` on every healthy server, then serve only `version`.
+        """Load weights `version` from `source` on every live server, then serve only `version`.
 
         `source` is a weights directory the servers can read (files engine) or a trainer's weight
         endpoint URL (http engine, with its bearer `token`). Each server verifies every bucket's
-        checksum before loading it; a server whose load fails is asked again, up to `attempts` times
-        in all, and if it still fails this raises WeightSyncError naming each failed server and its
-        reason (those servers refuse to serve until a push succeeds). Returns each server's load
-        report (`WeightLoadReport`, or None for engines that give none) by server id.
+        checksum before loading it. A server that dies during the push (unreachable, 5xx) is marked
+        failed and gets these weights when it answers again (`resync`). A server that answers but
+        cannot load them is asked again, up to `attempts` times in all, and if it still fails this
+        raises WeightSyncError naming each such server and its reason (those servers refuse to
+        serve until a push succeeds). Returns each server's load report (`WeightLoadReport`, or
+        None for engines that give none) by server id.
         """
         cannot = [s.server_id for s in self.servers if not hasattr(s.client, "update_weights")]
         if cannot:
@@ -372,13 +434,16 @@ class Router:
             )
         if attempts < 1:
             raise ValueError(f"attempts must be >= 1, got {attempts}")
-        self.weight_source = (source, version, token)
-        # Servers that answer but do not serve (a push that failed part-way) need this push most.
-        reachable = await asyncio.gather(*(self._answers(s) for s in self.servers))
-        targets = [s for s, ok in zip(self.servers, reachable, strict=True) if ok]
-        outcomes = await asyncio.gather(*(self._push_one(s, source, version, token, attempts) for s in targets))
+        async with self._lock():
+            self.last_push = (source, version, token)
+            # Servers that answer but do not serve (a push that failed part-way) need this push most.
+            live = [s for s in self.servers if not s.restarting and s.given_up is None]
+            reachable = await asyncio.gather(*(self._answers(s) for s in live))
+            targets = [s for s, ok in zip(live, reachable, strict=True) if ok]
+            outcomes = await asyncio.gather(*(self._push_one(s, source, version, token, attempts) for s in targets))
         await self.check_health()
         failed = {s.server_id: out for s, out in zip(targets, outcomes, strict=True) if isinstance(out, str)}
+        outcomes = [None if out is _DIED else out for out in outcomes]
         if failed:
             reasons = "; ".join(f"{sid}: {why}" for sid, why in failed.items())
             raise WeightSyncError(
@@ -404,12 +469,18 @@ class Router:
 
     async def _push_one(self, server: RoutedServer, source: str, version: int, token: str | None,
                         attempts: int) -> Any:
-        """One server's load, retried; its answer, or the reason it failed (a string)."""
+        """One server's load, retried: its answer; `_DIED` if it died meanwhile (marked failed,
+        re-synced when it is back); or the reason it could not load the weights (a string)."""
         kwargs = {"token": token} if token is not None else {}
         reason = ""
         for attempt in range(1, attempts + 1):
             try:
                 return await server.client.update_weights(source, version, **kwargs)
+            except ServerUnavailableError as exc:
+                log.warning("inference server %s failed during the push of weights version %d (%s); it gets "
+                            "them when it answers again", server.server_id, version, exc)
+                self._mark_failed(server)
+                return _DIED
             except InferenceError as exc:
                 reason = str(exc)
                 log.warning("weight version %d failed on %s (attempt %d of %d): %s", version, server.server_id,
@@ -419,17 +490,19 @@ class Router:
     async def sync_server(self, server_id: str) -> Any:
         """Push the last pushed weights (`update_weights`' source and version) to one server, e.g. one
         that restarted; returns its load report. Raises WeightSyncError if it cannot load them."""
-        if self.weight_source is None:
+        if self.last_push is None:
             raise WeightSyncError("No weights were pushed through this router yet; nothing to re-sync.")
-        source, version, token = self.weight_source
+        source, version, token = self.last_push
         server = next((s for s in self.servers if s.server_id == server_id), None)
         if server is None:
             raise InferenceError(f"No server {server_id!r} behind this router; known: {[s.server_id for s in self.servers]}")
-        out = await self._push_one(server, source, version, token, 2)
+        async with self._lock():
+            out = await self._push_one(server, source, version, token, 2)
         await self._check_one(server)
         self._refresh_eligibility()
-        if isinstance(out, str):
-            raise WeightSyncError(f"Server {server_id} could not load weight version {version} from {source}: {out}")
+        if out is _DIED or isinstance(out, str):
+            raise WeightSyncError(f"Server {server_id} could not load weight version {version} from {source}: "
+                                  f"{'it stopped answering' if out is _DIED else out}")
         return getattr(out, "push", None)
 
     async def check_weight_source(self, source: str, expected: str, *, token: str | None = None) -> None:
@@ -453,6 +526,56 @@ class Router:
                 + "; ".join(bad)
             )
 
+    async def resync(self, server: RoutedServer | int) -> None:
+        """Push the weights pushed last to `server` alone if it is behind them (it came back after a
+        restart, or missed a push), so it can serve again. Safe to call at any time; a server that
+        cannot load them stays out of rotation (logged) and is tried again at its next health check."""
+        s = self.servers[server] if isinstance(server, int) else server
+        s.syncing = True
+        try:
+            async with self._lock():
+                await self._check_one(s)
+                if not self._behind(s) or self.last_push is None:
+                    return
+                source, version, token = self.last_push
+                start = time.monotonic()
+                out = await self._push_one(s, source, version, token, 1)
+                if out is _DIED or isinstance(out, str):
+                    log.warning("re-syncing inference server %s to weights version %d failed: %s",
+                                s.server_id, version, "it stopped answering" if out is _DIED else out)
+                    return
+                self.counters["resyncs"] += 1
+                log.info("inference server %s re-synced to weights version %d (%.1f s)", s.server_id, version,
+                         time.monotonic() - start)
+                await self._check_one(s)
+        finally:
+            s.syncing = False
+            self._refresh_eligibility()
+
+    # ── supervision (see serve.ServerSupervisor) ────────────────────────────────────────────
+    def server_down(self, index: int) -> None:
+        """Server `index` died and is being restarted: route around it until it is back and re-synced."""
+        s = self.servers[index]
+        s.restarting, s.healthy = True, False
+        self._refresh_eligibility()
+
+    def server_restarted(self, index: int) -> None:
+        """Server `index` answers /health again; it serves once it holds the current weights."""
+        self.servers[index].restarting = False
+        self._refresh_eligibility()
+
+    def give_up(self, index: int, reason: str) -> None:
+        """Server `index` will not come back. Once every server is given up, requests fail at once."""
+        s = self.servers[index]
+        s.given_up, s.restarting, s.healthy = reason, False, False
+        log.error("inference server %s is given up: %s", s.server_id, reason)
+        if all(x.given_up is not None for x in self.servers):
+            self.fatal = ServerUnavailableError(
+                "Every inference server is down and could not be restarted: "
+                + "; ".join(f"{x.server_id}: {x.given_up}" for x in self.servers)
+            )
+        self._refresh_eligibility()
+
     def stats(self) -> dict[str, Any]:
         return {
             **self.counters,
@@ -464,12 +587,17 @@ class Router:
                     "healthy": s.healthy,
                     "weight_version": s.weight_version,
                     "sessions": s.sessions,
+                    "restarting": s.restarting,
+                    "given_up": s.given_up,
                 }
                 for s in self.servers
             ],
         }
 
     async def aclose(self) -> None:
+        for task in list(self._syncs):
+            task.cancel()
+        await asyncio.gather(*self._syncs, return_exceptions=True)
         if self._health_task is not None:
             self._health_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):

@@ -4,8 +4,20 @@
 `vllm` and `sglang` it starts `num_servers` server processes (in parallel, each on its own port,
 logging to `log_dir`) and puts a `Router` in front of them; for `external` it starts nothing and
 routes over `ExternalClient`s of the given `urls`. `InferenceService.client` is the
-`InferenceClient` the rollout layer uses; `stop()` ends what was started. The CLI (`agentrl serve`)
-is a thin wrapper around this.
+`InferenceClient` the rollout layer uses; `await start()` starts the router's health checks and,
+for servers agentrl started, their `ServerSupervisor`; `stop()` ends what was started. The CLI
+(`agentrl serve`) is a thin wrapper around this.
+
+`ServerSupervisor` keeps the servers agentrl started alive, in the shape of slime's fault
+tolerance: a server whose process died (or that failed its health checks for `HUNG_AFTER_S`) is
+restarted on its port, waited for, and re-synced to the weights pushed last before the router
+sends it requests again; meanwhile the router routes around it, or requests wait (until their
+deadline) when it was the only one. A server that died `inference.max_restarts` times, or whose
+restart failed, is given up; once every server is, the router's `fatal` says why, every request
+fails at once, and the run stops with that message. Servers given as `inference.urls` belong to
+someone else and are not restarted (the router still re-syncs one that comes back behind).
+Before serving, `serve_from_config` checks `rollout.max_total_tokens` against what running servers
+report as their context (`max_model_len` in agentrl's `/health`, or vLLM's `/v1/models`).
 
 `ExternalClient` speaks to an OpenAI-compatible `/v1/completions` server somebody else runs (a
 `vllm serve`, an SGLang or TGI OpenAI endpoint). What it can give: token-id prompts (the prompt is
@@ -20,7 +32,10 @@ default "raw_logprobs" is the temperature-1 distribution, not the sampled one).
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -28,16 +43,28 @@ from typing import Any
 import httpx
 
 from agentrl.config import AgentRLConfig
-from agentrl.errors import ConfigError, InferenceError, ServerUnavailableError
+from agentrl.errors import ConfigError, InferenceError, InferenceRequestError, ServerUnavailableError
 from agentrl.inference.launcher import ServerProcess, launch_server
 from agentrl.inference.protocol import HealthResponse
 from agentrl.inference.router import Router
 from agentrl.models import resolve_model_path
 from agentrl.types import Generation, SamplingParams
 
-__all__ = ["ExternalClient", "InferenceService", "engine_kwargs_from_config", "serve_from_config"]
+__all__ = [
+    "HUNG_AFTER_S",
+    "ExternalClient",
+    "InferenceService",
+    "ServerSupervisor",
+    "check_context",
+    "engine_kwargs_from_config",
+    "serve_from_config",
+    "server_context",
+]
 
 log = logging.getLogger(__name__)
+
+HUNG_AFTER_S = 60.0
+"""A live server process whose health checks failed this long without a break is restarted."""
 
 
 class ExternalClient:
@@ -73,11 +100,15 @@ class ExternalClient:
                 f"Cannot reach the OpenAI-compatible server at {self.base_url}: {exc}"
             ) from exc
         if resp.status_code >= 500:
-            raise ServerUnavailableError(f"{self.base_url}{path}: HTTP {resp.status_code} {resp.text[:300]}")
+            unavailable = ServerUnavailableError(f"{self.base_url}{path}: HTTP {resp.status_code} {resp.text[:300]}")
+            unavailable.status_code = resp.status_code
+            raise unavailable
         if resp.status_code >= 400:
-            raise InferenceError(
+            rejected = InferenceRequestError(
                 f"{self.base_url}{path} rejected the request: HTTP {resp.status_code} {resp.text[:500]}"
             )
+            rejected.status_code = resp.status_code
+            raise rejected
         return resp.json()
 
     async def _model_name(self) -> str:
@@ -170,19 +201,117 @@ def _token_id(token: str, url: str) -> int:
     )
 
 
+class ServerSupervisor:
+    """Restarts dead servers and re-syncs them (see the module docstring). Runs on the event loop."""
+
+    def __init__(
+        self, router: Router, servers: list[ServerProcess], *, startup_timeout_s: float, max_restarts: int,
+        poll_s: float = 1.0, hung_after_s: float = HUNG_AFTER_S,
+    ) -> None:
+        self.router = router
+        self.servers = servers
+        self.startup_timeout_s = startup_timeout_s
+        self.max_restarts = max_restarts
+        self.poll_s = poll_s
+        self.hung_after_s = hung_after_s
+        self.restarts = [0] * len(servers)
+        self._unhealthy_since: list[float | None] = [None] * len(servers)
+        self._reviving: dict[int, asyncio.Task[None]] = {}
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        if self._task is None or self._task.done():
+            self._task = asyncio.create_task(self._watch(), name="agentrl-server-supervisor")
+
+    async def aclose(self) -> None:
+        tasks = [t for t in (self._task, *self._reviving.values()) if t is not None]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self._task = None
+
+    async def _watch(self) -> None:
+        while True:
+            for i, proc in enumerate(self.servers):
+                if i in self._reviving or self.router.servers[i].given_up is not None:
+                    continue
+                why = self._trouble(i, proc)
+                if why:
+                    task = asyncio.create_task(self._revive(i, why), name=f"agentrl-restart-{proc.port}")
+                    self._reviving[i] = task
+                    task.add_done_callback(lambda _t, i=i: self._reviving.pop(i, None))
+            await asyncio.sleep(self.poll_s)
+
+    def _trouble(self, i: int, proc: ServerProcess) -> str:
+        if not proc.alive:
+            code = proc.proc.returncode if proc.proc is not None else None
+            return f"exited (code {code})"
+        routed = self.router.servers[i]
+        if routed.healthy or routed.syncing:
+            self._unhealthy_since[i] = None
+            return ""
+        now = time.monotonic()
+        since = self._unhealthy_since[i] = self._unhealthy_since[i] or now
+        if now - since >= self.hung_after_s:
+            return f"failed its health checks for {now - since:.0f} s"
+        return ""
+
+    async def _revive(self, i: int, why: str) -> None:
+        proc = self.servers[i]
+        self.router.server_down(i)
+        self._unhealthy_since[i] = None
+        while True:
+            if self.restarts[i] >= self.max_restarts:
+                self.router.give_up(
+                    i, f"it {why}; not restarted again after {self.restarts[i]} restart(s) "
+                       f"(inference.max_restarts={self.max_restarts}); its log {proc.log_path} ends:\n"
+                       f"{proc.log_tail(15)}")
+                return
+            self.restarts[i] += 1
+            log.warning("inference server %s %s; restarting it (restart %d of at most %d)", proc.url, why,
+                        self.restarts[i], self.max_restarts)
+            start = time.monotonic()
+            proc.restart()  # on the loop's thread: nothing is left half-started if we are cancelled
+            try:
+                await proc.wait_healthy_async(self.startup_timeout_s)
+            except ServerUnavailableError as exc:
+                why = f"could not be restarted: {str(exc).splitlines()[0]}"
+                continue
+            self.router.server_restarted(i)
+            await self.router.resync(i)
+            log.warning("inference server %s is back after %.0f s, serving weights version %s", proc.url,
+                        time.monotonic() - start, self.router.servers[i].weight_version)
+            return
+
+
 @dataclass
 class InferenceService:
-    """What `serve_from_config` started: the router (`client`) and the server processes behind it."""
+    """What `serve_from_config` started: the router (`client`), the server processes behind it,
+    and their supervisor (None for servers someone else runs)."""
 
     client: Router
     servers: list[ServerProcess] = field(default_factory=list)
+    supervisor: ServerSupervisor | None = None
 
     @property
     def urls(self) -> list[str]:
         return [s.url for s in self.servers]
 
+    async def start(self) -> InferenceService:
+        """Start the router's health checks and the supervision of the servers (on this event loop)."""
+        await self.client.start()
+        if self.supervisor is not None:
+            self.supervisor.start()
+        return self
+
+    async def stop_supervising(self) -> None:
+        """Stop restarting servers (before they are stopped on purpose)."""
+        if self.supervisor is not None:
+            await self.supervisor.aclose()
+
     async def aclose(self) -> None:
-        """Close the router, then stop the servers."""
+        """Stop supervising, close the router, then stop the servers."""
+        await self.stop_supervising()
         await self.client.aclose()
         self.stop()
 
@@ -234,6 +363,7 @@ def serve_from_config(config: AgentRLConfig, *, log_dir: str | Path | None = Non
                 "inference.engine is 'external' but inference.urls is empty; give the base URLs of running "
                 "OpenAI-compatible servers, e.g. inference.urls=[http://127.0.0.1:8000]."
             )
+        check_context(config, inf.urls)
         # The served name is asked from the server (`vllm serve PATH` calls its model PATH); the
         # configured model path only picks among several, and is the tokenizer the loop uses.
         clients = [ExternalClient(u, model_hint=config.model.path) for u in inf.urls]
@@ -242,6 +372,7 @@ def serve_from_config(config: AgentRLConfig, *, log_dir: str | Path | None = Non
         # Servers someone already started (`agentrl serve`, or another job): connect, start nothing.
         from agentrl.inference.client import HTTPServerClient
 
+        check_context(config, inf.urls)
         return InferenceService(Router([HTTPServerClient(u) for u in inf.urls], **router_opts))
     kwargs = engine_kwargs_from_config(config)
     model_path = resolve_model_path(config.model.path)  # built-in names are converted once, here
@@ -260,4 +391,41 @@ def serve_from_config(config: AgentRLConfig, *, log_dir: str | Path | None = Non
             server.stop()
         raise
     clients = [s.client() for s in servers]
-    return InferenceService(Router(clients, **router_opts), servers)
+    router = Router(clients, **router_opts)
+    supervisor = ServerSupervisor(router, servers, startup_timeout_s=inf.startup_timeout_s,
+                                  max_restarts=inf.max_restarts)
+    return InferenceService(router, servers, supervisor)
+
+
+def server_context(url: str, *, timeout_s: float = 10.0) -> int | None:
+    """The context length (`max_model_len`) the server at `url` reports, or None if it does not say:
+    agentrl servers in `/health`, vLLM's OpenAI server in `/v1/models`."""
+    base = url.rstrip("/").removesuffix("/v1")
+    with httpx.Client(timeout=timeout_s) as http:
+        for path in ("/health", "/v1/models"):
+            with contextlib.suppress(httpx.HTTPError, ValueError):
+                resp = http.get(base + path)
+                if resp.status_code != 200:
+                    continue
+                data = resp.json()
+                if isinstance(data, dict) and isinstance(data.get("max_model_len"), int):
+                    return int(data["max_model_len"])
+                models = data.get("data") if isinstance(data, dict) else None
+                for m in models or []:
+                    if isinstance(m, dict) and isinstance(m.get("max_model_len"), int):
+                        return int(m["max_model_len"])
+    return None
+
+
+def check_context(config: AgentRLConfig, urls: list[str]) -> None:
+    """Raise ConfigError when `rollout.max_total_tokens` is more than a running server's context:
+    episodes would grow into requests the server refuses."""
+    budget = config.rollout.max_total_tokens
+    for url in urls:
+        limit = server_context(url)
+        if limit is not None and budget > limit:
+            raise ConfigError(
+                f"rollout.max_total_tokens={budget} is more than the context of the server at {url} "
+                f"(max_model_len={limit}): longer episodes would be refused. Lower rollout.max_total_tokens "
+                f"to {limit} or less, or start the server with a longer context."
+            )

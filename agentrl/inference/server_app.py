@@ -17,6 +17,13 @@ refuses to serve rather than serve that mix: `/health` says "loading" with the r
 `/generate` (including the requests that waited for the push) answers 503 so the router sends them
 elsewhere, until a push completes. A push that fails before it touched the model (the source was
 unreachable) leaves the server serving its old version.
+
+Errors are answered as what they are. A request the engine cannot serve (a prompt as long as the
+model's context or longer, bad parameters: `RequestRejected` or `ValueError` from the engine) is
+answered HTTP 400, so the client raises a request error and the router does not take the server for
+dead; vLLM's own API server does the same. An engine that died under a live HTTP frontend (vLLM's
+engine core) makes `/health` answer 503, so the router routes around the server and its supervisor
+restarts it, instead of the health check calling it well while every request fails.
 """
 
 from __future__ import annotations
@@ -41,6 +48,7 @@ from agentrl.inference.protocol import (
 )
 
 __all__ = [
+    "RequestRejected",
     "ServerEngine",
     "ServerState",
     "WeightLoadError",
@@ -75,11 +83,17 @@ class WeightsIncompleteError(Exception):
     """The server's weights are a mix of two versions after a failed push; it serves nothing until a push succeeds."""
 
 
+class RequestRejected(Exception):
+    """Raised by an engine for a request it cannot serve (answered HTTP 400, see the module docstring)."""
+
+
 class ServerEngine(abc.ABC):
     """What a server process needs from an engine. All methods run on the server's event loop."""
 
     engine_name: str = "?"
     model_name: str = "?"
+    max_model_len: int | None = None
+    """The longest sequence (prompt plus generation) the engine serves, once started; None: unknown."""
 
     async def start(self) -> None:  # noqa: B027 - optional hook
         """Load the model (called once, before the first request)."""
@@ -104,6 +118,9 @@ class ServerEngine(abc.ABC):
         """(tokens queried, tokens hit) of the prefix cache, or (None, None) if not exposed."""
         return None, None
 
+    async def check_health(self) -> None:  # noqa: B027 - optional hook
+        """Raise if the engine can no longer serve (e.g. its engine process died)."""
+
 
 class ServerState:
     """Pause/resume, versioning and counters around one engine."""
@@ -126,6 +143,12 @@ class ServerState:
         return not self._resumed.is_set()
 
     async def generate(self, request: GenerateRequest) -> GenerateResponse:
+        limit = self.engine.max_model_len
+        if limit is not None and len(request.prompt_ids) >= limit:
+            raise RequestRejected(
+                f"the prompt has {len(request.prompt_ids)} tokens; the model's context (max_model_len) is "
+                f"{limit} tokens, which must hold the prompt and at least one generated token"
+            )
         self.inflight += 1
         try:
             while not self._resumed.is_set():
@@ -200,6 +223,7 @@ class ServerState:
             engine=self.engine.engine_name,
             load=self.inflight,
             detail=self.weights_error,
+            max_model_len=self.engine.max_model_len,
         )
 
 
@@ -230,10 +254,17 @@ def build_app(engine: ServerEngine, weight_version: int = 0) -> Any:
 
     @app.post("/generate", response_model=GenerateResponse)
     async def generate(request: GenerateRequest) -> GenerateResponse:
-        return await state_box["s"].generate(request)
+        try:
+            return await state_box["s"].generate(request)
+        except (RequestRejected, ValueError) as exc:
+            raise HTTPException(status_code=400, detail=f"request rejected: {exc}") from exc
 
     @app.get("/health", response_model=HealthResponse)
     async def health() -> HealthResponse:
+        try:
+            await engine.check_health()
+        except Exception as exc:
+            raise HTTPException(status_code=503, detail=f"the {engine.engine_name} engine is dead: {exc}") from exc
         return state_box["s"].health()
 
     @app.post("/pause", response_model=HealthResponse)

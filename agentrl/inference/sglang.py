@@ -28,7 +28,7 @@ from typing import Any
 
 import httpx
 
-from agentrl.errors import InferenceError, ServerUnavailableError
+from agentrl.errors import InferenceError, InferenceRequestError, ServerUnavailableError
 from agentrl.inference.protocol import HealthResponse, MetricsResponse
 from agentrl.types import Generation, SamplingParams
 
@@ -94,13 +94,17 @@ class SGLangClient:
         except httpx.TransportError as exc:
             raise ServerUnavailableError(f"Cannot reach the SGLang server at {self.base_url}: {exc}") from exc
         if resp.status_code >= 500:
-            raise ServerUnavailableError(
+            unavailable = ServerUnavailableError(
                 f"SGLang {self.base_url}{path}: HTTP {resp.status_code} {resp.text[:300]}"
             )
+            unavailable.status_code = resp.status_code
+            raise unavailable
         if resp.status_code >= 400:
-            raise InferenceError(
+            rejected = InferenceRequestError(
                 f"SGLang {self.base_url}{path} rejected the request: HTTP {resp.status_code} {resp.text[:500]}"
             )
+            rejected.status_code = resp.status_code
+            raise rejected
         return resp.json() if resp.content else {}
 
     async def generate(

@@ -38,6 +38,9 @@ start-up to a healthy /health measured 66-69 s on a shared, busy 2-core machine 
   before loading it, and feeds the tensors to vLLM's in-place reload (`reload_weights` with a
   weights iterator, which calls `model.load_weights`), plus a fix for tied embeddings on CPU (see
   that module). The prefix cache is reset afterwards: its entries hold the old weights' KV.
+- Errors: vLLM's request errors (`VLLMClientError`, e.g. a prompt longer than `max_model_len`) are
+  raised as `server_app.RequestRejected` (HTTP 400); a dead engine core fails `check_health`
+  (`/health` answers 503).
 """
 
 from __future__ import annotations
@@ -52,6 +55,7 @@ from typing import Any
 
 from agentrl.inference.protocol import GenerateRequest, GenerateResponse, WeightLoadReport
 from agentrl.inference.server_app import (
+    RequestRejected,
     ServerEngine,
     WeightLoadError,
     run_server,
@@ -119,6 +123,11 @@ class VLLMEngine(ServerEngine):
             kwargs["kv_cache_memory_bytes"] = self.cpu_kv_cache_bytes
         args = AsyncEngineArgs(**kwargs)
         self.llm = AsyncLLM.from_engine_args(args)
+        self.max_model_len = int(self.llm.model_config.max_model_len)
+
+    async def check_health(self) -> None:
+        if self.llm is not None:
+            await self.llm.check_health()
 
     async def shutdown(self) -> None:
         if self.llm is not None:
@@ -152,6 +161,10 @@ class VLLMEngine(ServerEngine):
                 final = out
         except asyncio.CancelledError:
             await self.llm.abort(request_id)
+            raise
+        except Exception as exc:
+            if _is_request_error(exc):
+                raise RequestRejected(str(exc)) from exc
             raise
         finally:
             self._inflight.discard(request_id)
@@ -202,6 +215,15 @@ class VLLMEngine(ServerEngine):
         log.info("workers received weight version %d (re-packed CPU GEMMs per worker: %s)", version,
                  [r.get("repacked") for r in results])
         return weight_load_report(source, version, results[0]["stats"], time.perf_counter() - start)
+
+
+def _is_request_error(exc: BaseException) -> bool:
+    """vLLM's own split: `VLLMClientError` is the request's fault (4xx), the rest the server's."""
+    try:
+        from vllm.exceptions import VLLMClientError
+    except ImportError:  # older vLLM: validation errors were ValueErrors
+        return isinstance(exc, ValueError)
+    return isinstance(exc, (VLLMClientError, ValueError))
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -3,10 +3,13 @@
 One run, on Ray (a local instance by default; the cluster when `ray start` made one or
 `RAY_ADDRESS` names it):
 
-1. The run directory (`run.output_dir/run.name`) gets the resolved config; with `run.resume` it
-   must hold a checkpoint, without it it must not (so a run is never silently overwritten).
-2. The LLM servers start (`serve_from_config`, behind the session-sticky router) while the trainer
-   actors load the policy (`TrainerGroup`).
+1. The run directory (`run.output_dir/run.name`) gets the resolved config. With `run.resume` it
+   must hold an intact checkpoint: the newest is verified against its checksums (and a damaged one
+   set aside for the newest intact one, `checkpoints.py`) before anything starts. Without it, it
+   must hold none (a run is never silently overwritten), and the records of an earlier attempt
+   that saved no checkpoint are moved into `previous/`, never deleted.
+2. The LLM servers start (`serve_from_config`, behind the session-sticky router, supervised: a
+   dead server is restarted and re-synced) while the trainer actors load the policy (`TrainerGroup`).
 3. The `Scheduler` runs the steps in `run.mode`: rollouts are asyncio tasks in this process (the
    AgentLoop over the router), training is a Ray call, and each new policy reaches the servers
    through the checkpoint engine `weights.backend` selects (`weights/version-N` directories, or an
@@ -16,12 +19,17 @@ One run, on Ray (a local instance by default; the cluster when `ray start` made 
    every `run.eval_every` steps (and before the first and after the last) the held-out split is
    evaluated (`eval/pass_at_1`, ...), with its report under `eval/step-N/`; every `run.save_every`
    steps (and at the end) a checkpoint holds the trainer (model, optimizer, scheduler, RNG) and
-   the driver (data position, prompt ledger, versions). `resume=true` continues from it with the
-   same next batch.
+   the driver (data position, prompt ledger, versions), written safely and pruned to
+   `run.keep_checkpoints` (`CheckpointStore`). `resume=true` continues from it with the same next
+   batch.
 
 The prompt ledger (`ledger.jsonl`) accounts for every prompt taken: trained, filtered, requeued
-after infrastructure failures, failed, or unfinished when the run stopped. Training never sees an
-env class, and envs never see the trainer.
+after infrastructure failures, failed, or unfinished when the run stopped, whatever stopped it
+(the scheduler closes its in-flight prompts on an exception or Ctrl-C; a resumed run closes those
+of a run that was killed outright before it continues). A run that can make no progress stops
+with a non-zero exit and the cause: too many infrastructure failures, every server given up,
+`run.max_skipped_steps` steps in a row with nothing to train. Training never sees an env class, and
+envs never see the trainer.
 """
 
 from __future__ import annotations
@@ -38,9 +46,10 @@ from typing import Any
 from agentrl.config import AgentRLConfig, save_config
 from agentrl.errors import AgentRLError, ConfigError, InfraFailureError
 from agentrl.orchestration.build import Job, build_job
+from agentrl.orchestration.checkpoints import Checkpoint, CheckpointStore, move_aside_earlier_attempt
 from agentrl.orchestration.evaluate import check_infra_failures, evaluate
 from agentrl.orchestration.infra import InfraMonitor
-from agentrl.orchestration.ledger import PromptLedger, PromptRef, PromptSampler
+from agentrl.orchestration.ledger import PromptLedger, PromptRef, PromptSampler, close_orphans, next_session
 from agentrl.orchestration.metrics import MetricsLogger, episode_metrics
 from agentrl.orchestration.preflight import preflight
 from agentrl.orchestration.schedule import GroupResult, Scheduler, StepRecord, Verdict, default_classify
@@ -48,12 +57,9 @@ from agentrl.orchestration.trajectory_log import RolloutLog
 from agentrl.rollout import RolloutWorker
 from agentrl.rollout.worker import group_seed
 
-__all__ = ["RunResult", "find_checkpoint", "resolve_run_dir", "run_training"]
+__all__ = ["RunResult", "resolve_run_dir", "run_training"]
 
 log = logging.getLogger("agentrl.run")
-
-_LATEST = "latest"
-_DRIVER_STATE = "driver_state.json"
 
 
 @dataclass
@@ -68,9 +74,14 @@ class RunResult:
     eval_after: dict[str, float | None] = field(default_factory=dict)
     max_staleness: int = 0
     seconds: float = 0.0
+    steps_skipped: int = 0
+    """Steps (of this session) that had nothing to train: every group filtered or failed."""
 
     def summary(self) -> str:
-        parts = [f"run {self.run_dir}: {self.steps_done} steps, policy version {self.policy_version}"]
+        steps = f"{self.steps_done} steps"
+        if self.steps_skipped:
+            steps += f" ({self.steps_skipped} skipped with nothing to train)"
+        parts = [f"run {self.run_dir}: {steps}, policy version {self.policy_version}"]
         if self.eval_before and self.eval_after:
             parts.append(
                 f"held-out pass@1 {_score(self.eval_before)} -> {_score(self.eval_after)} "
@@ -94,38 +105,45 @@ def resolve_run_dir(config: AgentRLConfig) -> Path:
     return Path(config.run.output_dir) / name
 
 
-def find_checkpoint(run_dir: Path) -> Path | None:
-    """The newest complete checkpoint of a run (the one `checkpoints/latest` names), if any."""
-    pointer = run_dir / "checkpoints" / _LATEST
-    if not pointer.is_file():
-        return None
-    path = run_dir / "checkpoints" / pointer.read_text().strip()
-    return path if (path / _DRIVER_STATE).is_file() else None
-
-
-def _prepare_run_dir(config: AgentRLConfig) -> tuple[Path, Path | None]:
+def _prepare_run_dir(config: AgentRLConfig) -> tuple[Path, CheckpointStore, Checkpoint | None, list[str]]:
+    """The run directory, its checkpoint store, the checkpoint to resume from (verified), and notes
+    for the log. Raises before anything starts when the directory does not fit `run.resume`."""
     run_dir = resolve_run_dir(config)
-    checkpoint = find_checkpoint(run_dir)
+    store = CheckpointStore(run_dir / "checkpoints", keep=config.run.keep_checkpoints)
+    notes: list[str] = []
+    checkpoint = None
     if config.run.resume:
         if config.run.name is None:
             raise ConfigError("resume=true needs the run to continue: give run.name=NAME (a folder under run.output_dir).")
+        checkpoint = store.resumable()  # verifies checksums and the driver state; raises if none is intact
         if checkpoint is None:
             raise ConfigError(
-                f"resume=true but '{run_dir}' holds no checkpoint; start it without resume=true "
-                "(checkpoints are written every run.save_every steps)."
+                f"resume=true but '{run_dir}' holds no checkpoint; start it without resume=true (the "
+                "records already there are moved into previous/, not deleted; checkpoints are written "
+                "every run.save_every steps)."
             )
-    elif checkpoint is not None:
+    elif store.complete():
         raise ConfigError(
             f"'{run_dir}' already holds a run with checkpoints; continue it with resume=true, or choose "
             "another run.name."
         )
+    else:
+        aside = move_aside_earlier_attempt(run_dir)
+        if aside is not None:
+            notes.append(f"{run_dir} held the records of an earlier attempt that saved no checkpoint; they "
+                         f"were moved to {aside}")
     run_dir.mkdir(parents=True, exist_ok=True)
-    return run_dir, checkpoint
+    return run_dir, store, checkpoint, notes
 
 
 def _init_ray() -> None:
     import ray
 
+    from agentrl.lifeline import start_reaper
+
+    # Ray's processes, the trainer actors, the servers and the sandboxes end when this process
+    # does, however it ends (SIGKILL included): Ray's own clean-up does not cover a killed driver.
+    start_reaper()
     if ray.is_initialized():
         return
     address = os.environ.get("RAY_ADDRESS")
@@ -136,11 +154,12 @@ def _init_ray() -> None:
 class _Run:
     """The state of one training run inside the driver's event loop."""
 
-    def __init__(self, job: Job, run_dir: Path, checkpoint: Path | None) -> None:
+    def __init__(self, job: Job, run_dir: Path, store: CheckpointStore, checkpoint: Checkpoint | None) -> None:
         config = job.config
         self.job = job
         self.config = config
         self.run_dir = run_dir
+        self.store = store
         self.checkpoint = checkpoint
         # Indexed by dataset row number (the ledger's indices); None where a malformed row was skipped.
         self.train_rows = job.train_rows
@@ -151,10 +170,16 @@ class _Run:
                                   min_episodes=config.data.prompts_per_step * config.rollout.samples_per_prompt)
         self.sampler = PromptSampler(len(self.train_rows), seed=config.run.seed, shuffle=config.data.shuffle,
                                      skip=[s.index for s in job.train_skipped])
-        if checkpoint is None:  # a fresh run: no records of an earlier, checkpoint-less attempt
-            for stale in ("ledger.jsonl", "metrics.jsonl", "eval.jsonl"):
-                (run_dir / stale).unlink(missing_ok=True)
-        self.ledger = PromptLedger(run_dir / "ledger.jsonl")
+        journal = run_dir / "ledger.jsonl"
+        self.session = next_session(journal)
+        # A session killed outright (SIGKILL, a power cut) left prompts taken and never closed.
+        orphans = close_orphans(journal, f"the run was killed while it was in flight; closed when session "
+                                         f"{self.session} started")
+        if orphans:
+            log.warning("%d prompt(s) were in flight when an earlier session of this run was killed; they are "
+                        "closed as unfinished in ledger.jsonl", orphans)
+        self.ledger = PromptLedger(journal, session=self.session)
+        journal.touch()  # the run's books exist from its start, even if it stops before taking a prompt
         if checkpoint is None:  # a resumed run has them in its checkpoint's ledger
             for bad in job.train_skipped:
                 self.ledger.skipped(bad.index, str(bad))
@@ -168,6 +193,8 @@ class _Run:
 
     # ── pieces the scheduler calls ──────────────────────────────────────────────────────────
     async def rollout(self, ref: PromptRef) -> list[Any]:
+        if self.router.fatal is not None:  # every server is gone for good: say so, do not fail episodes
+            raise self.router.fatal
         row = self.train_rows[ref.index]
         assert row is not None, "the sampler never hands out a skipped row"
         index = ref.epoch * len(self.train_rows) + ref.index
@@ -242,6 +269,8 @@ class _Run:
         save_every = self.config.run.save_every
         if last or (save_every and (step + 1) % save_every == 0):
             await self.save(step)
+        if self.router.fatal is not None:  # every server is gone for good: stop now, the step is saved
+            raise self.router.fatal
 
     # ── evaluation and checkpoints ──────────────────────────────────────────────────────────
     async def evaluate(self, after_steps: int) -> dict[str, float | None]:
@@ -268,8 +297,6 @@ class _Run:
     async def save(self, step: int) -> None:
         assert self.scheduler is not None
         start = time.perf_counter()
-        name = f"step-{step + 1:06d}"
-        path = self.run_dir / "checkpoints" / name
         # The data position excludes prompts still in the system; the ledger has them in flight,
         # and a resume requeues them first.
         state = {
@@ -280,30 +307,28 @@ class _Run:
             "in_system": [[r.epoch, r.index, r.attempt] for r in self.scheduler.in_system()],
             "eval_before": self.eval_before,
         }
-        await self.trainer.save(str(path / "trainer"), {"steps_done": step + 1})
-        (path / _DRIVER_STATE).write_text(json.dumps(state))
-        tmp = self.run_dir / "checkpoints" / f".{_LATEST}.tmp"
-        tmp.write_text(name)
-        tmp.replace(self.run_dir / "checkpoints" / _LATEST)
+
+        async def write_trainer(folder: Path) -> None:
+            await self.trainer.save(str(folder), {"steps_done": step + 1})
+
+        path = await self.store.save(step + 1, write_trainer, state)
         self.last_saved_step = step
         log.info("checkpoint %s written (%.1f s)", path, time.perf_counter() - start)
 
     def _restore(self) -> tuple[int, int]:
         assert self.checkpoint is not None
-        state = json.loads((self.checkpoint / _DRIVER_STATE).read_text())
+        state = self.checkpoint.state  # read and checked before anything started
         self.sampler.load_state(state["sampler"])
         self.ledger.load_state(state["ledger"])
-        # Prompts that were in flight at the checkpoint are taken again first.
-        retries = []
-        for key in self.ledger.in_flight:
-            e = self.ledger.entries[key]
-            retries.append(self.ledger.unfinished(PromptRef(e.epoch, e.index, e.attempt),
-                                                  "in flight at the checkpoint; requeued on resume"))
+        # Prompts that were in flight at the checkpoint are taken again first. The journal already
+        # holds their fate (what the earlier session did with them, or `unfinished`), so only the
+        # books change here.
+        retries = [
+            self.ledger.unfinished(PromptRef(e.epoch, e.index, e.attempt), "in flight at the checkpoint; "
+                                   "requeued on resume", journal=False)
+            for e in list(self.ledger.entries.values()) if e.status == "in_flight"
+        ]
         self.sampler.requeue(retries, front=True)
-        self.ledger.path = self.run_dir / "ledger.jsonl"
-        self.ledger.path.write_text(
-            "".join(json.dumps(e.__dict__) + "\n" for e in self.ledger.entries.values() if e.status != "in_flight")
-        )
         self.eval_before = state.get("eval_before", {})
         return int(state["steps_done"]), int(state["trainer_version"])
 
@@ -312,6 +337,7 @@ class _Run:
         try:
             await self._main(trainer, service)
         finally:
+            await service.stop_supervising()  # the servers are stopped on purpose next
             await self.job.aclose()  # the sandbox's workers belong to this event loop
 
     async def _main(self, trainer: Any, service: Any) -> None:
@@ -320,16 +346,16 @@ class _Run:
         config = self.config
         self.trainer = trainer
         self.router: Router = service.client
-        await self.router.start()
+        await service.start()
         loop = self.job.agent_loop(self.router)
         self.worker = RolloutWorker(loop, self.job.make_env, max_concurrent=config.rollout.max_concurrent_episodes)
 
         start_step, version = 0, 0
         if self.checkpoint is not None:
             start_step, version = self._restore()
-            await trainer.load(str(self.checkpoint / "trainer"))
-            log.info("resuming %s from %s: step %d, policy version %d", self.run_dir, self.checkpoint.name,
-                     start_step, version)
+            await trainer.load(str(self.checkpoint.path / "trainer"))
+            log.info("resuming %s from %s: step %d, policy version %d (session %d)", self.run_dir,
+                     self.checkpoint.name, start_step, version, self.session)
         await trainer.ready()
         await self.router.check_health()
         await trainer.check_servers(self.router)  # every server reaches the trainer's weights
@@ -343,6 +369,7 @@ class _Run:
             ledger=self.ledger, rollout=self.rollout, train=self.train, push=self.push,
             after_step=self.after_step, classify=self.classify, max_staleness=config.run.max_staleness,
             partial_rollout=config.run.partial_rollout, version=version,
+            max_skipped_steps=config.run.max_skipped_steps,
         )  # fmt: skip
         self.logger = MetricsLogger(
             self.run_dir, config.run.loggers, total_steps=config.run.total_steps, start_step=start_step,
@@ -372,7 +399,7 @@ def run_training(config: AgentRLConfig) -> RunResult:
     job = build_job(config, "run")
     try:
         preflight(job)
-        run_dir, checkpoint = _prepare_run_dir(config)
+        run_dir, store, checkpoint, notes = _prepare_run_dir(config)
     except BaseException:
         asyncio.run(job.aclose())
         raise
@@ -380,8 +407,12 @@ def run_training(config: AgentRLConfig) -> RunResult:
     handler = logging.FileHandler(run_dir / "driver.log")
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     logging.getLogger("agentrl").addHandler(handler)
+    for note in notes:
+        log.warning("%s", note)
+    for damaged in checkpoint.set_aside if checkpoint else []:
+        log.error("%s", damaged)
     try:
-        run = _Run(job, run_dir, checkpoint)
+        run = _Run(job, run_dir, store, checkpoint)
         _init_ray()
         trainer = TrainerGroup(config, job.model_path, run_dir / "weights")  # loads while the servers start
         try:
@@ -392,6 +423,11 @@ def run_training(config: AgentRLConfig) -> RunResult:
                 asyncio.run(run.main(trainer, service))
             except AgentRLError as exc:
                 log.error("the run stopped: %s", exc)  # in driver.log too, with the fix
+                raise
+            except KeyboardInterrupt:
+                log.error("the run was interrupted; its in-flight prompts are closed as unfinished in "
+                          "ledger.jsonl. Continue it with resume=true run.name=%s (from %s).", run_dir.name,
+                          store.latest_name() or "the start: no checkpoint was written yet")
                 raise
             finally:
                 service.stop()
@@ -408,6 +444,7 @@ def run_training(config: AgentRLConfig) -> RunResult:
         policy_version=scheduler.server_version if scheduler else 0, ledger=summary,
         eval_before=run.eval_before, eval_after=run.eval_after,
         max_staleness=scheduler.max_staleness_seen if scheduler else 0, seconds=time.perf_counter() - started,
+        steps_skipped=scheduler.steps_skipped if scheduler else 0,
     )  # fmt: skip
     (run_dir / "result.json").write_text(json.dumps(result.__dict__, indent=2))
     return result

@@ -142,7 +142,7 @@ def summarise(
         pass_at_k=pk,
         mean_reward=sum(t.reward or 0.0 for t in valid) / len(valid) if valid else None,
         episodes=len(trajs),
-        infra_failed_episodes=len(trajs) - len(valid),
+        infra_failed_episodes=sum(t.fault == "infra" for t in trajs),
         finish_reasons=dict(Counter(t.finish_reason.value if t.finish_reason else "none" for t in trajs)),
         tool_calls_per_episode=per_episode("tool_calls"),
         tool_errors_model_per_episode=per_episode("tool_errors_model"),

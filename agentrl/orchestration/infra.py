@@ -44,7 +44,7 @@ def fix_for(error: str) -> str:
 
 def describe_infra_failures(trajectories: Iterable[Trajectory]) -> tuple[str, int]:
     """The commonest infrastructure error among `trajectories` (shortened) and how many had it."""
-    counts = collections.Counter(_short(t.error or "unknown error") for t in trajectories if not t.trainable)
+    counts = collections.Counter(_short(t.error or "unknown error") for t in trajectories if t.fault == "infra")
     if not counts:
         return "", 0
     return counts.most_common(1)[0]
@@ -69,13 +69,13 @@ class InfraMonitor:
         for t in trajectories:
             self.window.append(t)
             self.total += 1
-            self.failed += 0 if t.trainable else 1
+            self.failed += t.fault == "infra"
 
     @property
     def rate(self) -> float:
         if not self.window:
             return 0.0
-        return sum(not t.trainable for t in self.window) / len(self.window)
+        return sum(t.fault == "infra" for t in self.window) / len(self.window)
 
     def check(self) -> None:
         """Raise `InfraFailureError` when the window's failure rate is above the limit (once the
@@ -88,7 +88,7 @@ class InfraMonitor:
 
     def message(self) -> str:
         n = len(self.window)
-        bad = sum(not t.trainable for t in self.window)
+        bad = sum(t.fault == "infra" for t in self.window)
         cause, count = describe_infra_failures(self.window)
         return (
             f"{bad} of the last {n} episodes ({bad / n:.0%}) failed for infrastructure reasons, more than "

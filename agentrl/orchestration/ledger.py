@@ -15,9 +15,17 @@ takes it first). A dataset row skipped as malformed has one entry of its own, `s
 never taken. Ledger indices are the dataset's row numbers (`agentrl.datasets`: consecutive across
 files). `check()` proves the books balance: every prompt attempt taken is in exactly one of those
 states or still in flight, and no skipped row was taken; `summary()["taken"]` counts attempts, and
-`summary()["skipped"]` the skipped rows apart from them. It is written as JSON lines to
-`ledger.jsonl` in the run directory.
-It does not run episodes or train; the scheduler calls it.
+`summary()["skipped"]` the skipped rows apart from them. It does not run episodes or train; the
+scheduler calls it.
+
+`ledger.jsonl` in the run directory is its journal, appended to and never rewritten: a `taken`
+line when an attempt is taken, and one line with its final state when it gets one, each tagged
+with the `session` (the n-th start of the run: 0, then 1 for the first resume, ...) that took it.
+A run that stops by itself, on Ctrl-C or on an exception, closes its in-flight attempts as
+`unfinished` before it ends. A run killed outright cannot; the next session closes them
+(`close_orphans`, before it takes anything), so every attempt any session took has exactly one
+final line (`journal_balance` checks it). A resumed session restores the in-memory books from the
+checkpoint and retakes what the killed session did after it, under its own session number.
 """
 
 from __future__ import annotations
@@ -32,7 +40,17 @@ from typing import Any, Literal
 
 from agentrl.errors import AgentRLError
 
-__all__ = ["LedgerError", "PromptLedger", "PromptRef", "PromptSampler", "PromptStatus"]
+__all__ = [
+    "LedgerError",
+    "PromptLedger",
+    "PromptRef",
+    "PromptSampler",
+    "PromptStatus",
+    "close_orphans",
+    "journal_balance",
+    "next_session",
+    "read_journal",
+]
 
 PromptStatus = Literal["in_flight", "trained", "filtered", "requeued", "failed", "unfinished", "skipped"]
 _FINAL: frozenset[str] = frozenset({"trained", "filtered", "requeued", "failed", "unfinished"})
@@ -150,16 +168,24 @@ class LedgerEntry:
     status: PromptStatus
     step: int | None = None
     reason: str = ""
+    session: int = 0
 
 
 class PromptLedger:
-    """What became of every prompt attempt; appended to `path` (JSONL) when given."""
+    """What became of every prompt attempt; journaled to `path` (JSONL) when given (see the module
+    docstring). `session` tags the attempts this process takes."""
 
-    def __init__(self, path: str | Path | None = None, *, max_attempts: int = 3) -> None:
+    def __init__(self, path: str | Path | None = None, *, max_attempts: int = 3, session: int = 0) -> None:
         self.path = Path(path) if path else None
         self.max_attempts = max_attempts
+        self.session = session
         self.entries: dict[str, LedgerEntry] = {}
         self._skipped: set[int] = set()
+
+    def _append(self, record: dict[str, Any]) -> None:
+        if self.path is not None:
+            with self.path.open("a") as f:
+                f.write(json.dumps(record) + "\n")
 
     # ── transitions ─────────────────────────────────────────────────────────────────────────
     def skipped(self, index: int, reason: str) -> None:
@@ -170,14 +196,16 @@ class PromptLedger:
         entry = LedgerEntry(key, f"r{index}", 0, index, 0, _SKIPPED, None, reason)
         self.entries[key] = entry
         self._skipped.add(index)
-        self._write(entry)
+        self._append(asdict(entry))
 
     def taken(self, ref: PromptRef) -> None:
         if ref.index in self._skipped:
             raise LedgerError(f"prompt attempt {ref.key} takes row {ref.index}, which was skipped as malformed")
         if ref.key in self.entries:
             raise LedgerError(f"prompt attempt {ref.key} was taken twice")
-        self.entries[ref.key] = LedgerEntry(ref.key, ref.uid, ref.epoch, ref.index, ref.attempt, "in_flight")
+        entry = LedgerEntry(ref.key, ref.uid, ref.epoch, ref.index, ref.attempt, "in_flight", session=self.session)
+        self.entries[ref.key] = entry
+        self._append({**asdict(entry), "status": "taken"})
 
     def trained(self, ref: PromptRef, step: int) -> None:
         self._close(ref, "trained", step=step)
@@ -194,23 +222,27 @@ class PromptLedger:
         self._close(ref, "requeued", reason=reason)
         return ref.retry()
 
-    def unfinished(self, ref: PromptRef, reason: str = "the run ended first") -> PromptRef:
-        """`ref` was still in flight or queued when the run stopped; return the attempt to requeue."""
-        self._close(ref, "unfinished", reason=reason)
+    def unfinished(self, ref: PromptRef, reason: str = "the run ended first", *, journal: bool = True) -> PromptRef:
+        """`ref` was still in flight or queued when the run stopped; return the attempt to requeue.
+        `journal=False` changes the books only (the journal already holds its fate)."""
+        self._close(ref, "unfinished", reason=reason, journal=journal)
         return ref.retry()
 
-    def _close(self, ref: PromptRef, status: PromptStatus, *, step: int | None = None, reason: str = "") -> None:
+    def close_in_flight(self, reason: str) -> list[PromptRef]:
+        """Close every attempt still in flight as `unfinished`; return the attempts to requeue."""
+        return [self.unfinished(PromptRef(e.epoch, e.index, e.attempt), reason)
+                for e in list(self.entries.values()) if e.status == "in_flight"]
+
+    def _close(
+        self, ref: PromptRef, status: PromptStatus, *, step: int | None = None, reason: str = "", journal: bool = True
+    ) -> None:
         entry = self.entries.get(ref.key)
         if entry is None or entry.status != "in_flight":
             found = "never taken" if entry is None else f"already {entry.status}"
             raise LedgerError(f"prompt attempt {ref.key} cannot become {status}: it was {found}")
         entry.status, entry.step, entry.reason = status, step, reason
-        self._write(entry)
-
-    def _write(self, entry: LedgerEntry) -> None:
-        if self.path is not None:
-            with self.path.open("a") as f:
-                f.write(json.dumps(asdict(entry)) + "\n")
+        if journal:
+            self._append(asdict(entry))
 
     # ── accounting ──────────────────────────────────────────────────────────────────────────
     @property
@@ -248,3 +280,86 @@ class PromptLedger:
         self.entries = {e["key"]: LedgerEntry(**e) for e in state.get("entries", [])}
         self._skipped = {e.index for e in self.entries.values() if e.status == _SKIPPED}
         self.max_attempts = int(state.get("max_attempts", self.max_attempts))
+
+
+# ── the journal on disk ─────────────────────────────────────────────────────────────────────
+
+
+def read_journal(path: str | Path) -> list[dict[str, Any]]:
+    """The records of a ledger journal; a line cut short by a crash is skipped."""
+    path = Path(path)
+    if not path.is_file():
+        return []
+    out = []
+    for line in path.read_text(errors="replace").splitlines():
+        if line.strip():
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(record, dict) and "key" in record and "status" in record:
+                out.append(record)
+    return out
+
+
+def next_session(path: str | Path) -> int:
+    """The session number for a run (re)starting with journal `path`."""
+    return 1 + max((int(r.get("session", 0)) for r in read_journal(path)), default=-1)
+
+
+def _open_attempts(records: list[dict[str, Any]]) -> dict[tuple[int, str], dict[str, Any]]:
+    open_: dict[tuple[int, str], dict[str, Any]] = {}
+    for r in records:
+        if r["status"] == _SKIPPED:
+            continue
+        key = (int(r.get("session", 0)), str(r["key"]))
+        if r["status"] == "taken":
+            open_[key] = r
+        else:
+            open_.pop(key, None)
+    return open_
+
+
+def close_orphans(path: str | Path, reason: str) -> int:
+    """Append an `unfinished` line for every attempt the journal shows taken and never closed (a
+    session that was killed outright); return how many. A line the crash cut short is ended first."""
+    path = Path(path)
+    if not path.is_file():
+        return 0
+    orphans = _open_attempts(read_journal(path))
+    with path.open("ab") as f:
+        if f.tell() and not path.read_bytes().endswith(b"\n"):
+            f.write(b"\n")  # the half-written last line stays (readers skip it); the next starts clean
+        for r in orphans.values():
+            f.write((json.dumps({**r, "status": "unfinished", "step": None, "reason": reason}) + "\n").encode())
+    return len(orphans)
+
+
+def journal_balance(path: str | Path) -> dict[str, int]:
+    """Counts of the final states in journal `path`; raise `LedgerError` unless every attempt taken
+    (per session) has exactly one final line after its `taken` line, and no line is final twice."""
+    taken: set[tuple[int, str]] = set()
+    final: dict[tuple[int, str], str] = {}
+    skipped = 0
+    for r in read_journal(path):
+        if r["status"] == _SKIPPED:  # a malformed row, never taken
+            skipped += 1
+            continue
+        key = (int(r.get("session", 0)), str(r["key"]))
+        if r["status"] == "taken":
+            if key in taken:
+                raise LedgerError(f"prompt attempt {key[1]} was taken twice in session {key[0]}")
+            taken.add(key)
+        elif key not in taken:
+            raise LedgerError(f"prompt attempt {key[1]} became {r['status']} in session {key[0]} without being taken")
+        elif key in final:
+            raise LedgerError(f"prompt attempt {key[1]} of session {key[0]} became {r['status']} after {final[key]}")
+        else:
+            final[key] = str(r["status"])
+    unclosed = sorted(taken - set(final))
+    if unclosed:
+        raise LedgerError(f"{len(unclosed)} prompt attempts were taken and never closed: {unclosed[:5]}")
+    counts = Counter(final.values())
+    if skipped:
+        counts["skipped"] = skipped
+    return {"taken": len(taken), **dict(sorted(counts.items()))}

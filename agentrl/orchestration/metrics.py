@@ -217,11 +217,15 @@ def episode_metrics(
     rewards = [float(t.reward or 0.0) for t in valid]
     out: dict[str, float] = {
         "episodes/count": float(len(trajs)),
-        "episodes/infra_failed": float(len(trajs) - len(valid)),
-        "episodes/infra_failed_frac": (len(trajs) - len(valid)) / len(trajs),
-        "episodes/reward_mean": _mean(rewards),
-        "episodes/reward_std": statistics.pstdev(rewards) if len(rewards) > 1 else 0.0,
-        "episodes/solved_frac": _mean([float(r >= SOLVED) for r in rewards]),
+        "episodes/infra_failed": float(sum(t.fault == "infra" for t in trajs)),
+        "episodes/infra_failed_frac": sum(t.fault == "infra" for t in trajs) / len(trajs),
+        "episodes/refused": float(sum(t.fault == "request" for t in trajs)),
+    }
+    if rewards:  # with no valid episode nothing was measured: no reward, rather than a reward of 0
+        out["episodes/reward_mean"] = _mean(rewards)
+        out["episodes/reward_std"] = statistics.pstdev(rewards) if len(rewards) > 1 else 0.0
+        out["episodes/solved_frac"] = _mean([float(r >= SOLVED) for r in rewards])
+    out |= {
         "episodes/response_tokens_mean": _mean([float(t.num_sampled) for t in trajs]),
         "episodes/response_tokens_max": float(max(t.num_sampled for t in trajs)),
         "episodes/total_tokens_mean": _mean([float(len(t)) for t in trajs]),
@@ -230,7 +234,8 @@ def episode_metrics(
     zero_var = [
         len({float(t.reward or 0.0) for t in g if t.trainable}) <= 1 for g in groups if any(t.trainable for t in g)
     ]
-    out["episodes/zero_var_group_frac"] = _mean([float(z) for z in zero_var])
+    if zero_var:
+        out["episodes/zero_var_group_frac"] = _mean([float(z) for z in zero_var])
     reasons = Counter(t.finish_reason.value if t.finish_reason else "none" for t in trajs)
     for reason in FinishReason:
         out[f"finish/{reason.value}"] = reasons.get(reason.value, 0) / len(trajs)
@@ -304,11 +309,20 @@ class MetricsLogger:
                                      dir=str(self.run_dir), resume="allow")
 
     def truncate_after(self, step: int) -> None:
-        """Forget records of steps after `step` (a resumed run repeats them)."""
+        """Set aside records of steps after `step` (a resumed run repeats them): they move to
+        `metrics.rolled_back.jsonl`, so the dashboard shows one line per step and nothing is lost."""
         if not self.jsonl_path.exists():
             return
-        kept = [r for r in _records(self.jsonl_path) if r.get("step", -1) <= step]
-        self.jsonl_path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+        records = _records(self.jsonl_path)
+        dropped = [r for r in records if r.get("step", -1) > step]
+        if not dropped:
+            return
+        with (self.run_dir / "metrics.rolled_back.jsonl").open("a") as f:
+            f.write("".join(json.dumps(r) + "\n" for r in dropped))
+        kept = [r for r in records if r.get("step", -1) <= step]
+        tmp = self.jsonl_path.with_suffix(".jsonl.tmp")
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
+        tmp.replace(self.jsonl_path)
 
     def _to_dashboards(self, step: int, metrics: dict[str, Any]) -> dict[str, float]:
         """Write the finite numbers of `metrics` to TensorBoard and W&B; return them."""

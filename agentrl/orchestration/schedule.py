@@ -21,7 +21,9 @@ at trainer version `s` has staleness `s - version` per group.
   without it, admission stops and the push waits until in-flight episodes finish.
 
 Every prompt taken goes through the `PromptLedger`: trained, filtered, requeued (all its episodes
-failed for infrastructure reasons), failed, or unfinished at the end of the run.
+failed for infrastructure reasons), failed, or unfinished when the run ended or stopped, in every
+mode and however it stopped. A step with nothing to train is skipped (and counted); after
+`max_skipped_steps` of them in a row the run stops with `NoProgressError`.
 """
 
 from __future__ import annotations
@@ -38,9 +40,13 @@ from agentrl.errors import AgentRLError
 from agentrl.orchestration.ledger import PromptLedger, PromptRef, PromptSampler
 from agentrl.types import Trajectory
 
-__all__ = ["GroupResult", "Scheduler", "StepRecord", "default_classify"]
+__all__ = ["GroupResult", "NoProgressError", "Scheduler", "StepRecord", "default_classify"]
 
 log = logging.getLogger(__name__)
+
+
+class NoProgressError(AgentRLError):
+    """`run.max_skipped_steps` steps in a row had nothing to train: the run stops."""
 
 Mode = Literal["sync", "one_step_off", "async"]
 
@@ -85,8 +91,12 @@ Verdict = tuple[Literal["ok", "filtered", "infra"], str]
 
 
 def default_classify(group: GroupResult) -> Verdict:
-    """`infra` when no episode of the group is trainable, else `ok`."""
+    """`ok` when an episode of the group is trainable; else `filtered` when the servers refused its
+    requests (a prompt too long for their context: retrying would not help), else `infra`."""
     if not any(t.trainable for t in group.trajectories):
+        refused = sorted({t.error or "" for t in group.trajectories if t.fault == "request"})
+        if refused:
+            return "filtered", "; ".join(refused)[:300]
         errors = sorted({t.error or (t.finish_reason.value if t.finish_reason else "?") for t in group.trajectories})
         return "infra", "; ".join(errors)[:300]
     return "ok", ""
@@ -110,6 +120,7 @@ class Scheduler:
         max_staleness: int = 1,
         partial_rollout: bool = False,
         version: int = 0,
+        max_skipped_steps: int = 0,
     ) -> None:
         if mode not in ("sync", "one_step_off", "async"):
             raise AgentRLError(f"run.mode '{mode}' is not one of sync, one_step_off, async.")
@@ -126,6 +137,10 @@ class Scheduler:
         self.push_lock = asyncio.Lock()  # held by a push; the driver's evaluation holds it too
         self.generated_groups = 0
         self.max_staleness_seen = 0
+        self.max_skipped_steps = max_skipped_steps
+        self.skipped_in_a_row = 0
+        self.steps_skipped = 0
+        self.steps_trained = 0
         # async-mode state
         self._in_system: dict[str, tuple[PromptRef, int]] = {}
         self._completed: list[GroupResult] = []
@@ -182,7 +197,29 @@ class Scheduler:
         record = StepRecord(step, self.trainer_version, groups, metrics, timings, discarded)
         if groups:
             self.trainer_version += 1
+            self.steps_trained += 1
+            self.skipped_in_a_row = 0
+        else:
+            self.steps_skipped += 1
+            self.skipped_in_a_row += 1
+            log.warning("step %d had nothing to train (%d groups discarded: %s); skipped", step, len(discarded),
+                        self._discard_reasons(record)[:300])
         return record
+
+    def _discard_reasons(self, record: StepRecord) -> str:
+        reasons = sorted({self.ledger.entries[g.prompt.key].reason for g in record.discarded
+                          if g.prompt.key in self.ledger.entries})
+        return "; ".join(reasons) or "no group completed"
+
+    def _check_progress(self, record: StepRecord) -> None:
+        if record.groups or not self.max_skipped_steps or self.skipped_in_a_row < self.max_skipped_steps:
+            return
+        raise NoProgressError(
+            f"{self.skipped_in_a_row} steps in a row had nothing to train (run.max_skipped_steps="
+            f"{self.max_skipped_steps}), so the run is making no progress and stops here. Why the last "
+            f"step's groups were discarded: {self._discard_reasons(record)[:500]}. See ledger.jsonl for "
+            "every prompt's fate; fix the cause and continue with resume=true run.name=NAME."
+        )
 
     async def _push_now(self, version: int) -> float:
         start = time.perf_counter()
@@ -194,15 +231,30 @@ class Scheduler:
 
     # ── entry point ─────────────────────────────────────────────────────────────────────────
     async def run(self, start_step: int, total_steps: int) -> None:
-        """Run steps `start_step .. total_steps - 1`."""
+        """Run steps `start_step .. total_steps - 1`. However it ends (done, an exception, Ctrl-C,
+        cancelled), every prompt still in flight is closed as `unfinished` and requeued first."""
         if start_step >= total_steps:
             return
         runner = {"sync": self._run_sync, "one_step_off": self._run_one_step_off, "async": self._run_async}
-        await runner[self.mode](start_step, total_steps)
+        reason = "the run ended first"
+        try:
+            await runner[self.mode](start_step, total_steps)
+        except BaseException as exc:
+            what = "interrupted" if isinstance(exc, (KeyboardInterrupt, asyncio.CancelledError)) else type(exc).__name__
+            reason = f"the run stopped ({what}) while it was in flight"
+            raise
+        finally:
+            self.sampler.requeue(self.ledger.close_in_flight(reason), front=True)
 
     # ── sync ────────────────────────────────────────────────────────────────────────────────
     async def _round(self, refs: list[PromptRef]) -> list[GroupResult]:
-        return list(await asyncio.gather(*(self._play(r) for r in refs)))
+        tasks = [asyncio.ensure_future(self._play(r)) for r in refs]
+        try:
+            return list(await asyncio.gather(*tasks))
+        finally:  # one group's error (or Ctrl-C) stops the others too, rather than leaving them running
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
 
     async def _run_sync(self, start_step: int, total_steps: int) -> None:
         for step in range(start_step, total_steps):
@@ -367,14 +419,13 @@ class Scheduler:
             if push_task is not None and not push_task.done():
                 push_task.cancel()
                 await asyncio.gather(push_task, return_exceptions=True)
-            leftovers = [ref for ref, _ in self._in_system.values()]
-            self._in_system.clear()
+            self._in_system.clear()  # their ledger entries are still in flight: `run` closes them
             self._completed.clear()
-            self.sampler.requeue([self.ledger.unfinished(r) for r in leftovers], front=True)
 
     async def _hook(self, record: StepRecord) -> None:
         if self._after_step is not None:
             await self._after_step(record)
+        self._check_progress(record)
 
     # ── checkpoint support ──────────────────────────────────────────────────────────────────
     def in_system(self) -> list[PromptRef]:

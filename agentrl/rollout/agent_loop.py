@@ -11,7 +11,9 @@ Budgets end an episode with a reason recorded in the trajectory: `done` (the env
 `max_turns` (the env truncated it, or the loop's turn budget ran out), `max_length` (a turn was
 cut by its token budget, or the episode's is spent), `timeout` (the wall-clock budget is spent) or `error`. Every await has a deadline
 bounded by what is left of the episode's time. Failures of the machinery (server down, env crash,
-timeout) set `fault="infra"`, so the trainer masks the episode instead of scoring it 0; nothing is
+timeout) set `fault="infra"`, so the trainer masks the episode instead of scoring it 0; a request
+the server refused (`InferenceRequestError`: too long for its context, bad parameters) sets
+`fault="request"`, masked too, and not retried as an infrastructure failure would be; nothing is
 dropped, every episode returns a trajectory. The loop closes the env when the episode ends.
 
 Which budget ended a truncated episode is in `trajectory.info["truncated_by"]`: the env's own
@@ -42,7 +44,7 @@ from typing import Any, Protocol
 
 from agentrl.chat import ChatTemplate, ConversationTokenizer
 from agentrl.config import RolloutConfig
-from agentrl.errors import AgentRLError
+from agentrl.errors import AgentRLError, InferenceRequestError
 from agentrl.rollout.pacing import CpuGate
 from agentrl.types import Action, FinishReason, Generation, Message, SamplingParams, Trajectory
 
@@ -236,6 +238,8 @@ class AgentLoop:
                 )
         except TimeoutError:
             raise self._timeout_or_error(ep, "generation", timeout) from None
+        except InferenceRequestError as exc:
+            raise _EpisodeOver(FinishReason.ERROR, "request", f"the server refused the request: {exc}") from exc
         except AgentRLError as exc:
             raise _EpisodeOver(FinishReason.ERROR, "infra", f"generation failed: {exc}") from exc
         finally:

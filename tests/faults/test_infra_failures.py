@@ -80,3 +80,26 @@ def test_a_sandbox_that_breaks_mid_run_stops_it_in_the_first_step(tmp_path: Path
     # every prompt taken is in the ledger with its final state, none of them trained
     ledger = [json.loads(line) for line in (run_dir / "ledger.jsonl").read_text().splitlines() if line.strip()]
     assert ledger and not any(e["status"] == "trained" for e in ledger)
+
+
+@pytest.mark.slow
+def test_a_sandbox_killed_mid_episode_fails_that_episode_only_and_leaves_nothing_behind(
+    tmp_path: Path, vllm_server, assets: Path
+) -> None:
+    from conftest import check_books, lines, make_config, procs_matching, wait_until_gone
+
+    from agentrl.orchestration.driver import run_training
+
+    config = make_config(
+        tmp_path, "sandbox", assets, "env=fault_parts:SandboxParityEnv", "env.kwargs={command: 'sleep 1; echo ready'}",
+        "sandbox.name=fault_parts:DyingSandbox", "sandbox.kwargs={die_on: [3], after_s: 0.3, pool_size: 1}",
+        "run.total_steps=2", url=vllm_server.url,
+    )  # fmt: skip
+    result = run_training(config)
+    run_dir = Path(result.run_dir)
+    assert result.steps_done == 2
+    metrics = lines(run_dir / "metrics.jsonl")
+    assert sum(m["episodes/infra_failed"] for m in metrics) == 1, "the killed sandbox failed its episode only"
+    assert check_books(run_dir)["trained"] >= 5
+    assert wait_until_gone(procs_matching("bwrap"), timeout_s=30) == []
+    assert wait_until_gone(procs_matching("agentrl-forkserver"), timeout_s=30) == []

@@ -333,3 +333,124 @@ def test_a_request_that_outlives_its_deadline_does_not_mark_the_server_failed():
 
     run(scenario())
     assert router.servers[0].healthy and router.counters["failures"] == 0
+
+
+# ── faults: request errors, dead servers, re-sync (issue 21) ──────────────────────────────────
+
+
+def test_a_refused_request_does_not_mark_the_server_failed():
+    from agentrl.errors import InferenceRequestError
+
+    a = FakeServer("a")
+    router = Router([a], health_interval_s=60)
+
+    async def refuse(prompt_ids, sampling, *, session_id, timeout_s=None):
+        raise InferenceRequestError("HTTP 400 the prompt has 936 tokens; max_model_len is 768")
+
+    a.generate = refuse
+
+    async def scenario():
+        with pytest.raises(InferenceRequestError, match="936 tokens"):
+            await router.generate([1] * 936, SP, session_id="s")
+        await router.aclose()
+
+    run(scenario())
+    assert router.servers[0].healthy and router.counters["rejected"] == 1
+    assert router.counters["failures"] == 0 and router.counters["retries"] == 0
+
+
+def test_a_request_answered_5xx_again_and_again_is_given_up_not_retried_forever():
+    from agentrl.inference.router import MAX_SERVER_ERRORS
+
+    a = FakeServer("a")
+    answers = []
+
+    async def crash(prompt_ids, sampling, *, session_id, timeout_s=None):
+        answers.append(session_id)
+        exc = ServerUnavailableError("HTTP 500 internal error")
+        exc.status_code = 500
+        raise exc
+
+    a.generate = crash
+    router = Router([a], health_interval_s=0.01)
+
+    async def scenario():
+        await router.start()
+        with pytest.raises(ServerUnavailableError, match="HTTP 5xx error 3 times"):
+            await router.generate([1], SP, session_id="s", timeout_s=30)
+        await router.aclose()
+
+    run(scenario())
+    assert len(answers) == MAX_SERVER_ERRORS
+
+
+def test_a_server_back_from_the_dead_is_resynced_before_it_serves():
+    a = FakeServer("a")
+    pushed: list[tuple[str, int]] = []
+
+    async def update_weights(path, version):
+        pushed.append((path, version))
+        a.version = version
+
+    a.update_weights = update_weights
+    router = Router([a], health_interval_s=0.02)
+
+    async def scenario():
+        await router.start()
+        await router.update_weights("/w/v3", 3)
+        a.dead = True  # the server dies ...
+        router.server_down(0)
+        waiting = asyncio.create_task(router.generate([1], SP, session_id="s", timeout_s=5))
+        await asyncio.sleep(0.1)
+        assert not waiting.done(), "while the only server is down, requests wait"
+        a.dead, a.version = False, 0  # ... and comes back with its initial weights
+        router.server_restarted(0)
+        gen = await waiting
+        await router.aclose()
+        return gen
+
+    gen = run(scenario())
+    assert pushed == [("/w/v3", 3), ("/w/v3", 3)], "the restarted server got the last push again"
+    assert gen.weight_version == 3 and router.counters["resyncs"] == 1
+
+
+def test_a_push_to_a_dying_server_does_not_fail_the_push_and_the_server_catches_up():
+    a, b = FakeServer("a"), FakeServer("b")
+
+    async def dies(path, version):
+        raise ServerUnavailableError("b died during the push")
+
+    b.update_weights = dies
+    router = Router([a, b], health_interval_s=0.02)
+
+    async def scenario():
+        await router.start()
+        await router.update_weights("/w/v1", 1)
+        assert a.version == 1 and not router.servers[1].healthy
+        del b.update_weights  # back to the class's method: b can load weights again
+        await asyncio.sleep(0.2)  # health checks find b alive at version 0, behind: re-synced
+        await router.aclose()
+
+    run(scenario())
+    assert b.version == 1 and router.servers[1].eligible
+
+
+def test_once_every_server_is_given_up_requests_fail_at_once_with_the_reason():
+    a = FakeServer("a")
+    router = Router([a], health_interval_s=0.02, request_timeout_s=300)
+
+    async def scenario():
+        await router.start()
+        a.dead = True
+        router.server_down(0)
+        waiting = asyncio.create_task(router.generate([1], SP, session_id="s"))
+        await asyncio.sleep(0.05)
+        router.give_up(0, "it exited (code -9); not restarted again after 3 restart(s)")
+        with pytest.raises(ServerUnavailableError, match="could not be restarted.*not restarted again"):
+            await asyncio.wait_for(waiting, 2)
+        with pytest.raises(ServerUnavailableError, match="could not be restarted"):
+            await asyncio.wait_for(router.generate([1], SP, session_id="t"), 2)
+        await router.aclose()
+
+    run(scenario())
+    assert router.fatal is not None

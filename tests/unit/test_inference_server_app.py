@@ -162,3 +162,36 @@ def test_http_routes_answer_422_for_a_failed_push_and_503_while_weights_are_inco
         refused = http.post("/generate", json={"prompt_ids": [1], "sampling": {"max_tokens": 1}})
         assert refused.status_code == 503 and "not serving" in refused.json()["detail"]
         assert http.get("/metrics").json()["weight_load_failures"] == 1
+
+
+def test_request_errors_are_http_400_and_a_dead_engine_fails_health_with_503():
+    from fastapi.testclient import TestClient
+
+    from agentrl.inference.server_app import RequestRejected, build_app
+
+    class Picky(FakeEngine):
+        max_model_len = 8
+        dead = False
+
+        async def generate(self, request: GenerateRequest, version: int) -> GenerateResponse:
+            if request.sampling.max_tokens > 100:
+                raise RequestRejected("max_tokens is too large")
+            return await super().generate(request, version)
+
+        async def check_health(self) -> None:
+            if self.dead:
+                raise RuntimeError("EngineCore died")
+
+    engine = Picky()
+    with TestClient(build_app(engine)) as http:
+        ok = http.post("/generate", json=req(2).model_dump())
+        assert ok.status_code == 200 and ok.json()["token_ids"] == [0, 1]
+        too_long = http.post("/generate", json={"prompt_ids": list(range(8)), "sampling": {"max_tokens": 2}})
+        assert too_long.status_code == 400 and "the prompt has 8 tokens" in too_long.json()["detail"]
+        bad = http.post("/generate", json=req(500).model_dump())
+        assert bad.status_code == 400 and "max_tokens is too large" in bad.json()["detail"]
+        health = http.get("/health")
+        assert health.status_code == 200 and health.json()["max_model_len"] == 8
+        engine.dead = True
+        dead = http.get("/health")
+        assert dead.status_code == 503 and "EngineCore died" in dead.json()["detail"]

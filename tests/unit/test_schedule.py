@@ -188,3 +188,77 @@ def test_ledger_refuses_impossible_transitions():
     ledger.taken(PromptRef(0, 2))
     with pytest.raises(LedgerError, match="unaccounted"):
         ledger.check(allow_in_flight=False)
+
+
+# ── faults: whatever stops the run, every prompt taken gets a final state (issue 21) ─────────
+
+
+@pytest.mark.parametrize("mode", ["sync", "one_step_off", "async"])
+def test_a_run_that_fails_mid_step_closes_every_prompt_in_the_journal(tmp_path, mode):
+    from agentrl.errors import TrainerError
+    from agentrl.orchestration.ledger import journal_balance, read_journal
+
+    world = FakeWorld(seed=3)
+
+    async def dies(step, groups):
+        if step == 1:
+            raise TrainerError("a trainer process died during 'train'")
+        return await FakeWorld.train(world, step, groups)
+
+    world.train = dies
+    s = make(world, mode)
+    s.ledger.path = tmp_path / "ledger.jsonl"
+    with pytest.raises(TrainerError):
+        asyncio.run(s.run(0, 4))
+    counts = journal_balance(tmp_path / "ledger.jsonl")  # raises unless every attempt has one final line
+    assert counts["trained"] == 3 and counts["unfinished"] >= 3
+    unfinished = [r for r in read_journal(tmp_path / "ledger.jsonl") if r["status"] == "unfinished"]
+    assert all("the run stopped (TrainerError)" in r["reason"] for r in unfinished)
+    assert s.ledger.check(allow_in_flight=False)["in_flight"] == 0
+    assert [r.uid for r in s.sampler.requeued][:3] == [r["uid"] for r in unfinished][:3], "they are retaken first"
+
+
+def test_a_killed_session_is_closed_by_the_next_one(tmp_path):
+    from agentrl.orchestration.ledger import close_orphans, journal_balance, next_session
+
+    path = tmp_path / "ledger.jsonl"
+    ledger = PromptLedger(path, session=0)
+    a, b = PromptRef(0, 1), PromptRef(0, 2)
+    ledger.taken(a)
+    ledger.taken(b)
+    ledger.trained(a, 0)
+    with path.open("a") as f:
+        f.write('{"key": "e0-r3-a0", "status": "ta')  # SIGKILL in the middle of a line
+    assert next_session(path) == 1
+    assert close_orphans(path, "killed; closed when session 1 started") == 1
+    counts = journal_balance(path)
+    assert counts == {"taken": 2, "trained": 1, "unfinished": 1}
+    ledger2 = PromptLedger(path, session=1)
+    ledger2.taken(b)  # the resumed session retakes it under its own session number
+    ledger2.trained(b, 0)
+    assert journal_balance(path) == {"taken": 3, "trained": 2, "unfinished": 1}
+
+
+def test_steps_with_nothing_to_train_stop_the_run_after_max_skipped_steps():
+    from agentrl.orchestration.schedule import NoProgressError
+
+    world = FakeWorld(equal=set(range(20)))  # every group filtered (equal rewards)
+    s = make(world, "sync")
+    s.max_skipped_steps = 2
+    with pytest.raises(NoProgressError, match="2 steps in a row had nothing to train.*equal rewards"):
+        asyncio.run(s.run(0, 5))
+    assert s.steps_skipped == 2 and len(world.records) == 2 and world.trained == []
+    assert s.ledger.check(allow_in_flight=False)["filtered"] == 6
+
+
+def test_a_group_whose_requests_the_server_refused_is_filtered_with_the_reason():
+    from agentrl.orchestration.schedule import default_classify
+
+    trajs = []
+    for i in range(2):
+        t = Trajectory(group_id="g", episode_id=f"g-{i}")
+        t.fault, t.finish_reason = "request", FinishReason.ERROR
+        t.error = "the server refused the request: HTTP 400 the prompt has 936 tokens"
+        trajs.append(t)
+    verdict, reason = default_classify(GroupResult(PromptRef(0, 0), trajs, 0))
+    assert verdict == "filtered" and "936 tokens" in reason

@@ -1,0 +1,145 @@
+"""Faults of the driver and the trainer, met as a user meets them (issue 21, items 2 and 3).
+
+- Ctrl-C (SIGINT) of `agentrl run` in the middle of a step: it exits 130 saying how to continue,
+  every prompt it took already has its final state in the ledger (the in-flight ones as
+  `unfinished`), nothing it started is left running, and `resume=true` finishes the run.
+- SIGKILL of `agentrl run` (which started its own vLLM server): within seconds nothing it started
+  is left (the vLLM server, its engine core, Ray's processes, the trainer actor); the resumed run
+  closes the dead run's in-flight prompts as `unfinished` before it continues, and finishes.
+- The trainer actor is SIGKILLed between steps: the run stops with a message naming the trainer,
+  loses no prompt, and resumes to the end.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import (
+    E2E,
+    HERE,
+    check_books,
+    lines,
+    make_config,
+    overrides,
+    procs_matching,
+    shutdown_ray,
+    trained_by_step,
+    wait_until_gone,
+)
+from fault_parts import descendants
+
+pytestmark = pytest.mark.slow
+
+
+def start_cli(tmp_path: Path, args: list[str]) -> subprocess.Popen[str]:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), str(E2E), os.environ.get("PYTHONPATH", "")])}
+    return subprocess.Popen(
+        [sys.executable, "-c", "import sys; from agentrl.cli import main; sys.exit(main())", "run", *args],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path,
+    )
+
+
+def wait_for_open_attempts_after_a_checkpoint(proc: subprocess.Popen[str], run_dir: Path, timeout_s: float) -> None:
+    """Until a checkpoint exists and the ledger shows prompts taken and not yet closed (mid-step)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"the run ended early ({proc.returncode}): {proc.stderr.read()[-3000:]}")
+        if (run_dir / "checkpoints" / "latest").is_file():
+            open_ = {}
+            for e in lines(run_dir / "ledger.jsonl"):
+                if e["status"] == "taken":
+                    open_[e["key"]] = e
+                else:
+                    open_.pop(e["key"], None)
+            if open_:
+                return
+        time.sleep(0.2)
+    proc.kill()
+    raise AssertionError("the run never got past its first checkpoint with prompts in flight")
+
+
+def test_ctrl_c_closes_every_prompt_leaves_nothing_running_and_resumes(
+    tmp_path: Path, shared_url: str, assets: Path
+) -> None:
+    from agentrl.orchestration.driver import run_training
+
+    shutdown_ray()
+    args = overrides(tmp_path, "sigint", assets, "run.total_steps=4", url=shared_url)
+    proc = start_cli(tmp_path, args)
+    run_dir = tmp_path / "sigint"
+    wait_for_open_attempts_after_a_checkpoint(proc, run_dir, timeout_s=1200)
+    started = descendants(proc.pid)
+    proc.send_signal(signal.SIGINT)
+    _, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 130, stderr[-3000:]
+    assert "the run was interrupted" in stderr and "resume=true run.name=sigint" in stderr
+    books = check_books(run_dir)  # balanced as it stands: the interrupted run closed its own books
+    assert books["unfinished"] >= 1
+    unfinished = [e for e in lines(run_dir / "ledger.jsonl") if e["status"] == "unfinished"]
+    assert all("interrupted" in e["reason"] for e in unfinished)
+    assert wait_until_gone(started) == []
+
+    resumed = run_training(make_config(tmp_path, "sigint", assets, "run.total_steps=4", "resume=true", url=shared_url))
+    assert resumed.steps_done == 4 and resumed.policy_version == 4
+    assert check_books(run_dir)["trained"] >= 12
+    assert sorted(trained_by_step(run_dir)) == [0, 1, 2, 3]
+
+
+def test_sigkill_of_the_driver_leaves_nothing_behind_and_the_resume_closes_its_books(
+    tmp_path: Path, vllm_ready: str, shared_url: str, assets: Path
+) -> None:
+    from agentrl.orchestration.driver import run_training
+
+    shutdown_ray()
+    args = overrides(tmp_path, "sigkill", assets, "run.total_steps=4")  # starts a vLLM server of its own
+    proc = start_cli(tmp_path, args)
+    run_dir = tmp_path / "sigkill"
+    wait_for_open_attempts_after_a_checkpoint(proc, run_dir, timeout_s=2400)
+    started = descendants(proc.pid)
+    names = " ".join(" ".join(p.cmdline()) for p in started)
+    assert "agentrl.inference.vllm_server" in names and "raylet" in names
+    engine = [p for p in started if p.name().startswith("VLLM::EngineCor") or "EngineCore" in " ".join(p.cmdline())]
+    assert engine, "the vLLM engine core runs as a process of its own"
+    proc.kill()
+    proc.communicate(timeout=60)
+    assert wait_until_gone(started, timeout_s=90) == [], "nothing the killed driver started may survive it"
+    with pytest.raises(Exception, match="never closed"):
+        check_books(run_dir)  # the killed run could not close its books ...
+
+    resumed = run_training(make_config(tmp_path, "sigkill", assets, "run.total_steps=4", "resume=true",
+                                       url=shared_url))
+    assert resumed.steps_done == 4 and resumed.policy_version == 4
+    books = check_books(run_dir)  # ... the resumed one did, before it continued
+    killed = [e for e in lines(run_dir / "ledger.jsonl") if e["status"] == "unfinished" and e["session"] == 0]
+    assert killed and all("killed while it was in flight" in e["reason"] for e in killed)
+    assert books["trained"] >= 12 and sorted(trained_by_step(run_dir)) == [0, 1, 2, 3]
+    log = (run_dir / "driver.log").read_text()
+    assert "resuming" in log and "session 1" in log
+
+
+def test_a_killed_trainer_stops_the_run_and_it_resumes_with_nothing_lost(
+    tmp_path: Path, shared_url: str, assets: Path
+) -> None:
+    from agentrl.errors import TrainerError
+    from agentrl.orchestration.driver import run_training
+
+    kill = ["env=fault_parts:KillingParityEnv", "env.kwargs={kill: trainer, at: [7], tag: trainer}"]
+    with pytest.raises(TrainerError, match="A trainer process died during 'train'.*resume=true"):
+        run_training(make_config(tmp_path, "trainer", assets, *kill, "run.total_steps=3", url=shared_url))
+    run_dir = tmp_path / "trainer"
+    books = check_books(run_dir)
+    assert books["trained"] == 3 and books["unfinished"] == 3  # step 0 trained; step 1's prompts closed
+    assert [m["step"] for m in lines(run_dir / "metrics.jsonl")] == [0]
+    assert wait_until_gone(procs_matching("ray::TrainerWorker"), timeout_s=30) == []
+
+    resumed = run_training(make_config(tmp_path, "trainer", assets, "run.total_steps=3", "resume=true",
+                                       url=shared_url))
+    assert resumed.steps_done == 3 and resumed.policy_version == 3
+    assert check_books(run_dir)["trained"] == 9 and sorted(trained_by_step(run_dir)) == [0, 1, 2]

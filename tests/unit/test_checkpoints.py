@@ -1,0 +1,105 @@
+"""Checkpoints on disk (`CheckpointStore`): written whole or not at all, checksummed, pruned,
+verified at resume with a message naming the bad file, and a fallback to the newest intact one.
+The trainer's part is a fake that writes files like a backend does; nothing else runs."""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import json
+from pathlib import Path
+
+import pytest
+
+from agentrl.errors import CheckpointError
+from agentrl.orchestration.checkpoints import CheckpointStore, move_aside_earlier_attempt, verify_checkpoint
+
+
+def driver_state(step: int) -> dict:
+    return {"steps_done": step, "trainer_version": step, "sampler": {"epoch": 0, "cursor": step},
+            "ledger": {"entries": []}}
+
+
+def writer(size: int = 4096, fail: BaseException | None = None):
+    async def write(folder: Path) -> None:
+        folder.mkdir(parents=True)
+        (folder / "dcp").mkdir()
+        (folder / "dcp" / "__0_0.distcp").write_bytes(bytes(range(256)) * (size // 256))
+        (folder / "trainer_state.pt").write_bytes(b"meta" * 16)
+        if fail is not None:
+            raise fail
+    return write
+
+
+def save(store: CheckpointStore, step: int, **kw) -> Path:
+    return asyncio.run(store.save(step, writer(**kw), driver_state(step)))
+
+
+def test_a_checkpoint_is_complete_checksummed_and_pointed_at(tmp_path: Path) -> None:
+    store = CheckpointStore(tmp_path / "checkpoints", keep=0)
+    path = save(store, 1)
+    assert path.name == "step-000001" and store.latest_name() == "step-000001"
+    manifest = json.loads((path / "MANIFEST.json").read_text())
+    assert set(manifest["files"]) == {"trainer/dcp/__0_0.distcp", "trainer/trainer_state.pt", "driver_state.json"}
+    assert all(len(f["sha256"]) == 64 for f in manifest["files"].values())
+    assert not list((tmp_path / "checkpoints").glob(".*tmp*")), "no temporary folder is left"
+    found = store.resumable()
+    assert found is not None and found.step == 1 and found.state["steps_done"] == 1
+
+
+def test_older_checkpoints_are_pruned_to_keep_checkpoints(tmp_path: Path) -> None:
+    store = CheckpointStore(tmp_path / "checkpoints", keep=2)
+    for step in (1, 2, 3, 4):
+        save(store, step)
+    assert [p.name for _, p in store.complete()] == ["step-000003", "step-000004"]
+
+
+def test_a_same_size_corruption_inside_a_shard_is_found_and_an_older_checkpoint_used(tmp_path: Path) -> None:
+    store = CheckpointStore(tmp_path / "checkpoints", keep=0)
+    save(store, 1)
+    newest = save(store, 2)
+    shard = newest / "trainer" / "dcp" / "__0_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[1000:1008] = b"\xff" * 8  # same size, different bytes
+    shard.write_bytes(bytes(data))
+    found = store.resumable()
+    assert found is not None and found.name == "step-000001"
+    assert (tmp_path / "checkpoints" / "step-000002.bad").is_dir(), "the damaged one is kept aside"
+    state, problem = verify_checkpoint(tmp_path / "checkpoints" / "step-000002.bad")
+    assert state is None and "__0_0.distcp does not match its SHA-256 checksum" in problem
+
+
+def test_a_truncated_driver_state_is_named_and_with_no_intact_checkpoint_nothing_starts(tmp_path: Path) -> None:
+    store = CheckpointStore(tmp_path / "checkpoints", keep=0)
+    path = save(store, 1)
+    state_file = path / "driver_state.json"
+    state_file.write_text(state_file.read_text()[:20])
+    with pytest.raises(CheckpointError) as caught:
+        store.resumable()
+    message = str(caught.value)
+    assert "step-000001" in message and "driver_state.json has" in message and "nothing was started" in message
+
+
+def test_a_full_disk_leaves_the_previous_checkpoint_intact_and_says_so(tmp_path: Path) -> None:
+    store = CheckpointStore(tmp_path / "checkpoints", keep=0)
+    save(store, 1)
+    full = OSError(errno.ENOSPC, "No space left on device")
+    with pytest.raises(CheckpointError) as caught:
+        asyncio.run(store.save(2, writer(fail=full), driver_state(2)))
+    message = str(caught.value)
+    assert "disk under" in message and "is full" in message and "step-000001 is intact" in message
+    assert "resume=true" in message
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["latest", "step-000001"]
+    assert store.latest_name() == "step-000001" and store.resumable().step == 1
+
+
+def test_an_earlier_attempt_without_checkpoint_is_moved_aside_not_deleted(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "ledger.jsonl").write_text('{"key": "e0-r1-a0"}\n')
+    (run_dir / "metrics.jsonl").write_text('{"step": 0}\n')
+    aside = move_aside_earlier_attempt(run_dir)
+    assert aside is not None and aside.parent == run_dir / "previous"
+    assert (aside / "ledger.jsonl").read_text() == '{"key": "e0-r1-a0"}\n'
+    assert sorted(p.name for p in run_dir.iterdir()) == ["previous"]
+    assert move_aside_earlier_attempt(run_dir) is None
