@@ -28,6 +28,7 @@ from typing import Any
 
 from agentrl.config import AgentRLConfig, save_config
 from agentrl.errors import AgentRLError
+from agentrl.gateway.session import final_segments
 from agentrl.orchestration.components import build_agent_loop, env_factory, load_split_rows
 from agentrl.registry import ENVS
 from agentrl.rollout import GenerateClient, RolloutWorker
@@ -105,6 +106,7 @@ def _reports_resolved(env_name: str, trajs: list[Trajectory]) -> bool:
 
 
 def summarise(config: AgentRLConfig, groups: list[list[Trajectory]], seconds: float, out_dir: str = "") -> EvalReport:
+    groups = [final_segments(g) for g in groups]  # an agent episode in segments counts once
     trajs = [t for g in groups for t in g]
     valid = [t for t in trajs if t.trainable]
     n = max(len(trajs), 1)

@@ -10,6 +10,14 @@ metrics an RL practitioner watches, named `group/metric`. The KL coefficient com
 controller (`make_kl_controller`) that the caller keeps across steps: fixed, or adaptive when
 `algorithm.kl_target` is set, updated after each step with the batch's KL to the reference.
 
+An episode an external agent played through the gateway may arrive as several trajectory segments
+(`info["segment"]`, same `group_id` and `episode_id`, same reward). The group-relative estimators
+(grpo, dr_grpo, rloo, reinforce_pp_baseline) then count each episode once: the group statistics use
+one reward per episode and every segment's tokens get its episode's advantage (the step-wise
+"broadcast" of rLLM and SkyRL), so an agent that rewrites its history more often does not weigh
+more in its group. Token-level estimators (gae, reinforce_pp) see each segment as a sequence that
+ends with the episode's reward.
+
 It owns no model and no process group: every rank calls it with the same batch and the backend
 splits the work. It does not collect trajectories or push weights (the orchestration layer does).
 """
@@ -45,6 +53,40 @@ def mini_batch_indices(n: int, parts: int) -> list[list[int]]:
     the samples of one prompt (adjacent in a batch) mostly land in the same mini-batch."""
     bounds = [round(k * n / parts) for k in range(parts + 1)]
     return [list(range(a, b)) for a, b in itertools.pairwise(bounds) if b > a]
+
+
+_PER_EPISODE_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_pp_baseline")
+
+
+def _episode_index(trajs: Sequence[Trajectory]) -> list[int] | None:
+    """Each trajectory's episode number when some episodes come in segments (module docstring), else None."""
+    seen: dict[Any, int] = {}
+    index = []
+    for i, t in enumerate(trajs):
+        segmented = isinstance(t.info.get("segment"), dict) and t.episode_id
+        key = (t.group_id, t.episode_id) if segmented else i
+        index.append(seen.setdefault(key, len(seen)))
+    return index if len(seen) < len(trajs) else None
+
+
+def _per_episode_advantages(
+    estimator: Any, rewards: torch.Tensor, mask: torch.Tensor, groups: list[str], episode_of: list[int]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A group estimator over one score per episode, each segment given its episode's advantage."""
+    n_episodes = max(episode_of) + 1
+    of = torch.tensor(episode_of)
+    first: dict[int, int] = {}
+    for i, e in enumerate(episode_of):
+        first.setdefault(e, i)
+    # Segments share the reward. Shaping that differs per segment is combined: token rewards (a KL
+    # penalty in the reward) add up over the episode, per-sequence scores (overlong penalty) average.
+    total = rewards.float().sum(-1) if rewards.dim() == 2 else rewards.float()
+    per_episode = total.new_zeros(n_episodes).index_add(0, of, total)
+    if rewards.dim() == 1:
+        per_episode = per_episode / torch.bincount(of, minlength=n_episodes).float()
+    adv, _ = estimator(per_episode, torch.ones(n_episodes, 1), [groups[first[e]] for e in range(n_episodes)])
+    advantages = adv[:, 0][of].unsqueeze(-1) * mask.to(adv.dtype)
+    return advantages, advantages
 
 
 def _on_last_token(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -190,7 +232,13 @@ def train_step(
         kwargs = {"values": values, "gamma": algorithm.gamma, "lam": algorithm.lam}
     elif algorithm.advantage == "reinforce_pp":
         kwargs = {"gamma": algorithm.gamma}
-    advantages, returns = estimator(rewards, mask, groups, **kwargs)
+    episode_of = _episode_index(trajs)
+    if episode_of is not None and algorithm.advantage in _PER_EPISODE_ESTIMATORS:
+        advantages, returns = _per_episode_advantages(estimator, rewards, mask, groups, episode_of)
+        metrics["batch/segments"] = float(len(trajs))
+        metrics["batch/episodes"] = float(max(episode_of) + 1)
+    else:
+        advantages, returns = estimator(rewards, mask, groups, **kwargs)
     metrics.update(_stats("adv", advantages, mask))
     if values is not None:
         metrics.update(_stats("critic/returns", returns, mask))
