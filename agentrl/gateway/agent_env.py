@@ -21,6 +21,7 @@ How an episode ends:
 
     agent returned an answer                 done (max_length if its last call was cut), scored
     agent failed after a refused call        max_turns / max_length, reward 0, trained on
+    agent failed on a reply cut by length    max_length, reward 0, trained on
     agent crashed (exception, exit code)     error, fault "infra": masked, never scored 0
     deadline passed (the agent is killed)    timeout, fault "infra"
     agent never called the model             error, fault "infra" (usually a wrong base URL)
@@ -270,8 +271,10 @@ class AgentEnv(Env):
         except TimeoutError:
             reason, fault, error = FinishReason.TIMEOUT, "infra", f"the agent did not finish within {timeout:.1f} s"
         except Exception as exc:  # the agent's own failure, whatever it raised
-            if session.budget_hit is not None:
-                reason, reward = session.budget_hit, 0.0
+            if session.budget_hit is not None or session.last_finish == "length":
+                # It gave up after a refused call, or on a reply cut by the token budget: the
+                # policy's doing (as the AgentLoop's max_turns / max_length), not the machinery's.
+                reason, reward = session.budget_hit or FinishReason.MAX_LENGTH, 0.0
                 info["agent_error"] = f"{type(exc).__name__}: {exc}"[:_STDERR_TAIL]
             else:
                 reason, fault = FinishReason.ERROR, "infra"

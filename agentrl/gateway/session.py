@@ -32,7 +32,8 @@ stop string and the sampled tokens are kept up to the one that completed it (the
 text stops), so the ledger holds exactly what the model sampled and saw.
 
 `trajectories()` ends the session: one `Trajectory` per segment, all sharing the episode's reward,
-finish reason and fault, each with `info["segment"] = {"index": k, "of": n}`; the episode's
+finish reason and fault, each with `info["segment"] = {"index": k, "of": n}` (and `info["tools"]`,
+the tool schemas its prompt rendered); the episode's
 metrics (calls, segments, rewrites, tool calls, parse errors, refusals) are on the last segment.
 This module knows nothing of HTTP (`server.py`) or of how the agent is run (`agent_env.py`).
 """
@@ -333,6 +334,8 @@ class GatewaySession:
             t = seg.trajectory
             t.reward, t.finish_reason, t.fault, t.error = reward, finish_reason, fault, error  # type: ignore[assignment]
             t.info["segment"] = {"index": k, "of": n}
+            if seg.tools:
+                t.info["tools"] = seg.tools  # what the prompt rendered: a re-render needs them
             t.metrics.update({"turns": float(seg.turn), "sampled_tokens": float(t.num_sampled),
                               "total_tokens": float(len(t))})
             out.append(t)
