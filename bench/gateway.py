@@ -5,7 +5,7 @@
 The model is a small fake HTTP server (agentrl's `/generate` protocol, in its own process) that
 answers turn k of each session with a scripted generation after exactly `service_s` seconds:
 calculator tool calls on the row's expression, then the boxed answer (the arithmetic env's tasks).
-The same episodes are played twice, side by side in one run, over the same router and server:
+The same episodes are played both ways, alternating (`--rounds`), in one run over the same router and server:
 
 - AgentLoop: `RolloutWorker` + `ArithmeticEnv`, the rollout path without a gateway;
 - gateway: `RolloutWorker` + `AgentEnv`, whose agents are ordinary `openai` SDK tool loops
@@ -70,7 +70,7 @@ def _serve_model(port: int, n_rows: int, turns: int, service_s: float) -> None:
         turn = turn_of.get(session, 0)
         turn_of[session] = turn + 1
         await asyncio.sleep(service_s)
-        ids = scripts[int(session.split("-")[0][1:])][min(turn, turns - 1)]
+        ids = scripts[int(session.split("-")[0].split(".")[1])][min(turn, turns - 1)]
         return JSONResponse({"token_ids": ids, "logprobs": [-0.125] * len(ids), "finish_reason": "stop",
                              "weight_version": 0})
 
@@ -78,7 +78,8 @@ def _serve_model(port: int, n_rows: int, turns: int, service_s: float) -> None:
         return JSONResponse({"status": "ok", "weight_version": 0, "model": "fake", "engine": "fake", "load": 0})
 
     app = Starlette(routes=[Route("/generate", generate, methods=["POST"]), Route("/health", health)])
-    uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", access_log=False, backlog=4096)
+    uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", access_log=False, backlog=4096,
+                timeout_keep_alive=300)
 
 
 def _free_port() -> int:
@@ -128,10 +129,10 @@ def _make_agent(http: Any, latencies: list[float], tools: list[dict]) -> Any:
 
 
 async def _play(worker: Any, rows: list[dict], ramp_s: float, prefix: str, first: int = 0) -> tuple[list[Any], float]:
-    """Play rows[i] as session `{prefix}{first + i}-0` (the fake server scripts row `first + i`)."""
+    """Play rows[i] as session `{prefix}.{first + i}-0` (the fake server scripts row `first + i`)."""
     async def delayed(i: int, row: dict) -> list[Any]:
         await asyncio.sleep(ramp_s * i / len(rows))
-        group = f"{prefix}{first + i}"
+        group = f"{prefix}.{first + i}"
         return await worker.run_episode_segments(row, seed=i, group_id=group, episode_id=f"{group}-0")
 
     t0 = time.perf_counter()
@@ -139,7 +140,7 @@ async def _play(worker: Any, rows: list[dict], ramp_s: float, prefix: str, first
     return [t for g in groups for t in g], time.perf_counter() - t0
 
 
-async def _bench(url: str, agents: int, service_s: float, turns: int, ramp_s: float) -> dict[str, Any]:
+async def _bench(url: str, agents: int, service_s: float, turns: int, ramp_s: float, rounds: int) -> dict[str, Any]:
     import httpx
 
     from agentrl.chat import ChatTemplate
@@ -166,12 +167,16 @@ async def _bench(url: str, agents: int, service_s: float, turns: int, ramp_s: fl
         # Untimed warm-up of both paths (template caches, connection pools), on rows of their own.
         await _play(direct, warm, 0.0, "w", agents)
         await _play(gated, warm, 0.0, "v", agents)
-        client.latencies.clear()
-        agent_latencies.clear()
-        a, a_wall = await _play(direct, rows, ramp_s, "a")
-        loop_latencies = list(client.latencies)
-        client.latencies.clear()
-        b, b_wall = await _play(gated, rows, ramp_s, "b")
+        # Two rounds, alternating, so that a change in the machine's load hits both paths alike.
+        loop_latencies: list[float] = []
+        a, b, a_wall, b_wall = [], [], 0.0, 0.0
+        for r in range(rounds):
+            client.latencies.clear()
+            played, wall = await _play(direct, rows, ramp_s, f"a{r}")
+            a, a_wall, loop_latencies = a + played, a_wall + wall / rounds, loop_latencies + client.latencies
+            client.latencies.clear()
+            played, wall = await _play(gated, rows, ramp_s, f"b{r}")
+            b, b_wall = b + played, b_wall + wall / rounds
     await router.aclose()
     if not all(t.reward == 1.0 and t.fault is None for t in a + b):
         bad = next(t for t in a + b if t.reward != 1.0 or t.fault is not None)
@@ -181,7 +186,7 @@ async def _bench(url: str, agents: int, service_s: float, turns: int, ramp_s: fl
     equal = sum(all(getattr(t, f) == getattr(by_id[t.episode_id[1:]], f) for f in fields) for t in b)
     loop_ms, agent_ms = 1000 * statistics.fmean(loop_latencies), 1000 * statistics.fmean(agent_latencies)
     return {
-        "agents": agents, "service_s": service_s, "turns": turns, "ramp_s": ramp_s,
+        "agents": agents, "service_s": service_s, "turns": turns, "ramp_s": ramp_s, "rounds": rounds,
         "calls": len(agent_latencies),
         "agentloop_call_ms": loop_ms, "gateway_call_ms": agent_ms,
         "agentloop_over_service": loop_ms / (1000 * service_s) - 1,
@@ -199,6 +204,7 @@ def main() -> None:
     parser.add_argument("--service-s", type=float, default=1.0)
     parser.add_argument("--turns", type=int, default=2)
     parser.add_argument("--ramp-s", type=float, default=1.0, help="spread of episode starts (0: all at once)")
+    parser.add_argument("--rounds", type=int, default=2, help="alternating AgentLoop/gateway rounds")
     args = parser.parse_args()
     port = _free_port()
     server = mp.get_context("spawn").Process(
@@ -217,12 +223,12 @@ def main() -> None:
                 if time.monotonic() > deadline or not server.is_alive():
                     sys.exit("the fake model server did not start")
                 time.sleep(0.2)
-        r = asyncio.run(_bench(url, args.agents, args.service_s, args.turns, args.ramp_s))
+        r = asyncio.run(_bench(url, args.agents, args.service_s, args.turns, args.ramp_s, args.rounds))
     finally:
         server.terminate()
         server.join(10)
     print(f"{r['agents']} agents x {r['turns']} calls, service time {r['service_s']:.2f} s, starts over "
-          f"{r['ramp_s']:.1f} s ({r['calls']} gateway calls)")
+          f"{r['ramp_s']:.1f} s, {r['rounds']} alternating rounds ({r['calls']} gateway calls)")
     print(f"  AgentLoop call latency   {r['agentloop_call_ms']:8.1f} ms  ({r['agentloop_over_service']:+.2%} over the "
           f"service time)   wall {r['agentloop_wall_s']:.2f} s")
     print(f"  gateway call latency     {r['gateway_call_ms']:8.1f} ms  ({r['gateway_over_service']:+.2%})   p99 "
