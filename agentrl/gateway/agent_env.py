@@ -242,7 +242,8 @@ class AgentEnv(Env):
         row = row if row is not None else self.generate_row(seed)
         timeout = min(loop.config.episode_timeout_s, self.timeout_s or math.inf)
         async with contextlib.AsyncExitStack() as stack:
-            gateway = self.gateway or await stack.enter_async_context(shared_gateway())
+            gateway: Gateway = (self.gateway if self.gateway is not None
+                                else await stack.enter_async_context(shared_gateway()))
             session = gateway.open_session(loop, episode_id=episode_id, group_id=group_id,
                                            data_source=str(row.get("data_source", "")),
                                            deadline=time.monotonic() + timeout)

@@ -379,3 +379,30 @@ def test_responses_api_calls_tools_and_continues_the_same_segment(template: Chat
     assert len(segments) == 1 and segments[0].metrics["llm_calls"] == 3
     _check(segments[0], model.sent["ep"])
     assert template.tokenizer.decode(segments[0].tokens_of(TokenOrigin.TOOL)).startswith("334")
+
+
+def test_what_the_gateway_does_not_serve_is_a_4xx_in_the_apis_shape(template: ChatTemplate) -> None:
+    async def run() -> list[tuple[int, dict[str, Any]]]:
+        gateway = Gateway()
+        session = gateway.open_session(_loop(template, ScriptedModel(template, [CALLS])), episode_id="ep")
+        out = []
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=gateway.app),
+                                     base_url=f"http://gateway/s/{session.key}/v1") as http:
+            for path, body in (
+                ("/chat/completions", b"{not json"),
+                ("/responses", {"input": "hi", "tools": [{"type": "web_search"}]}),
+                ("/responses", {"input": "hi", "previous_response_id": "resp_unknown"}),
+                ("/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "tools": TOOLS,
+                                       "tool_choice": "none"}),
+            ):
+                r = await (http.post(path, content=body) if isinstance(body, bytes) else http.post(path, json=body))
+                out.append((r.status_code, r.json()))
+        return out
+
+    (bad_json, web_search, unknown_prev, no_tools) = asyncio.run(run())
+    assert bad_json[0] == 400 and "not valid JSON" in bad_json[1]["error"]["message"]
+    assert web_search[0] == 400 and web_search[1]["error"]["param"] == "tools[0]"
+    assert unknown_prev[0] == 404 and unknown_prev[1]["error"]["code"] == "previous_response_not_found"
+    # tool_choice "none": the model's call markup is the answer's text, not a tool call
+    assert no_tools[0] == 200 and no_tools[1]["choices"][0]["finish_reason"] == "stop"
+    assert "<tool_call>" in no_tools[1]["choices"][0]["message"]["content"]
