@@ -237,17 +237,22 @@ class Gateway:
             return route
 
         async def chat(request: Any) -> Any:
+            started = time.perf_counter()
             session = self._session_for(request)
             chat_request = parse_chat_request(await body_of(request))
             completion = await session.complete(chat_request)
             if not completion.model:
                 completion.model = self.model_name
             if chat_request.stream:
-                return StreamingResponse(completion_chunks(completion, include_usage=chat_request.include_usage),
-                                         media_type="text/event-stream")
-            return JSONResponse(completion_body(completion))
+                chunks = list(completion_chunks(completion, include_usage=chat_request.include_usage))
+                response: Any = StreamingResponse(iter(chunks), media_type="text/event-stream")
+            else:
+                response = JSONResponse(completion_body(completion))
+            session.counters["handling_s"] += time.perf_counter() - started
+            return response
 
         async def responses(request: Any) -> Any:
+            started = time.perf_counter()
             session = self._session_for(request)
             parsed = parse_responses_request(await body_of(request), session.stored_responses)
             completion = await session.complete(parsed.chat)
@@ -255,8 +260,12 @@ class Gateway:
                 completion.model = self.model_name
             session.store_response(completion.id.replace("chatcmpl-", "resp_"), conversation_after(parsed, completion))
             if parsed.stream:
-                return StreamingResponse(response_events(completion, parsed), media_type="text/event-stream")
-            return JSONResponse(response_body(completion, parsed))
+                events = list(response_events(completion, parsed))
+                response: Any = StreamingResponse(iter(events), media_type="text/event-stream")
+            else:
+                response = JSONResponse(response_body(completion, parsed))
+            session.counters["handling_s"] += time.perf_counter() - started
+            return response
 
         def model_entry(name: str) -> dict[str, Any]:
             return {"id": name, "object": "model", "created": 0, "owned_by": "agentrl"}

@@ -149,8 +149,10 @@ class GatewaySession:
         self.counters: dict[str, float] = {
             "llm_calls": 0, "segments": 0, "rewrites": 0, "new_conversations": 0, "tool_calls": 0,
             "parse_errors": 0, "length_cut": 0, "refused_context": 0, "refused_turns": 0, "server_errors": 0,
-            "ignored_sampling": 0, "template_mismatch": 0, "generate_s": 0.0,
+            "ignored_sampling": 0, "template_mismatch": 0, "generate_s": 0.0, "handling_s": 0.0,
         }
+        """`handling_s` is the server's time on this session's requests, from the request's arrival to
+        its answer (generation included): minus `generate_s`, what the gateway itself added."""
 
     # ── serving one call ────────────────────────────────────────────────────────────────────
     def time_left(self) -> float:
