@@ -141,18 +141,18 @@ class GatewaySession:
         self.closed = False
         self.budget_hit: FinishReason | None = None
         self.reward: float | None = None
-        """A reward given from outside (the standalone gateway's end call), if any."""
+        # a reward given from outside (the standalone gateway's end call), if any
         self.last_finish: str | None = None
         self.started = time.monotonic()
         self.last_used = self.started
         self.stored_responses: dict[str, list[Message]] = {}
+        # `handling_s` is the server's time on this session's requests, from a request's arrival to its
+        # answer (generation included); minus `generate_s`, it is what the gateway itself added.
         self.counters: dict[str, float] = {
             "llm_calls": 0, "segments": 0, "rewrites": 0, "new_conversations": 0, "tool_calls": 0,
             "parse_errors": 0, "length_cut": 0, "refused_context": 0, "refused_turns": 0, "server_errors": 0,
             "ignored_sampling": 0, "template_mismatch": 0, "generate_s": 0.0, "handling_s": 0.0,
         }
-        """`handling_s` is the server's time on this session's requests, from the request's arrival to
-        its answer (generation included): minus `generate_s`, what the gateway itself added."""
 
     # ── serving one call ────────────────────────────────────────────────────────────────────
     def time_left(self) -> float:
