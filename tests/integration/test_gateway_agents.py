@@ -216,3 +216,18 @@ def test_the_standalone_gateway_records_each_api_key_as_an_episode(template: Cha
     assert writer.sessions == 2 and all(r["text"].endswith("\\boxed{42}.<|im_end|>") for r in records)
     for r in records:
         Trajectory.from_dict({k: v for k, v in r.items() if k not in ("session", "text")}).validate()
+
+
+def test_episodes_share_one_gateway_that_closes_with_the_last_of_them() -> None:
+    from agentrl.gateway import shared_gateway
+
+    async def go() -> tuple[bool, bool, bool]:
+        async with shared_gateway() as first:
+            async with shared_gateway() as second:
+                same = first is second
+            still_up = (await httpx.AsyncClient().get(f"{first.url}/health")).status_code == 200
+        async with shared_gateway() as third:
+            fresh = third is not first
+        return same, still_up, fresh
+
+    assert asyncio.run(go()) == (True, True, True)
