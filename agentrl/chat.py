@@ -162,12 +162,15 @@ class ChatTemplate:
 
     @classmethod
     def from_pretrained(
-        cls, path: str | Path, template: str | None = None, **template_kwargs: Any
+        cls, path: str | Path, template: str | None = None, *, trust_remote_code: bool = False,
+        **template_kwargs: Any,
     ) -> ChatTemplate:
-        """Load the tokenizer at `path` (a local directory or hub id) and wrap it."""
+        """Load the tokenizer at `path` (a local directory or hub id) and wrap it; `trust_remote_code`
+        lets the tokenizer run code from the model repository (`model.trust_remote_code`)."""
         from transformers import AutoTokenizer
 
-        return cls(AutoTokenizer.from_pretrained(str(path)), template, **template_kwargs)
+        tokenizer = AutoTokenizer.from_pretrained(str(path), trust_remote_code=trust_remote_code)
+        return cls(tokenizer, template, **template_kwargs)
 
     # ── rendering ───────────────────────────────────────────────────────────────────────────
     def render(

@@ -1,4 +1,5 @@
-"""The `agentrl` command line: run, eval, plot, serve, gateway, sandbox, envs, tools, config, validate, version.
+"""The `agentrl` command line: run, eval, plot, view, serve, gateway, sandbox, envs, tools, config, validate, doctor,
+version.
 
 Each subcommand parses its arguments, builds what it needs from the layers below, and turns any
 `AgentRLError` into one readable message and exit status 1 (2 for a command-line usage error).
@@ -40,10 +41,14 @@ def build_parser() -> argparse.ArgumentParser:
         ("run", "train a policy with RL (e.g. agentrl run env=retool)"),
         ("eval", "score an agent offline on an environment's dataset"),
         ("serve", "start LLM servers and the router from a config"),
-        ("validate", "check a config and print every error at once"),
+        ("validate", "check a config and build every piece of the job it describes, starting nothing"),
+        ("doctor", "check that a job can run here: build it and run the pre-flight checks"),
     ):
         p = sub.add_parser(name, help=help_text, description=help_text)
         p.add_argument("args", nargs="*", metavar="CONFIG_OR_OVERRIDE", help=_CONFIG_HELP)
+        if name in ("validate", "doctor"):
+            p.add_argument("--eval", action="store_true", dest="for_eval",
+                           help="check the config for 'agentrl eval' rather than 'agentrl run'")
         if name == "validate":
             p.add_argument("--show", action="store_true", help="print the resolved config as YAML")
         if name == "serve":
@@ -68,6 +73,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default=None, help="where the PNGs go (default: RUN_DIR/plots)")
     p.add_argument("--keys", nargs="*", help="metrics to draw (default: the dashboard's main curves)")
 
+    p = sub.add_parser("view", help="look at a run's episodes and curves in the browser (a local page)",
+                       description="Serve a local page over a run directory, an 'agentrl eval' directory or a "
+                                   "trajectories .jsonl file: the dashboard curves, each step's kept rollouts, each "
+                                   "evaluation, and every episode turn by turn with its tokens coloured by origin.")
+    p.add_argument("run_dir", help="a run directory (runs/NAME), an eval directory or a trajectories .jsonl file")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, this machine only)")
+    p.add_argument("--port", type=int, default=0, help="port to bind (default: a free one)")
+    p.add_argument("--open", action="store_true", help="open the page in the default browser")
+
     p = sub.add_parser("config", help="list every config key with its type, default and meaning")
     p.add_argument("section", nargs="?", help="only keys under this section (e.g. trainer)")
     p.add_argument("--presets", action="store_true", help="list the shipped YAML presets instead")
@@ -80,6 +94,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--port", type=int, default=8765, help="port to bind (default: 8765)")
     sp.add_argument("--token", default=None, help="bearer token clients must send (default: $AGENTRL_SANDBOX_TOKEN)")
     sp.add_argument("--max-concurrency", type=int, default=None, help="most executions at once")
+    sp.add_argument("--backend", default="local",
+                    help="sandbox backend behind the server: local (bubblewrap) or docker (instance images)")
 
     p = sub.add_parser("envs", help="environments")
     esub = p.add_subparsers(dest="envs_command", metavar="SUBCOMMAND")
@@ -110,16 +126,59 @@ def _load(args: Sequence[str]) -> Any:
     return load_config(config, overrides)
 
 
+def _purpose(cfg: Any, for_eval: bool) -> str:
+    return "eval" if for_eval or cfg.inference.engine == "external" else "run"
+
+
 def cmd_validate(ns: argparse.Namespace) -> int:
+    import asyncio
+
     import yaml
 
+    from agentrl.orchestration.build import build_job
+
     cfg = _load(ns.args)
+    purpose = _purpose(cfg, ns.for_eval)
+    job = build_job(cfg, purpose)  # type: ignore[arg-type]
+    sandbox = cfg.sandbox.name if job.sandbox is not None else "none"
+    asyncio.run(job.aclose())
     if ns.show:
         sys.stdout.write(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
     else:
-        print(f"Config OK: env={cfg.env.name} model={cfg.model.path} engine={cfg.inference.engine} "
-              f"mode={cfg.run.mode} steps={cfg.run.total_steps}")
+        rows = len(job.train_rows) if purpose == "run" else len(job.val_rows)
+        print(f"Config OK for 'agentrl {purpose}': env={cfg.env.name} model={cfg.model.path} "
+              f"engine={cfg.inference.engine} mode={cfg.run.mode} steps={cfg.run.total_steps} "
+              f"sandbox={sandbox} rows={rows}")
+        for note in job.notes:
+            print(f"note: {note}")
     return 0
+
+
+def cmd_doctor(ns: argparse.Namespace) -> int:
+    import asyncio
+
+    from agentrl.errors import AgentRLError
+    from agentrl.orchestration.build import build_job
+    from agentrl.orchestration.preflight import run_checks
+
+    cfg = _load(ns.args)
+    purpose = _purpose(cfg, ns.for_eval)
+    print(f"Checking 'agentrl {purpose}' with env={cfg.env.name} model={cfg.model.path} ...", flush=True)
+    try:
+        job = build_job(cfg, purpose)  # type: ignore[arg-type]
+    except AgentRLError as exc:
+        print(f"[FAIL] build: {exc}")
+        return EXIT_ERROR
+    print("[ok  ] build: the model, tokenizer, chat template, parser, env, sandbox and dataset are built")
+    try:
+        checks = run_checks(job)
+    finally:
+        asyncio.run(job.aclose())
+    for check in checks:
+        print(check.line())
+    failed = [c for c in checks if not c.ok]
+    print(f"{len(failed)} problem(s) found." if failed else "Everything this job needs is here.")
+    return EXIT_ERROR if failed else 0
 
 
 def cmd_not_built(what: str, issue: str, hint: str = "Your config can already be checked with 'agentrl validate'.") -> int:
@@ -153,7 +212,8 @@ def cmd_run(ns: argparse.Namespace) -> int:
     _log_to_console()
     result = run_training(cfg)
     print(result.summary())
-    print(f"metrics: {result.run_dir}/metrics.jsonl   plots: agentrl plot {result.run_dir}")
+    print(f"metrics: {result.run_dir}/metrics.jsonl   plots: agentrl plot {result.run_dir}   "
+          f"episodes: agentrl view {result.run_dir}")
     return 0
 
 
@@ -166,13 +226,35 @@ def cmd_plot(ns: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_view(ns: argparse.Namespace) -> int:
+    from agentrl.viewer import ViewerServer
+
+    try:
+        server = ViewerServer(ns.run_dir, host=ns.host, port=ns.port)
+    except OSError as exc:
+        from agentrl.errors import ConfigError
+
+        raise ConfigError(f"cannot listen on {ns.host}:{ns.port}: {exc}; pick another --port (0: a free one).") from exc
+    print(f"agentrl view: {server.reader.root} at {server.url}  (Ctrl-C stops it)", flush=True)
+    if ns.open:
+        import webbrowser
+
+        webbrowser.open(server.url)
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
 def cmd_eval(ns: argparse.Namespace) -> int:
     from agentrl.orchestration.evaluate import run_eval
 
     cfg = _load(ns.args)
     report = run_eval(cfg)
     print(report.summary())
-    print(f"report: {report.output_dir}/report.json   trajectories: {report.output_dir}/trajectories.jsonl")
+    print(f"report: {report.output_dir}/report.json   trajectories: {report.output_dir}/trajectories.jsonl   "
+          f"look: agentrl view {report.output_dir}")
     return 0
 
 
@@ -211,22 +293,26 @@ def cmd_gateway(ns: argparse.Namespace) -> int:
     from agentrl.config import save_config
     from agentrl.gateway.standalone import serve_gateway
     from agentrl.inference.serve import serve_from_config
-    from agentrl.orchestration.components import build_agent_loop
+    from agentrl.orchestration.build import build_job
 
     cfg = _load(ns.args)
     _log_to_console()
+    job = build_job(cfg, "eval")  # the model, its chat template, tool parser and budgets, checked
+    asyncio.run(job.aclose())  # the gateway runs no env: nothing of the job but its loop is needed
     out = Path(ns.out or Path(cfg.run.output_dir) / f"gateway-{time.strftime('%Y%m%d-%H%M%S')}")
     save_config(cfg, out)
     print(f"starting {cfg.inference.num_servers} {cfg.inference.engine} server(s) for {cfg.model.path} ...",
           flush=True)
-    service = serve_from_config(cfg, log_dir=out / "logs")
+    served = cfg.model_copy(deep=True)
+    served.model.path = job.model_path
+    service = serve_from_config(served, log_dir=out / "logs")
 
     def ready(gateway: Any) -> None:
         print(f"OpenAI-compatible gateway at {gateway.url}/v1 (any model name; one API key per agent run)", flush=True)
         print(f"trajectories: {out}/trajectories.jsonl   press Ctrl-C to stop", flush=True)
 
     async def main() -> Any:
-        loop = build_agent_loop(cfg, service.client, temperature=cfg.eval.temperature)
+        loop = job.agent_loop(service.client, evaluation=True)
         return await serve_gateway(loop, output_dir=out, host=ns.host, port=ns.port, model_name=cfg.model.path,
                                    idle_timeout_s=ns.idle_timeout or None, ready=ready)
 
@@ -289,7 +375,7 @@ def cmd_sandbox(ns: argparse.Namespace) -> int:
         except ModuleNotFoundError:
             return cmd_not_built("sandbox serve", "the sandbox server (agentrl.sandboxes.server)", "")
         token = ns.token or os.environ.get("AGENTRL_SANDBOX_TOKEN")
-        kwargs: dict[str, Any] = {"host": ns.host, "port": ns.port, "token": token}
+        kwargs: dict[str, Any] = {"host": ns.host, "port": ns.port, "token": token, "backend": ns.backend}
         if ns.max_concurrency:
             kwargs["max_concurrency"] = ns.max_concurrency
         server.serve(**kwargs)
@@ -325,9 +411,11 @@ _COMMANDS = {
     "run": cmd_run,
     "eval": cmd_eval,
     "plot": cmd_plot,
+    "view": cmd_view,
     "serve": cmd_serve,
     "gateway": cmd_gateway,
     "validate": cmd_validate,
+    "doctor": cmd_doctor,
     "config": cmd_config,
     "sandbox": cmd_sandbox,
     "envs": cmd_envs,

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import importlib.resources
+import os
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any, Literal
@@ -33,6 +34,7 @@ __all__ = [
     "EvalConfig",
     "InferenceConfig",
     "ModelConfig",
+    "RewardConfig",
     "RolloutConfig",
     "RunConfig",
     "SandboxConfig",
@@ -45,12 +47,46 @@ __all__ = [
     "parse_overrides",
     "preset_path",
     "save_config",
+    "trace_reads",
     "validate_config",
 ]
 
 
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_assignment=True)
+
+
+# ── who reads which field (the test that every knob is real) ────────────────────────────────
+
+TRACE_ENV = "AGENTRL_CONFIG_TRACE"
+_traced: set[tuple[str, str]] = set()
+_trace_path: str | None = None
+
+
+def _traced_getattribute(self: Any, name: str) -> Any:
+    value = object.__getattribute__(self, name)
+    cls = type(self)
+    if name in cls.model_fields and (cls.__name__, name) not in _traced and _trace_path:
+        _traced.add((cls.__name__, name))
+        with open(_trace_path, "a") as f:  # one short line: appends from several processes stay whole
+            f.write(f"{cls.__name__}.{name}\n")
+    return value
+
+
+def trace_reads(path: str | os.PathLike[str]) -> None:
+    """Record in `path`, once per process, every config field the code reads (`Section.field`).
+
+    Installed at import when the environment variable AGENTRL_CONFIG_TRACE names a file, so the
+    processes a run starts (trainer actors, servers) record their reads too. It slows every config
+    read; tests use it to check that no field goes unread (a knob that does nothing is a bug).
+    """
+    global _trace_path
+    _trace_path = os.fspath(path)
+    _Section.__getattribute__ = _traced_getattribute  # type: ignore[method-assign]
+
+
+if os.environ.get(TRACE_ENV):
+    trace_reads(os.environ[TRACE_ENV])
 
 
 class ModelConfig(_Section):
@@ -83,7 +119,8 @@ class DataConfig(_Section):
     num_val_rows: int | None = Field(None, ge=1)
     """Use only the first N held-out rows (None: all)."""
     skip_bad_rows: bool = False
-    """Train on the good rows when some are malformed (each bad row is reported); default: refuse."""
+    """Use the good rows when some are malformed; each bad row is logged (file, row, reason) and
+    recorded in the run's `ledger.jsonl` as `skipped`, keeping its row number. Default: refuse."""
 
 
 class EnvConfig(_Section):
@@ -93,11 +130,33 @@ class EnvConfig(_Section):
     """Keyword arguments for the environment's constructor."""
 
 
+class RewardConfig(_Section):
+    function: str | None = None
+    """The reward function, with verl's signature `fn(data_source, solution_str, ground_truth,
+    extra_info=None, **kwargs) -> float | dict` (a dict holds "score" and extra fields):
+    `package.module:fn` or `path/to/file.py:fn` (`:fn` left out means `compute_score`). None: the
+    built-in `agentrl.envs.rewards.compute_score`, which picks the answer format by each row's
+    `data_source` (GSM8K `####`, DAPO/AIME `Answer:`, MATH `\\boxed{}`). Used by the envs that score a
+    final answer (retool, arithmetic)."""
+    kwargs: dict[str, Any] = Field(default_factory=dict)
+    """Extra keyword arguments passed to `function` on every call (verl's `reward_kwargs`)."""
+
+    @pydantic.field_validator("function")
+    @classmethod
+    def _looks_like_a_function(cls, value: str | None) -> str | None:
+        if value is not None:
+            target, sep, name = value.strip().rpartition(":")
+            if not value.strip() or (sep and (not target or not name)):
+                raise ValueError("must look like 'package.module:function' or 'path/to/file.py:function'")
+        return value
+
+
 class RolloutConfig(_Section):
     samples_per_prompt: int = Field(4, ge=1)
     """Episodes per prompt (the GRPO group size)."""
     max_turns: int = Field(4, ge=1)
-    """Most assistant turns per episode; the episode ends as `max_turns` after that."""
+    """Most assistant turns per episode; the episode ends as `max_turns` after that. Envs whose
+    constructor takes `max_turns` get this value (do not set it again in `env.kwargs`)."""
     max_tokens_per_turn: int = Field(256, ge=1)
     """Most tokens sampled in one assistant turn."""
     max_total_tokens: int = Field(2048, ge=16)
@@ -111,11 +170,28 @@ class RolloutConfig(_Section):
     request_timeout_s: float = Field(300.0, gt=0)
     """Deadline of one generation request, retries included."""
     tool_timeout_s: float = Field(30.0, gt=0)
-    """Deadline of one tool call; past it the call is an infrastructure error."""
+    """Deadline of one tool call, sandbox overhead included; past it the call is an infrastructure
+    error and the episode is masked. Envs whose constructor takes `tool_timeout_s` get this value."""
     max_concurrent_episodes: int = Field(256, ge=1)
     """Episodes in flight at once per rollout worker."""
     extra_stop_token_ids: list[int] = Field(default_factory=list)
     """Token ids that also end an assistant turn, besides the chat template's end-of-turn tokens."""
+    close_timeout_s: float = Field(30.0, gt=0)
+    """Deadline for closing an episode's env (releasing its tools and sandbox session)."""
+    truncate_timeout_s: float = Field(900.0, gt=0)
+    """Deadline of the env settling an episode that a budget of this section ended first
+    (`Env.atruncate`: the SWE env grades the repository as it stands). Past it the episode is an
+    infrastructure failure, masked; keep the env's own grading deadlines below it."""
+    verify_template: bool = False
+    """Re-render the whole conversation after each delta to count chat-template mismatches (slow;
+    for debugging a new model's template)."""
+    max_starting: int = Field(16, ge=1)
+    """Episodes in their start-up (env reset, first prompt) at once. asyncio runs every ready task
+    before it looks at timers and sockets, so a thousand episodes starting together would stall the
+    event loop for their whole start-up; admitting a few at a time keeps it responsive."""
+    cpu_slice_s: float = Field(0.002, gt=0)
+    """Longest burst of chat-template and parsing work the agent loop runs before it polls sockets
+    and timers again; bounds event-loop stalls when thousands of episodes are in flight."""
 
 
 class InferenceConfig(_Section):
@@ -297,6 +373,26 @@ class RunConfig(_Section):
         default_factory=lambda: ["console", "jsonl"]
     )
     """Where metrics go each step."""
+    keep_rollouts: int | Literal["all"] = 4
+    """Rollouts kept for `agentrl view`: each step writes `rollouts/step-N.jsonl` (token ledger,
+    decoded text, rewards) with `all` of its groups, or N groups: the best and the worst by mean
+    reward, the rest drawn at random, plus every group with an infrastructure-failed episode.
+    0 writes nothing."""
+    max_infra_failure_rate: float = Field(0.5, ge=0.0, le=1.0)
+    """Stop the run when more than this share of the last `run.infra_failure_window` episodes
+    failed for infrastructure reasons (no sandbox, a dead server, a tool deadline): such episodes
+    are never trained on, so a run above it is not learning. 1.0 never stops."""
+    infra_failure_window: int = Field(64, ge=1)
+    """How many of the latest episodes `run.max_infra_failure_rate` looks at. It is checked after
+    every completed group once the window holds a step's episodes (or the whole window, if
+    smaller), so a run whose tools cannot run stops within its first step."""
+
+    @pydantic.field_validator("keep_rollouts")
+    @classmethod
+    def _keep_rollouts_not_negative(cls, value: int | str) -> int | str:
+        if isinstance(value, int) and value < 0:
+            raise ValueError(f"give 'all' or a number of groups >= 0 (0 keeps none), not {value}")
+        return value
 
 
 class AgentRLConfig(_Section):
@@ -308,6 +404,8 @@ class AgentRLConfig(_Section):
     """Datasets and batch size."""
     env: EnvConfig = Field(default_factory=EnvConfig)
     """The environment the agent acts in."""
+    reward: RewardConfig = Field(default_factory=RewardConfig)
+    """How a final answer is scored (envs that score one against the row's ground truth)."""
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     """Episode budgets and sampling."""
     inference: InferenceConfig = Field(default_factory=InferenceConfig)

@@ -22,8 +22,10 @@ This module holds no logic beyond the classes; it is imported by everything and 
     │   └── ServerUnavailableError   no healthy server answered in time
     ├── DatasetError                 a dataset file or row is malformed
     ├── TrainerError                 the trainer cannot proceed
-    └── WeightSyncError              a weight push failed
-        └── ChecksumError            a bucket arrived corrupted
+    ├── WeightSyncError              a weight push failed
+    │   └── ChecksumError            a bucket arrived corrupted
+    ├── InfraFailureError            too many episodes failed for infrastructure reasons
+    └── PreflightError               a pre-flight check found the job cannot do useful work
 """
 
 from __future__ import annotations
@@ -38,6 +40,8 @@ __all__ = [
     "EnvError",
     "FeatureUnavailableError",
     "InferenceError",
+    "InfraFailureError",
+    "PreflightError",
     "SandboxClosedError",
     "SandboxError",
     "SandboxUnavailableError",
@@ -144,3 +148,11 @@ class WeightSyncError(AgentRLError):
 
 class ChecksumError(WeightSyncError):
     """A weight bucket's checksum did not match what the sender computed."""
+
+
+class InfraFailureError(AgentRLError):
+    """Too many episodes failed for infrastructure reasons for a run or an evaluation to mean anything."""
+
+
+class PreflightError(AgentRLError):
+    """A pre-flight check found that a job cannot do useful work; the message lists each problem and its fix."""

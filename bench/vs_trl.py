@@ -117,7 +117,7 @@ def truth_of(row: dict[str, Any]) -> str:
 async def agentrl_run(variant: str, s: dict[str, Any], steps: int) -> dict[str, Any]:
     from agentrl.config import AgentRLConfig
     from agentrl.inference import launch_server
-    from agentrl.orchestration.components import build_agent_loop, build_chat_template, env_factory
+    from agentrl.orchestration.build import build_job
     from agentrl.rollout import RolloutWorker
     from agentrl.rollout.agent_loop import end_of_turn_ids
     from agentrl.trainer.backend import make_backend
@@ -128,8 +128,7 @@ async def agentrl_run(variant: str, s: dict[str, Any], steps: int) -> dict[str, 
     turns = 3 if variant == "tool" else 1
     config = AgentRLConfig.model_validate({
         "model": {"path": s["model"], "dtype": "float32", "tool_parser": "retool"},
-        "env": {"name": "retool", "kwargs": {"tool_format": "code", "few_shot": 1, "format_reward": 0.1,
-                                             "max_turns": turns}},
+        "env": {"name": "retool", "kwargs": {"tool_format": "code", "few_shot": 1, "format_reward": 0.1}},
         "rollout": {"samples_per_prompt": s["samples"], "max_turns": turns, "max_tokens_per_turn": s["tokens"],
                     "temperature": 1.0},
         "algorithm": {"advantage": "grpo", "kl_coef": 0.0},
@@ -142,11 +141,12 @@ async def agentrl_run(variant: str, s: dict[str, Any], steps: int) -> dict[str, 
     client = server.client()
     backend = make_backend(config)
     engine = make_checkpoint_engine("files", directory=tmp / "weights", keep_last=2)
-    template = build_chat_template(config)
+    job = build_job(config, "run")
+    template = job.template
     stop = tuple(end_of_turn_ids(template.tokenizer))
     worker = None
     if variant == "tool":
-        worker = RolloutWorker(build_agent_loop(config, client), env_factory(config), max_concurrent=256)
+        worker = RolloutWorker(job.agent_loop(client), job.make_env, max_concurrent=256)
 
     async def single_turn(rows: list[dict[str, Any]], step: int) -> list[Trajectory]:
         sampling = SamplingParams(temperature=1.0, max_tokens=s["tokens"], stop_token_ids=stop)
@@ -195,6 +195,7 @@ async def agentrl_run(variant: str, s: dict[str, Any], steps: int) -> dict[str, 
             })  # fmt: skip
     finally:
         await client.aclose()
+        await job.aclose()
         server.stop()
         shutil.rmtree(tmp, ignore_errors=True)  # a weights version per step: 0.5 GB each
     return {"records": records}

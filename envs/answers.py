@@ -4,15 +4,22 @@
 `final_answer` falls back to the last number in the text. `answers_match` compares a given answer
 with the ground truth: exactly as rational numbers when both parse as numbers (`1,234`, `0.5`,
 `3/4`, `\\frac{3}{4}`), else with `math-verify` (symbolic equivalence) when it is installed, else by
-normalised string equality. It never evaluates model text as code.
+normalised string equality. `clean_answer` strips the wrapping a model puts around an answer (`$`,
+`\\boxed{}`, `\\text{}`, a trailing full stop). It never evaluates model text as code.
+
+math-verify bounds its own time with `signal.alarm`, which only works in the main thread; elsewhere
+(a worker thread, a Ray actor's event loop) it is called without that alarm, so an answer is never
+scored wrong merely because it was checked off the main thread. Answers are at most 300 characters,
+which bounds the work either way.
 """
 
 from __future__ import annotations
 
 import re
+import threading
 from fractions import Fraction
 
-__all__ = ["answers_match", "extract_boxed", "final_answer", "parse_number"]
+__all__ = ["answers_match", "clean_answer", "extract_boxed", "final_answer", "parse_number"]
 
 _NUMBER_RE = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
 _FRAC_RE = re.compile(r"^\\[dt]?frac\{(-?[\d.]+)\}\{(-?[\d.]+)\}$")
@@ -41,6 +48,19 @@ def final_answer(text: str) -> str | None:
     return numbers[-1] if numbers else None
 
 
+def clean_answer(text: str) -> str:
+    """`text` without the wrapping around an answer: `$...$`, `\\boxed{}`, `\\text{}`, a final `.`."""
+    s = text.strip()
+    boxed = extract_boxed(s)
+    if boxed is not None:
+        s = boxed
+    s = s.strip().rstrip(".").strip()
+    if len(s) >= 2 and s.startswith("$") and s.endswith("$"):
+        s = s.strip("$").strip()
+    m = re.fullmatch(r"\\(?:text|textbf|mathrm)\{(.*)\}", s)
+    return m.group(1).strip() if m else s
+
+
 def parse_number(text: str) -> Fraction | None:
     """`text` as an exact rational number, or None (commas, `$`, `\\frac`, `a/b` understood)."""
     s = text.strip().strip("$").replace(",", "").replace("\\!", "").replace(" ", "")
@@ -67,8 +87,12 @@ def answers_match(given: str | None, truth: str) -> bool:
         from math_verify import parse, verify
     except ImportError:
         return _normalise(given) == _normalise(truth)
+    # signal.alarm (math-verify's own timeout) exists only in the main thread; see the module docstring.
+    timeout = 5 if threading.current_thread() is threading.main_thread() else None
     try:
-        return bool(verify(parse(f"${truth}$"), parse(f"${given}$")))
+        gold = parse(f"${truth}$", parsing_timeout=timeout)  # type: ignore[arg-type]
+        pred = parse(f"${given}$", parsing_timeout=timeout)  # type: ignore[arg-type]
+        return bool(verify(gold, pred, timeout_seconds=timeout))
     except Exception:  # math-verify can fail on odd input; that is a wrong answer, not a crash
         return False
 

@@ -3,8 +3,12 @@
 The smallest complete environment in agentrl, and the reference implementation of the `ToolEnv`
 contract: each task is an expression over multi-digit integers ("Compute (4821 * 367) - 9124"),
 generated from the reset seed or read from a verl-format dataset row. The agent may call the
-`calculator` tool any number of times and must end with a final answer in `\\boxed{...}`; the reward
-is 1.0 when that answer equals the exact value, else 0.0. It needs no sandbox and no network.
+`calculator` tool any number of times and must end with a final answer in `\\boxed{...}` (its rows'
+data source, `agentrl/arithmetic`, also accepts the last number when nothing is boxed); the reward
+is 1.0 when that answer equals the exact value, else 0.0. The reward comes from `reward_fn` (verl's
+signature, see `agentrl.envs.rewards`; the run passes `reward.function`), by default
+`rewards.compute_score`, which chooses the answer format by the row's `data_source`, so GSM8K or
+DAPO-Math rows are scored in their own formats. It needs no sandbox and no network.
 """
 
 from __future__ import annotations
@@ -12,7 +16,7 @@ from __future__ import annotations
 import random
 from typing import Any
 
-from agentrl.envs.answers import answers_match, final_answer
+from agentrl.envs.rewards import RewardFn, compute_score, score_row
 from agentrl.envs.tool_env import ToolEnv
 from agentrl.tools.calculator import calculator, evaluate_expression, format_number
 from agentrl.tools.core import ToolContext
@@ -23,7 +27,7 @@ SYSTEM_PROMPT = (
     "You are a careful assistant. Use the calculator tool for every computation, "
     "then give the final answer as \\boxed{NUMBER}."
 )
-
+DATA_SOURCE = "agentrl/arithmetic"
 
 
 def make_arithmetic_row(seed: int, *, num_terms: int = 3, digits: int = 4) -> dict[str, Any]:
@@ -41,7 +45,7 @@ def make_arithmetic_row(seed: int, *, num_terms: int = 3, digits: int = 4) -> di
             {"role": "system", "content": SYSTEM_PROMPT},
             {"role": "user", "content": f"Compute {expr}."},
         ],
-        "data_source": "agentrl/arithmetic",
+        "data_source": DATA_SOURCE,
         "reward_model": {"style": "rule", "ground_truth": answer},
         "extra_info": {"seed": seed, "expression": expr},
     }
@@ -51,10 +55,11 @@ class ArithmeticEnv(ToolEnv):
     """Arithmetic word problems with a calculator tool (see the module docstring)."""
 
     def __init__(self, *, max_turns: int = 6, num_terms: int = 3, digits: int = 4,
-                 tool_timeout_s: float = 10.0) -> None:
+                 tool_timeout_s: float = 10.0, reward_fn: RewardFn | None = None) -> None:
         super().__init__([calculator], max_turns=max_turns, tool_timeout_s=tool_timeout_s)
         self.num_terms = num_terms
         self.digits = digits
+        self.reward_fn: RewardFn = reward_fn if reward_fn is not None else compute_score
 
     @classmethod
     def dataset_rows(cls, split: str, n: int = 200) -> list[dict[str, Any]]:
@@ -66,5 +71,6 @@ class ArithmeticEnv(ToolEnv):
         return make_arithmetic_row(seed or 0, num_terms=self.num_terms, digits=self.digits)
 
     def score(self, final_text: str, row: dict[str, Any], ctx: ToolContext) -> float:
-        truth = str(row.get("reward_model", {}).get("ground_truth", ""))
-        return 1.0 if truth and answers_match(final_answer(final_text), truth) else 0.0
+        result = score_row(self.reward_fn, row, final_text, default_data_source=DATA_SOURCE)
+        ctx.state["score_info"] = {"metrics": result.metrics(), "reward_extra": result.extra}
+        return result.score

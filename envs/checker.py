@@ -3,8 +3,9 @@
 It runs a fresh environment through the contract of DESIGN.md §4 and reports every violation at
 once in one `EnvContractError`: the spaces, `step` before `reset`, the `reset` and `step` return
 shapes (chat messages, tool schemas, a finite float reward, bool flags, an info dict), seeded
-determinism of `reset` and of `step`, agreement of the async twins with the sync methods, and
-closing twice. It also runs gymnasium's own `check_env`, whose warnings count as violations,
+determinism of `reset` and of `step`, agreement of the async twins with the sync methods,
+closing twice, and that an env declaring `requires_ground_truth` gets rows that carry one (the
+`options` row, or the row `generate_row` makes). It also runs gymnasium's own `check_env`, whose warnings count as violations,
 for environments that can reset without a dataset row (gymnasium's checker passes no options).
 It does not judge whether an environment is a good task, only whether it keeps the contract.
 """
@@ -14,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import copy
 import math
-import sys
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -22,6 +22,7 @@ from typing import Any
 import gymnasium
 from gymnasium.utils.env_checker import check_env as gymnasium_check_env
 
+from agentrl.datasets import ground_truth_problem
 from agentrl.envs.core import ActionSpace, ChatSpace, Env
 from agentrl.errors import EnvContractError, EnvError
 from agentrl.types import Action
@@ -56,6 +57,7 @@ def check_env(
         actions = [env.action_space.sample()]
     if not actions:
         raise ValueError("check_env needs at least one action to step with.")
+    _check_ground_truth(check, env, options, seed)
 
     # step before reset must fail loudly, not silently start an episode
     try:
@@ -94,9 +96,6 @@ def check_env(
                     break
             await env.aclose()
             await env.aclose()
-            session = sys.modules.get("agentrl.tools.session")
-            if session is not None:  # stop this loop's default sandbox before asyncio.run ends
-                await session.close_default_sandbox()
             return a, trace
 
         async_out = _guard(check, "areset/astep", lambda: asyncio.run(twins()))
@@ -122,6 +121,29 @@ def check_env(
         raise EnvContractError(
             f"{type(env).__name__} breaks the Env contract in {len(problems)} place(s):\n{lines}"
         )
+
+
+def _check_ground_truth(check: _Recorder, env: Env, options: dict[str, Any] | None, seed: int) -> None:
+    """`requires_ground_truth` is a bool, and the rows this env is checked on agree with it."""
+    flag = getattr(type(env), "requires_ground_truth", True)
+    if not check(isinstance(flag, bool), f"requires_ground_truth must be a bool class attribute, got {flag!r}"):
+        return
+    if not flag:
+        return
+    rows: list[tuple[str, Any]] = []
+    if options and isinstance(options.get("row"), dict):
+        rows.append(("options['row']", options["row"]))
+    elif callable(getattr(env, "generate_row", None)):
+        try:
+            rows.append((f"generate_row({seed})", env.generate_row(seed)))  # type: ignore[attr-defined]
+        except Exception:  # an env that needs a dataset row; reset reports any other failure
+            pass
+    for label, row in rows:
+        problem = ground_truth_problem(row) if isinstance(row, dict) else f"is a {type(row).__name__}"
+        check(problem is None,
+              f"{type(env).__name__} declares requires_ground_truth = True but the row of {label} has "
+              f"none: {problem}; give rows a ground truth, or set requires_ground_truth = False if the env "
+              "scores otherwise")
 
 
 def _resets_without_a_row(env: Env) -> bool:

@@ -10,12 +10,15 @@
 methods in a worker thread; environments that call tools implement the async side natively (see
 `ToolEnv`) so thousands of episodes share one event loop, and then the sync methods drive it on a
 private loop. Environments know nothing of the trainer or of tokens.
+
+`atruncate(reason)` is the AgentLoop telling the env that one of the loop's own budgets (turns,
+tokens, wall time) ended an episode the env had not ended; it returns the episode's last reward
+and info. By default that is a reward of 0; envs that judge the work done (SWE) grade it there.
 """
 
 from __future__ import annotations
 
 import asyncio
-import sys
 from typing import Any, ClassVar, SupportsFloat
 
 import gymnasium
@@ -98,6 +101,19 @@ class Env(gymnasium.Env[list, Action]):
     metadata: ClassVar[dict[str, Any]] = {"render_modes": []}
     observation_space = ChatSpace()
     action_space = ActionSpace()
+    reports_resolved: ClassVar[bool] = False
+    """True when the env's episodes report `info["metrics"]["resolved"]` (SWE-style: the task's
+    hidden tests pass); `agentrl eval` then reports a resolved rate."""
+
+    @classmethod
+    def dataset_rows(cls, split: str) -> list[dict[str, Any]] | None:
+        """The env's own rows of `split` ("train" or "test") in verl's format, for runs given no
+        `data.train_files`/`data.val_files`; None when the env ships no dataset."""
+        return None
+    requires_ground_truth: ClassVar[bool] = True
+    """Every dataset row must carry `reward_model.ground_truth` (the answer it is scored against);
+    a row without one is refused when the data is loaded. Envs that score otherwise (by running
+    tests, by a judge) set it False."""
 
     # ── async twins: default to running the sync methods in a thread ────────────────────────
     async def areset(
@@ -115,6 +131,17 @@ class Env(gymnasium.Env[list, Action]):
         if type(self).step is Env.step:
             raise NotImplementedError(f"{type(self).__name__} must implement step or astep.")
         return await asyncio.to_thread(self.step, action)
+
+    async def atruncate(self, reason: str) -> tuple[float, dict[str, Any]]:
+        """The AgentLoop's own budget ended the episode before the env did: settle it, return (reward, info).
+
+        `reason` names the budget, as its config key (`rollout.max_turns`, `rollout.max_total_tokens`,
+        `rollout.max_tokens_per_turn`, `rollout.episode_timeout_s`). The reward is added to the
+        episode's; `info["metrics"]` reaches the trajectory like a step's. Called at most once per
+        episode, after the last `astep`, under a deadline of its own; raise an `AgentRLError` for an
+        infrastructure failure (the episode is then masked, not scored). Default: reward 0, no info.
+        """
+        return 0.0, {}
 
     async def aclose(self) -> None:
         """Async `close`; closing twice must be harmless."""
@@ -141,9 +168,6 @@ class Env(gymnasium.Env[list, Action]):
             self._drive(self.aclose())
         loop = self.__dict__.pop("_private_loop", None)
         if loop is not None and not loop.is_closed():
-            session = sys.modules.get("agentrl.tools.session")
-            if session is not None:  # a tool started a default sandbox on this loop: stop its workers
-                loop.run_until_complete(session.close_default_sandbox())
             loop.close()
 
     def _drive(self, coro: Any) -> Any:

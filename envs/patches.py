@@ -3,7 +3,9 @@
 `parse_patch` splits a unified diff (`git diff` or `diff -u` output) into `FilePatch`es with their
 hunks; `apply_patch` applies one file's hunks to that file's text, finding each hunk at its stated
 line or, like `patch`, at the nearest place its context matches exactly (no fuzz: a hunk that does
-not match raises `PatchError`). `make_patch` writes the diff between two versions of a set of files.
+not match raises `PatchError`). `make_patch` writes the diff between two versions of a set of files;
+`reverse_patch` turns a diff around (SWE-smith ships the diff that introduces a bug; its fix is
+the reverse).
 The SWE environment applies hidden test patches on the host with these, so grading needs neither
 `git` nor `patch` inside the sandbox. Binary diffs, renames and mode changes are not supported.
 """
@@ -16,7 +18,7 @@ from dataclasses import dataclass, field
 
 from agentrl.errors import DatasetError
 
-__all__ = ["FilePatch", "Hunk", "PatchError", "apply_patch", "make_patch", "parse_patch"]
+__all__ = ["FilePatch", "Hunk", "PatchError", "apply_patch", "make_patch", "parse_patch", "reverse_patch"]
 
 _HUNK_RE = re.compile(r"^@@ -(\d+)(?:,(\d+))? \+(\d+)(?:,(\d+))? @@")
 
@@ -31,6 +33,7 @@ class Hunk:
 
     old_start: int
     lines: list[str] = field(default_factory=list)
+    new_start: int = 0
     old_no_newline: bool = False
     """The old file's last line, in this hunk, has no newline ("\\ No newline at end of file")."""
     new_no_newline: bool = False
@@ -81,7 +84,7 @@ def parse_patch(text: str) -> list[FilePatch]:
                 raise PatchError(f"Hunk {line!r} comes before any '--- a/file' / '+++ b/file' header.")
             old_len = int(m.group(2) or 1)
             new_len = int(m.group(4) or 1)
-            hunk = Hunk(int(m.group(1)))
+            hunk = Hunk(int(m.group(1)), new_start=int(m.group(3)))
             i += 1
             seen_old = seen_new = 0
             while i < len(lines) and (seen_old < old_len or seen_new < new_len or lines[i].startswith("\\")):
@@ -158,4 +161,27 @@ def make_patch(before: dict[str, str], after: dict[str, str]) -> str:
         )
         out.append(f"diff --git a/{path} b/{path}\n")
         out.extend(line if line.endswith("\n") else line + "\n\\ No newline at end of file\n" for line in diff)
+    return "".join(out)
+
+
+def reverse_patch(text: str) -> str:
+    """The diff that undoes `text`: old and new sides swapped, file by file and line by line."""
+    out: list[str] = []
+    swap = {"-": "+", "+": "-", " ": " "}
+    for fp in parse_patch(text):
+        old, new = fp.new_path, fp.old_path
+        out.append(f"diff --git a/{old or new} b/{new or old}\n")
+        out.append(f"--- {'a/' + old if old else '/dev/null'}\n+++ {'b/' + new if new else '/dev/null'}\n")
+        for h in fp.hunks:
+            lines = [swap[line[:1]] + line[1:] for line in h.lines]
+            n_old = sum(line[:1] in (" ", "-") for line in lines)
+            n_new = sum(line[:1] in (" ", "+") for line in lines)
+            out.append(f"@@ -{h.new_start},{n_old} +{h.old_start},{n_new} @@\n")
+            for i, line in enumerate(lines):
+                out.append(line + "\n")
+                last_old = i == max((j for j, x in enumerate(lines) if x[:1] in (" ", "-")), default=-1)
+                last_new = i == max((j for j, x in enumerate(lines) if x[:1] in (" ", "+")), default=-1)
+                if (last_old and h.new_no_newline and line[:1] in (" ", "-")) or (
+                        last_new and h.old_no_newline and line[:1] in (" ", "+")):
+                    out.append("\\ No newline at end of file\n")
     return "".join(out)

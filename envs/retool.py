@@ -1,14 +1,19 @@
 """`retool`: math problems solved with a Python interpreter running in a sandbox (the ReTool recipe).
 
-The agent gets a math question and the `python` tool, which runs its code in the sandbox (the
-default `LocalSandbox`: no network, bounded time and memory) and shows what it printed. It may
-call the tool several times and ends with `\\boxed{answer}`. The reward is 1.0 when the answer
-matches the row's `reward_model.ground_truth` (exact rational equality, or symbolic equivalence
-through math-verify when installed), else 0.0. Optional shaping for a wrong answer: with
-`format_reward` > 0 a well-formed boxed answer earns that much, and with `tool_reward` > 0 a boxed
-answer after code that ran without error at least once earns that much (the larger applies; a
-correct answer always earns 1.0). Shaping without the boxed answer was tried and backfired: the
-135M model learned to run correct code and then stopped writing `\\boxed{}`. Only a reward of 1.0 counts as solved in evaluations.
+The agent gets a math question and the `python` tool, which runs its code in the run's sandbox
+(`config.sandbox`, passed to the constructor as `sandbox`; the local bubblewrap sandbox by default:
+no network, bounded time and memory) and shows what it printed. It may
+call the tool several times and ends with `\\boxed{answer}`. The reward is `reward_fn`'s score of the
+final reply against the row's `reward_model.ground_truth` (verl's signature, see
+`agentrl.envs.rewards`; the run passes `reward.function`). The default, `rewards.compute_score`,
+gives 1.0 when the answer in the row's `data_source` format (the shipped rows: `\\boxed{}`; DAPO
+rows: `Answer:`; GSM8K rows: `####`) matches (exact rational equality, or symbolic equivalence
+through math-verify), else 0.0. Optional shaping for a wrong answer: with `format_reward` > 0 a
+well-formed final answer (one the source's format finds) earns that much, and with `tool_reward` >
+0 a well-formed answer after code that ran without error at least once earns that much (the
+larger applies, and never lowers the function's own score; a correct answer earns 1.0). Shaping
+without the final answer was tried and backfired: the 135M model learned to run correct code and
+then stopped writing `\\boxed{}`. Only a reward of 1.0 counts as solved in evaluations.
 
 Two ways to call the tool (`tool_format`):
 - `function` (default): the tool's schema is in the prompt (the chat template lists it) and the
@@ -33,8 +38,8 @@ import json
 from functools import cache
 from typing import Any, Literal
 
-from agentrl.envs.answers import answers_match, extract_boxed
 from agentrl.envs.retool_data import shipped_path
+from agentrl.envs.rewards import RewardFn, answer_format, compute_score, score_row
 from agentrl.envs.tool_env import ToolEnv
 from agentrl.tools.core import ToolContext
 from agentrl.tools.python import PythonTool
@@ -78,6 +83,8 @@ class RetoolEnv(ToolEnv):
         tool_format: Literal["function", "code"] = "function",
         few_shot: int = 0,
         tool_reward: float = 0.0,
+        sandbox: Any | None = None,
+        reward_fn: RewardFn | None = None,
     ) -> None:
         if not 0.0 <= format_reward < 1.0:
             raise ValueError(f"format_reward must be in [0, 1), got {format_reward}")
@@ -92,12 +99,13 @@ class RetoolEnv(ToolEnv):
         if few_shot and tool_format != "code":
             raise ValueError("few_shot examples show the code-block protocol; set tool_format='code' too")
         tool = PythonTool(exec_timeout_s=exec_timeout_s, max_output_chars=max_output_chars)
-        super().__init__([tool], max_turns=max_turns, tool_timeout_s=tool_timeout_s)
+        super().__init__([tool], max_turns=max_turns, tool_timeout_s=tool_timeout_s, sandbox=sandbox)
         self.format_reward = format_reward
         self.split = split
         self.tool_format = tool_format
         self.few_shot = few_shot
         self.tool_reward = tool_reward
+        self.reward_fn: RewardFn = reward_fn if reward_fn is not None else compute_score
 
     @classmethod
     def dataset_rows(cls, split: str) -> list[dict[str, Any]]:
@@ -131,12 +139,12 @@ class RetoolEnv(ToolEnv):
         return rows[(seed or 0) % len(rows)]
 
     def score(self, final_text: str, row: dict[str, Any], ctx: ToolContext) -> float:
-        truth = str((row.get("reward_model") or {}).get("ground_truth", ""))
-        answer = extract_boxed(final_text)
-        if answer is not None and truth and answers_match(answer, truth):
-            return 1.0
-        if answer is None or not truth:
-            return 0.0  # shaping only ever rewards a well-formed (boxed) final answer
+        result = score_row(self.reward_fn, row, final_text)
+        ctx.state["score_info"] = {"metrics": result.metrics(), "reward_extra": result.extra}
+        if result.score >= 1.0 or not (self.format_reward or self.tool_reward):
+            return result.score
+        if answer_format(row.get("data_source")).extract(final_text) is None:
+            return result.score  # shaping only ever rewards a well-formed final answer
         ran_code = self._metrics.get("tool_calls", 0) > self._metrics.get("tool_errors_model", 0) + self._metrics.get(
             "tool_errors_infra", 0)
-        return max(self.tool_reward if ran_code else 0.0, self.format_reward)
+        return max(result.score, self.tool_reward if ran_code else 0.0, self.format_reward)

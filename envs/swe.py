@@ -1,33 +1,42 @@
 """`swe`: fix a bug in a real repository inside a sandbox, rewarded by hidden tests (SWE-bench style).
 
-Reset opens a sandbox session (the `local` bubblewrap backend by default, or `docker`, with the
-instance's own image when it names one), copies the instance's repository into its work dir (and
-makes it a git repository when git is there, so `git diff` works) and shows the agent the issue.
-The agent explores and edits with `bash`, `str_replace_editor` and `submit`. A turn without a tool
-call is answered with a reminder, not taken as the end. On `submit`, or when a budget is spent
-(turns, approximate tokens of the conversation, wall-clock seconds since reset), the hidden tests
-run in the same session (`agentrl.envs.swe_grading`): the reward is 1.0 when every FAIL_TO_PASS and
+Reset opens a session on the run's sandbox (`sandbox=`, the one object built from the config's
+`sandbox` section; built alone, the env makes and owns a `LocalSandbox`). An instance that names a
+Docker `image` gets a session in that image, run as it is, with the repository where the image
+keeps it (`image_repo_dir`, /testbed for SWE-bench, SWE-Gym, SWE-smith and R2E-Gym images) as the
+work dir: `sandbox.session(image=..., workdir=...)`, which the `docker` backend (and a remote one
+backed by it) takes. Otherwise the repository is copied into the session's work dir. Then the
+instance's start-up runs: its `setup_cmd`, its `start_patch` (SWE-smith's bug), its hidden test
+files are removed, and the state is committed with git when git is there (so the final diff is
+the agent's alone). Every shell command of the episode runs after the instance's `env_setup` (e.g.
+activating SWE-bench's conda env). The agent explores and edits with `bash`,
+`str_replace_editor` and `submit`; a turn without a tool call is answered with a reminder.
+
+On `submit`, when one of this env's budgets is spent (turns, approximate tokens of the
+conversation, wall-clock seconds since reset), or when the AgentLoop's own budget ends the episode
+first (`atruncate`), the hidden tests run in the same session on the repository as the agent left
+it (`agentrl.envs.swe_grading`), under a deadline of their own (`test_timeout_s`, plus two minutes
+for copying files in and reading the diff): the reward is 1.0 when every FAIL_TO_PASS and
 PASS_TO_PASS test passes, else 0.0; with `partial_credit` the fraction of FAIL_TO_PASS tests that
 pass, as long as no PASS_TO_PASS test broke. The final step's `info["swe"]` holds every test's
 status and the agent's diff; `info["metrics"]["resolved"]` feeds `agentrl eval`'s resolved rate.
 
-Infrastructure failures (the session died, the sandbox stopped answering, the tests could not
-run through no fault of the agent) raise `SandboxError` from `step` instead of scoring 0: the
-AgentLoop records the episode as fault "infra" and the trainer masks it. The session is closed
-when the episode ends, whatever happened. Instances come from the shipped task set
-(`agentrl.envs.swe_tasks.shipped_tasks`), from `tasks=path.jsonl`, or from dataset rows.
-
-The AgentLoop's own budgets (`rollout.max_turns`, `max_total_tokens`, `episode_timeout_s`, and a
-turn cut by `max_tokens_per_turn`) end an episode without grading it; keep them above this env's
-budgets so the env's budgets end episodes.
+Infrastructure failures (the session died, the sandbox stopped answering, the image is missing,
+grading ran past its deadline, the tests could not run through no fault of the agent) raise
+`SandboxError` instead of scoring 0: the AgentLoop records the episode as fault "infra" and the
+trainer masks it. The session is closed when the episode ends, whatever happened. Instances come
+from the shipped task set (`agentrl.envs.swe_tasks.shipped_tasks`), from `tasks=` (a file in any
+supported format), or from dataset rows.
 """
 
 from __future__ import annotations
 
 import asyncio
+import inspect
 import math
+import shlex
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from agentrl.envs.patches import apply_patch, parse_patch
@@ -35,12 +44,10 @@ from agentrl.envs.swe_grading import grade, pristine_test_files
 from agentrl.envs.swe_tasks import SweTask, load_tasks, row_task, shipped_tasks, tasks_rows
 from agentrl.envs.tool_env import ToolEnv
 from agentrl.errors import ConfigError, SandboxError
-from agentrl.registry import SANDBOXES
 from agentrl.tools.bash import BashTool
 from agentrl.tools.core import ToolContext, tool
 from agentrl.tools.editor import EditorTool
-from agentrl.tools.session import default_sandbox
-from agentrl.types import Action, Message, ToolCall
+from agentrl.types import Action, ExecResult, Message, ToolCall
 
 __all__ = ["SYSTEM_PROMPT", "SweEnv", "approx_tokens", "reference_fix_actions", "submit_changes"]
 
@@ -51,17 +58,27 @@ SYSTEM_PROMPT = (
     "tests, hidden tests will check your fix. When you are done, call `submit`."
 )
 
+# The repository snapshot arrives as a tar on stdin: tar if the sandbox has it, else Python.
 _EXTRACT = (
-    "import io, sys, tarfile\n"
-    "with tarfile.open(fileobj=io.BytesIO(sys.stdin.buffer.read())) as t:\n"
-    "    t.extractall('.', filter='data')\n"
+    "if command -v tar >/dev/null 2>&1; then exec tar -xf - --no-same-owner; fi\n"
+    "py=$(command -v python3 || command -v python) || { echo 'neither tar nor python here' >&2; exit 127; }\n"
+    "exec \"$py\" -c 'import io, sys, tarfile\n"
+    "t = tarfile.open(fileobj=io.BytesIO(sys.stdin.buffer.read()))\n"
+    "t.extractall(\".\")'"
 )
-_GIT_INIT = (
-    "command -v git >/dev/null || exit 0; git init -q . && git add -A && "
-    "git -c user.name=agentrl -c user.email=agentrl@localhost commit -qm 'the repository as given' "
-    "&& git config core.fileMode false"
+# Commit the starting state (a repository of its own when the work dir is not one) and print its tree.
+_SNAPSHOT = (
+    "command -v git >/dev/null 2>&1 || exit 0\n"
+    "g='git -c user.name=agentrl -c user.email=agentrl@localhost -c core.fileMode=false'\n"
+    "if [ \"$(git rev-parse --show-toplevel 2>/dev/null)\" != \"$(pwd -P)\" ]; then git init -q . || exit 1; fi\n"
+    "$g add -A >/dev/null 2>&1 || exit 1\n"
+    "if ! git rev-parse -q --verify HEAD >/dev/null 2>&1 || ! git diff --cached --quiet HEAD; then\n"
+    "  $g commit -q --no-verify -m \"agentrl: the task's starting state\" || exit 1\n"
+    "fi\n"
+    "git rev-parse HEAD^{tree}"
 )
 _MAX_DIFF_CHARS = 20_000
+_GRADING_MARGIN_S = 120.0
 
 
 def approx_tokens(text: str) -> int:
@@ -107,18 +124,60 @@ def reference_fix_actions(task: SweTask) -> list[Action]:
     return [*turns, Action("The fix is in place.", (submit,))]
 
 
+class _SetupShell:
+    """A session whose shell commands first run the instance's `env_setup` (e.g. activating its conda env)."""
+
+    def __init__(self, session: Any, setup: str) -> None:
+        self.session = session
+        self.setup = setup
+
+    async def exec(self, command: str | None = None, *, code: str | None = None, timeout_s: float,
+                   stdin: str | bytes | None = None, files: Mapping[str, str | bytes] | None = None) -> ExecResult:
+        if command is not None:
+            command = f"{self.setup}\n{command}"
+        return await self.session.exec(command, code=code, timeout_s=timeout_s, stdin=stdin, files=files)
+
+    async def read_file(self, path: str) -> bytes:
+        return await self.session.read_file(path)
+
+    async def write_file(self, path: str, data: str | bytes) -> None:
+        await self.session.write_file(path, data)
+
+    async def close(self) -> None:
+        await self.session.close()
+
+    async def is_alive(self) -> bool:
+        return await self.session.is_alive()
+
+    def __getattr__(self, name: str) -> Any:  # container_id, workdir... of the backend's session
+        return getattr(self.session, name)
+
+
+async def apply_patch_in_session(session: Any, patch: str) -> None:
+    """Apply a unified diff to the files of `session`'s work dir (host-side: no `patch` or git needed)."""
+    for fp in parse_patch(patch):
+        old = None
+        if fp.old_path is not None:
+            old = (await session.read_file(fp.old_path)).decode("utf-8", errors="surrogateescape")
+        new = apply_patch(old, fp)
+        if fp.old_path is not None and (new is None or fp.old_path != fp.path):
+            await session.exec(f"rm -f -- {shlex.quote(fp.old_path)}", timeout_s=30)
+        if new is not None:
+            await session.write_file(fp.path, new.encode("utf-8", errors="surrogateescape"))
+
+
 class SweEnv(ToolEnv):
     """A repository, an issue and hidden tests in a sandbox (see the module docstring).
 
     Args:
-        tasks: A JSONL file of instances for `reset` without a row; default the shipped set.
-        sandbox: Backend name (`local`, `docker`) or `package.module:Class`.
-        sandbox_kwargs: Arguments of the backend; an instance's `image` is passed to `docker` as `image`.
+        tasks: Instances for `reset` without a row (any supported file format); default the shipped set.
+        sandbox: The sandbox to open sessions on: the run's, built from the config's `sandbox` section
+            and closed by the run. None: the env makes a `LocalSandbox` of its own and closes it.
         max_turns: Assistant turns before the episode is graded as it stands.
         max_tokens: Approximate tokens (`count_tokens`) of assistant turns and tool output before grading.
         max_wall_s: Seconds since reset before grading.
         partial_credit: Reward the fraction of FAIL_TO_PASS tests that pass (0 if a PASS_TO_PASS broke).
-        test_timeout_s: Deadline of the whole hidden-test run.
+        test_timeout_s: Deadline of the hidden-test run; grading as a whole gets two minutes more.
         per_test_timeout_s: Deadline of one test (agentrl's runner); past it the test fails.
         exec_timeout_s: Deadline of one `bash` command of the agent.
         tool_timeout_s: Deadline of one tool call, sandbox overhead included (an infra error past it).
@@ -139,8 +198,7 @@ class SweEnv(ToolEnv):
         self,
         *,
         tasks: str | None = None,
-        sandbox: str = "local",
-        sandbox_kwargs: dict[str, Any] | None = None,
+        sandbox: Any = None,
         max_turns: int = 30,
         max_tokens: int | None = None,
         max_wall_s: float | None = None,
@@ -152,6 +210,11 @@ class SweEnv(ToolEnv):
         max_output_chars: int = 8000,
         count_tokens: Callable[[str], int] | None = None,
     ) -> None:
+        if isinstance(sandbox, str):
+            raise ConfigError(
+                f"SweEnv takes the run's sandbox object, not a backend name ({sandbox!r}): set the config's "
+                f"`sandbox.name={sandbox}` (and `sandbox.kwargs`), not `env.kwargs.sandbox`."
+            )
         if exec_timeout_s >= tool_timeout_s:
             raise ValueError(
                 f"exec_timeout_s ({exec_timeout_s:g}) must be below tool_timeout_s ({tool_timeout_s:g}), so a slow "
@@ -162,19 +225,16 @@ class SweEnv(ToolEnv):
                 raise ValueError(f"{name} must be positive (or None for no limit), got {value!r}.")
         tools = [BashTool(exec_timeout_s=exec_timeout_s, max_output_chars=max_output_chars),
                  EditorTool(max_output_chars=max_output_chars), submit_changes]
-        super().__init__(tools, max_turns=max_turns, tool_timeout_s=tool_timeout_s)
+        super().__init__(tools, max_turns=max_turns, tool_timeout_s=tool_timeout_s, sandbox=sandbox)
         self.tasks_path = tasks
         self._tasks: tuple[SweTask, ...] | None = None
-        self.sandbox_name = sandbox
-        self.sandbox_kwargs = dict(sandbox_kwargs or {})
-        SANDBOXES.resolve(sandbox)  # an unknown backend fails here, in the config's words
+        self._own_sandbox: Any = None
         self.max_tokens = max_tokens
         self.max_wall_s = max_wall_s
         self.partial_credit = partial_credit
         self.test_timeout_s = test_timeout_s
         self.per_test_timeout_s = per_test_timeout_s
         self.count_tokens = count_tokens or approx_tokens
-        self._owned: dict[str | None, Any] = {}
         self._started = 0.0
         self._tokens = 0
 
@@ -210,46 +270,75 @@ class SweEnv(ToolEnv):
         ]
 
     # ── sandbox session per episode ─────────────────────────────────────────────────────────
-    def _backend(self, task: SweTask) -> Any:
-        if task.image and self.sandbox_name != "docker":
+    def _backend(self) -> Any:
+        if self.sandbox is not None:
+            return self.sandbox
+        if self._own_sandbox is None:
+            from agentrl.sandboxes.local import LocalSandbox
+
+            self._own_sandbox = LocalSandbox()
+        return self._own_sandbox
+
+    async def _open_session(self, task: SweTask) -> Any:
+        backend = self._backend()
+        if not task.image:
+            return await backend.session()
+        if "image" not in inspect.signature(backend.session).parameters:
             raise ConfigError(
-                f"Instance {task.instance_id} runs in the Docker image {task.image!r}; "
-                "set env.kwargs.sandbox=docker (or drop 'image' from the instance to use a local directory)."
+                f"Instance {task.instance_id} runs in the Docker image {task.image!r}, but the "
+                f"{type(backend).__name__} sandbox cannot run images: run with sandbox=docker (sandbox.name)."
             )
-        if self.sandbox_name == "local" and not self.sandbox_kwargs:
-            return default_sandbox()  # shared by the event loop, closed by whoever owns the loop
-        if task.image not in self._owned:
-            kwargs = dict(self.sandbox_kwargs)
-            if task.image:
-                kwargs["image"] = task.image
-            self._owned[task.image] = SANDBOXES.resolve(self.sandbox_name)(**kwargs)
-        return self._owned[task.image]
+        return await backend.session(image=task.image, workdir=task.image_repo_dir)
 
     async def create_context(self, episode_id: str, row: dict[str, Any]) -> ToolContext:
         task = row_task(row)
-        session = await self._backend(task).session()
+        raw = await self._open_session(task)
+        session = _SetupShell(raw, task.env_setup) if task.env_setup else raw
         try:
             await self._populate(session, task)
+            await self._start_state(session, task)
             pristine = await pristine_test_files(session, task)
+            for path in task.hidden_files:
+                await session.exec(f"rm -f -- {shlex.quote(path)}", timeout_s=30)
+            base = await self._run(session, _SNAPSHOT, task, "git could not snapshot the repository", 300)
         except BaseException:
             await session.close()
             raise
         self._started, self._tokens = time.monotonic(), 0
         return ToolContext(episode_id=episode_id, sandbox=session,
-                           state={"swe_task": task, "swe_pristine": pristine})
+                           state={"swe_task": task, "swe_pristine": pristine, "swe_base": base.strip()})
+
+    async def _run(self, session: Any, command: str, task: SweTask, what: str, timeout_s: float,
+                   stdin: bytes | None = None) -> str:
+        res = await session.exec(command, stdin=stdin, timeout_s=timeout_s)
+        if not res.ok:
+            detail = (res.stderr or res.stdout or res.killed_reason or f"exit code {res.exit_code}").strip()[-500:]
+            raise SandboxError(f"{what} for {task.instance_id}: {detail}")
+        return res.stdout
 
     async def _populate(self, session: Any, task: SweTask) -> None:
         archive = await asyncio.to_thread(task.repo_archive)
         if archive is not None:
-            res = await session.exec(code=_EXTRACT, stdin=archive, timeout_s=120)
-        else:
-            res = await session.exec(f"cp -a {task.image_repo_dir}/. .", timeout_s=300)
-        if not res.ok:
-            raise SandboxError(f"Could not copy the repository of {task.instance_id} into the sandbox: "
-                               f"{(res.stderr or res.killed_reason or '').strip()[-500:]}")
-        res = await session.exec(_GIT_INIT, timeout_s=120)
-        if not res.ok:
-            raise SandboxError(f"git could not snapshot the repository of {task.instance_id}: {res.stderr.strip()[-500:]}")
+            await self._run(session, _EXTRACT, task, "Could not copy the repository into the sandbox", 120, archive)
+        elif task.image_repo_dir:  # the image's repository: in place when it is the work dir, else copied
+            repo = shlex.quote(task.image_repo_dir)
+            await self._run(session, f'[ "$(pwd -P)" = "$(cd {repo} && pwd -P)" ] || cp -a {repo}/. .', task,
+                            "Could not copy the repository into the work dir", 300)
+
+    async def _start_state(self, session: Any, task: SweTask) -> None:
+        if task.setup_cmd:
+            await self._run(session, task.setup_cmd, task, "The instance's setup_cmd failed", 300)
+        if task.start_patch:
+            try:
+                await apply_patch_in_session(session, task.start_patch)
+            except (OSError, ValueError) as exc:  # PatchError is a ValueError too: the image is not the one expected
+                raise SandboxError(f"The start_patch of {task.instance_id} does not apply to its image: {exc}") from exc
+
+    async def apply_patch(self, patch: str) -> None:
+        """Apply a unified diff to the open episode's repository, as an agent's edits would (`--check` does)."""
+        if self._ctx is None:
+            raise ConfigError("SweEnv.apply_patch needs an open episode: call reset first.")
+        await apply_patch_in_session(self._ctx.sandbox, patch)
 
     async def release_context(self, ctx: ToolContext) -> None:
         if ctx.sandbox is not None:
@@ -264,12 +353,30 @@ class SweEnv(ToolEnv):
             return "max_wall_s"
         return None
 
+    @property
+    def grading_timeout_s(self) -> float:
+        """The deadline of grading as a whole: the test run's plus a margin for copying files and the diff."""
+        return self.test_timeout_s + _GRADING_MARGIN_S
+
     async def ascore(self, final_text: str, row: dict[str, Any], ctx: ToolContext) -> float:
         task: SweTask = ctx.state["swe_task"]
+        try:
+            async with asyncio.timeout(self.grading_timeout_s):
+                return await self._grade(task, ctx)
+        except TimeoutError:
+            raise SandboxError(
+                f"Grading {task.instance_id} did not finish within {self.grading_timeout_s:g} s; the episode is not "
+                "scored. Raise test_timeout_s if its tests are slow."
+            ) from None
+
+    async def _grade(self, task: SweTask, ctx: ToolContext) -> float:
         session = ctx.sandbox
         diff = ""
+        base = ctx.state.get("swe_base") or "HEAD"
         try:
-            res = await session.exec("git diff 2>/dev/null", timeout_s=60)
+            res = await session.exec(
+                "command -v git >/dev/null 2>&1 || exit 0; git -c core.fileMode=false add -A >/dev/null 2>&1; "
+                f"git diff --cached --no-color {shlex.quote(base)} 2>/dev/null", timeout_s=60)
             diff = res.stdout[:_MAX_DIFF_CHARS] if res.ok else ""
         except SandboxError:
             pass  # grade() below finds the dead session and reports it as an infra failure
@@ -283,6 +390,6 @@ class SweEnv(ToolEnv):
 
     async def aclose(self) -> None:
         await super().aclose()
-        owned, self._owned = self._owned, {}
-        for backend in owned.values():
-            await backend.close()
+        own, self._own_sandbox = self._own_sandbox, None
+        if own is not None:
+            await own.close()

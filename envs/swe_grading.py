@@ -1,12 +1,14 @@
 """Grading a SWE episode: hidden tests copied into the agent's sandbox session, run, and judged.
 
 `grade` is called once per episode, when the agent submits or its budget is spent. It restores
-every file the instance's `test_patch` touches to its pristine content (read at reset, so edits
-the agent made to those tests do not count), applies the patch on the host, writes the results
-into the session, and runs the tests there: with agentrl's own runner (`RUNNER`, a small script
-that imports each test file and calls each test function or unittest method under a per-test
-alarm, so a hanging test fails alone) or with the instance's `test_cmd`, whose pytest `-rA` log is
-parsed. A test that does not report PASSED fails.
+every file the instance's `test_patch` touches, and every test file hidden from the agent, to its
+pristine content (read at reset, so edits the agent made to those tests do not count), applies
+the patch on the host, writes the results into the session, and runs the tests there: with
+agentrl's own runner (`RUNNER`, a small script for any Python from 3.6 on that imports each test
+file and calls each test function or unittest method under a per-test alarm, so a hanging test
+fails alone) or with the instance's `test_cmd`, whose log is read by the instance's `log_parser`
+(`LOG_PARSERS`: pytest `-rA`/`-v`, unittest and Django's runner at `--verbosity 2`, sympy's
+`bin/test`, R2E-Gym's test names). A test that does not report PASSED fails.
 
 Whose fault: the agent's code failing, hanging past its per-test limit, crashing the runner or
 filling the disk is a failed test (reward 0). The session dying, the sandbox not answering, the
@@ -32,7 +34,8 @@ from agentrl.envs.patches import apply_patch, parse_patch
 from agentrl.envs.swe_tasks import SweTask
 from agentrl.errors import SandboxError
 
-__all__ = ["RUNNER", "Grade", "grade", "parse_pytest_log", "pristine_test_files"]
+__all__ = ["LOG_PARSERS", "RUNNER", "Grade", "grade", "parse_django_log", "parse_pytest_log", "parse_r2e_log",
+           "parse_sympy_log", "pristine_test_files"]
 
 PASSED = "PASSED"
 
@@ -104,6 +107,8 @@ with open(cfg["out"], "w") as out:
         out.flush()
 '''
 
+_RUN_RUNNER = ('py=$(command -v python3 || command -v python) || {{ echo "no python3 or python on PATH" >&2; exit 127; }}; '
+               'exec "$py" -B {runner}')
 _PYTEST_LINE = re.compile(r"^(PASSED|FAILED|ERROR|XFAIL|XPASS|SKIPPED)\s+(\S+::\S+)")
 _PYTEST_VERBOSE = re.compile(r"^(\S+::\S+)\s+(PASSED|FAILED|ERROR|XFAIL|XPASS|SKIPPED)\b")
 
@@ -126,10 +131,13 @@ class Grade:
         return asdict(self)
 
 
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
 def parse_pytest_log(log: str) -> dict[str, str]:
     """Test id -> status from pytest output (`-rA` summary lines or `-v` lines)."""
     statuses: dict[str, str] = {}
-    for line in log.splitlines():
+    for line in _ANSI.sub("", log).splitlines():
         m = _PYTEST_LINE.match(line.strip())
         if m:
             statuses[m.group(2)] = m.group(1)
@@ -140,17 +148,86 @@ def parse_pytest_log(log: str) -> dict[str, str]:
     return {k: (PASSED if v == "XFAIL" else v) for k, v in statuses.items()}
 
 
+def parse_django_log(log: str) -> dict[str, str]:
+    """Test id -> status from unittest `-v` / Django `runtests.py --verbosity 2` output.
+
+    Ids as SWE-bench writes them: `test_name (module.Class)` (or `(module.Class.test_name)` from
+    Python 3.11 on). A test whose "... ok" lands on a later line (it printed in between) passes.
+    """
+    verdicts = {"ok": PASSED, "OK": PASSED, "FAIL": "FAILED", "ERROR": "ERROR", "expected failure": PASSED,
+                "unexpected success": "FAILED"}
+    statuses: dict[str, str] = {}
+    pending = None
+    for raw in _ANSI.sub("", log).splitlines():
+        line = raw.strip()
+        if " ... " in line:
+            pending = line.split(" ... ", 1)[0]
+            name, verdict = line.rsplit(" ... ", 1)
+            verdict = verdict.strip()
+            if verdict in verdicts:
+                statuses[name] = verdicts[verdict]
+            elif verdict.startswith("skipped"):
+                statuses[pending] = "SKIPPED"
+        elif line.startswith(("FAIL: ", "ERROR: ")):
+            statuses[line.split(": ", 1)[1].strip()] = "FAILED" if line.startswith("FAIL") else "ERROR"
+        elif line == "ok" and pending is not None:
+            statuses[pending] = PASSED  # the test printed something between "..." and "ok"
+    return statuses
+
+
+def parse_sympy_log(log: str) -> dict[str, str]:
+    """Test name -> status from sympy's `bin/test --verbose` output (`test_name ok`, `E`, `F`)."""
+    statuses: dict[str, str] = {}
+    for m in re.finditer(r"(_*) (.*)\.py:(.*) (_*)", log):
+        statuses[f"{m.group(2)}.py:{m.group(3)}"] = "FAILED"
+    for raw in _ANSI.sub("", log).splitlines():
+        line = raw.strip()
+        if not line.startswith("test_"):
+            continue
+        name = line.split()[0]
+        if line.endswith(" ok"):
+            statuses[name] = PASSED
+        elif line.endswith(" E"):
+            statuses[name] = "ERROR"
+        elif line.endswith(" F"):
+            statuses[name] = "FAILED"
+    return statuses
+
+
+def parse_r2e_log(log: str) -> dict[str, str]:
+    """R2E-Gym's test names (`Class.test` or `test`, no file) -> status, from a pytest `-rA` summary."""
+    text = _ANSI.sub("", log)
+    if "short test summary info" not in text:
+        return {}
+    statuses: dict[str, str] = {}
+    for line in text.split("short test summary info", 1)[1].splitlines():
+        for status in ("PASSED", "FAILED", "ERROR"):
+            if line.startswith(status + " ") and "::" in line:
+                name = ".".join(line.split(None, 1)[1].split("::")[1:]).split(" - ")[0].strip()
+                statuses[name] = status
+                break
+    return statuses
+
+
+LOG_PARSERS = {
+    "pytest": parse_pytest_log,
+    "unittest": parse_django_log,
+    "django": parse_django_log,
+    "sympy": parse_sympy_log,
+    "r2e": parse_r2e_log,
+}
+"""Test-log parsers by the name an instance's `log_parser` gives."""
+
+
 async def pristine_test_files(session: Any, task: SweTask) -> dict[str, str | None]:
     """The content of every file the test patch touches, as it is now (None: absent). Call at reset."""
     out: dict[str, str | None] = {}
-    if not task.test_patch:
-        return out
-    for fp in parse_patch(task.test_patch):
-        path = fp.old_path or fp.path
+    paths = [(fp.path, fp.old_path or fp.path) for fp in parse_patch(task.test_patch)] if task.test_patch else []
+    for target, source in [*paths, *((p, p) for p in task.hidden_files)]:
         try:
-            out[fp.path] = (await session.read_file(path)).decode("utf-8", errors="surrogateescape")
+            out[target] = (await session.read_file(source)).decode("utf-8", errors="surrogateescape")
         except FileNotFoundError:
-            out[fp.path] = None
+            out[target] = None
     return out
 
 
@@ -188,7 +265,7 @@ async def grade(
     """Run `task`'s hidden tests in `session` and judge them (see the module docstring)."""
     if not await session.is_alive():
         raise SandboxError(f"The sandbox session of {task.instance_id} died before grading; the episode is not scored.")
-    writes: list[tuple[str, str | None]] = []
+    writes: list[tuple[str, str | None]] = [(p, pristine.get(p)) for p in task.hidden_files if pristine.get(p) is not None]
     if task.test_patch:
         for fp in parse_patch(task.test_patch):
             writes.append((fp.path, apply_patch(pristine.get(fp.path), fp)))
@@ -215,10 +292,12 @@ async def grade(
         if result.timed_out and not await _answers(session):
             raise SandboxError(f"The sandbox stopped answering while the tests of {task.instance_id} ran.")
         note = f"the test command ran past {timeout_s:g} s" if result.timed_out else ""
-        return _verdict(task, parse_pytest_log(result.stdout + "\n" + result.stderr), partial_credit, note)
+        parse = LOG_PARSERS[task.log_parser or "pytest"]
+        return _verdict(task, parse(result.stdout + "\n" + result.stderr), partial_credit, note)
 
     config = {"tests": list(task.tests), "out": results, "per_test_timeout_s": per_test_timeout_s}
-    result = await session.exec(f"exec python -B {runner}", stdin=json.dumps(config), timeout_s=timeout_s)
+    result = await session.exec(_RUN_RUNNER.format(runner=shlex.quote(runner)), stdin=json.dumps(config),
+                                timeout_s=timeout_s)
     if result.timed_out:
         if not await _answers(session):
             raise SandboxError(f"The sandbox stopped answering while the tests of {task.instance_id} ran.")
@@ -243,7 +322,7 @@ async def grade(
     if not statuses and result.exit_code in (126, 127):
         raise SandboxError(
             f"The test runner could not start in the sandbox (exit {result.exit_code}): "
-            f"{result.stderr.strip()[-300:]!r}. The sandbox needs a `python` on PATH."
+            f"{result.stderr.strip()[-300:]!r}. The sandbox needs a `python3` or `python` on PATH."
         )
     note = ""
     if len(statuses) < len(task.tests):

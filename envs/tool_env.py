@@ -5,15 +5,22 @@ which tools the agent may call (`tools`), and how the final answer is scored (`s
 does the rest natively in async: per-episode tool lifecycle (create on reset, release when the
 episode ends or the env closes, always), running the calls of one turn concurrently with a deadline
 each, turning unknown tools, bad arguments and malformed calls into tool messages the model can
-learn from, and counting them by fault class in `info["metrics"]`.
+learn from, and counting them by fault class in `info["metrics"]`. A call that fails for
+infrastructure reasons (no sandbox, a sandbox process that died, the tool deadline) ends the
+episode with `ToolInfrastructureError`, which the AgentLoop records as `fault="infra"`: such an
+episode is masked and requeued, never scored. Tools run in `sandbox`, the run's sandbox (built
+once from `config.sandbox` and passed to the constructor; the env never closes it); an env built
+without one lets each episode make its own (`agentrl.tools.session`).
 
 An episode terminates when the assistant answers without calling a tool (or a tool sets
 `ctx.state["done"]`), and is truncated after `max_turns` assistant turns (reward 0). Subclasses
 whose episodes are judged by work done rather than by a final answer (SWE) may instead answer a
 turn without tool calls with a reminder (`end_without_tool_call = False`), add budgets of their own
 (`budget_exceeded`), score truncated episodes too (`score_truncated = True`) and score
-asynchronously while the episode's tools and sandbox are still alive (`ascore`). It does not
-tokenise anything or sample from a model; the AgentLoop does.
+asynchronously while the episode's tools and sandbox are still alive (`ascore`). When a budget of
+the AgentLoop ends an episode first, `atruncate` ends it the same way (scored when
+`score_truncated`, with `info["truncated_by"]` naming the budget). It does not tokenise anything
+or sample from a model; the AgentLoop does.
 """
 
 from __future__ import annotations
@@ -27,8 +34,9 @@ from typing import Any, ClassVar
 import gymnasium
 
 from agentrl.envs.core import Env
-from agentrl.errors import EnvError
+from agentrl.errors import EnvError, ToolInfrastructureError
 from agentrl.tools.core import Tool, ToolContext
+from agentrl.tools.session import release_episode_resources
 from agentrl.types import Action, Message, ToolCall, ToolResult
 
 __all__ = ["ToolEnv"]
@@ -54,6 +62,7 @@ class ToolEnv(Env):
         *,
         max_turns: int = 8,
         tool_timeout_s: float = 30.0,
+        sandbox: Any | None = None,
     ) -> None:
         if max_turns < 1:
             raise ValueError(f"max_turns must be >= 1, got {max_turns}")
@@ -64,6 +73,7 @@ class ToolEnv(Env):
         self.tools: dict[str, Tool] = {t.tool_name: t for t in tools}
         self.max_turns = max_turns
         self.tool_timeout_s = tool_timeout_s
+        self.sandbox = sandbox
         self._ctx: ToolContext | None = None
         self._row: dict[str, Any] | None = None
         self._turn = 0
@@ -108,8 +118,8 @@ class ToolEnv(Env):
         return None
 
     async def create_context(self, episode_id: str, row: dict[str, Any]) -> ToolContext:
-        """The per-episode tool context; override to attach a sandbox session."""
-        return ToolContext(episode_id=episode_id)
+        """The per-episode tool context: the env's sandbox (the run's); override to attach a session."""
+        return ToolContext(episode_id=episode_id, sandbox=self.sandbox)
 
     async def release_context(self, ctx: ToolContext) -> None:
         """Free what `create_context` made (after every tool's `release`)."""
@@ -174,6 +184,16 @@ class ToolEnv(Env):
             if r.fault:
                 self._metrics[f"tool_errors_{r.fault}"] += 1
             messages.append(r.to_message())
+        infra = [r for r in results if r.fault == "infra"]
+        if infra:
+            # The tool could not run (no sandbox, a dead sandbox process, a deadline passed): what
+            # the model would see next is not its doing, so the episode ends here and the AgentLoop
+            # records it as an infrastructure failure (masked, never scored).
+            await self._end_episode()
+            self._done = True
+            raise ToolInfrastructureError(
+                f"tool '{infra[0].tool_name or '?'}' failed for infrastructure reasons: {infra[0].content}"
+            )
 
         reward = 0.0
         called = bool(action.tool_calls or action.parse_errors)
@@ -199,6 +219,24 @@ class ToolEnv(Env):
                 self._done = True
         return messages, reward, terminated, truncated, info
 
+    async def atruncate(self, reason: str) -> tuple[float, dict[str, Any]]:
+        """End an episode the AgentLoop's budget cut short: scored like an env truncation (see `Env`)."""
+        ctx, row = self._ctx, self._row
+        if ctx is None or row is None or self._done:
+            return 0.0, {}
+        info: dict[str, Any] = {"metrics": dict(self._metrics), "turn": self._turn, "truncated_by": reason}
+        reward = 0.0
+        try:
+            if self.score_truncated:
+                reward = float(await self.ascore("", row, ctx))
+                extra = dict(ctx.state.get("score_info") or {})
+                info["metrics"].update(extra.pop("metrics", {}))
+                info.update(extra)
+        finally:
+            await self._end_episode()
+            self._done = True
+        return reward, info
+
     async def aclose(self) -> None:
         await self._end_episode()
 
@@ -220,6 +258,7 @@ class ToolEnv(Env):
         for t in self.tools.values():
             await _quietly(t.release(ctx))
         await _quietly(self.release_context(ctx))
+        await _quietly(release_episode_resources(ctx))
 
 
 async def _quietly(coro: Any) -> None:

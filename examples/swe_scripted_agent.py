@@ -19,7 +19,7 @@ import sys
 
 from agentrl.envs.swe import SweEnv, reference_fix_actions
 from agentrl.envs.swe_tasks import shipped_tasks, task_row
-from agentrl.tools.session import close_default_sandbox
+from agentrl.registry import SANDBOXES
 from agentrl.types import Action, ToolCall
 
 DO_NOTHING = [Action("I could not find the problem.", (ToolCall("submit", {"summary": "no change"}, id="c0"),))]
@@ -37,7 +37,8 @@ async def play(env: SweEnv, row: dict, actions: list[Action]) -> tuple[float, di
 
 async def main(sandbox: str, limit: int | None) -> int:
     tasks = list(shipped_tasks())[:limit]
-    env = SweEnv(sandbox=sandbox)
+    backend = SANDBOXES.resolve(sandbox)()  # one sandbox for every episode, as `agentrl run` builds it
+    env = SweEnv(sandbox=backend)
     resolved = {"reference fix": 0, "do nothing": 0}
     try:
         for task in tasks:
@@ -53,7 +54,7 @@ async def main(sandbox: str, limit: int | None) -> int:
                   f"do-nothing: reward {idle:.1f}")
     finally:
         await env.aclose()
-        await close_default_sandbox()
+        await backend.close()
     n = len(tasks)
     for agent, count in resolved.items():
         print(f"{agent} agent: resolved {count}/{n} (rate {count / n:.2f})")

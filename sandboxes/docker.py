@@ -1,27 +1,47 @@
-"""`DockerSandbox`: run model-written code in Docker containers, one per session, from a warm pool.
+"""`DockerSandbox`: run model-written code in Docker containers, one per session, from warm pools.
 
-Each container starts from a tiny local image (`agentrl-sandbox:base`, imported from a tarball
-of empty directories on first use: nothing is pulled) with the host's /usr, the interpreter's
-prefix and a few /etc files bind-mounted read-only, a read-only root, tmpfs `/workspace` and
-`/tmp`, no network (`network_mode="none"`), no capabilities, `no-new-privileges`, Docker's
-default seccomp profile, and cgroup limits on memory (swap included), CPUs and processes. Jobs run
-as an unprivileged uid via `docker exec`; the container's init is a root `sleep` that jobs cannot
-signal (tini, as PID 1, reaps orphans). After every job, the job's processes are killed from the
-host through the container's cgroup; a pooled container is also wiped, and `close` removes the
-container with everything in it. The daemon must run on this machine for that kill.
+Two kinds of image:
 
-Threats covered: the same list as `agentrl.sandboxes.local` (network, host files, host
-environment, fork and memory bombs, runaway CPU and sleeps, output floods, sandboxes seeing each
-other, leftovers), plus a seccomp filter on system calls. Not covered: kernel exploits that
-survive Docker's seccomp profile (a VM is the answer there), and side channels. Each job costs two
-`docker exec` calls (tens of milliseconds), so this backend suits sessions (SWE-style tasks)
-better than thousands of short snippets; use `LocalSandbox` for those.
+- **An image of your own** (`image=`, or `session(image=...)`: a SWE-bench, SWE-Gym, SWE-smith or
+  R2E-Gym instance image, any Debian, Alpine or distroless-with-a-shell image) runs **as it is**:
+  its own /usr, Python (or none), packages and repository. Nothing of the host is mounted into
+  it. Everything agentrl does inside needs only `/bin/sh` and coreutils (`cat`, `readlink`,
+  `dirname`, `mkdir`, `rm`, `sleep`): commands run through `docker exec` (bash when the image has
+  it, else sh), file reads and writes go through `cat` with the path checked by `readlink -f`,
+  Python code runs with the image's `python3`/`python`. A session's work dir is the image's
+  repository (`workdir=`, e.g. /testbed) on the container's writable layer, so editable installs
+  and absolute paths of the image keep working; one-shot `exec` containers get a read-only root
+  and a tmpfs work dir, wiped between jobs.
+- **The host's userland** (no `image`): a tiny local image (`agentrl-sandbox:base`, imported from
+  a tarball of empty directories on first use) with the host's /usr, interpreter prefix and a few
+  /etc files bind-mounted read-only, a read-only root and a tmpfs `/workspace`, so code runs with
+  the host's Python and packages (what the `retool` env's Python tool wants).
 
-`image=` runs the containers from an image of your own instead, for example a SWE task's image
-with the repository at /testbed or data files next to it. It must already be on the daemon (build
-it `FROM agentrl-sandbox:base`; `ensure_base_image` makes that one); the host's /usr, interpreter
-and /etc files are still bind-mounted over it, so it adds files but does not change the toolchain.
+Every container has no network (`network_mode="none"`, loopback only), no capabilities (root in
+the container cannot chown others' files, bypass permissions, trace or signal other users'
+processes), `no-new-privileges`, Docker's default seccomp profile, and cgroup limits on memory
+(swap included), CPUs and processes; jobs also get RLIMIT_CPU, a core size of 0 and a file-size
+limit of about 64 MiB. Jobs run as the image's user (root for SWE images; uid 1000 on the host
+userland). The container's init (Docker's tini) and its `sleep` run as uid 65534, which jobs
+cannot signal or trace, so a job cannot stop its own container. After every job the job's
+processes are killed (from the host through the container's cgroup, or with `kill -9 -1` as the
+job's user when the daemon is remote), and `close` removes the container with its writable layer.
+Containers are labelled with their owner and removed by a watchdog when the owning process dies,
+even by SIGKILL, and by a reaper at the next start (`agentrl.sandboxes.docker_reaper`).
 
+Threats covered: network egress, host files and host environment (the host's files are absent,
+or read-only and limited to /usr, the interpreter and a few /etc files on the host userland),
+fork and memory bombs, runaway CPU and sleeps, output floods, sandboxes seeing each other's files
+and processes, leftovers. Not covered: kernel exploits that survive Docker's seccomp profile (a
+VM is the answer there), side channels, and disk: a session's writable layer is not size-limited
+(overlay2 quotas need xfs), only single files are; `/tmp` and one-shot work dirs are tmpfs sized
+like the memory limit. Jobs of a session run as the image's user and may change anything of the
+container's own image (that is the point of a SWE task); file access through `read_file` and
+`write_file` is confined to the work dir, shell commands are not.
+
+Each job costs two or three `docker exec` calls (tens of milliseconds) and a container start is
+about half a second, so this backend suits sessions (SWE-style tasks); the pool keeps `pool_size`
+started containers per image and work dir ready (sharing the image's layers, nothing is copied).
 The `docker` package is imported only when a DockerSandbox is made; without it, or without a
 daemon, `SandboxUnavailableError` says what to install or start.
 """
@@ -30,10 +50,8 @@ from __future__ import annotations
 
 import asyncio
 import atexit
-import base64
 import contextlib
 import io
-import json
 import logging
 import os
 import posixpath
@@ -42,75 +60,80 @@ import struct
 import tarfile
 import threading
 import time
+import uuid
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from agentrl.errors import SandboxClosedError, SandboxError, SandboxUnavailableError
 from agentrl.sandboxes.bwrap import sandbox_python
+from agentrl.sandboxes.docker_reaper import owner_labels, reap_orphans, start_watchdog
 from agentrl.types import ExecResult
 
-__all__ = ["DockerSandbox", "DockerSession"]
+__all__ = ["IMAGE", "DockerSandbox", "DockerSession"]
 
 _log = logging.getLogger(__name__)
 IMAGE = "agentrl-sandbox:base"
+"""The host-userland image (see the module docstring)."""
 WORKDIR = "/workspace"
 JOB_UID = 1000
+KEEPER_UID = 65534
 _ETC = ("ld.so.cache", "ld.so.conf", "ld.so.conf.d", "alternatives", "localtime", "nsswitch.conf",
         "hosts", "protocols", "services", "mime.types", "ssl/certs")
-_HEADER = struct.Struct(">I")
+_FSIZE_BLOCKS = 131072  # ulimit -f counts 512- or 1024-byte blocks depending on the shell: 64-128 MiB
+_INLINE_CODE = 100_000  # longer programs go through a file: one argv string is capped at 128 KiB
+_reaped = False
 
-# Runs inside the container as the job's uid: reads a header and the job's files from stdin, then
-# becomes the job (whose stdin is the rest of the stream), or serves one file read or write.
-_BOOT = r"""
-import json, os, resource, struct, sys, base64
-def read(n):
-    out = b""
-    while len(out) < n:
-        chunk = os.read(0, n - len(out))
-        if not chunk:
-            break
-        out += chunk
-    return out
-hdr = json.loads(read(struct.unpack(">I", read(4))[0]))
-root = os.path.realpath(hdr["workdir"])
-def confined(p):
-    full = os.path.realpath(os.path.join(root, p))
-    if full != root and not full.startswith(root + os.sep):
-        sys.stderr.write("PermissionError: %s is outside the work dir\n" % p); os._exit(13)
-    return full
-os.chdir(root)
-for rel, data in hdr.get("files", {}).items():
-    path = confined(rel); os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(path, "wb") as f:
-        f.write(base64.b64decode(data))
-if hdr["op"] == "read":
-    path = confined(hdr["path"])
-    if not os.path.isfile(path):
-        sys.stderr.write("FileNotFoundError: %s\n" % hdr["path"]); os._exit(2)
-    with open(path, "rb") as f:
-        sys.stdout.buffer.write(f.read())
-    sys.stdout.flush()
-    os._exit(0)
-if hdr["op"] == "write":
-    path = confined(hdr["path"]); os.makedirs(os.path.dirname(path), exist_ok=True)
-    path = confined(hdr["path"])
-    with open(path, "wb") as f:
-        while True:
-            chunk = os.read(0, 65536)
-            if not chunk:
-                break
-            f.write(chunk)
-    os._exit(0)
-for name, (soft, hard) in hdr["rlimits"].items():
-    resource.setrlimit(getattr(resource, name), (soft, hard))
-prog = hdr["program"]
-if hdr["kind"] == "shell":
-    os.execve("/bin/bash", ["bash", "-c", prog], hdr["env"])
-if len(prog) > 100000:
-    with open("/tmp/.agentrl_job.py", "w") as f:
-        f.write(prog)
-    os.execve(hdr["python"], [hdr["python"], "/tmp/.agentrl_job.py"], hdr["env"])
-os.execve(hdr["python"], [hdr["python"], "-c", prog], hdr["env"])
+# Runs a job: $1 kind (shell | python | pyfile), $2 CPU seconds, $3 file-size blocks, $4 program,
+# $5 interpreter (empty: the image's python3 or python). Only POSIX sh features.
+_RUN = r"""
+ulimit -c 0 2>/dev/null; ulimit -t "$2" 2>/dev/null; ulimit -f "$3" 2>/dev/null
+case "$1" in
+shell)
+  if command -v bash >/dev/null 2>&1; then exec bash -c "$4"; fi
+  exec sh -c "$4" ;;
+*)
+  py="$5"
+  if [ -z "$py" ]; then
+    py=$(command -v python3 2>/dev/null || command -v python 2>/dev/null) || {
+      echo "agentrl: this image has no python3 or python on PATH" >&2; exit 127; }
+  fi
+  if [ "$1" = pyfile ]; then exec "$py" "$4"; fi
+  exec "$py" -c "$4" ;;
+esac
+"""
+# $1 the work dir, $2 a relative path. Exit 2: missing or not a file; 13: outside the work dir.
+_READ = r"""
+root=$(readlink -f -- "$1") || exit 70
+p="$root/$2"
+[ -e "$p" ] || { echo "No such file: $2" >&2; exit 2; }
+f=$(readlink -f -- "$p") || exit 2
+case "$f" in "$root"/*) ;; *) echo "$2 resolves outside the work dir" >&2; exit 13 ;; esac
+[ -f "$f" ] || { echo "$2 is not a regular file" >&2; exit 2; }
+exec cat -- "$f"
+"""
+# $1 the work dir, $2 a relative path; the content is stdin. Exit 13: outside; 21: a directory.
+_WRITE = r"""
+root=$(readlink -f -- "$1") || exit 70
+p="$root/$2"
+d=$(dirname -- "$p")
+e="$d"
+while [ ! -e "$e" ] && [ ! -L "$e" ]; do e=$(dirname -- "$e"); done
+r=$(readlink -f -- "$e") || { echo "$2 resolves outside the work dir" >&2; exit 13; }
+case "$r/" in "$root"/*) ;; *) echo "$2 resolves outside the work dir" >&2; exit 13 ;; esac
+mkdir -p -- "$d" || exit 1
+if [ -e "$p" ] || [ -L "$p" ]; then
+  f=$(readlink -f -- "$p") || { echo "$2 resolves outside the work dir" >&2; exit 13; }
+  case "$f" in "$root"/*) ;; *) echo "$2 resolves outside the work dir" >&2; exit 13 ;; esac
+  [ -d "$f" ] && { echo "$2 is a directory" >&2; exit 21; }
+  p="$f"
+fi
+exec cat > "$p"
+"""
+# Empties the given directories (a pooled one-shot container between jobs).
+_WIPE = r"""
+for d in "$@"; do rm -rf -- "$d"/* "$d"/.[!.]* "$d"/..?* 2>/dev/null; done
+for d in "$@"; do [ -z "$(ls -A -- "$d" 2>/dev/null)" ] || exit 1; done
 """
 
 
@@ -148,38 +171,70 @@ def _base_image_tar() -> bytes:
     return buf.getvalue()
 
 
+@dataclass(frozen=True)
+class _Spec:
+    """How a container is made; containers of one spec are interchangeable in a pool."""
+
+    image: str
+    workdir: str
+    tmpfs_workdir: bool  # a fresh tmpfs at the work dir (else the image's own directory)
+    read_only: bool  # one-shot containers: read-only root, wiped and reused
+    user: str
+
+
+@dataclass
+class _Job:
+    argv: list[str]
+    stdin: bytes
+    files: dict[str, bytes]
+
+
 class _Container:
     """One container and the blocking calls on it (run in threads)."""
 
-    def __init__(self, api: Any, cid: str) -> None:
+    def __init__(self, api: Any, cid: str, spec: _Spec, init_pid: int) -> None:
         self.api = api
         self.id = cid
+        self.spec = spec
         self.healthy = True
+        self.keeper_uid = _uid_of(init_pid) if init_pid else None
+
+    # ── cgroup files (present when the daemon runs on this machine) ──────────────────────────
+    def _cgroup_file(self, *candidates: str) -> str | None:
+        for rel in candidates:
+            for path in (f"/sys/fs/cgroup/{rel.format(c='docker/' + self.id)}",
+                         f"/sys/fs/cgroup/{rel.format(c='system.slice/docker-' + self.id + '.scope')}"):
+                if os.path.exists(path):
+                    return path
+        return None
 
     def oom_kills(self) -> int:
-        path = f"/sys/fs/cgroup/memory/docker/{self.id}/memory.oom_control"
-        try:
-            with open(path) as f:
-                for line in f:
-                    if line.startswith("oom_kill "):
-                        return int(line.split()[1])
-        except (OSError, ValueError):
-            pass
+        path = self._cgroup_file("memory/{c}/memory.oom_control", "{c}/memory.events")
+        with contextlib.suppress(OSError, ValueError), open(path or "/nonexistent") as f:
+            for line in f:
+                if line.startswith("oom_kill "):
+                    return int(line.split()[1])
         return 0
 
-    def run(self, header: dict[str, Any], tail: bytes, timeout_s: float, max_output: int,
-            user: str = f"{JOB_UID}:{JOB_UID}") -> tuple[bytes, bytes, int | None, str | None]:
-        """One exec of the boot script; returns stdout, stderr, exit code and why it was killed."""
-        body = json.dumps(header).encode()
-        data = _HEADER.pack(len(body)) + body + tail
-        eid = self.api.exec_create(self.id, [header["python"], "-I", "-c", _BOOT], stdin=True, user=user,
-                                   workdir=WORKDIR)["Id"]
+    def peak_memory_bytes(self) -> int | None:
+        """The container's peak memory use so far (cgroup v1 max_usage, v2 memory.peak)."""
+        path = self._cgroup_file("memory/{c}/memory.max_usage_in_bytes", "{c}/memory.peak")
+        with contextlib.suppress(OSError, ValueError), open(path or "/nonexistent") as f:
+            return int(f.read().strip())
+        return None
+
+    # ── exec ────────────────────────────────────────────────────────────────────────────────
+    def run(self, argv: list[str], stdin: bytes, timeout_s: float, max_output: int, *,
+            env: dict[str, str] | None, kill_after: bool = True) -> tuple[bytes, bytes, int | None, str | None]:
+        """One `docker exec`; returns stdout, stderr, exit code and why it was killed (or None)."""
+        eid = self.api.exec_create(self.id, argv, stdin=True, user=self.spec.user, workdir=self.spec.workdir,
+                                   environment=env)["Id"]
         sock = self.api.exec_start(eid, socket=True)
         raw = getattr(sock, "_sock", sock)
 
         def feed() -> None:
             with contextlib.suppress(OSError):
-                raw.sendall(data)
+                raw.sendall(stdin)
                 raw.shutdown(socket.SHUT_WR)
 
         writer = threading.Thread(target=feed, daemon=True)
@@ -204,7 +259,7 @@ class _Container:
                 if not chunk:
                     break
                 pending += chunk
-                while len(pending) >= 8:
+                while len(pending) >= 8:  # Docker's stream framing: kind, 3 pad bytes, big-endian size
                     kind, size = pending[0], struct.unpack(">I", pending[4:8])[0]
                     if len(pending) < 8 + size:
                         break
@@ -218,9 +273,10 @@ class _Container:
         finally:
             with contextlib.suppress(OSError):
                 raw.close()
-        self.kill_jobs()
+        if kill_after or killed:
+            self.kill_jobs()
         exit_code = None
-        for _ in range(100):
+        for _ in range(200):
             info = self.api.exec_inspect(eid)
             if not info["Running"]:
                 exit_code = info["ExitCode"]
@@ -228,45 +284,38 @@ class _Container:
             time.sleep(0.01)
         return bytes(streams[1]), bytes(streams[2]), exit_code, killed
 
-    def _cgroup_procs(self) -> str | None:
-        for path in (f"/sys/fs/cgroup/pids/docker/{self.id}/cgroup.procs",
-                     f"/sys/fs/cgroup/system.slice/docker-{self.id}.scope/cgroup.procs",
-                     f"/sys/fs/cgroup/docker/{self.id}/cgroup.procs"):
-            if os.path.exists(path):
-                return path
-        return None
+    def kill_jobs(self) -> None:
+        """Kill every process of the container but its init and `sleep` (uid 65534).
 
-    def kill_jobs(self, wipe: bool = False) -> None:
-        """Kill every process of the job's uid; with `wipe`, also empty /workspace, /tmp, /dev/shm.
-
-        The kill is done from the host through the container's cgroup: a `docker exec` cannot be
-        relied on while an earlier exec is still flooding its output stream.
+        Done from the host through the container's cgroup: a `docker exec` cannot be relied on
+        while an earlier exec still floods its output. Without access to the cgroup (a remote
+        daemon, or not root here) an exec of `kill -9 -1` as the job's user does it.
         """
-        procs = self._cgroup_procs()
-        if procs is None:
-            eid = self.api.exec_create(self.id, ["/bin/bash", "-c", "kill -9 -1; exit 0"],
-                                       user=f"{JOB_UID}:{JOB_UID}")["Id"]
-            self.api.exec_start(eid)
-        else:
-            for _ in range(500):
-                victims = []
-                with contextlib.suppress(OSError), open(procs) as f:
-                    for pid in f.read().split():
-                        with contextlib.suppress(OSError, IndexError), open(f"/proc/{pid}/status") as st:
-                            uid = next(line for line in st if line.startswith("Uid:")).split()[1]
-                            if int(uid) == JOB_UID:
-                                victims.append(int(pid))
-                if not victims:
-                    break
-                for pid in victims:
-                    with contextlib.suppress(OSError):
-                        os.kill(pid, 9)
-                time.sleep(0.002)
-        if wipe:
-            eid = self.api.exec_create(
-                self.id, ["/usr/bin/find", WORKDIR, "/tmp", "/dev/shm", "-mindepth", "1", "-delete"],
-                user=f"{JOB_UID}:{JOB_UID}")["Id"]
-            self.api.exec_start(eid)
+        procs = self._cgroup_file("pids/{c}/cgroup.procs", "{c}/cgroup.procs")
+        if procs is not None and self.keeper_uid is not None:
+            try:
+                for _ in range(500):
+                    with open(procs) as f:
+                        victims = [int(p) for p in f.read().split() if _uid_of(int(p)) not in (None, self.keeper_uid)]
+                    if not victims:
+                        return
+                    for pid in victims:
+                        with contextlib.suppress(ProcessLookupError):
+                            os.kill(pid, 9)
+                    time.sleep(0.002)
+                return
+            except PermissionError:
+                pass
+        eid = self.api.exec_create(self.id, ["/bin/sh", "-c", "kill -9 -1 2>/dev/null; exit 0"],
+                                   user=self.spec.user)["Id"]
+        self.api.exec_start(eid)
+
+    def wipe(self) -> bool:
+        """Empty the work dir, /tmp and /dev/shm of a one-shot container; False if that failed."""
+        eid = self.api.exec_create(self.id, ["/bin/sh", "-c", _WIPE, "wipe", self.spec.workdir, "/tmp", "/dev/shm"],
+                                   user=self.spec.user)["Id"]
+        self.api.exec_start(eid)
+        return self.api.exec_inspect(eid).get("ExitCode") == 0
 
     def remove(self) -> None:
         self.healthy = False
@@ -274,24 +323,39 @@ class _Container:
             self.api.remove_container(self.id, force=True, v=True)
 
 
+def _uid_of(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/status") as st:
+            return int(next(line for line in st if line.startswith("Uid:")).split()[1])
+    except (OSError, StopIteration, ValueError, IndexError):
+        return None
+
+
 class DockerSandbox:
-    """Docker-isolated code execution with a warm pool of containers (see the module docstring).
+    """Docker-isolated code execution with warm pools of containers (see the module docstring).
 
     Args:
-        memory_mb: Memory (and memory+swap) limit of one container.
+        image: The containers' image, run as it is; default the host userland (`agentrl-sandbox:base`).
+            `session(image=...)` overrides it per session (one sandbox serves many instance images).
+        workdir: The work dir of sessions: a directory of the image (e.g. "/testbed") or, default,
+            the image's WORKDIR if it has one, else a fresh tmpfs `/workspace`.
+        user: The user jobs run as; default the image's USER (root if unset), uid 1000 on the host userland.
+        memory_mb: Memory (and memory+swap) limit of one container; also the size of its tmpfs mounts.
         cpus: CPU share of one container (fractional CPUs).
         max_processes: The container's pids limit.
         max_output_bytes: Stdout plus stderr kept per job; more kills the job ("output").
-        pool_size: Warm containers kept ready for one-shot `exec`.
-        max_concurrency: Jobs running at once; default one per CPU core. Others wait.
-        python: Interpreter to run code with; default this process's base interpreter.
+        pool_size: Started containers kept ready per image and work dir.
+        max_concurrency: One-shot `exec` jobs running at once; default one per CPU core. Others wait.
+        max_starting: Containers being started at once (the daemon slows down past a few).
+        python: Interpreter for `exec(code=...)`; default the image's python3/python (the host's
+            base interpreter on the host userland).
         base_url: Docker daemon address; default from the environment (DOCKER_HOST or the socket).
-        image: The containers' image; default `agentrl-sandbox:base` (see the module docstring).
     """
 
-    def __init__(self, *, memory_mb: int = 512, cpus: float = 1.0, max_processes: int = 128,
-                 max_output_bytes: int = 1_000_000, pool_size: int = 2, max_concurrency: int | None = None,
-                 python: str | None = None, base_url: str | None = None, image: str | None = None) -> None:
+    def __init__(self, *, image: str | None = None, workdir: str | None = None, user: str | None = None,
+                 memory_mb: int = 512, cpus: float = 1.0, max_processes: int = 128, max_output_bytes: int = 1_000_000,
+                 pool_size: int = 2, max_concurrency: int | None = None, max_starting: int = 4,
+                 python: str | None = None, base_url: str | None = None) -> None:
         docker = _import_docker()
         try:
             self._client = docker.DockerClient(base_url=base_url) if base_url else docker.from_env()
@@ -301,32 +365,55 @@ class DockerSandbox:
                 f"No Docker daemon answered ({type(exc).__name__}: {exc}); install and start one "
                 "('apt-get install docker.io', then 'dockerd'), or use the 'local' backend."
             ) from exc
+        global _reaped
+        if not _reaped:
+            _reaped = True
+            with contextlib.suppress(Exception):
+                n = reap_orphans(self._client)
+                if n:
+                    _log.info("removed %d sandbox container(s) left behind by dead processes", n)
         self._api = self._client.api
+        self._base_url = base_url
         self.image = image or IMAGE
+        self.workdir = workdir
+        self.user = user
         exe, prefix = sandbox_python()
-        self.python = python or exe
+        self.python = python
+        self._host_python = python or exe
         self._binds = {"/usr": {"bind": "/usr", "mode": "ro"}}
         if not python and not prefix.startswith("/usr/"):
             self._binds[prefix] = {"bind": prefix, "mode": "ro"}
         for name in _ETC:
             if os.path.exists(f"/etc/{name}"):
                 self._binds[f"/etc/{name}"] = {"bind": f"/etc/{name}", "mode": "ro"}
+        self._host_env = {"PATH": f"{os.path.dirname(self._host_python)}:/usr/local/bin:/usr/bin:/bin",
+                          "HOME": WORKDIR, "LANG": "C.UTF-8", "TMPDIR": "/tmp", "USER": "sandbox",
+                          "PYTHONDONTWRITEBYTECODE": "1"}
         self.memory_mb = memory_mb
         self.cpus = cpus
         self.max_processes = max_processes
         self.max_output_bytes = max_output_bytes
         self.pool_size = pool_size
         self.max_concurrency = max(1, max_concurrency or os.cpu_count() or 1)
-        self._idle: list[_Container] = []
+        self.max_starting = max(1, max_starting)
+        self.container_starts: list[float] = []
+        """Seconds each container start took (creation to running), for benchmarks."""
+        self.peak_memory: list[int] = []
+        """Peak memory in bytes of each removed container (when the cgroup is readable here)."""
+        self._token = uuid.uuid4().hex
+        self._labels = owner_labels(self._token)
+        self._watchdog: Any = None
+        self._images: dict[str, dict[str, Any]] = {}
+        self._idle: dict[_Spec, list[_Container]] = {}
+        self._refills: set[asyncio.Task[None]] = set()
+        self._refilling: set[_Spec] = set()
         self._all: set[_Container] = set()
         self._sem: asyncio.Semaphore | None = None
+        self._start_sem: asyncio.Semaphore | None = None
         self._closed = False
-        # Containers outlive this process unless removed: remove whatever close() did not.
-        atexit.register(self._remove_all_now)
-        self._env = {"PATH": f"{os.path.dirname(self.python)}:/usr/local/bin:/usr/bin:/bin", "HOME": WORKDIR,
-                     "LANG": "C.UTF-8", "TMPDIR": "/tmp", "USER": "sandbox", "PYTHONDONTWRITEBYTECODE": "1"}
+        atexit.register(self._remove_all_now)  # belt and braces: the watchdog does this too
 
-    # ── containers ──────────────────────────────────────────────────────────────────────────
+    # ── images ──────────────────────────────────────────────────────────────────────────────
     def ensure_base_image(self) -> None:
         """Import `agentrl-sandbox:base` into the daemon if it is not there (nothing is pulled)."""
         try:
@@ -335,86 +422,178 @@ class DockerSandbox:
             repo, tag = IMAGE.split(":")
             self._api.import_image_from_data(_base_image_tar(), repository=repo, tag=tag)
 
-    def _ensure_image(self) -> None:
-        if self.image == IMAGE:
-            self.ensure_base_image()
-            return
+    def has_image(self, image: str) -> bool:
+        """Whether the daemon has `image` (nothing is pulled)."""
         try:
-            self._client.images.get(self.image)
-        except Exception as exc:
-            raise SandboxUnavailableError(
-                f"The Docker image {self.image!r} is not on this daemon ({type(exc).__name__}); agentrl pulls "
-                "nothing: build it locally, FROM agentrl-sandbox:base (DockerSandbox().ensure_base_image() makes that)."
-            ) from exc
+            self._image_config(image)
+            return True
+        except SandboxUnavailableError:
+            return False
 
-    def _start_container(self) -> _Container:
-        self._ensure_image()
+    def _image_config(self, image: str) -> dict[str, Any]:
+        if image not in self._images:
+            if image == IMAGE:
+                self.ensure_base_image()
+            try:
+                attrs = self._api.inspect_image(image)
+            except Exception as exc:
+                raise SandboxUnavailableError(
+                    f"The Docker image {image!r} is not on this daemon ({type(exc).__name__}). agentrl pulls "
+                    f"nothing: run 'docker pull {image}' (or build it) on the machine of the daemon first."
+                ) from exc
+            self._images[image] = attrs.get("Config") or {}
+        return self._images[image]
+
+    def _spec(self, image: str | None, workdir: str | None, one_shot: bool) -> _Spec:
+        image = image or self.image
+        if image == IMAGE:
+            return _Spec(IMAGE, WORKDIR, True, True, self.user or f"{JOB_UID}:{JOB_UID}")
+        config = self._image_config(image)
+        user = self.user or config.get("User") or "0"
+        if one_shot:
+            return _Spec(image, WORKDIR, True, True, user)
+        wd = workdir or self.workdir or config.get("WorkingDir") or ""
+        if not wd or wd == "/":
+            return _Spec(image, WORKDIR, True, False, user)
+        return _Spec(image, posixpath.normpath(wd), wd == WORKDIR, False, user)
+
+    # ── containers ──────────────────────────────────────────────────────────────────────────
+    def _start_container(self, spec: _Spec) -> _Container:
+        if self._watchdog is None:
+            self._watchdog = start_watchdog(self._token, self._base_url)
         mb = self.memory_mb
-        container = self._client.containers.run(
-            self.image, ["/usr/bin/sleep", "infinity"], detach=True, network_mode="none", volumes=self._binds,
-            read_only=True, working_dir=WORKDIR, environment={"PATH": "/usr/bin:/bin"},
-            tmpfs={WORKDIR: f"size={mb}m,uid={JOB_UID},gid={JOB_UID},mode=755", "/tmp": f"size={mb}m,mode=1777",
-                   "/dev/shm": f"size={mb}m,mode=1777"},
-            mem_limit=f"{mb}m", memswap_limit=f"{mb}m", nano_cpus=int(self.cpus * 1e9),
-            pids_limit=self.max_processes, cap_drop=["ALL"], security_opt=["no-new-privileges"],
-            labels={"agentrl.sandbox": "1", "agentrl.owner_pid": str(os.getpid())}, init=True,
+        tmpfs = {"/tmp": f"size={mb}m,mode=1777", "/dev/shm": f"size={mb}m,mode=1777"}
+        owner = spec.user.split(":")[0]
+        if spec.tmpfs_workdir:
+            uid = owner if owner.isdigit() else "0"
+            tmpfs[spec.workdir] = f"size={mb}m,uid={uid},mode=755"
+        host = spec.image == IMAGE
+        started = time.monotonic()
+        container = self._client.containers.create(
+            spec.image, ["/usr/bin/sleep" if host else "sleep", "infinity"], init=True,
+            user=f"{KEEPER_UID}:{KEEPER_UID}", network_mode="none", cap_drop=["ALL"],
+            security_opt=["no-new-privileges"], read_only=spec.read_only, tmpfs=tmpfs,
+            volumes=self._binds if host else None, environment=self._host_env if host else None,
+            working_dir=spec.workdir, mem_limit=f"{mb}m", memswap_limit=f"{mb}m", nano_cpus=int(self.cpus * 1e9),
+            pids_limit=self.max_processes, labels=self._labels,
         )
-        c = _Container(self._api, container.id)
+        try:
+            container.start()
+            pid = int(self._api.inspect_container(container.id)["State"].get("Pid") or 0)
+        except Exception:
+            with contextlib.suppress(Exception):
+                container.remove(force=True)
+            raise
+        self.container_starts.append(time.monotonic() - started)
+        c = _Container(self._api, container.id, spec, pid)
         self._all.add(c)
         return c
 
-    async def _take(self) -> _Container:
+    async def _new_container(self, spec: _Spec) -> _Container:
+        if self._start_sem is None:
+            self._start_sem = asyncio.Semaphore(self.max_starting)
+        async with self._start_sem:
+            if self._closed:
+                raise SandboxClosedError("This DockerSandbox is closed; create a new one.")
+            try:
+                return await asyncio.to_thread(self._start_container, spec)
+            except Exception as exc:
+                raise SandboxError(f"Docker could not start a container from {spec.image!r}: {exc}") from exc
+
+    async def _take(self, spec: _Spec) -> _Container:
         if self._closed:
             raise SandboxClosedError("This DockerSandbox is closed; create a new one.")
-        if self._idle:
-            return self._idle.pop()
+        idle = self._idle.setdefault(spec, [])
+        c = idle.pop() if idle else await self._new_container(spec)
+        if self.pool_size > 0 and len(idle) < self.pool_size and spec not in self._refilling:
+            task = asyncio.ensure_future(self._refill(spec))
+            self._refills.add(task)
+            task.add_done_callback(self._refills.discard)
+        return c
+
+    async def _refill(self, spec: _Spec) -> None:
+        if spec in self._refilling:
+            return
+        self._refilling.add(spec)
+        idle = self._idle.setdefault(spec, [])
         try:
-            return await asyncio.to_thread(self._start_container)
-        except Exception as exc:
-            raise SandboxError(f"Docker could not start a sandbox container: {exc}") from exc
+            while not self._closed and len(idle) < self.pool_size:
+                c = await self._new_container(spec)
+                if self._closed:
+                    await self._drop(c)
+                    return
+                idle.append(c)
+        except SandboxError as exc:
+            _log.warning("could not warm a container: %s", exc)
+        finally:
+            self._refilling.discard(spec)
+
+    async def _drop(self, c: _Container) -> None:
+        self._all.discard(c)
+        peak = await asyncio.to_thread(c.peak_memory_bytes)
+        if peak:
+            self.peak_memory.append(peak)
+        await asyncio.to_thread(c.remove)
 
     async def _release(self, c: _Container, keep: bool) -> None:
-        if keep and c.healthy and not self._closed and len(self._idle) < self.pool_size:
-            self._idle.append(c)
+        idle = self._idle.setdefault(c.spec, [])
+        if keep and c.healthy and c.spec.read_only and not self._closed and len(idle) < self.pool_size:
+            idle.append(c)
         else:
-            self._all.discard(c)
-            await asyncio.to_thread(c.remove)
+            await self._drop(c)
 
-    async def start(self) -> None:
-        """Warm the pool now."""
-        started = await asyncio.gather(*(asyncio.to_thread(self._start_container)
-                                         for _ in range(self.pool_size - len(self._idle))))
-        self._idle.extend(started)
+    async def start(self, image: str | None = None, workdir: str | None = None) -> None:
+        """Warm the pool now: `pool_size` one-shot containers, or session containers of `image`."""
+        spec = self._spec(image, workdir, one_shot=image is None and workdir is None)
+        await self._refill(spec)
 
     # ── jobs ────────────────────────────────────────────────────────────────────────────────
-    def _job(self, command: str | None, code: str | None, timeout_s: float, stdin: str | bytes | None,
-             files: Mapping[str, str | bytes] | None) -> tuple[dict[str, Any], bytes]:
+    def _job(self, spec: _Spec, command: str | None, code: str | None, timeout_s: float,
+             stdin: str | bytes | None, files: Mapping[str, str | bytes] | None) -> _Job:
         if (command is None) == (code is None):
             raise ValueError("Pass exactly one of `command` (a shell command) or `code` (Python source).")
         if not (isinstance(timeout_s, (int, float)) and timeout_s > 0):
             raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}.")
-        encoded = {}
-        for path, data in (files or {}).items():
-            norm = posixpath.normpath(path)
-            if norm.startswith(("/", "../")) or norm == "..":
-                raise ValueError(f"Path {path!r} is outside the sandbox work dir; use a relative path.")
-            encoded[norm] = base64.b64encode(data.encode() if isinstance(data, str) else bytes(data)).decode()
-        cpu = int(timeout_s) + 2
-        header = {"op": "exec", "kind": "shell" if command is not None else "python",
-                  "program": command if command is not None else code, "files": encoded, "workdir": WORKDIR,
-                  "python": self.python, "env": self._env,
-                  "rlimits": {"RLIMIT_CPU": [cpu, cpu + 1], "RLIMIT_CORE": [0, 0], "RLIMIT_FSIZE": [64 << 20, 64 << 20]}}
-        tail = stdin.encode() if isinstance(stdin, str) else bytes(stdin or b"")
-        return header, tail
+        written = {_relative(path, spec.workdir): data.encode() if isinstance(data, str) else bytes(data)
+                   for path, data in (files or {}).items()}
+        cpu = str(int(timeout_s) + 2)
+        python = self._host_python if spec.image == IMAGE else (self.python or "")
+        if command is not None:
+            kind, program = "shell", command
+        elif len(code or "") > _INLINE_CODE:
+            kind, program = "pyfile", f"/tmp/.agentrl_job_{uuid.uuid4().hex[:8]}.py"
+            written[program] = (code or "").encode()
+        else:
+            kind, program = "python", code or ""
+        argv = ["/bin/sh", "-c", _RUN, "agentrl", kind, cpu, str(_FSIZE_BLOCKS), program, python]
+        return _Job(argv, stdin.encode() if isinstance(stdin, str) else bytes(stdin or b""), written)
 
-    async def _run(self, c: _Container, header: dict[str, Any], tail: bytes, timeout_s: float,
-                   wipe: bool) -> ExecResult:
+    def _env(self, c: _Container) -> dict[str, str] | None:
+        return self._host_env if c.spec.image == IMAGE else None
+
+    async def _put(self, c: _Container, path: str, data: bytes) -> None:
+        """Write `data` at `path` (relative to the work dir, or absolute under /tmp)."""
+        root = "/tmp" if path.startswith("/tmp/") else c.spec.workdir
+        rel = path[len("/tmp/"):] if root == "/tmp" else path
+        _, err, code, _ = await asyncio.to_thread(
+            c.run, ["/bin/sh", "-c", _WRITE, "write", root, rel], data, 60, 65536, env=self._env(c), kill_after=False)
+        _raise_for_file(path, code, err)
+
+    async def _run(self, c: _Container, job: _Job, timeout_s: float) -> ExecResult:
         oom_before = c.oom_kills()
         start = time.monotonic()
         try:
-            out, err, code, killed = await asyncio.to_thread(c.run, header, tail, timeout_s, self.max_output_bytes)
-            if wipe:
-                await asyncio.to_thread(c.kill_jobs, True)
+            for path, data in job.files.items():
+                try:
+                    await self._put(c, path, data)
+                except PermissionError as exc:
+                    raise ValueError(f"Cannot write {path}: {exc}") from None
+                except OSError as exc:
+                    raise SandboxError(f"Docker could not write {path} into the container: {exc}") from exc
+            out, err, code, killed = await asyncio.to_thread(
+                c.run, job.argv, job.stdin, timeout_s, self.max_output_bytes, env=self._env(c))
+        except (ValueError, SandboxError):
+            raise
         except Exception as exc:
             c.healthy = False
             raise SandboxError(f"Docker failed to run the job: {type(exc).__name__}: {exc}") from exc
@@ -434,40 +613,81 @@ class DockerSandbox:
 
     async def exec(self, command: str | None = None, *, code: str | None = None, timeout_s: float,
                    stdin: str | bytes | None = None, files: Mapping[str, str | bytes] | None = None) -> ExecResult:
-        """Run one job in a clean container; see `Sandbox.exec`."""
-        header, tail = self._job(command, code, timeout_s, stdin, files)
+        """Run one job in a clean container (read-only root, tmpfs work dir); see `Sandbox.exec`."""
+        spec = self._spec(None, None, one_shot=True)
+        job = self._job(spec, command, code, timeout_s, stdin, files)
         if self._sem is None:
             self._sem = asyncio.Semaphore(self.max_concurrency)
         async with self._sem:
-            c = await self._take()
+            c = await self._take(spec)
             keep = False
             try:
-                result = await self._run(c, header, tail, timeout_s, wipe=True)
-                keep = True
+                result = await self._run(c, job, timeout_s)
+                keep = await asyncio.to_thread(c.wipe)
             finally:
                 await self._release(c, keep)
         return result
 
-    async def session(self) -> DockerSession:
-        """A container of your own whose files persist across `exec` calls until `close()`."""
-        return DockerSession(self, await self._take())
+    async def session(self, *, image: str | None = None, workdir: str | None = None) -> DockerSession:
+        """A container of your own whose files persist across `exec` calls until `close()`.
+
+        `image` runs that image as it is (default the sandbox's); `workdir` is the session's work
+        dir inside it, e.g. "/testbed" for SWE-bench images (see the class docstring).
+        """
+        spec = self._spec(image, workdir, one_shot=False)
+        return DockerSession(self, await self._take(spec))
 
     async def close(self) -> None:
         """Remove every container this sandbox started. Closing twice is a no-op."""
         if self._closed:
             return
         self._closed = True
+        for task in list(self._refills):
+            task.cancel()
+        await asyncio.gather(*self._refills, return_exceptions=True)
         self._idle.clear()
-        await asyncio.gather(*(asyncio.to_thread(c.remove) for c in list(self._all)))
+        await asyncio.gather(*(self._drop(c) for c in list(self._all)))
         self._all.clear()
+        await asyncio.to_thread(self._stop_watchdog)
 
     async def is_alive(self) -> bool:
         return not self._closed
+
+    def _stop_watchdog(self) -> None:
+        dog, self._watchdog = self._watchdog, None
+        if dog is not None:
+            with contextlib.suppress(OSError):
+                dog.stdin.close()
+            with contextlib.suppress(Exception):
+                dog.wait(timeout=30)
 
     def _remove_all_now(self) -> None:
         for c in list(self._all):
             c.remove()
         self._all.clear()
+        self._stop_watchdog()
+
+
+def _relative(path: str, workdir: str) -> str:
+    norm = posixpath.normpath(path)
+    if norm.startswith(workdir.rstrip("/") + "/"):
+        norm = norm[len(workdir.rstrip("/")) + 1:]
+    if not path or norm.startswith(("/", "../")) or norm in ("..", "."):
+        raise ValueError(f"Path {path!r} is outside the sandbox work dir {workdir}; use a relative path.")
+    return norm
+
+
+def _raise_for_file(path: str, code: int | None, err: bytes) -> None:
+    text = err.decode(errors="replace").strip()
+    if code == 0:
+        return
+    if code == 2:
+        raise FileNotFoundError(f"{path}: {text}")
+    if code == 13:
+        raise PermissionError(f"{path}: {text}")
+    if code == 21:
+        raise IsADirectoryError(f"{path}: {text}")
+    raise OSError(f"{path}: {text or f'exit code {code}'}")
 
 
 class DockerSession:
@@ -477,6 +697,8 @@ class DockerSession:
         self._owner = owner
         self._c: _Container | None = container
         self._lock = asyncio.Lock()
+        self.image = container.spec.image
+        self.workdir = container.spec.workdir
 
     @property
     def container_id(self) -> str | None:
@@ -489,40 +711,45 @@ class DockerSession:
 
     async def exec(self, command: str | None = None, *, code: str | None = None, timeout_s: float,
                    stdin: str | bytes | None = None, files: Mapping[str, str | bytes] | None = None) -> ExecResult:
-        header, tail = self._owner._job(command, code, timeout_s, stdin, files)
+        c = self._live()
+        job = self._owner._job(c.spec, command, code, timeout_s, stdin, files)
         async with self._lock:
-            return await self._owner._run(self._live(), header, tail, timeout_s, wipe=False)
-
-    async def _file(self, op: str, path: str, data: bytes = b"") -> bytes:
-        norm = posixpath.normpath(path)
-        if norm.startswith(WORKDIR + "/"):
-            norm = norm[len(WORKDIR) + 1:]
-        if not path or norm.startswith(("/", "../")) or norm == "..":
-            raise ValueError(f"Path {path!r} is outside the sandbox work dir {WORKDIR}; use a relative path.")
-        header = {"op": op, "path": norm, "workdir": WORKDIR, "python": self._owner.python}
-        async with self._lock:
-            c = self._live()
-            out, err, code, _ = await asyncio.to_thread(c.run, header, data, 60, 1 << 30)
-        text = err.decode(errors="replace").strip()
-        if code == 2:
-            raise FileNotFoundError(f"{path}: {text}")
-        if code == 13:
-            raise PermissionError(f"{path}: {text}")
-        if code != 0:
-            raise OSError(f"{path}: {text or f'exit code {code}'}")
-        return out
+            return await self._owner._run(self._live(), job, timeout_s)
 
     async def read_file(self, path: str) -> bytes:
-        return await self._file("read", path)
+        c = self._live()
+        rel = _relative(path, c.spec.workdir)
+        async with self._lock:
+            try:
+                out, err, code, _ = await asyncio.to_thread(
+                    self._live().run, ["/bin/sh", "-c", _READ, "read", c.spec.workdir, rel], b"", 60, 1 << 30,
+                    env=self._owner._env(c), kill_after=False)
+            except Exception as exc:
+                raise SandboxError(f"Docker failed to read {path}: {type(exc).__name__}: {exc}") from exc
+        _raise_for_file(path, code, err)
+        return out
 
     async def write_file(self, path: str, data: str | bytes) -> None:
-        await self._file("write", path, data.encode() if isinstance(data, str) else bytes(data))
+        c = self._live()
+        rel = _relative(path, c.spec.workdir)
+        async with self._lock:
+            try:
+                await self._owner._put(self._live(), rel, data.encode() if isinstance(data, str) else bytes(data))
+            except OSError:
+                raise
+            except Exception as exc:
+                raise SandboxError(f"Docker failed to write {path}: {type(exc).__name__}: {exc}") from exc
 
     async def close(self) -> None:
         c, self._c = self._c, None
         if c is not None:
-            self._owner._all.discard(c)
-            await asyncio.to_thread(c.remove)
+            await self._owner._drop(c)
 
     async def is_alive(self) -> bool:
-        return self._c is not None and self._c.healthy
+        if self._c is None or not self._c.healthy:
+            return False
+        try:
+            state = await asyncio.to_thread(self._owner._api.inspect_container, self._c.id)
+        except Exception:
+            return False
+        return bool(state.get("State", {}).get("Running"))

@@ -30,8 +30,11 @@ Not covered: kernel exploits (there is no seccomp filter and no VM boundary; use
 work below the process limit (there is no CPU quota), side channels, disk use of read-only host
 files, and POSIX message queues, keyrings or other per-uid kernel state that successive jobs of
 one pooled sandbox share (SysV IPC objects are detected and retire the sandbox).
-Without root, jobs share the fork server's uid (a job can kill its own server, which is then
-replaced) and limits fall back to rlimits if no cgroup is writable. `isolation="none"` covers
+A sandbox process that dies mid-job is the job's fault when the OOM killer took it ("memory");
+with root, where jobs run under another uid and cannot signal it, any other death is an
+infrastructure failure (`SandboxError`). Without root, jobs share the fork server's uid (a job can
+kill its own server, which is then replaced, and that is reported as the job's "signal") and
+limits fall back to rlimits if no cgroup is writable. `isolation="none"` covers
 nothing but the rlimits, the deadline and the output cap, and says so in a warning.
 """
 
@@ -264,8 +267,10 @@ class LocalSandbox:
         if isolation == "bwrap" and self._bwrap is None:
             raise SandboxUnavailableError(
                 "LocalSandbox needs bubblewrap (the 'bwrap' binary) and it is not installed: run "
-                "'apt-get install bubblewrap' (Debian/Ubuntu) or 'dnf install bubblewrap', or pass "
-                "isolation='none' to run code with no isolation at all (trusted code only)."
+                "'bash scripts/install.sh' (it installs it), or 'apt-get install bubblewrap' (Debian/Ubuntu) "
+                "or 'dnf install bubblewrap'; or use another sandbox (sandbox=docker); or pass "
+                "isolation='none' (sandbox.kwargs.isolation=none) to run code with no isolation at all "
+                "(trusted code only)."
             )
         if isolation == "none":
             _log.warning("LocalSandbox(isolation='none'): code runs UNISOLATED on this machine, with "
@@ -480,11 +485,20 @@ class LocalSandbox:
             await worker.kill()
             return ExecResult("", "", None, True, "timeout", time.monotonic() - start), False
         except (asyncio.IncompleteReadError, ConnectionError, BrokenPipeError):
-            # The sandbox itself died mid-job: the OOM killer, or (without root) the job killed it.
+            # The sandbox itself died mid-job: the OOM killer (the job's memory: its fault), the job
+            # killing it (possible only without root, where job and server share a uid), or
+            # something outside the sandbox (an infrastructure failure, never the model's fault).
             await worker.kill()
             oom = worker.cgroup is not None and worker.cgroup.oom_kills() > oom_before
-            reason = "memory" if oom or (worker.cgroup is None and "MemoryError" in worker.stderr_tail) else "signal"
-            return ExecResult("", f"[sandbox process died: {reason}]", None, False, reason,
+            if oom or (worker.cgroup is None and "MemoryError" in worker.stderr_tail):
+                return ExecResult("", "[sandbox process died: memory]", None, False, "memory",
+                                  time.monotonic() - start), False
+            if self._privileged:
+                raise SandboxError(
+                    "The sandbox process died mid-job, and not by the job's doing (jobs run under "
+                    f"another uid and cannot signal it): {worker.stderr_tail or 'no message'}"
+                ) from None
+            return ExecResult("", "[sandbox process died: signal]", None, False, "signal",
                               time.monotonic() - start), False
         duration = time.monotonic() - start
         if "error" in res:

@@ -6,6 +6,12 @@ report). It raises `SandboxError` only when the sandbox itself cannot work (isol
 missing, service down, session closed). A `SandboxSession` adds a persistent working directory and
 files for multi-step tasks (SWE-style), and must leave no processes or files behind after `close`.
 
+Backends that run images (`docker`, and `remote` against a docker-backed server) also take
+`session(image=..., workdir=...)`: a session in that image, run as it is, whose work dir is
+`workdir` inside it (e.g. /testbed); callers check for the parameter. A remote provider
+implements the HTTP protocol written out in `agentrl.sandboxes.server` (what `RemoteSandbox`
+speaks; `agentrl sandbox serve` is its reference server, `docker/sandbox-server/` packages it).
+
 Everything is async, so thousands of episodes can share one event loop. Backends (local, docker,
 remote) implement these protocols; this module only defines them. Each backend's own module
 docstring says which threats it covers and which it does not.

@@ -1,7 +1,9 @@
 """`RemoteSandbox`: run code on a sandbox server over HTTP (agentrl's own, or SandboxFusion).
 
 With `api="agentrl"` (the default) it speaks the API of `agentrl sandbox serve`
-(`agentrl.sandboxes.server`): one-shot jobs, sessions with files, bearer-token auth. With
+(`agentrl.sandboxes.server`, whose docstring is the wire protocol a remote provider implements):
+one-shot jobs, sessions with files, sessions in an image (`session(image=..., workdir=...)`, when
+the server runs the docker backend), bearer-token auth. With
 `api="sandboxfusion"` it sends one-shot jobs to any SandboxFusion-compatible `POST /run_code`
 (Python as `language="python"`, commands as `language="bash"`); SandboxFusion has no sessions.
 
@@ -142,12 +144,15 @@ class RemoteSandbox:
             timed_out=killed == "timeout", killed_reason=killed, duration_s=float(run.get("execution_time") or 0.0),
         )
 
-    async def session(self) -> RemoteSession:
-        """Open a session on the server (agentrl API only)."""
+    async def session(self, *, image: str | None = None, workdir: str | None = None) -> RemoteSession:
+        """Open a session on the server (agentrl API only), in `image` if given (a docker-backed server)."""
         if self.api == "sandboxfusion":
             raise SandboxError("SandboxFusion has no sessions; use api='agentrl' with 'agentrl sandbox serve'.")
-        data = await self._call("POST", "/v1/sessions")
-        return RemoteSession(self, data["session_id"])
+        options = {k: v for k, v in (("image", image), ("workdir", workdir)) if v is not None}
+        data = await self._call("POST", "/v1/sessions", json=options or None)
+        session = RemoteSession(self, data["session_id"])
+        session.image, session.workdir = image, workdir
+        return session
 
     async def health(self) -> dict[str, Any]:
         """The server's `/health` answer."""
@@ -176,6 +181,9 @@ class RemoteSession:
     def __init__(self, owner: RemoteSandbox, session_id: str) -> None:
         self._owner = owner
         self.session_id = session_id
+        self.image: str | None = None
+        self.workdir: str | None = None
+        """What the session was opened with (None: the server's defaults)."""
         self._closed = False
 
     def _path(self, suffix: str = "") -> str:

@@ -1,21 +1,34 @@
-"""`agentrl sandbox serve`: the local sandbox backend over HTTP, so sandboxes can run on other machines.
+"""`agentrl sandbox serve`: a sandbox backend over HTTP, so sandboxes can run on other machines.
 
-A FastAPI app around one `LocalSandbox` (or any `Sandbox`). Every route but `/health` needs
-`Authorization: Bearer <token>` when a token is set; a non-loopback address without a token is
-refused. At most `max_concurrency` jobs run at once; later requests wait (back-pressure, never a
-rejection). Sessions idle for longer than `session_idle_s` are closed, so a crashed client cannot
-leak sandboxes; at most `max_sessions` are open at once.
+A FastAPI app around one sandbox: a `LocalSandbox` by default, a `DockerSandbox` with `--backend
+docker` (then sessions can run instance images that machine holds), or any `Sandbox`. Every route
+but `/health` needs `Authorization: Bearer <token>` when a token is set; a non-loopback address
+without a token is refused. At most `max_concurrency` jobs run at once; later requests wait
+(back-pressure, never a rejection). Sessions idle for longer than `session_idle_s` are closed, so
+a crashed client cannot leak sandboxes; at most `max_sessions` are open at once.
+`docker/sandbox-server/` holds a Dockerfile that packages this server for a fleet.
 
-    GET  /health                       liveness (no token needed)
+The wire protocol (what a remote provider implements to be a `RemoteSandbox`; JSON bodies, status
+codes below, an ExecResult is `{stdout, stderr, exit_code, timed_out, killed_reason, duration_s}`):
+
+    GET  /health                       liveness (no token needed)  -> {"status": "ok", ...}
     GET  /metrics                      Prometheus text: jobs by outcome, in flight, sessions, latency
     POST /v1/exec                      one-shot job                  -> ExecResult as JSON
-    POST /v1/sessions                  open a session                -> {"session_id"}
+    POST /v1/sessions                  open a session; optional body {"image", "workdir"} -> {"session_id"}
     POST /v1/sessions/{id}/exec        job in the session            -> ExecResult as JSON
     POST /v1/sessions/{id}/read        {"path"}                      -> {"data_b64"}
     POST /v1/sessions/{id}/write       {"path", "data_b64"}
     GET  /v1/sessions/{id}             -> {"alive"}
     DELETE /v1/sessions/{id}           close: kill everything, delete files
     POST /run_code                     SandboxFusion's request and response shape (python, bash)
+
+A job is `{command | code, timeout_s, stdin, files: {relative path: base64}}`; a failing program
+is a 200 with its ExecResult, never an error status. Errors: 400 a request the sandbox refuses
+(both or neither of command/code, a path outside the work dir, images asked of a server without any),
+401 a missing or wrong token, 403 a file path that resolves outside the work dir, 404 a missing
+file (read) or an unknown session, 410 a session that is closed, 429 too many sessions, 503 the
+sandbox itself failed, an image it does not have included (an infrastructure fault the client
+raises as `SandboxError`).
 
 SandboxFusion shape, as documented at bytedance.github.io/SandboxFusion (POST /run_code): request
 `{code, language, compile_timeout, run_timeout, stdin, files: {path: base64}, fetch_files: [path]}`;
@@ -31,6 +44,7 @@ import asyncio
 import base64
 import contextlib
 import hmac
+import inspect
 import ipaddress
 import logging
 import time
@@ -46,7 +60,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from agentrl.errors import SandboxClosedError, SandboxError
 from agentrl.types import ExecResult
 
-__all__ = ["ExecRequest", "RunCodeRequest", "create_app", "serve"]
+__all__ = ["ExecRequest", "RunCodeRequest", "SessionRequest", "create_app", "serve"]
 
 _log = logging.getLogger(__name__)
 
@@ -65,6 +79,14 @@ class ExecRequest(BaseModel):
     """Text fed to the program's standard input."""
     files: dict[str, str] = Field(default_factory=dict)
     """Files to write into the work dir first: relative path -> base64 content."""
+
+
+class SessionRequest(BaseModel):
+    """Options of a new session: an image to run it in and its work dir (backends that run images)."""
+
+    model_config = ConfigDict(extra="forbid")
+    image: str | None = None
+    workdir: str | None = None
 
 
 class FileRequest(BaseModel):
@@ -124,7 +146,7 @@ def create_app(
         from agentrl.sandboxes.local import LocalSandbox
 
         sandbox = LocalSandbox(max_concurrency=max_concurrency, **sandbox_kwargs)
-    limit = asyncio.Semaphore(max_concurrency or getattr(sandbox, "max_concurrency", 4))
+    limit = asyncio.Semaphore(int(max_concurrency or getattr(sandbox, "max_concurrency", None) or 4))
     sessions: dict[str, Any] = {}
     last_used: dict[str, float] = {}
     stats = _Stats()
@@ -215,12 +237,18 @@ def create_app(
     async def exec_once(req: ExecRequest) -> dict[str, Any]:
         return asdict(await run_job(sandbox, req))
 
+    takes_images = "image" in inspect.signature(sandbox.session).parameters
+
     @app.post("/v1/sessions", dependencies=[Depends(authorize)])
-    async def open_session() -> dict[str, str]:
+    async def open_session(req: SessionRequest | None = None) -> dict[str, str]:
         if len(sessions) >= max_sessions:
             raise HTTPException(429, f"{max_sessions} sessions are open; close one first.")
+        options = {k: v for k, v in (req.model_dump() if req else {}).items() if v is not None}
+        if options and not takes_images:
+            raise HTTPException(400, f"This server's {type(sandbox).__name__} runs no images; start it with "
+                                     "'agentrl sandbox serve --backend docker' to open sessions in images.")
         sid = uuid.uuid4().hex
-        sessions[sid] = await sandbox.session()
+        sessions[sid] = await sandbox.session(**options)  # an image it lacks: 503, saying how to get it
         last_used[sid] = time.monotonic()
         return {"session_id": sid}
 
@@ -326,8 +354,12 @@ def _fusion_response(result: ExecResult, files: dict[str, str]) -> dict[str, Any
 
 
 def serve(host: str = "127.0.0.1", port: int = 8090, token: str | None = None,
-          max_concurrency: int | None = None, **sandbox_kwargs: Any) -> None:
-    """Run the sandbox server with uvicorn until interrupted (`agentrl sandbox serve`)."""
+          max_concurrency: int | None = None, backend: str = "local", **sandbox_kwargs: Any) -> None:
+    """Run the sandbox server with uvicorn until interrupted (`agentrl sandbox serve`).
+
+    `backend` is a registered sandbox name (`local`, `docker`) or `package.module:Class`; the
+    other keyword arguments are its own.
+    """
     import uvicorn
 
     if not token and not _is_loopback(host):
@@ -335,5 +367,13 @@ def serve(host: str = "127.0.0.1", port: int = 8090, token: str | None = None,
             f"Refusing to serve sandboxes on {host} without a token: anyone who can reach it could run "
             "code. Pass token=... (and give clients the same), or bind to 127.0.0.1."
         )
-    app = create_app(token=token, max_concurrency=max_concurrency, **sandbox_kwargs)
+    sandbox = None
+    if backend != "local":
+        from agentrl.registry import SANDBOXES
+
+        if max_concurrency:
+            sandbox_kwargs["max_concurrency"] = max_concurrency
+        sandbox = SANDBOXES.resolve(backend)(**sandbox_kwargs)
+        sandbox_kwargs = {}
+    app = create_app(sandbox, token=token, max_concurrency=max_concurrency, **sandbox_kwargs)
     uvicorn.run(app, host=host, port=port, log_level="info")

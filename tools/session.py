@@ -1,62 +1,29 @@
-"""Where sandbox tools run: the episode's sandbox session, or a default local sandbox.
+"""Where sandbox tools run: the sandbox the episode was given, or one the episode owns.
 
-An environment may put a `SandboxSession` (or a whole `Sandbox`) in `ToolContext.sandbox`. Tools
-that need a persistent work dir (`bash`, `str_replace_editor`) call `episode_session(ctx)`: the
-context's session as is, or one opened once per episode from the context's sandbox (or from the
-process-wide default `LocalSandbox`) and shared by every tool of the episode through `ctx.state`.
-`release_episode_session` closes a session opened here; one the environment gave is its to close.
-Sandbox failures become `ToolInfrastructureError`, since they are not the model's doing.
+The run builds one sandbox from `config.sandbox` and hands it to the env, which puts it (or a
+`SandboxSession` of its own) in `ToolContext.sandbox`. `episode_sandbox(ctx)` is what `python`
+calls: that sandbox. Tools that need a persistent work dir (`bash`, `str_replace_editor`) call
+`episode_session(ctx)`: the context's session as is, or one opened once per episode from the
+context's sandbox and shared by every tool of the episode through `ctx.state`.
+
+An env built without a sandbox (in a notebook, by `check_env`) still runs its tools: the first
+call makes a `LocalSandbox` for this episode alone, kept in `ctx.state`. There is no process-wide
+sandbox. `release_episode_resources` closes whatever was opened here (`ToolEnv` calls it when the
+episode ends); a sandbox or session the environment gave is its owner's to close. Sandbox failures
+become `ToolInfrastructureError`, since they are not the model's doing.
 """
 
 from __future__ import annotations
 
-import asyncio
-import weakref
 from typing import Any
 
 from agentrl.errors import SandboxError, ToolInfrastructureError
 from agentrl.tools.core import ToolContext
 
-__all__ = [
-    "close_default_sandbox",
-    "default_sandbox",
-    "episode_sandbox",
-    "episode_session",
-    "release_episode_session",
-]
+__all__ = ["episode_sandbox", "episode_session", "release_episode_resources", "release_episode_session"]
 
-_STATE_KEY = "_agentrl_sandbox_session"
-# One default sandbox per event loop: its warm workers are asyncio subprocesses bound to the loop
-# that started them, so a sandbox shared across loops (an env's private loop for the sync API, then
-# asyncio.run elsewhere) would talk to a closed loop.
-_defaults: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Any] = weakref.WeakKeyDictionary()
-
-
-def default_sandbox() -> Any:
-    """The running event loop's `LocalSandbox`, used when an episode brings no sandbox of its own."""
-    loop = asyncio.get_running_loop()
-    sandbox = _defaults.get(loop)
-    if sandbox is None:
-        from agentrl.sandboxes.local import LocalSandbox
-
-        try:
-            sandbox = LocalSandbox()
-        except SandboxError as exc:
-            raise ToolInfrastructureError(f"No sandbox is available to run code: {exc}") from exc
-        _defaults[loop] = sandbox
-    return sandbox
-
-
-async def close_default_sandbox() -> None:
-    """Close the running loop's default sandbox (its warm workers), if one was started.
-
-    Call it before an event loop you own ends: agentrl's own loops (env private loops, `check_env`,
-    `agentrl eval`, rollout actors) do. A pool refill still starting a worker when `asyncio.run`
-    cancels leftover tasks can block that shutdown (seen with Python 3.11), which this avoids.
-    """
-    sandbox = _defaults.pop(asyncio.get_running_loop(), None)
-    if sandbox is not None:
-        await sandbox.close()
+_SESSION_KEY = "_agentrl_sandbox_session"
+_OWN_SANDBOX_KEY = "_agentrl_own_sandbox"
 
 
 def _is_session(obj: Any) -> bool:
@@ -64,29 +31,53 @@ def _is_session(obj: Any) -> bool:
 
 
 def episode_sandbox(ctx: ToolContext) -> Any:
-    """Something with `exec`: the episode's session or sandbox, else the default sandbox."""
+    """Something with `exec`: the episode's session or sandbox, else a sandbox of its own."""
     if ctx.sandbox is not None:
         return ctx.sandbox
-    return ctx.state.get(_STATE_KEY) or default_sandbox()
+    session = ctx.state.get(_SESSION_KEY)
+    return session if session is not None else _own_sandbox(ctx)
+
+
+def _own_sandbox(ctx: ToolContext) -> Any:
+    sandbox = ctx.state.get(_OWN_SANDBOX_KEY)
+    if sandbox is None:
+        from agentrl.sandboxes.local import LocalSandbox
+
+        try:
+            sandbox = LocalSandbox(pool_size=0)
+        except SandboxError as exc:
+            raise ToolInfrastructureError(f"No sandbox is available to run code: {exc}") from exc
+        ctx.state[_OWN_SANDBOX_KEY] = sandbox
+    return sandbox
 
 
 async def episode_session(ctx: ToolContext) -> Any:
     """The episode's `SandboxSession`, opening (and remembering) one if the context has none."""
     if _is_session(ctx.sandbox):
         return ctx.sandbox
-    session = ctx.state.get(_STATE_KEY)
+    session = ctx.state.get(_SESSION_KEY)
     if session is None:
-        owner = ctx.sandbox if ctx.sandbox is not None else default_sandbox()
+        owner = ctx.sandbox if ctx.sandbox is not None else _own_sandbox(ctx)
         try:
             session = await owner.session()
         except SandboxError as exc:
             raise ToolInfrastructureError(f"Could not open a sandbox session: {exc}") from exc
-        ctx.state[_STATE_KEY] = session
+        ctx.state[_SESSION_KEY] = session
     return session
 
 
 async def release_episode_session(ctx: ToolContext) -> None:
     """Close the session `episode_session` opened for this episode, if any."""
-    session = ctx.state.pop(_STATE_KEY, None)
+    session = ctx.state.pop(_SESSION_KEY, None)
     if session is not None:
         await session.close()
+
+
+async def release_episode_resources(ctx: ToolContext) -> None:
+    """Close the session and the episode's own sandbox opened here, if any (closing twice is harmless)."""
+    try:
+        await release_episode_session(ctx)
+    finally:
+        sandbox = ctx.state.pop(_OWN_SANDBOX_KEY, None)
+        if sandbox is not None:
+            await sandbox.close()

@@ -12,9 +12,9 @@ episode the env opens a gateway session and runs the agent once on the row:
   prompt on stdin, and prints its final answer on stdout.
 
 Its calls become the episode's trajectory (or several segments, `session.py`), and its answer is
-scored with the run's reward function (`reward_fn`, verl's `compute_score(data_source,
-solution_str, ground_truth, extra_info)`, or `agentrl.envs.answers`' exact-answer check when the
-run has none). The episode has the loop's deadline (`rollout.episode_timeout_s`, or `timeout_s`
+scored with the run's reward function (`reward_fn`: `reward.function`, verl's `compute_score(
+data_source, solution_str, ground_truth, extra_info)`; by default `agentrl.envs.rewards.compute_score`,
+which reads the answer in the format of the row's `data_source`). The episode has the loop's deadline (`rollout.episode_timeout_s`, or `timeout_s`
 if shorter), and the loop's budgets apply to every call (`rollout.max_turns` calls, ...).
 
 How an episode ends:
@@ -57,9 +57,9 @@ from typing import Any
 
 import gymnasium
 
-from agentrl.envs.answers import answers_match, final_answer
 from agentrl.envs.arithmetic import ArithmeticEnv, make_arithmetic_row
 from agentrl.envs.core import Env
+from agentrl.envs.rewards import RewardFn, compute_score, score_row
 from agentrl.errors import ConfigError, EnvError
 from agentrl.gateway.server import Gateway, shared_gateway
 from agentrl.gateway.session import GatewaySession
@@ -150,7 +150,7 @@ class AgentEnv(Env):
         agent: str | Callable[[AgentTask], Any] | None = None,
         *,
         command: str | Sequence[str] | None = None,
-        reward_fn: str | Callable[..., Any] | None = None,
+        reward_fn: RewardFn | str | None = None,
         timeout_s: float | None = None,
         model: str = "agentrl-policy",
         environment: dict[str, str] | None = None,
@@ -165,7 +165,7 @@ class AgentEnv(Env):
         if command is not None and not command:
             raise ConfigError("env.kwargs.command is empty; give the program to run, e.g. 'python my_agent.py'.")
         self.command = list(command) if command is not None else None
-        self.reward_fn = load_callable(reward_fn, "reward_fn") if reward_fn is not None else None
+        self.reward_fn: RewardFn = load_callable(reward_fn, "reward_fn") if reward_fn is not None else compute_score
         if timeout_s is not None and timeout_s <= 0:
             raise ConfigError(f"env.kwargs.timeout_s must be positive, got {timeout_s}.")
         self.timeout_s = timeout_s
@@ -198,18 +198,10 @@ class AgentEnv(Env):
                        "as a list of chat messages or a string.")
 
     async def ascore(self, answer: str, row: dict[str, Any]) -> tuple[float, dict[str, float]]:
-        """The reward of `answer` on `row`, and any extra numbers the reward function returned."""
-        truth = (row.get("reward_model") or {}).get("ground_truth")
-        if self.reward_fn is None:
-            ok = truth is not None and answers_match(final_answer(answer), str(truth))
-            return (1.0 if ok else 0.0), {}
-        out = self.reward_fn(row.get("data_source", ""), answer, truth, row.get("extra_info"))
-        if inspect.isawaitable(out):
-            out = await out
-        if isinstance(out, dict):
-            extra = {f"reward/{k}": float(v) for k, v in out.items() if k != "score" and isinstance(v, (int, float))}
-            return float(out["score"]), extra
-        return float(out), {}
+        """The reward of `answer` on `row` (the run's `reward_fn`, verl's contract), and the extra
+        numbers it returned as `reward/<name>` metrics. Raises when the row has no ground truth."""
+        result = score_row(self.reward_fn, row, answer)
+        return result.score, result.metrics()
 
     # ── without an agent: one turn, the model answers directly ─────────────────────────────
     async def areset(self, *, seed: int | None = None, options: dict[str, Any] | None = None

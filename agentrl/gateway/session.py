@@ -19,7 +19,7 @@ Nothing is written into a trajectory until its generation has succeeded, so a fa
 call leaves no trace and a retry of it extends the same conversation. A conversation waiting on a
 generation cannot be extended by a concurrent call (that call starts its own segment).
 
-Budgets come from the backend's `AgentLoopConfig`, as for the AgentLoop: at most `max_turns`
+Budgets come from the backend's config (the run's `rollout` section), as for the AgentLoop: at most `max_turns`
 calls per episode, `max_tokens_per_turn` per call, `max_total_tokens` per trajectory, and
 `request_timeout_s` per generation. A call over budget is refused with an OpenAI-style 400
 (`context_length_exceeded`, `max_turns_exceeded`) and the refusal is remembered, so an agent that
@@ -51,9 +51,9 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from agentrl.chat import ChatTemplate, TokenDelta
+from agentrl.config import RolloutConfig
 from agentrl.errors import ChatTemplateError, InferenceError, ServerUnavailableError
 from agentrl.gateway.wire import ChatRequest, Completion, WireError, assistant_message, message_key
-from agentrl.rollout.agent_loop import AgentLoopConfig, GenerateClient
 from agentrl.types import Action, FinishReason, Generation, Message, SamplingParams, TokenOrigin, Trajectory
 
 __all__ = [
@@ -74,13 +74,20 @@ class _Parser(Protocol):
     def parse(self, text: str) -> Action: ...
 
 
-class GatewayBackend(Protocol):
-    """What a session generates with; an `agentrl.rollout.AgentLoop` is one."""
+class _Client(Protocol):
+    async def generate(
+        self, prompt_ids: list[int], sampling: SamplingParams, *, session_id: str, timeout_s: float | None = None
+    ) -> Generation: ...
 
-    client: GenerateClient
+
+class GatewayBackend(Protocol):
+    """What a session generates with; an `agentrl.rollout.AgentLoop` is one (the gateway does not
+    import the rollout package: the two are siblings in DESIGN.md's layers)."""
+
+    client: _Client
     template: ChatTemplate
     parser: _Parser
-    config: AgentLoopConfig
+    config: RolloutConfig
     stop_token_ids: tuple[int, ...]
 
 
@@ -305,7 +312,7 @@ class GatewaySession:
         return seg
 
     def _check(self, seg: _Segment) -> None:
-        """Compare the ledger with a full re-render (`AgentLoopConfig.verify_template`), as the AgentLoop does."""
+        """Compare the ledger with a full re-render (`rollout.verify_template`), as the AgentLoop does."""
         t = seg.trajectory
         try:
             same = self.backend.template.encode_prompt(t.messages, seg.tools) == t.token_ids

@@ -35,16 +35,18 @@ from pathlib import Path
 from typing import Any
 
 from agentrl.config import AgentRLConfig, save_config
-from agentrl.errors import ConfigError
+from agentrl.errors import AgentRLError, ConfigError, InfraFailureError
 from agentrl.gateway.session import final_segments, is_first_segment, segment_metrics
-from agentrl.orchestration.components import build_agent_loop, env_factory, load_split_rows
-from agentrl.orchestration.evaluate import evaluate
+from agentrl.orchestration.build import Job, build_job
+from agentrl.orchestration.evaluate import check_infra_failures, evaluate
+from agentrl.orchestration.infra import InfraMonitor
 from agentrl.orchestration.ledger import PromptLedger, PromptRef, PromptSampler
 from agentrl.orchestration.metrics import MetricsLogger, episode_metrics
+from agentrl.orchestration.preflight import preflight
 from agentrl.orchestration.schedule import GroupResult, Scheduler, StepRecord, Verdict, default_classify
+from agentrl.orchestration.trajectory_log import RolloutLog
 from agentrl.rollout import RolloutWorker
 from agentrl.rollout.worker import group_seed
-from agentrl.tools.session import close_default_sandbox
 
 __all__ = ["RunResult", "find_checkpoint", "resolve_run_dir", "run_training"]
 
@@ -62,8 +64,8 @@ class RunResult:
     steps_done: int
     policy_version: int
     ledger: dict[str, int]
-    eval_before: dict[str, float] = field(default_factory=dict)
-    eval_after: dict[str, float] = field(default_factory=dict)
+    eval_before: dict[str, float | None] = field(default_factory=dict)
+    eval_after: dict[str, float | None] = field(default_factory=dict)
     max_staleness: int = 0
     seconds: float = 0.0
 
@@ -71,11 +73,19 @@ class RunResult:
         parts = [f"run {self.run_dir}: {self.steps_done} steps, policy version {self.policy_version}"]
         if self.eval_before and self.eval_after:
             parts.append(
-                f"held-out pass@1 {self.eval_before.get('pass_at_1', 0):.3f} -> {self.eval_after.get('pass_at_1', 0):.3f} "
-                f"({int(self.eval_after.get('problems', 0))} problems)"
+                f"held-out pass@1 {_score(self.eval_before)} -> {_score(self.eval_after)} "
+                f"({int(self.eval_after.get('problems') or 0)} problems)"
             )
         parts.append(f"{self.seconds / 60:.1f} min")
         return ", ".join(parts)
+
+
+def _score(result: dict[str, float | None]) -> str:
+    """pass@1 of an evaluation, or why there is none (never a 0 that was not measured)."""
+    value = result.get("pass_at_1")
+    if value is None:
+        return f"not measured ({int(result.get('infra_failed') or 0)} infra-failed episodes)"
+    return f"{value:.3f}"
 
 
 def resolve_run_dir(config: AgentRLConfig) -> Path:
@@ -126,25 +136,31 @@ def _init_ray() -> None:
 class _Run:
     """The state of one training run inside the driver's event loop."""
 
-    def __init__(self, config: AgentRLConfig, run_dir: Path, checkpoint: Path | None) -> None:
+    def __init__(self, job: Job, run_dir: Path, checkpoint: Path | None) -> None:
+        config = job.config
+        self.job = job
         self.config = config
         self.run_dir = run_dir
         self.checkpoint = checkpoint
-        self.train_rows = load_split_rows(config, "train")
-        try:
-            self.val_rows: list[dict[str, Any]] = load_split_rows(config, "test")
-        except ConfigError as exc:
-            log.warning("no held-out evaluation: %s", exc)
-            self.val_rows = []
-        if config.data.num_val_rows:
-            self.val_rows = self.val_rows[: config.data.num_val_rows]
-        self.sampler = PromptSampler(len(self.train_rows), seed=config.run.seed, shuffle=config.data.shuffle)
+        # Indexed by dataset row number (the ledger's indices); None where a malformed row was skipped.
+        self.train_rows = job.train_rows
+        self.val_rows: list[dict[str, Any]] = job.val_rows
+        for note in job.notes:
+            log.warning("%s", note)
+        self.infra = InfraMonitor(config.run.max_infra_failure_rate, config.run.infra_failure_window,
+                                  min_episodes=config.data.prompts_per_step * config.rollout.samples_per_prompt)
+        self.sampler = PromptSampler(len(self.train_rows), seed=config.run.seed, shuffle=config.data.shuffle,
+                                     skip=[s.index for s in job.train_skipped])
         if checkpoint is None:  # a fresh run: no records of an earlier, checkpoint-less attempt
             for stale in ("ledger.jsonl", "metrics.jsonl", "eval.jsonl"):
                 (run_dir / stale).unlink(missing_ok=True)
         self.ledger = PromptLedger(run_dir / "ledger.jsonl")
-        self.eval_before: dict[str, float] = {}
-        self.eval_after: dict[str, float] = {}
+        if checkpoint is None:  # a resumed run has them in its checkpoint's ledger
+            for bad in job.train_skipped:
+                self.ledger.skipped(bad.index, str(bad))
+        self.rollouts = RolloutLog(run_dir, job.template.tokenizer, config.run.keep_rollouts, seed=config.run.seed)
+        self.eval_before: dict[str, float | None] = {}
+        self.eval_after: dict[str, float | None] = {}
         self.steps_done = 0
         self.scheduler: Scheduler | None = None
         self.last_saved_step = -1
@@ -153,9 +169,19 @@ class _Run:
     # ── pieces the scheduler calls ──────────────────────────────────────────────────────────
     async def rollout(self, ref: PromptRef) -> list[Any]:
         row = self.train_rows[ref.index]
+        assert row is not None, "the sampler never hands out a skipped row"
         index = ref.epoch * len(self.train_rows) + ref.index
         seed = group_seed(self.config.run.seed, index * 16 + ref.attempt)
-        return await self.worker.run_group(row, self.config.rollout.samples_per_prompt, seed=seed, group_id=ref.key)
+        group = await self.worker.run_group(row, self.config.rollout.samples_per_prompt, seed=seed, group_id=ref.key)
+        self.infra.record(final_segments(group))  # an agent episode in segments is one episode
+        try:
+            self.infra.check()
+        except InfraFailureError:
+            # The step never reaches after_step: keep its failed episodes for `agentrl view` here.
+            path = self.rollouts.write_stopped(self.steps_done, list(self.infra.window))
+            log.error("the infrastructure-failed episodes that stopped the run are in %s", path)
+            raise
+        return group
 
     def classify(self, group: GroupResult) -> Verdict:
         verdict = default_classify(group)
@@ -169,7 +195,9 @@ class _Run:
         return "ok", ""
 
     async def train(self, step: int, groups: list[GroupResult]) -> dict[str, float]:
-        trajectories = [t for g in groups for t in g.trajectories]
+        self.infra.check()  # a run whose episodes fail for infrastructure reasons stops before training
+        # Infrastructure failures are masked out of the loss: they never reach the trainer at all.
+        trajectories = [t for g in groups for t in g.trajectories if t.trainable]
         metrics = await self.trainer.train(trajectories)
         assert self.scheduler is not None
         path, export_s = await self.trainer.export(self.scheduler.trainer_version + 1)
@@ -195,13 +223,17 @@ class _Run:
         metrics["policy/version"] = float(self.scheduler.server_version)
         metrics["batch/groups"] = float(len(record.groups))
         metrics["batch/discarded_groups"] = float(len(record.discarded))
+        metrics["episodes/infra_rate"] = self.infra.rate
+        metrics["episodes/infra_failed_total"] = float(self.infra.failed)
         metrics.update({f"ledger/{k}": float(v) for k, v in self.ledger.summary().items()})
+        self.rollouts.write_step(step, record.groups, record.discarded, self.train_rows)  # for `agentrl view`
+        metrics["time/rollout_log_s"] = self.rollouts.last_seconds
         self.steps_done = step + 1
         last = step + 1 >= self.config.run.total_steps
         every = self.config.run.eval_every
         if self.val_rows and (last or (every and (step + 1) % every == 0)):
             result = await self.evaluate(step + 1)
-            metrics.update({f"eval/{k}": v for k, v in result.items()})
+            metrics.update({f"eval/{k}": v for k, v in result.items() if v is not None})  # unmeasured: absent
             if last:
                 self.eval_after = result
         self.logger.log(step, metrics)
@@ -210,15 +242,13 @@ class _Run:
             await self.save(step)
 
     # ── evaluation and checkpoints ──────────────────────────────────────────────────────────
-    async def evaluate(self, after_steps: int) -> dict[str, float]:
+    async def evaluate(self, after_steps: int) -> dict[str, float | None]:
         assert self.scheduler is not None
         start = time.perf_counter()
+        out = self.run_dir / "eval" / f"step-{after_steps:06d}"
         async with self.scheduler.push_lock:  # the weights must not change under the evaluation
-            report = await evaluate(
-                self.config, self.router, self.val_rows, self.run_dir / "eval" / f"step-{after_steps:06d}",
-                close_sandbox=False,
-            )
-        result = {
+            report = await evaluate(self.job, self.router, self.val_rows, out)
+        result: dict[str, float | None] = {
             "pass_at_1": report.pass_at_1, f"pass_at_{report.k}": report.pass_at_k,
             "mean_reward": report.mean_reward, "tool_calls_per_episode": report.tool_calls_per_episode,
             "problems": float(report.problems), "infra_failed": float(report.infra_failed_episodes),
@@ -226,9 +256,11 @@ class _Run:
         }  # fmt: skip
         with (self.run_dir / "eval.jsonl").open("a") as f:
             f.write(json.dumps({"step": after_steps, **result}) + "\n")
-        log.info("held-out eval after %d step(s): pass@1 %.3f on %d problems (%.0f s)",
-                 after_steps, report.pass_at_1, report.problems, result["seconds"])
+        log.info("held-out eval after %d step(s): pass@1 %s on %d problems, %d/%d infra-failed episodes (%.0f s)",
+                 after_steps, _score(result), report.problems, report.infra_failed_episodes, report.episodes,
+                 result["seconds"])
         self.last_eval_step = after_steps
+        check_infra_failures(self.config, report, out)  # an unmeasured evaluation stops the run
         return result
 
     async def save(self, step: int) -> None:
@@ -274,7 +306,13 @@ class _Run:
         return int(state["steps_done"]), int(state["trainer_version"])
 
     # ── the run ─────────────────────────────────────────────────────────────────────────────
-    async def main(self, trainer: Any, service: Any, model_path: str) -> None:
+    async def main(self, trainer: Any, service: Any) -> None:
+        try:
+            await self._main(trainer, service)
+        finally:
+            await self.job.aclose()  # the sandbox's workers belong to this event loop
+
+    async def _main(self, trainer: Any, service: Any) -> None:
         from agentrl.inference.router import Router
 
         config = self.config
@@ -282,8 +320,8 @@ class _Run:
         self.router: Router = service.client
         self.weights_dir = self.run_dir / "weights"
         await self.router.start()
-        loop = build_agent_loop(config, self.router)
-        self.worker = RolloutWorker(loop, env_factory(config), max_concurrent=config.rollout.max_concurrent_episodes)
+        loop = self.job.agent_loop(self.router)
+        self.worker = RolloutWorker(loop, self.job.make_env, max_concurrent=config.rollout.max_concurrent_episodes)
 
         start_step, version = 0, 0
         if self.checkpoint is not None:
@@ -313,36 +351,46 @@ class _Run:
         try:
             if self.val_rows and start_step == 0:
                 self.eval_before = await self.evaluate(0)
-                self.logger.log_event(0, self.eval_before, "eval")
+                self.logger.log_event(0, {k: v for k, v in self.eval_before.items() if v is not None}, "eval")
             await self.scheduler.run(start_step, config.run.total_steps)
         finally:
             self.logger.close()
-            await close_default_sandbox()
 
 
 def run_training(config: AgentRLConfig) -> RunResult:
-    """`agentrl run`: train `config` end to end (see the module docstring); return what happened."""
+    """`agentrl run`: train `config` end to end (see the module docstring); return what happened.
+
+    Everything is built and checked first (`build_job`, then `preflight`): a config that cannot
+    do useful work fails here, in seconds, before a server, a trainer or Ray starts.
+    """
     from agentrl.inference.serve import serve_from_config
-    from agentrl.models import resolve_model_path
     from agentrl.orchestration.trainer_group import TrainerGroup
 
     started = time.perf_counter()
-    run_dir, checkpoint = _prepare_run_dir(config)
+    job = build_job(config, "run")
+    try:
+        preflight(job)
+        run_dir, checkpoint = _prepare_run_dir(config)
+    except BaseException:
+        asyncio.run(job.aclose())
+        raise
     save_config(config, run_dir)
     handler = logging.FileHandler(run_dir / "driver.log")
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     logging.getLogger("agentrl").addHandler(handler)
-    run = _Run(config, run_dir, checkpoint)  # reads the data first: a bad row fails before anything starts
     try:
-        model_path = resolve_model_path(config.model.path)
+        run = _Run(job, run_dir, checkpoint)
         _init_ray()
-        trainer = TrainerGroup(config, model_path, run_dir / "weights")  # loads while the servers start
+        trainer = TrainerGroup(config, job.model_path, run_dir / "weights")  # loads while the servers start
         try:
             served = config.model_copy(deep=True)
-            served.model.path = model_path
+            served.model.path = job.model_path
             service = serve_from_config(served, log_dir=run_dir / "logs")
             try:
-                asyncio.run(run.main(trainer, service, model_path))
+                asyncio.run(run.main(trainer, service))
+            except AgentRLError as exc:
+                log.error("the run stopped: %s", exc)  # in driver.log too, with the fix
+                raise
             finally:
                 service.stop()
         finally:
@@ -350,6 +398,7 @@ def run_training(config: AgentRLConfig) -> RunResult:
     finally:
         logging.getLogger("agentrl").removeHandler(handler)
         handler.close()
+        asyncio.run(job.aclose())
     scheduler = run.scheduler
     summary = run.ledger.check()
     result = RunResult(

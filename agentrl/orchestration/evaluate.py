@@ -12,7 +12,8 @@ resolved rate: resolved valid episodes over all valid episodes (an episode the A
 before the env graded it counts as not resolved).
 
 Written to the output directory: `report.json`, and `trajectories.jsonl` with every episode's
-ledger plus its decoded text, for inspection. Training is not this module's business.
+ledger and decoded text (the format of `agentrl.orchestration.trajectory_log`; `agentrl view DIR`
+shows it). Training is not this module's business.
 """
 
 from __future__ import annotations
@@ -27,12 +28,12 @@ from pathlib import Path
 from typing import Any
 
 from agentrl.config import AgentRLConfig, save_config
-from agentrl.errors import AgentRLError
+from agentrl.errors import InfraFailureError
 from agentrl.gateway.session import final_segments
-from agentrl.orchestration.components import build_agent_loop, env_factory, load_split_rows
-from agentrl.registry import ENVS
+from agentrl.orchestration.build import Job, build_job
+from agentrl.orchestration.infra import describe_infra_failures, fix_for
+from agentrl.orchestration.trajectory_log import write_eval_trajectories
 from agentrl.rollout import GenerateClient, RolloutWorker
-from agentrl.tools.session import close_default_sandbox
 from agentrl.types import Trajectory
 
 __all__ = ["EvalReport", "evaluate", "pass_at_k", "run_eval"]
@@ -58,9 +59,9 @@ class EvalReport:
     model: str
     problems: int
     k: int
-    pass_at_1: float
-    pass_at_k: float
-    mean_reward: float
+    pass_at_1: float | None
+    pass_at_k: float | None
+    mean_reward: float | None
     episodes: int
     infra_failed_episodes: int
     finish_reasons: dict[str, int]
@@ -70,21 +71,32 @@ class EvalReport:
     parse_errors_per_episode: float
     mean_sampled_tokens: float
     seconds: float
-    by_data_source: dict[str, dict[str, float]] = field(default_factory=dict)
+    by_data_source: dict[str, dict[str, float | None]] = field(default_factory=dict)
     resolved_rate: float | None = None
     output_dir: str = ""
 
+    @property
+    def measured(self) -> bool:
+        """Whether any episode was valid (not an infrastructure failure): else nothing was measured."""
+        return self.pass_at_1 is not None
+
     def summary(self) -> str:
+        if not self.measured:
+            return (
+                f"{self.env} | {self.model} | {self.problems} problems x {self.k} samples: NOT MEASURED: "
+                f"all {self.episodes} episodes failed for infrastructure reasons, {self.seconds:.0f} s"
+            )
         return (
             f"{self.env} | {self.model} | {self.problems} problems x {self.k} samples: "
             f"pass@1 {self.pass_at_1:.3f}, pass@{self.k} {self.pass_at_k:.3f}, mean reward {self.mean_reward:.3f}"
             + (f", resolved {self.resolved_rate:.3f}" if self.resolved_rate is not None else "")
-            + f", tool calls/episode {self.tool_calls_per_episode:.2f}, infra failures {self.infra_failed_episodes}, "
-            f"{self.seconds:.0f} s"
+            + f", tool calls/episode {self.tool_calls_per_episode:.2f}, infra failures "
+            f"{self.infra_failed_episodes}/{self.episodes}, {self.seconds:.0f} s"
         )
 
 
-def _rates(groups: list[list[Trajectory]], k: int) -> tuple[float, float]:
+def _rates(groups: list[list[Trajectory]], k: int) -> tuple[float | None, float | None]:
+    """pass@1 and pass@k over the problems with a valid episode; None when there is none."""
     p1, pk = [], []
     for group in groups:
         valid = [t for t in group if t.trainable]
@@ -93,19 +105,15 @@ def _rates(groups: list[list[Trajectory]], k: int) -> tuple[float, float]:
         c = sum((t.reward or 0.0) >= SOLVED for t in valid)
         p1.append(pass_at_k(len(valid), c, 1))
         pk.append(pass_at_k(len(valid), c, k))
-    return (sum(p1) / len(p1) if p1 else 0.0, sum(pk) / len(pk) if pk else 0.0)
+    if not p1:
+        return None, None
+    return sum(p1) / len(p1), sum(pk) / len(pk)
 
 
-def _reports_resolved(env_name: str, trajs: list[Trajectory]) -> bool:
-    if any("resolved" in t.metrics for t in trajs):
-        return True
-    try:
-        return bool(getattr(ENVS.resolve(env_name), "reports_resolved", False))
-    except AgentRLError:
-        return False
-
-
-def summarise(config: AgentRLConfig, groups: list[list[Trajectory]], seconds: float, out_dir: str = "") -> EvalReport:
+def summarise(
+    config: AgentRLConfig, groups: list[list[Trajectory]], seconds: float, out_dir: str = "",
+    *, reports_resolved: bool = False,
+) -> EvalReport:
     groups = [final_segments(g) for g in groups]  # an agent episode in segments counts once
     trajs = [t for g in groups for t in g]
     valid = [t for t in trajs if t.trainable]
@@ -118,7 +126,7 @@ def summarise(config: AgentRLConfig, groups: list[list[Trajectory]], seconds: fl
     by_source: dict[str, list[list[Trajectory]]] = defaultdict(list)
     for g in groups:
         by_source[g[0].data_source or "unknown"].append(g)
-    breakdown = {}
+    breakdown: dict[str, dict[str, float | None]] = {}
     for source, gs in sorted(by_source.items()):
         s1, sk = _rates(gs, config.eval.k)
         breakdown[source] = {"problems": len(gs), "pass_at_1": s1, f"pass_at_{config.eval.k}": sk}
@@ -129,7 +137,7 @@ def summarise(config: AgentRLConfig, groups: list[list[Trajectory]], seconds: fl
         k=config.eval.k,
         pass_at_1=p1,
         pass_at_k=pk,
-        mean_reward=sum(t.reward or 0.0 for t in valid) / max(len(valid), 1),
+        mean_reward=sum(t.reward or 0.0 for t in valid) / len(valid) if valid else None,
         episodes=len(trajs),
         infra_failed_episodes=len(trajs) - len(valid),
         finish_reasons=dict(Counter(t.finish_reason.value if t.finish_reason else "none" for t in trajs)),
@@ -140,66 +148,89 @@ def summarise(config: AgentRLConfig, groups: list[list[Trajectory]], seconds: fl
         mean_sampled_tokens=sum(t.num_sampled for t in trajs) / n,
         seconds=seconds,
         by_data_source=breakdown,
-        resolved_rate=(sum(t.metrics.get("resolved", 0.0) for t in valid) / max(len(valid), 1)
-                       if _reports_resolved(config.env.name, trajs) else None),
+        resolved_rate=(sum(t.metrics.get("resolved", 0.0) for t in valid) / len(valid)
+                       if valid and (reports_resolved or any("resolved" in t.metrics for t in trajs)) else None),
         output_dir=out_dir,
     )
 
 
-async def evaluate(
-    config: AgentRLConfig,
-    client: GenerateClient,
-    rows: list[dict[str, Any]],
-    out_dir: str | Path,
-    *,
-    close_sandbox: bool = True,
-) -> EvalReport:
+async def evaluate(job: Job, client: GenerateClient, rows: list[dict[str, Any]], out_dir: str | Path) -> EvalReport:
     """Play `rows` with `eval.k` samples each through `client`; write and return the report.
 
-    `close_sandbox=False` leaves this event loop's default sandbox open, for a caller (the training
-    driver) whose other episodes still use it.
+    The job's sandbox stays open: whoever built the job closes it (`Job.aclose`).
     """
+    config = job.config
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    loop = build_agent_loop(config, client, temperature=config.eval.temperature)
-    worker = RolloutWorker(loop, env_factory(config), max_concurrent=config.rollout.max_concurrent_episodes)
+    loop = job.agent_loop(client, evaluation=True)
+    worker = RolloutWorker(loop, job.make_env, max_concurrent=config.rollout.max_concurrent_episodes)
     start = time.perf_counter()
-    try:
-        groups = await worker.run_batch(rows, config.eval.k, seed=config.run.seed)
-    finally:
-        if close_sandbox:
-            await close_default_sandbox()
+    groups = await worker.run_batch(rows, config.eval.k, seed=config.run.seed)
     seconds = time.perf_counter() - start
-    tokenizer = loop.template.tokenizer
-    with (out / "trajectories.jsonl").open("w") as f:
-        for group, row in zip(groups, rows, strict=True):
-            for t in group:
-                record = t.to_dict()
-                record["text"] = tokenizer.decode(t.token_ids, skip_special_tokens=False)
-                record["ground_truth"] = (row.get("reward_model") or {}).get("ground_truth")
-                f.write(json.dumps(record) + "\n")
-    report = summarise(config, groups, seconds, str(out))
+    write_eval_trajectories(out / "trajectories.jsonl", groups, rows, loop.template.tokenizer)
+    report = summarise(config, groups, seconds, str(out), reports_resolved=job.env_cls.reports_resolved)
     (out / "report.json").write_text(json.dumps(asdict(report), indent=2))
     return report
 
 
-def run_eval(config: AgentRLConfig, *, client: GenerateClient | None = None) -> EvalReport:
-    """`agentrl eval`: start the configured servers (unless a client is given), evaluate, stop them."""
-    from agentrl.inference.serve import serve_from_config
+def check_infra_failures(config: AgentRLConfig, report: EvalReport, groups_dir: str | Path) -> None:
+    """Raise `InfraFailureError` when more than `run.max_infra_failure_rate` of the evaluation's
+    episodes failed for infrastructure reasons (the report is written first; nothing is lost)."""
+    if not report.episodes or report.infra_failed_episodes / report.episodes <= config.run.max_infra_failure_rate:
+        return
+    trajs = _read_trajectories(Path(groups_dir) / "trajectories.jsonl")
+    cause, count = describe_infra_failures(trajs)
+    measured = "nothing was measured" if not report.measured else "the scores cover too few episodes to mean much"
+    raise InfraFailureError(
+        f"{report.infra_failed_episodes} of {report.episodes} evaluation episodes failed for infrastructure "
+        f"reasons (more than run.max_infra_failure_rate={config.run.max_infra_failure_rate:g}): {measured}. "
+        f"Commonest cause ({count} episodes): {cause}\nFix: {fix_for(cause)}. The report is in {report.output_dir}."
+    )
 
-    rows = load_split_rows(config, "test")
-    if config.eval.max_rows:
-        rows = rows[: config.eval.max_rows]
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    out = Path(config.eval.output_dir or Path(config.run.output_dir) / f"eval-{config.env.name}-{stamp}")
-    out.mkdir(parents=True, exist_ok=True)
-    save_config(config, out)
-    service = None
-    if client is None:
-        service = serve_from_config(config, log_dir=out / "logs")
-        client = service.client
+
+def _read_trajectories(path: Path) -> list[Trajectory]:
+    out = []
+    if path.is_file():
+        for line in path.read_text().splitlines():
+            if line.strip():
+                d = json.loads(line)
+                out.append(Trajectory(fault=d.get("fault"), error=d.get("error")))
+    return out
+
+
+def run_eval(config: AgentRLConfig, *, client: GenerateClient | None = None) -> EvalReport:
+    """`agentrl eval`: build and check everything, start the configured servers (unless a client is
+    given), evaluate, stop them. Raises `InfraFailureError` (after writing the report) when too many
+    episodes failed for infrastructure reasons."""
+    from agentrl.inference.serve import serve_from_config
+    from agentrl.orchestration.preflight import preflight
+
+    job = build_job(config, "eval")
     try:
-        return asyncio.run(evaluate(config, client, rows, out))
+        preflight(job)
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        out = Path(config.eval.output_dir or Path(config.run.output_dir) / f"eval-{config.env.name}-{stamp}")
+        out.mkdir(parents=True, exist_ok=True)
+        save_config(config, out)
+        service = None
+        if client is None:
+            served = config.model_copy(deep=True)
+            served.model.path = job.model_path
+            service = serve_from_config(served, log_dir=out / "logs")
+            client = service.client
+        try:
+            report = asyncio.run(_evaluate_and_close(job, client, out))
+        finally:
+            if service is not None:
+                service.stop()
     finally:
-        if service is not None:
-            service.stop()
+        asyncio.run(job.aclose())
+    check_infra_failures(config, report, out)
+    return report
+
+
+async def _evaluate_and_close(job: Job, client: GenerateClient, out: Path) -> EvalReport:
+    try:
+        return await evaluate(job, client, job.val_rows, out)
+    finally:
+        await job.aclose()  # the sandbox's workers belong to this event loop

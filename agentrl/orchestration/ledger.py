@@ -2,15 +2,21 @@
 
 `PromptSampler` hands out dataset rows in a seeded order, epoch after epoch, with a requeue that
 takes precedence (prompts whose episodes all failed for infrastructure reasons, and prompts that
-were in flight when a run stopped). Its `state()` is the data position a checkpoint stores, so a
+were in flight when a run stopped). Rows skipped as malformed (`data.skip_bad_rows`) keep their
+numbers and are never handed out. Its `state()` is the data position a checkpoint stores, so a
 resumed run takes exactly the prompts the uninterrupted run would have taken next.
 
 `PromptLedger` records what became of each prompt *attempt*: `trained` (at which step),
 `filtered` (why: equal rewards under dynamic filtering, prompt too long), `requeued` (its episodes
 failed for infrastructure reasons; the prompt goes back to the sampler), `failed` (it failed
 `max_attempts` times), or `unfinished` (still in flight or queued when the run ended; a resumed run
-takes it first). `check()` proves the books balance: every prompt taken is in exactly one of those
-states or still in flight. It is written as JSON lines to `ledger.jsonl` in the run directory.
+takes it first). A dataset row skipped as malformed has one entry of its own, `skipped` (key
+`skipped-r<index>`, the reason naming file, row and field), recorded when the run starts; it is
+never taken. Ledger indices are the dataset's row numbers (`agentrl.datasets`: consecutive across
+files). `check()` proves the books balance: every prompt attempt taken is in exactly one of those
+states or still in flight, and no skipped row was taken; `summary()["taken"]` counts attempts, and
+`summary()["skipped"]` the skipped rows apart from them. It is written as JSON lines to
+`ledger.jsonl` in the run directory.
 It does not run episodes or train; the scheduler calls it.
 """
 
@@ -28,8 +34,9 @@ from agentrl.errors import AgentRLError
 
 __all__ = ["LedgerError", "PromptLedger", "PromptRef", "PromptSampler", "PromptStatus"]
 
-PromptStatus = Literal["in_flight", "trained", "filtered", "requeued", "failed", "unfinished"]
+PromptStatus = Literal["in_flight", "trained", "filtered", "requeued", "failed", "unfinished", "skipped"]
 _FINAL: frozenset[str] = frozenset({"trained", "filtered", "requeued", "failed", "unfinished"})
+_SKIPPED: Literal["skipped"] = "skipped"
 
 
 class LedgerError(AgentRLError):
@@ -59,10 +66,14 @@ class PromptRef:
 
 
 class PromptSampler:
-    """Seeded epoch order over `num_rows` rows, plus a requeue served first (see module docstring)."""
+    """Seeded epoch order over `num_rows` rows, plus a requeue served first (see module docstring).
 
-    def __init__(self, num_rows: int, *, seed: int = 0, shuffle: bool = True) -> None:
-        if num_rows < 1:
+    Rows in `skip` (skipped as malformed) are left out of every epoch; the others keep their numbers.
+    """
+
+    def __init__(self, num_rows: int, *, seed: int = 0, shuffle: bool = True, skip: Iterable[int] = ()) -> None:
+        self.skip = frozenset(skip)
+        if num_rows - len(self.skip & set(range(num_rows))) < 1:
             raise ValueError("the dataset has no rows to train on")
         self.num_rows = num_rows
         self.seed = seed
@@ -73,7 +84,7 @@ class PromptSampler:
         self.requeued: deque[PromptRef] = deque()
 
     def _order_of(self, epoch: int) -> list[int]:
-        order = list(range(self.num_rows))
+        order = [i for i in range(self.num_rows) if i not in self.skip]
         if self.shuffle:
             random.Random(f"{self.seed}:{epoch}").shuffle(order)
         return order
@@ -85,7 +96,7 @@ class PromptSampler:
             if self.requeued:
                 out.append(self.requeued.popleft())
                 continue
-            if self.cursor >= self.num_rows:
+            if self.cursor >= len(self._order):
                 self.epoch += 1
                 self.cursor = 0
                 self._order = self._order_of(self.epoch)
@@ -108,6 +119,7 @@ class PromptSampler:
             "cursor": self.cursor,
             "requeued": [[r.epoch, r.index, r.attempt] for r in pending],
             "num_rows": self.num_rows,
+            "num_skipped": len(self.skip),
             "seed": self.seed,
         }
 
@@ -116,6 +128,11 @@ class PromptSampler:
             raise AgentRLError(
                 f"The checkpoint's dataset had {state['num_rows']} rows, this one has {self.num_rows}; "
                 "resume with the same data, or start a new run (run.name=...)."
+            )
+        if state.get("num_skipped", len(self.skip)) != len(self.skip):
+            raise AgentRLError(
+                f"The checkpoint's dataset had {state['num_skipped']} malformed rows skipped, this one has "
+                f"{len(self.skip)}; resume with the same data, or start a new run (run.name=...)."
             )
         self.epoch = int(state["epoch"])
         self.cursor = int(state["cursor"])
@@ -142,9 +159,22 @@ class PromptLedger:
         self.path = Path(path) if path else None
         self.max_attempts = max_attempts
         self.entries: dict[str, LedgerEntry] = {}
+        self._skipped: set[int] = set()
 
     # ── transitions ─────────────────────────────────────────────────────────────────────────
+    def skipped(self, index: int, reason: str) -> None:
+        """Dataset row `index` was skipped as malformed (`reason` names file, row and field)."""
+        key = f"skipped-r{index}"
+        if key in self.entries:
+            raise LedgerError(f"row {index} was recorded as skipped twice")
+        entry = LedgerEntry(key, f"r{index}", 0, index, 0, _SKIPPED, None, reason)
+        self.entries[key] = entry
+        self._skipped.add(index)
+        self._write(entry)
+
     def taken(self, ref: PromptRef) -> None:
+        if ref.index in self._skipped:
+            raise LedgerError(f"prompt attempt {ref.key} takes row {ref.index}, which was skipped as malformed")
         if ref.key in self.entries:
             raise LedgerError(f"prompt attempt {ref.key} was taken twice")
         self.entries[ref.key] = LedgerEntry(ref.key, ref.uid, ref.epoch, ref.index, ref.attempt, "in_flight")
@@ -175,6 +205,9 @@ class PromptLedger:
             found = "never taken" if entry is None else f"already {entry.status}"
             raise LedgerError(f"prompt attempt {ref.key} cannot become {status}: it was {found}")
         entry.status, entry.step, entry.reason = status, step, reason
+        self._write(entry)
+
+    def _write(self, entry: LedgerEntry) -> None:
         if self.path is not None:
             with self.path.open("a") as f:
                 f.write(json.dumps(asdict(entry)) + "\n")
@@ -185,15 +218,25 @@ class PromptLedger:
         return [k for k, e in self.entries.items() if e.status == "in_flight"]
 
     def summary(self) -> dict[str, int]:
-        by_status = Counter(e.status for e in self.entries.values())
-        return {"taken": len(self.entries), **{s: by_status.get(s, 0) for s in (*sorted(_FINAL), "in_flight")}}
+        """Attempts `taken` and how many are in each state; `skipped` rows are counted apart."""
+        by_status: Counter[str] = Counter(e.status for e in self.entries.values())
+        return {"taken": len(self.entries) - by_status.get(_SKIPPED, 0),
+                **{s: by_status.get(s, 0) for s in (*sorted(_FINAL), "in_flight")},
+                _SKIPPED: by_status.get(_SKIPPED, 0)}
 
     def check(self, *, allow_in_flight: bool = True) -> dict[str, int]:
-        """Raise LedgerError unless every attempt taken is in exactly one state; return the counts."""
+        """Raise LedgerError unless every attempt taken is in exactly one state and no skipped row
+        was taken; return the counts."""
         summary = self.summary()
-        total = sum(v for k, v in summary.items() if k != "taken")
+        total = sum(v for k, v in summary.items() if k not in ("taken", _SKIPPED))
         if total != summary["taken"]:
             raise LedgerError(f"ledger does not balance: {summary}")
+        unknown = {e.status for e in self.entries.values()} - {*_FINAL, "in_flight", _SKIPPED}
+        if unknown:
+            raise LedgerError(f"ledger entries in unknown states {sorted(unknown)}")
+        taken_skipped = sorted({e.index for e in self.entries.values() if e.status != _SKIPPED} & self._skipped)
+        if taken_skipped:
+            raise LedgerError(f"rows skipped as malformed were taken: {taken_skipped[:5]}")
         if not allow_in_flight and summary["in_flight"]:
             raise LedgerError(f"{summary['in_flight']} prompt attempts are unaccounted for: {self.in_flight[:5]}")
         return summary
@@ -203,4 +246,5 @@ class PromptLedger:
 
     def load_state(self, state: dict[str, Any]) -> None:
         self.entries = {e["key"]: LedgerEntry(**e) for e in state.get("entries", [])}
+        self._skipped = {e.index for e in self.entries.values() if e.status == _SKIPPED}
         self.max_attempts = int(state.get("max_attempts", self.max_attempts))

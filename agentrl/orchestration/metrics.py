@@ -18,16 +18,30 @@ from __future__ import annotations
 import json
 import logging
 import math
+import re
 import statistics
 from collections import Counter
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from agentrl.errors import ConfigError
 from agentrl.types import FinishReason, Trajectory
 
-__all__ = ["CONSOLE_KEYS", "MetricsLogger", "episode_metrics", "read_metrics"]
+__all__ = [
+    "CONSOLE_KEYS",
+    "PANELS",
+    "MetricsLogger",
+    "Panel",
+    "PanelData",
+    "dashboard_panels",
+    "episode_metrics",
+    "read_evals",
+    "read_metrics",
+    "tensorboard_layout",
+    "time_split",
+]
 
 log = logging.getLogger("agentrl.run")
 
@@ -49,6 +63,144 @@ CONSOLE_KEYS: tuple[tuple[str, str], ...] = (
 )
 
 
+
+
+@dataclass(frozen=True)
+class Panel:
+    """One picture of the dashboard: curves that are read together.
+
+    `keys` are metric names; a key ending in `*` stands for every logged key with that prefix
+    (`finish/*`: one curve per finish reason). Keys under `eval/` come from `eval.jsonl`, which
+    also holds the evaluation before the first step. `stacked` panels add their curves up (shares
+    of a whole, parts of a step's time).
+    """
+
+    title: str
+    keys: tuple[str, ...]
+    hint: str = ""
+    stacked: bool = False
+
+
+# The dashboard, in reading order: `agentrl plot`, `agentrl view` and TensorBoard's custom
+# scalars all draw these, and leave out (naming them) the panels with nothing to show.
+PANELS: tuple[Panel, ...] = (
+    Panel("Reward", ("episodes/reward_mean", "episodes/solved_frac"),
+          "mean reward and share solved (reward >= 1) of each step's episodes"),
+    Panel("Held-out pass@k", ("eval/pass_at_*",), "held-out evaluations, the one before training included"),
+    Panel("Infrastructure failures", ("tools/error_rate_infra", "episodes/infra_failed_frac", "episodes/infra_rate"),
+          "tool calls / episodes that failed for infrastructure reasons: masked, never trained"),
+    Panel("Tool use", ("tools/calls_per_episode", "tools/used_frac"), "calls per episode; share of episodes with one"),
+    Panel("Model's tool errors", ("tools/error_rate_model", "tools/parse_errors_per_episode"),
+          "calls that failed by the model's fault; malformed calls per episode"),
+    Panel("Finish reasons", ("finish/*",), "how episodes ended (shares)", stacked=True),
+    Panel("Response length", ("episodes/response_tokens_mean", "episodes/response_tokens_max"),
+          "sampled tokens per episode"),
+    Panel("Groups without signal", ("episodes/zero_var_group_frac",),
+          "groups whose rewards are all equal: GRPO learns nothing from them"),
+    Panel("KL", ("actor/ppo_kl", "actor/kl_ref", "actor/kl_in_reward"), "between policy versions; to the reference"),
+    Panel("Entropy", ("actor/entropy",)),
+    Panel("Clip fraction", ("actor/pg_clipfrac",)),
+    Panel("Grad norm", ("actor/grad_norm",)),
+    Panel("Rollout / trainer mismatch", ("rollout/logprob_abs_diff",),
+          "mean |trainer - rollout engine| logprob of the sampled tokens"),
+    Panel("Staleness", ("staleness/max", "staleness/mean"), "policy versions between sampling and training"),
+    Panel("Time split", ("time/split/wait_rollout_s", "time/split/train_s", "time/split/weights_s",
+                         "time/split/other_s"),
+          "seconds of each step: waiting for rollouts, training, exporting and pushing weights, the rest",
+          stacked=True),
+)
+
+
+@dataclass
+class PanelData:
+    """A panel with its curves: key -> (steps, values); `empty` says why there is nothing to show."""
+
+    panel: Panel
+    series: dict[str, tuple[list[float], list[float]]] = field(default_factory=dict)
+    empty: str = ""
+
+
+def tensorboard_layout(panels: Sequence[Panel] = PANELS) -> dict[str, dict[str, list[Any]]]:
+    """The dashboard's panels as TensorBoard custom scalars (its CUSTOM SCALARS tab): one chart per
+    panel, its curves together (stacked panels are drawn as lines there)."""
+    def pattern(key: str) -> str:
+        return f"^{re.escape(key[:-1])}.*$" if key.endswith("*") else f"^{re.escape(key)}$"
+
+    return {"agentrl dashboard": {p.title: ["Multiline", [pattern(k) for k in p.keys]] for p in panels}}
+
+
+def time_split(metrics: dict[str, Any]) -> dict[str, float]:
+    """The step time cut into parts that add up to `time/step_s` (the `Time split` panel):
+    waiting for rollouts, training (without the export), exporting and pushing weights, the rest."""
+    if "time/step_s" not in metrics:
+        return {}
+
+    def get(key: str) -> float:
+        value = metrics.get(key, 0.0)
+        return float(value) if isinstance(value, (int, float)) and math.isfinite(value) else 0.0
+
+    wait = get("time/rollout_s") + get("time/idle_s") + get("time/wait_rollout_s") + get("time/wait_push_s")
+    train = max(0.0, get("time/train_s") - get("time/export_s"))
+    weights = get("time/weight_sync_s")
+    return {
+        "time/split/wait_rollout_s": wait,
+        "time/split/train_s": train,
+        "time/split/weights_s": weights,
+        "time/split/other_s": max(0.0, get("time/step_s") - wait - train - weights),
+    }
+
+
+def dashboard_panels(
+    records: Sequence[dict[str, Any]], evals: Sequence[dict[str, Any]] = (), panels: Sequence[Panel] = PANELS,
+) -> list[PanelData]:
+    """Each panel's curves from a run's metrics (`read_metrics`) and evaluations (`read_evals`).
+
+    x is the number of steps done: a step's metrics (`step` s, 0-based) sit at s + 1, an evaluation
+    after N steps at N (the one before training at 0). A panel none of whose keys was logged is
+    empty ("not logged"), and so is one whose every value is 0 ("always 0"); callers leave those out
+    and say so.
+    """
+    rows = [{**r, **time_split(r)} for r in records]
+    eval_rows = [{f"eval/{k}": v for k, v in e.items() if k != "step"} | {"_x": float(e["step"])}
+                 for e in evals if "step" in e]
+    out = []
+    for panel in panels:
+        data = PanelData(panel)
+        for key in panel.keys:
+            source, xs_of = (eval_rows, lambda r: r["_x"]) if key.startswith("eval/") else (
+                rows, lambda r: float(r["step"]) + 1)
+            for name in _expand(key, source):
+                points = [(xs_of(r), float(r[name])) for r in source
+                          if isinstance(r.get(name), (int, float)) and math.isfinite(r[name])]
+                if points:
+                    data.series[name] = ([p[0] for p in points], [p[1] for p in points])
+        if not data.series:
+            data.empty = "not logged"
+        elif all(v == 0 for _, ys in data.series.values() for v in ys):
+            data.empty = "always 0"
+        out.append(data)
+    return out
+
+
+def _expand(key: str, rows: Sequence[dict[str, Any]]) -> list[str]:
+    if not key.endswith("*"):
+        return [key]
+    prefix = key[:-1]
+    return list(dict.fromkeys(k for r in rows for k in r if k.startswith(prefix)))
+
+
+def read_evals(path: str | Path) -> list[dict[str, Any]]:
+    """The held-out evaluations of a run (`eval.jsonl`), one per step (the last written wins)."""
+    path = Path(path)
+    if not path.is_file():
+        return []
+    by_step: dict[int, dict[str, Any]] = {}
+    for record in _records(path):
+        if "step" in record:
+            by_step[int(record["step"])] = record
+    return [by_step[s] for s in sorted(by_step)]
+
+
 def _mean(values: Sequence[float]) -> float:
     return sum(values) / len(values) if values else 0.0
 
@@ -66,6 +218,7 @@ def episode_metrics(
     out: dict[str, float] = {
         "episodes/count": float(len(trajs)),
         "episodes/infra_failed": float(len(trajs) - len(valid)),
+        "episodes/infra_failed_frac": (len(trajs) - len(valid)) / len(trajs),
         "episodes/reward_mean": _mean(rewards),
         "episodes/reward_std": statistics.pstdev(rewards) if len(rewards) > 1 else 0.0,
         "episodes/solved_frac": _mean([float(r >= SOLVED) for r in rewards]),
@@ -138,6 +291,7 @@ class MetricsLogger:
                     "pip install tensorboardX, or drop 'tensorboard' from run.loggers."
                 ) from exc
             self._tb = SummaryWriter(str(self.run_dir / "tensorboard"), purge_step=start_step or None)
+            self._tb.add_custom_scalars(tensorboard_layout())
         if "wandb" in self.sinks:
             try:
                 import wandb
@@ -168,7 +322,7 @@ class MetricsLogger:
         return clean
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
-        clean = self._to_dashboards(step, metrics)
+        clean = self._to_dashboards(step, {**metrics, **time_split(metrics)})
         if "jsonl" in self.sinks:
             with self.jsonl_path.open("a") as f:
                 f.write(json.dumps({"step": step, **clean}) + "\n")

@@ -1,64 +1,76 @@
-"""`agentrl plot RUN_DIR`: draw a run's metric curves (from `metrics.jsonl`) to PNG files.
+"""`agentrl plot RUN_DIR`: draw a run's dashboard (from `metrics.jsonl` and `eval.jsonl`) to PNG files.
 
-One PNG per metric, named after it (`reward.png` for `episodes/reward_mean`...), plus
-`dashboard.png` with the main curves on one page. The held-out evaluation points come from
-`eval.jsonl` (they include the evaluation before the first step). matplotlib draws them with its
-non-interactive backend, so it works on a machine without a display. Nothing here trains.
+The pictures are the dashboard's panels (`agentrl.orchestration.metrics.PANELS`, the same ones
+`agentrl view` and TensorBoard's custom scalars show): reward, held-out pass@k, infrastructure
+failures, tool use and the model's tool errors, finish reasons, response length, groups without
+signal, KL, entropy, clip fraction, grad norm, the rollout/trainer mismatch, staleness and the time
+split. A panel with nothing to show (never logged, or 0 at every step) is left out, and
+`dashboard.png` names what was left out and why, so a flat line never hides among the others.
+A panel of infrastructure failures above zero gets a red title: they are episodes that were never trained.
+
+Written: `dashboard.png` with every drawn panel, and one PNG per panel (`reward.png`,
+`infrastructure_failures.png`, ...). `keys=[...]` draws one panel per named metric instead.
+matplotlib draws with its non-interactive backend, so it works without a display. Nothing here trains.
 """
 
 from __future__ import annotations
 
-import json
+import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from agentrl.errors import ConfigError
-from agentrl.orchestration.metrics import read_metrics
+from agentrl.orchestration.metrics import Panel, PanelData, dashboard_panels, read_evals, read_metrics
 
-__all__ = ["DASHBOARD_KEYS", "plot_run"]
+__all__ = ["plot_run"]
 
-DASHBOARD_KEYS: tuple[str, ...] = (
-    "episodes/reward_mean",
-    "episodes/solved_frac",
-    "eval/pass_at_1",
-    "tools/calls_per_episode",
-    "tools/error_rate_model",
-    "episodes/response_tokens_mean",
-    "episodes/truncated_frac",
-    "episodes/zero_var_group_frac",
-    "actor/ppo_kl",
-    "actor/entropy",
-    "actor/pg_clipfrac",
-    "actor/grad_norm",
-    "rollout/logprob_abs_diff",
-    "staleness/max",
-    "time/step_s",
-    "time/weight_sync_s",
-)
+_ALARM = "Infrastructure failures"
+_COLOURS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#17becf")
 
 
-def _series(records: list[dict[str, Any]], key: str) -> tuple[list[float], list[float]]:
-    xs = [float(r["step"]) + 1 for r in records if key in r]
-    ys = [float(r[key]) for r in records if key in r]
-    return xs, ys
+def _slug(title: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "_", title.lower()).strip("_")
 
 
-def _eval_series(run_dir: Path) -> tuple[list[float], list[float]]:
-    path = run_dir / "eval.jsonl"
-    if not path.is_file():
-        return [], []
-    by_step: dict[int, float] = {}
-    for line in path.read_text().splitlines():
-        if line.strip():
-            record = json.loads(line)
-            by_step[int(record["step"])] = float(record.get("pass_at_1", 0.0))
-    steps = sorted(by_step)
-    return [float(s) for s in steps], [by_step[s] for s in steps]
+def _label(key: str) -> str:
+    return key.rsplit("/", 1)[-1]
+
+
+def _draw(ax: Any, data: PanelData, *, small: bool) -> None:
+    panel = data.panel
+    series = data.series
+    alarm = panel.title == _ALARM and any(v > 0 for _, ys in series.values() for v in ys)
+    if panel.stacked:
+        xs = sorted({x for sx, _ in series.values() for x in sx})
+        series = {k: v for k, v in series.items() if any(v[1])} or series  # a share that is always 0 adds nothing
+        stacks = []
+        for sx, sy in series.values():
+            at = dict(zip(sx, sy, strict=True))
+            stacks.append([at.get(x, 0.0) for x in xs])
+        ax.stackplot(xs, *stacks, labels=[_label(k) for k in series], colors=_COLOURS[: len(stacks)], alpha=0.85)
+    else:
+        for i, (key, (sx, sy)) in enumerate(series.items()):
+            colour = _COLOURS[i % len(_COLOURS)]
+            ax.plot(sx, sy, marker="o" if len(sx) < 30 else None, markersize=3, label=_label(key), color=colour)
+    title = panel.title
+    if alarm:
+        worst = max(v for _, ys in series.values() for v in ys)
+        title += f" (up to {worst:.0%})" if worst <= 1 else ""
+    ax.set_title(title, fontsize=9 if small else 11, color="#d62728" if alarm else "black")
+    ax.grid(alpha=0.3)
+    ax.xaxis.get_major_locator().set_params(integer=True)
+    ax.ticklabel_format(axis="y", useOffset=False)  # 11.9184 rather than "1e-5 + 1.19184e1"
+    if len(series) > 1 or panel.stacked:
+        ax.legend(fontsize=6 if small else 8, loc="best", framealpha=0.6)
+    if not small:
+        ax.set_xlabel("step")
+        if panel.hint:
+            ax.text(0.0, -0.2, panel.hint, transform=ax.transAxes, fontsize=7, color="#555555", va="top")
 
 
 def plot_run(run_dir: str | Path, out_dir: str | Path | None = None, *, keys: Sequence[str] | None = None) -> list[Path]:
-    """Draw the curves of the run in `run_dir`; return the PNG files written."""
+    """Draw the dashboard of the run in `run_dir`; return the PNG files written (see the module docstring)."""
     run_dir = Path(run_dir)
     metrics_path = run_dir / "metrics.jsonl"
     if not metrics_path.is_file():
@@ -69,45 +81,43 @@ def plot_run(run_dir: str | Path, out_dir: str | Path | None = None, *, keys: Se
     import matplotlib.pyplot as plt
 
     records = read_metrics(metrics_path)
+    evals = read_evals(run_dir / "eval.jsonl")
+    panels = None
+    if keys:
+        panels = [Panel(k, (k,)) for k in keys]
+    data = dashboard_panels(records, evals, panels) if panels else dashboard_panels(records, evals)
+    if keys:
+        unknown = [d.panel.title for d in data if d.empty == "not logged"]
+        if unknown:
+            raise ConfigError(f"no metric named {', '.join(unknown)} in {metrics_path}; see its keys with 'head -1'.")
+    drawn = [d for d in data if not d.empty or keys]
+    left_out = [d for d in data if d.empty and not keys]
     out = Path(out_dir) if out_dir else run_dir / "plots"
     out.mkdir(parents=True, exist_ok=True)
-    wanted = list(keys) if keys else list(DASHBOARD_KEYS)
-    available = {k for r in records for k in r}
-    unknown = [k for k in wanted if k not in available and k != "eval/pass_at_1"]
-    if keys and unknown:
-        raise ConfigError(f"no metric named {', '.join(unknown)} in {metrics_path}; see its keys with 'head -1'.")
-    drawn = [k for k in wanted if k in available or k == "eval/pass_at_1"]
-
-    def series(key: str) -> tuple[list[float], list[float]]:
-        return _eval_series(run_dir) if key == "eval/pass_at_1" else _series(records, key)
 
     written = []
-    for key in drawn:
-        xs, ys = series(key)
-        if not xs:
-            continue
-        fig, ax = plt.subplots(figsize=(6, 3.5))
-        ax.plot(xs, ys, marker="o" if len(xs) < 30 else None)
-        ax.set_xlabel("step")
-        ax.set_title(key)
-        ax.grid(alpha=0.3)
-        path = out / (key.replace("/", "_") + ".png")
+    for d in drawn:
+        fig, ax = plt.subplots(figsize=(6, 3.6))
+        _draw(ax, d, small=False)
         fig.tight_layout()
+        path = out / f"{_slug(d.panel.title)}.png"
         fig.savefig(path, dpi=100)
         plt.close(fig)
         written.append(path)
+
     cols = 4
     rows = max(1, -(-len(drawn) // cols))
-    fig, axes = plt.subplots(rows, cols, figsize=(4 * cols, 2.8 * rows), squeeze=False)
-    for ax, key in zip(axes.flat, drawn, strict=False):
-        xs, ys = series(key)
-        ax.plot(xs, ys)
-        ax.set_title(key, fontsize=9)
-        ax.grid(alpha=0.3)
+    fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 2.9 * rows + 0.6), squeeze=False)
+    for ax, d in zip(axes.flat, drawn, strict=False):
+        _draw(ax, d, small=True)
     for ax in list(axes.flat)[len(drawn):]:
         ax.axis("off")
-    fig.suptitle(run_dir.name)
-    fig.tight_layout()
+    last = int(max((r.get("step", 0) for r in records), default=-1)) + 1
+    fig.suptitle(f"{run_dir.name}: {last} step(s)", fontsize=12)
+    if left_out:
+        note = "Nothing to show: " + "; ".join(f"{d.panel.title} ({d.empty})" for d in left_out)
+        fig.text(0.01, 0.005, note, fontsize=8, color="#555555", va="bottom", wrap=True)
+    fig.tight_layout(rect=(0, 0.03 if left_out else 0, 1, 0.97))
     dashboard = out / "dashboard.png"
     fig.savefig(dashboard, dpi=90)
     plt.close(fig)

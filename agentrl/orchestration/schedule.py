@@ -335,6 +335,8 @@ class Scheduler:
                 t0 = time.perf_counter()
                 async with self._cond:
                     await self._cond.wait_for(self._batch_ready)
+                    if isinstance(self._fatal, AgentRLError):  # e.g. too many infrastructure failures
+                        raise self._fatal
                     if self._fatal is not None:
                         raise AgentRLError(f"a rollout failed unexpectedly: {self._fatal!r}") from self._fatal
                     batch = self._select()

@@ -14,6 +14,14 @@ bounded by what is left of the episode's time. Failures of the machinery (server
 timeout) set `fault="infra"`, so the trainer masks the episode instead of scoring it 0; nothing is
 dropped, every episode returns a trajectory. The loop closes the env when the episode ends.
 
+Which budget ended a truncated episode is in `trajectory.info["truncated_by"]`: the env's own
+reason (its step's `info["truncated_by"]`, e.g. `max_wall_s`) or the loop's, named by its config
+key (`rollout.max_turns`, `rollout.max_total_tokens`, `rollout.max_tokens_per_turn`,
+`rollout.episode_timeout_s`). When a loop budget ends an episode the env had not ended, the loop
+awaits `env.atruncate(that key)` under its own deadline (`truncate_timeout_s`, not the episode's),
+so an env that judges work done (SWE) grades the state it was left in; its reward and metrics
+count as a last step's, and its failure is an infrastructure fault (masked), never a reward of 0.
+
 The chat-template and parsing work of a turn (a few hundred microseconds) runs on the event loop,
 not on a thread, paced by a `CpuGate`: when thousands of episodes become ready together, it runs
 in slices of `cpu_slice_s` with socket and timer polls in between, so the loop never stalls much
@@ -33,6 +41,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from agentrl.chat import ChatTemplate, ConversationTokenizer
+from agentrl.config import RolloutConfig
 from agentrl.errors import AgentRLError
 from agentrl.rollout.pacing import CpuGate
 from agentrl.types import Action, FinishReason, Generation, Message, SamplingParams, Trajectory
@@ -63,39 +72,12 @@ class EpisodeState(enum.Enum):
     TERMINATED = "terminated"
 
 
-@dataclass(frozen=True)
-class AgentLoopConfig:
-    """Budgets and sampling of one episode (the `rollout` section of the run config)."""
-
-    max_turns: int = 4
-    max_tokens_per_turn: int = 256
-    max_total_tokens: int = 2048
-    temperature: float = 1.0
-    top_p: float = 1.0
-    episode_timeout_s: float = 600.0
-    request_timeout_s: float = 300.0
-    close_timeout_s: float = 30.0
-    verify_template: bool = False
-    """Re-render the whole conversation after each delta to count template mismatches (slow)."""
-    max_starting: int = 16
-    """Episodes in their start-up (env reset, first prompt) at once. asyncio runs every ready task
-    before it looks at timers and sockets, so a thousand episodes starting together would stall the
-    event loop for their whole start-up; admitting a few at a time keeps it responsive."""
-    cpu_slice_s: float = 0.002
-    """Longest burst of chat-template and parsing work the loop runs before it polls sockets and
-    timers again (`agentrl.rollout.pacing.CpuGate`); bounds event-loop stalls."""
-
-    @classmethod
-    def from_rollout_config(cls, rollout: Any) -> AgentLoopConfig:
-        return cls(
-            max_turns=rollout.max_turns,
-            max_tokens_per_turn=rollout.max_tokens_per_turn,
-            max_total_tokens=rollout.max_total_tokens,
-            temperature=rollout.temperature,
-            top_p=rollout.top_p,
-            episode_timeout_s=rollout.episode_timeout_s,
-            request_timeout_s=rollout.request_timeout_s,
-        )
+AgentLoopConfig = RolloutConfig
+"""Budgets and sampling of one episode: the run config's `rollout` section itself, so every knob
+the loop reads can be set from YAML and there is no second copy to keep in step. The loop reads
+`max_turns`, `max_tokens_per_turn`, `max_total_tokens`, `temperature`, `top_p`,
+`episode_timeout_s`, `request_timeout_s`, `close_timeout_s`, `truncate_timeout_s`, `verify_template`,
+`max_starting` and `cpu_slice_s`."""
 
 
 def end_of_turn_ids(tokenizer: Any) -> tuple[int, ...]:
@@ -119,6 +101,8 @@ class _Episode:
     seed: int | None
     deadline: float
     action: Action | None = None
+    env_open: bool = False
+    """The env has been reset and has not ended the episode itself."""
     turns: int = 0
     reward: float = 0.0
     last_info: dict[str, Any] = field(default_factory=dict)
@@ -135,9 +119,12 @@ class _Episode:
 class _EpisodeOver(Exception):
     """Raised inside a handler to end the episode with a reason (and maybe a fault)."""
 
-    def __init__(self, reason: FinishReason, fault: str | None = None, error: str | None = None) -> None:
+    def __init__(self, reason: FinishReason, fault: str | None = None, error: str | None = None,
+                 budget: str | None = None) -> None:
         super().__init__(reason.value)
         self.reason, self.fault, self.error = reason, fault, error
+        self.budget = budget
+        """The loop budget (its config key) that ended the episode, if one did."""
 
 
 class AgentLoop:
@@ -156,6 +143,7 @@ class AgentLoop:
         self.template = template
         self.parser = parser
         self.config = config or AgentLoopConfig()
+        self.truncate_timeout_s = self.config.truncate_timeout_s  # the deadline of env.atruncate
         tokenizer = template.tokenizer
         self.stop_token_ids = stop_token_ids if stop_token_ids is not None else end_of_turn_ids(tokenizer)
         self._starting: asyncio.Semaphore | None = None
@@ -198,6 +186,11 @@ class AgentLoop:
             while state is not EpisodeState.TERMINATED:
                 state = await self._handlers[state](ep)
         except _EpisodeOver as over:
+            try:
+                over = await self._settle(ep, over)
+            except asyncio.CancelledError:
+                self._finish(ep, FinishReason.ERROR, "infra", "the episode was cancelled")
+                raise
             self._finish(ep, over.reason, over.fault, over.error)
         except asyncio.CancelledError:
             self._finish(ep, FinishReason.ERROR, "infra", "the episode was cancelled")
@@ -216,23 +209,25 @@ class AgentLoop:
         if ep.row is not None:
             options["row"] = ep.row
         messages, info = await self._await(ep, ep.env.areset(seed=ep.seed, options=options), "env reset")
+        ep.env_open = True
         async with self.gate:
             ids = ep.conv.start(messages, info.get("tools") or None)
         if len(ids) >= self.config.max_total_tokens:
-            raise _EpisodeOver(FinishReason.MAX_LENGTH)
+            raise _EpisodeOver(FinishReason.MAX_LENGTH, budget="rollout.max_total_tokens")
         return EpisodeState.GENERATING
 
     async def _on_generating(self, ep: _Episode) -> EpisodeState:
         cfg = self.config
         budget = min(cfg.max_tokens_per_turn, cfg.max_total_tokens - len(ep.trajectory))
         if budget <= 0:
-            raise _EpisodeOver(FinishReason.MAX_LENGTH)
+            raise _EpisodeOver(FinishReason.MAX_LENGTH, budget="rollout.max_total_tokens")
         sampling = SamplingParams(
             temperature=cfg.temperature, top_p=cfg.top_p, max_tokens=budget, stop_token_ids=self.stop_token_ids
         )
         timeout = min(cfg.request_timeout_s, ep.time_left())
         if timeout <= 0:
-            raise _EpisodeOver(FinishReason.TIMEOUT, "infra", "no time left for the next generation")
+            raise _EpisodeOver(FinishReason.TIMEOUT, "infra", "no time left for the next generation",
+                               budget="rollout.episode_timeout_s")
         t0 = time.perf_counter()
         try:
             async with asyncio.timeout(timeout):
@@ -257,7 +252,8 @@ class AgentLoop:
         if generation.finish_reason == "length":
             # The turn was cut by a token budget: a half-written turn is not an action (verl and
             # DAPO treat it as a truncated response, which the overlong penalty can then shape).
-            raise _EpisodeOver(FinishReason.MAX_LENGTH)
+            which = "rollout.max_tokens_per_turn" if budget >= cfg.max_tokens_per_turn else "rollout.max_total_tokens"
+            raise _EpisodeOver(FinishReason.MAX_LENGTH, budget=which)
         return EpisodeState.PROCESSING_TOOLS
 
     async def _on_processing_tools(self, ep: _Episode) -> EpisodeState:
@@ -269,14 +265,18 @@ class AgentLoop:
             ep.timings["env_s"] += time.perf_counter() - t0
         ep.reward += float(reward)
         ep.last_info = info if isinstance(info, dict) else {}
+        if terminated or truncated:
+            ep.env_open = False
         if terminated:
             raise _EpisodeOver(FinishReason.DONE)
-        if truncated or ep.turns >= self.config.max_turns:
-            raise _EpisodeOver(FinishReason.MAX_TURNS)
+        if truncated:
+            raise _EpisodeOver(FinishReason.MAX_TURNS)  # the env's own reason is its info["truncated_by"]
+        if ep.turns >= self.config.max_turns:
+            raise _EpisodeOver(FinishReason.MAX_TURNS, budget="rollout.max_turns")
         async with self.gate:
             ids = ep.conv.add_messages(_as_messages(obs))
         if len(ids) >= self.config.max_total_tokens:
-            raise _EpisodeOver(FinishReason.MAX_LENGTH)
+            raise _EpisodeOver(FinishReason.MAX_LENGTH, budget="rollout.max_total_tokens")
         return EpisodeState.GENERATING
 
     # ── helpers ─────────────────────────────────────────────────────────────────────────────
@@ -284,7 +284,8 @@ class AgentLoop:
         timeout = ep.time_left()
         if timeout <= 0:
             coro.close()
-            raise _EpisodeOver(FinishReason.TIMEOUT, "infra", f"no time left for the {what}")
+            raise _EpisodeOver(FinishReason.TIMEOUT, "infra", f"no time left for the {what}",
+                               budget="rollout.episode_timeout_s")
         try:
             async with asyncio.timeout(timeout):
                 return await coro
@@ -295,8 +296,41 @@ class AgentLoop:
 
     def _timeout_or_error(self, ep: _Episode, what: str, timeout: float) -> _EpisodeOver:
         if ep.time_left() <= 0:
-            return _EpisodeOver(FinishReason.TIMEOUT, "infra", f"the episode ran out of time during the {what}")
+            return _EpisodeOver(FinishReason.TIMEOUT, "infra", f"the episode ran out of time during the {what}",
+                                budget="rollout.episode_timeout_s")
         return _EpisodeOver(FinishReason.ERROR, "infra", f"the {what} did not finish within {timeout:.1f} s")
+
+    async def _settle(self, ep: _Episode, over: _EpisodeOver) -> _EpisodeOver:
+        """Record which budget ended the episode; let the env grade one a loop budget cut short."""
+        env_reason = ep.last_info.get("truncated_by")
+        if over.budget is None:
+            if env_reason is not None:
+                ep.trajectory.info["truncated_by"] = str(env_reason)
+            return over
+        ep.trajectory.info["truncated_by"] = over.budget
+        if not ep.env_open:
+            return over
+        ep.env_open = False
+        limit = self.truncate_timeout_s
+        t0 = time.perf_counter()
+        try:
+            async with asyncio.timeout(limit):
+                reward, info = await ep.env.atruncate(over.budget)
+        except TimeoutError:
+            return _EpisodeOver(over.reason, "infra", f"the env did not settle the episode ended by {over.budget} "
+                                f"within {limit:g} s", over.budget)
+        except Exception as exc:  # an env failure while grading is never the policy's: mask the episode
+            if not isinstance(exc, AgentRLError):
+                log.exception("env.atruncate failed for episode %s", ep.trajectory.episode_id)
+            return _EpisodeOver(over.reason, "infra", f"the env could not settle the episode ended by {over.budget}: "
+                                f"{type(exc).__name__}: {exc}", over.budget)
+        finally:
+            ep.timings["env_s"] += time.perf_counter() - t0
+        ep.reward += float(reward)
+        if isinstance(info, dict):
+            metrics = {**ep.last_info.get("metrics", {}), **info.get("metrics", {})}
+            ep.last_info = {**ep.last_info, **info, "metrics": metrics}
+        return over
 
     def _finish(self, ep: _Episode, reason: FinishReason, fault: str | None, error: str | None) -> None:
         t = ep.trajectory

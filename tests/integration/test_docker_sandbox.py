@@ -1,13 +1,17 @@
-"""DockerSandbox against a real Docker daemon: the same promises as the local backend, and sessions.
+"""DockerSandbox against a real Docker daemon: each promise of its module docstring, on both kinds of image.
 
-Marked `docker`: skipped where no daemon answers. Images are built locally from a tarball of empty
-directories (nothing is pulled); the host's /usr and interpreter are bind-mounted read-only.
+Marked `docker`: skipped where no daemon answers. Nothing is pulled: the host-userland image is
+imported from a tarball of empty directories (the host's /usr and interpreter bind-mounted
+read-only), and the image run as it is is a Debian trixie built with debootstrap
+(tests/docker_images.py), with its own Python 3.13 and nothing of the host.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
+import sys
 import uuid
 
 import pytest
@@ -113,3 +117,153 @@ def test_docker_session_keeps_files_and_close_removes_the_container():
     assert ran.stdout == "kept" and back == b"keptmore\n"
     assert all(c.id != cid for c in _labelled_containers())
     assert _labelled_containers() == []  # the pool was removed by close() too
+
+
+# ── images run as they are ──────────────────────────────────────────────────────────────────
+DEBIAN = "agentrl-swe-test/debian:trixie-py"
+
+
+@pytest.fixture(scope="module")
+def debian() -> str:
+    import shutil
+
+    from docker_images import debian_image, image_exists
+
+    if not image_exists(DEBIAN) and shutil.which("debootstrap") is None:
+        pytest.skip("building the Debian test image needs debootstrap")
+    return debian_image(DEBIAN, suite="trixie", packages=["python3", "python3-pytest", "git"])
+
+
+def test_an_image_runs_with_its_own_userland_and_none_of_the_hosts(debian):
+    host_dir = os.path.dirname(os.path.realpath(__file__))
+    code = (
+        "import os, socket, sys\n"
+        "print(sys.version_info[:2] >= (3, 13), sys.executable)\n"
+        "try:\n    socket.create_connection(('169.254.169.254', 80), timeout=3); print('CONNECTED')\n"
+        "except OSError as e: print('net', e.errno)\n"
+        f"print('secret' if {SECRET!r} in str(os.environ) else 'no secret')\n"
+        f"print([p for p in ({host_dir!r}, {sys.base_prefix!r}, '/work', '/root/.pyenv') if os.path.exists(p)])\n"
+        "status = dict(l.split(':', 1) for l in open('/proc/self/status'))\n"
+        "print(os.getuid(), status['CapEff'].strip(), status['NoNewPrivs'].strip())\n"
+    )
+
+    async def body(sb):
+        one_shot = await sb.exec(code=code, timeout_s=30)
+        sess = await sb.session()
+        try:
+            in_session = await sess.exec("python3 --version; pwd; touch /usr/local/made-here && echo writable", timeout_s=30)
+        finally:
+            await sess.close()
+        return one_shot, in_session
+
+    one_shot, in_session = run(with_docker(body, image=debian))
+    assert one_shot.stdout.splitlines() == ["True /usr/bin/python3", "net 101", "no secret", "[]",
+                                            "0 0000000000000000 1"], one_shot
+    assert in_session.stdout.split() == ["Python", in_session.stdout.split()[1], "/workspace", "writable"]
+    assert in_session.stdout.split()[1].startswith("3.13")
+    assert _labelled_containers() == []
+
+
+def test_a_job_cannot_stop_its_own_container(debian):
+    async def body(sb):
+        sess = await sb.session()
+        try:
+            attack = await sess.exec("kill -9 -1; kill -TERM 1; kill -9 1; pkill sleep; "
+                                     "for p in /proc/[0-9]*; do kill -9 ${p#/proc/} 2>/dev/null; done; echo tried",
+                                     timeout_s=20)
+            after = await sess.exec("echo still here; ps -eo user=,comm= 2>/dev/null | sort | uniq -c | wc -l",
+                                    timeout_s=20)
+            return attack, after, await sess.is_alive()
+        finally:
+            await sess.close()
+
+    attack, after, alive = run(with_docker(body, image=debian))
+    assert alive and after.stdout.startswith("still here"), (attack, after)
+
+
+def test_runaway_jobs_in_an_image_are_killed_with_their_reason(debian):
+    async def body(sb):
+        spin = await sb.exec("echo x > left.txt; echo y > /tmp/left; while :; do :; done", timeout_s=1.5)
+        flood = await sb.exec("yes", timeout_s=20)
+        bomb = await sb.exec(code="x = []\nwhile True: x.append(bytearray(16 << 20))", timeout_s=30)
+        forks = await sb.exec(":(){ :|:& };:; sleep 5", timeout_s=3)
+        clean = await sb.exec("ls -A /workspace /tmp; echo done", timeout_s=20)
+        return spin, flood, bomb, forks, clean
+
+    spin, flood, bomb, forks, clean = run(with_docker(body, image=debian, max_output_bytes=50_000, max_processes=64))
+    assert spin.killed_reason == "timeout" and 1.5 <= spin.duration_s <= 1.5 * 1.5
+    assert flood.killed_reason == "output" and len(flood.stdout) <= 50_000
+    assert bomb.killed_reason == "memory"
+    assert forks.killed_reason == "timeout"
+    assert clean.stdout.split() == ["/tmp:", "/workspace:", "done"]  # the pooled container was wiped
+
+
+def test_a_killed_owner_leaves_no_container_behind(debian, tmp_path):
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import docker
+
+    script = tmp_path / "owner.py"
+    script.write_text(
+        "import asyncio, sys\n"
+        "from agentrl.sandboxes.docker import DockerSandbox\n"
+        "async def main():\n"
+        f"    sb = DockerSandbox(image={debian!r}, pool_size=1)\n"
+        "    sess = await sb.session()\n"
+        "    print(sess.container_id, flush=True)\n"
+        "    await asyncio.sleep(600)\n"
+        "asyncio.run(main())\n"
+    )
+    owner = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    cid = owner.stdout.readline().strip()
+    client = docker.from_env()
+    label = f"agentrl.owner_pid={owner.pid}"
+    time.sleep(1.0)  # let the pool's warm container start too
+    assert len(client.containers.list(all=True, filters={"label": label})) >= 1
+    watchdogs = [int(p) for p in os.listdir("/proc") if p.isdigit() and _is_child_of(int(p), owner.pid)]
+    assert len(watchdogs) == 1  # the one process a sandbox starts
+    owner.send_signal(signal.SIGKILL)
+    owner.wait()
+    deadline = time.monotonic() + 30
+    while client.containers.list(all=True, filters={"label": label}) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert client.containers.list(all=True, filters={"label": label}) == []
+    with pytest.raises(docker.errors.NotFound):
+        client.containers.get(cid)
+    time.sleep(1.0)
+    watchdogs = subprocess.run(["pgrep", "-f", "docker_reaper --owner"], capture_output=True, text=True).stdout.split()
+    assert all(not _is_child_of(int(p), owner.pid) for p in watchdogs)
+
+
+def _is_child_of(pid: int, parent: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[1]) == parent
+    except OSError:
+        return False
+
+
+def test_the_reaper_removes_containers_of_dead_owners_only(debian):
+    import subprocess
+    import sys
+
+    import docker
+
+    from agentrl.sandboxes.docker_reaper import owner_labels, reap_orphans
+
+    client = docker.from_env()
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead = {**owner_labels("dead-owner"), "agentrl.owner_pid": gone.stdout.strip()}
+    alive = owner_labels("live-owner")
+    made = [client.containers.create(debian, ["sleep", "1"], labels=labels) for labels in (dead, alive)]
+    try:
+        reap_orphans(client)
+        left = {c.id for c in client.containers.list(all=True, filters={"label": "agentrl.sandbox=1"})}
+        assert made[0].id not in left and made[1].id in left
+    finally:
+        for c in made:
+            with contextlib.suppress(docker.errors.NotFound):
+                c.remove(force=True)

@@ -14,7 +14,6 @@ from agentrl.envs import check_env
 from agentrl.envs.retool import RetoolEnv, shipped_rows
 from agentrl.rollout import AgentLoop
 from agentrl.tools.parsers import HermesParser
-from agentrl.tools.session import close_default_sandbox
 from agentrl.types import Action, FinishReason, Generation, SamplingParams, TokenOrigin, ToolCall
 
 pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None, reason="needs bubblewrap (apt-get install bubblewrap)")
@@ -47,10 +46,7 @@ def test_an_agent_that_writes_the_right_code_earns_the_reward(assets: Path) -> N
             return Generation(ids, [-0.2] * len(ids), "stop", 1)
 
     async def episode():  # type: ignore[no-untyped-def]
-        try:
-            return await AgentLoop(CodingClient(), template, HermesParser()).run_episode(RetoolEnv(), row=row)
-        finally:
-            await close_default_sandbox()  # the loop is ours: stop its sandbox workers before it ends
+        return await AgentLoop(CodingClient(), template, HermesParser()).run_episode(RetoolEnv(), row=row)
 
     traj = asyncio.run(episode())
     assert (traj.finish_reason, traj.reward) == (FinishReason.DONE, 1.0)

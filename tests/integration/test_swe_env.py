@@ -26,7 +26,6 @@ from agentrl.envs import check_env
 from agentrl.envs.swe import SweEnv, reference_fix_actions
 from agentrl.envs.swe_tasks import SweTask, shipped_tasks, task_row
 from agentrl.errors import SandboxError
-from agentrl.tools.session import close_default_sandbox
 from agentrl.types import Action, FinishReason, Generation, SamplingParams, ToolCall
 
 REPO = Path(__file__).resolve().parents[2]
@@ -60,7 +59,6 @@ def run(coro_fn, env: SweEnv):  # type: ignore[no-untyped-def]
             return await coro_fn()
         finally:
             await env.aclose()
-            await close_default_sandbox()
 
     return asyncio.run(body())
 
@@ -293,3 +291,25 @@ def test_agentrl_eval_reports_the_resolved_rate(assets: Path, tmp_path: Path, fi
     assert (report.problems, report.k, report.infra_failed_episodes) == (3, 1, 0)
     assert report.resolved_rate == report.pass_at_1 == (1.0 if fix else 0.0)
     assert json.loads((tmp_path / "report.json").read_text())["resolved_rate"] == report.resolved_rate
+
+
+def test_the_runs_one_sandbox_reaches_every_env_it_builds(assets: Path) -> None:
+    from agentrl.config import load_config
+    from agentrl.orchestration.build import build_job
+    from agentrl.sandboxes.local import LocalSandbox
+
+    config = load_config(overrides=["env=swe", f"model.path={assets / 'qwen2.5-0.5b-instruct'}", "eval.max_rows=1"])
+    job = build_job(config, "eval")
+    first, second = job.make_env(), job.make_env()
+    assert isinstance(job.sandbox, LocalSandbox) and first.sandbox is second.sandbox is job.sandbox
+    assert (first.max_turns, first.tool_timeout_s) == (config.rollout.max_turns, config.rollout.tool_timeout_s)
+    task = TASKS["casing__acronyms"]
+
+    async def body():  # type: ignore[no-untyped-def]
+        try:
+            return await play(first, task, reference_fix_actions(task))
+        finally:
+            await first.aclose()
+            await job.aclose()  # the job closes the run's sandbox, never the env
+
+    assert run(body, second)[0] == 1.0

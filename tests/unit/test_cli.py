@@ -52,3 +52,18 @@ def test_usage_errors(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as info:
         main(["nonsense"])
     assert info.value.code == 2
+
+
+def test_view_refuses_what_is_not_a_run(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["view", str(tmp_path / "nope")]) == EXIT_ERROR
+    assert "does not exist" in capsys.readouterr().err
+    assert main(["view", str(tmp_path)]) == EXIT_ERROR
+    assert "holds no run" in capsys.readouterr().err
+
+
+def test_keep_rollouts_takes_all_or_a_count(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["validate", "env=arithmetic", "run.keep_rollouts=all", "--show"]) == 0
+    assert "keep_rollouts: all" in capsys.readouterr().out
+    assert main(["validate", "env=arithmetic", "run.keep_rollouts=-2"]) == EXIT_ERROR
+    err = capsys.readouterr().err
+    assert "run.keep_rollouts" in err and "0 keeps none" in err

@@ -199,3 +199,29 @@ def test_make_env_errors_name_the_problem() -> None:
         make_env("arithmetic", colour="red")
     with pytest.raises(ConfigError, match="not an agentrl.Env"):
         make_env("agentrl.types:Action", text="x")
+
+
+def test_check_env_holds_envs_to_their_ground_truth_declaration() -> None:
+    class NoTruth(ToolEnv):
+        def generate_row(self, seed: int | None) -> dict[str, Any]:
+            return {"prompt": "say hi"}
+
+        def score(self, final_text: str, row: dict[str, Any], ctx: ToolContext) -> float:
+            return 1.0
+
+    with pytest.raises(EnvContractError, match=r"declares requires_ground_truth = True but the row of "
+                                               r"generate_row\(0\) has none: 'reward_model' is missing"):
+        check_env(NoTruth())
+    with pytest.raises(EnvContractError, match=r"the row of options\['row'\] has none"):
+        check_env(NoTruth(), options={"row": {"prompt": "q", "reward_model": {"style": "rule"}}})
+
+    class Unscored(NoTruth):
+        requires_ground_truth = False
+
+    check_env(Unscored())
+
+    class Odd(Unscored):
+        requires_ground_truth = "no"  # type: ignore[assignment]
+
+    with pytest.raises(EnvContractError, match="requires_ground_truth must be a bool class attribute, got 'no'"):
+        check_env(Odd())

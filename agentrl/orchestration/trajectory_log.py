@@ -1,0 +1,396 @@
+"""Trajectory files: the one on-disk format of episodes, written by `agentrl eval` and each step of `agentrl run`.
+
+A trajectory file is JSON Lines, one episode per line, readable without agentrl or a tokenizer.
+`agentrl eval` writes every episode to `trajectories.jsonl` in its output directory (and the run's
+held-out evaluations to `eval/step-N/trajectories.jsonl`); `agentrl run` writes a sample of each
+step's rollouts to `rollouts/step-N.jsonl` (`RolloutLog`, chosen by `run.keep_rollouts`: all
+groups, or N groups that always include the best and the worst by mean reward, plus every group
+with an infrastructure-failed episode). Step N is the N-th training step, the one that produced
+policy version N from N-1: the same numbering as the x axis of `agentrl plot` and `eval/step-N`.
+
+One line (`format: "agentrl.trajectory/1"`):
+
+| key | what |
+|---|---|
+| `source` | `train` (a step's rollouts) or `eval` |
+| `step` | train: the step that used the episode; eval: null (the directory says when) |
+| `status` | what became of the episode's group: `trained`, `filtered` (not trained: e.g. equal rewards), `infra` (every episode failed for infrastructure reasons), `eval` |
+| `kept_as` | why the step's sample holds this group: `best`, `worst`, `infra`, `sample`, `all` |
+| `trained` | true when its sampled tokens were in the loss (status `trained` and not an infra fault) |
+| `episode_id`, `group_id`, `data_source`, `ground_truth` | where it came from (`ground_truth`: the row's `reward_model.ground_truth`) |
+| `reward`, `finish_reason`, `fault`, `error` | how it ended (`fault`: `model`, `infra` or null) |
+| `num_tokens`, `num_sampled`, `num_turns` | sizes |
+| `metrics`, `info` | the episode's numbers (tool calls, tool errors by class, timings, env metrics) and env details |
+| `messages` | the conversation as chat messages, tool calls parsed |
+| `segments` | the token ledger, below |
+
+`segments` cut the ledger into runs of tokens with the same origin, turn and policy version, in
+order; their concatenation is the whole episode exactly as the model saw it:
+`{"origin": "prompt"|"sampled"|"template"|"tool", "turn": k, "start": index of the first token,
+"text": decoded text, "ids": [token ids], "pieces": [the text of each token], "version": policy
+version (sampled only), "logprobs": [rollout logprob of each token] (sampled only)}`. Only
+`sampled` tokens are trained on (`response_mask`); `prompt` is the first prompt, `template` the
+chat template's markers, `tool` everything the environment said. `"".join(pieces) == text`, and the
+texts joined are the tokenizer's decoding of the whole ledger. `trajectory_from_record` turns a
+line back into the exact `Trajectory`.
+
+Files written before this format (`Trajectory.to_dict()` plus `text`, origins as integers) are
+read too (`read_trajectory_file`); without a tokenizer their tokens carry no text. This module
+only writes and reads files; it does not run episodes.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import random
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from agentrl.types import FinishReason, TokenOrigin, Trajectory
+
+__all__ = [
+    "FORMAT",
+    "ORIGIN_NAMES",
+    "RolloutLog",
+    "TokenPieces",
+    "read_trajectory_file",
+    "select_groups",
+    "trajectory_from_record",
+    "trajectory_record",
+    "write_eval_trajectories",
+    "write_trajectories",
+]
+
+log = logging.getLogger("agentrl.run")
+
+FORMAT = "agentrl.trajectory/1"
+ORIGIN_NAMES: dict[int, str] = {int(o): o.name.lower() for o in TokenOrigin}
+_ORIGIN_OF: dict[str, int] = {v: k for k, v in ORIGIN_NAMES.items()}
+
+Keep = int | Literal["all"]
+
+
+class TokenPieces:
+    """The text of each token, without re-tokenising anything, for one tokenizer.
+
+    A token's text is what it adds after a fixed anchor token (so tokenizers that drop a leading
+    space at the start of a sequence still show it), cached per id: the vocabulary does not change,
+    so after the first steps this costs a dict lookup per token. Tokens that hold only part of a
+    UTF-8 character (byte-level BPE splits some characters) are decoded together and the character
+    goes to the last of them, so the pieces always join to the tokenizer's own decoding.
+    """
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self._cache: dict[int, str] = {}
+        self._anchor = list(tokenizer.encode("a", add_special_tokens=False))[:1]
+        self._anchor_text = self._decode(self._anchor)
+
+    def _decode(self, ids: Sequence[int]) -> str:
+        return str(self.tokenizer.decode(list(ids), skip_special_tokens=False, clean_up_tokenization_spaces=False))
+
+    def _after_anchor(self, text: str) -> str:
+        return text[len(self._anchor_text):] if text.startswith(self._anchor_text) else text
+
+    def __call__(self, ids: Sequence[int]) -> list[str]:
+        cache = self._cache
+        new = [i for i in set(ids) if i not in cache]
+        if new:
+            decoded = self.tokenizer.batch_decode([[*self._anchor, i] for i in new], skip_special_tokens=False,
+                                                  clean_up_tokenization_spaces=False)
+            for i, text in zip(new, decoded, strict=True):
+                cache[i] = self._after_anchor(text)
+        pieces = [cache[i] for i in ids]
+        k, n = 0, len(pieces)
+        while k < n:  # runs of partial characters: decode them together
+            if "\ufffd" not in pieces[k]:
+                k += 1
+                continue
+            j = k
+            while j < n and "\ufffd" in pieces[j]:
+                j += 1
+            whole = self._after_anchor(self._decode([*self._anchor, *ids[k:j]]))
+            pieces[k:j] = [""] * (j - k - 1) + [whole]
+            k = j
+        return pieces
+
+
+# ── one episode <-> one line ───────────────────────────────────────────────────────────────
+
+
+def _segments(t: Trajectory, pieces: list[str] | None) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = []
+    n = len(t.token_ids)
+    start = 0
+    sampled = int(TokenOrigin.SAMPLED)
+    while start < n:
+        origin, turn, version = t.origins[start], t.turns[start], t.versions[start]
+        end = start + 1
+        while end < n and t.origins[end] == origin and t.turns[end] == turn and t.versions[end] == version:
+            end += 1
+        seg: dict[str, Any] = {"origin": ORIGIN_NAMES.get(origin, str(origin)), "turn": turn, "start": start}
+        if pieces is not None:
+            seg["text"] = "".join(pieces[start:end])
+        seg["ids"] = t.token_ids[start:end]
+        if pieces is not None:
+            seg["pieces"] = pieces[start:end]
+        if origin == sampled:
+            seg["version"] = version
+            seg["logprobs"] = t.logprobs[start:end]
+        out.append(seg)
+        start = end
+    return out
+
+
+def trajectory_record(
+    t: Trajectory,
+    pieces: TokenPieces | None,
+    *,
+    source: Literal["train", "eval"],
+    step: int | None = None,
+    status: str = "eval",
+    kept_as: Sequence[str] = (),
+    ground_truth: Any = None,
+) -> dict[str, Any]:
+    """One line of a trajectory file (see the module docstring)."""
+    return {
+        "format": FORMAT,
+        "source": source,
+        "step": step,
+        "status": status,
+        "kept_as": list(kept_as),
+        "trained": status == "trained" and t.trainable,
+        "episode_id": t.episode_id,
+        "group_id": t.group_id,
+        "data_source": t.data_source,
+        "ground_truth": ground_truth,
+        "reward": t.reward,
+        "finish_reason": t.finish_reason.value if t.finish_reason else None,
+        "fault": t.fault,
+        "error": t.error,
+        "num_tokens": len(t.token_ids),
+        "num_sampled": t.num_sampled,
+        "num_turns": t.num_turns,
+        "metrics": t.metrics,
+        "info": t.info,
+        "messages": t.messages,
+        "segments": _segments(t, pieces(t.token_ids) if pieces is not None else None),
+    }
+
+
+def trajectory_from_record(record: dict[str, Any]) -> Trajectory:
+    """The `Trajectory` a line was written from (either format)."""
+    if "segments" not in record:  # the format before this one: Trajectory.to_dict() plus text
+        known = set(Trajectory.__dataclass_fields__)
+        return Trajectory.from_dict({k: v for k, v in record.items() if k in known})
+    t = Trajectory(
+        messages=list(record.get("messages") or []), reward=record.get("reward"),
+        finish_reason=FinishReason(record["finish_reason"]) if record.get("finish_reason") else None,
+        fault=record.get("fault"), error=record.get("error"), episode_id=record.get("episode_id", ""),
+        group_id=record.get("group_id", ""), data_source=record.get("data_source", ""),
+        metrics=dict(record.get("metrics") or {}), info=dict(record.get("info") or {}),
+    )  # fmt: skip
+    for seg in record["segments"]:
+        ids = seg["ids"]
+        origin = _ORIGIN_OF[seg["origin"]]
+        t.token_ids.extend(ids)
+        t.origins.extend([origin] * len(ids))
+        t.turns.extend([seg["turn"]] * len(ids))
+        if "logprobs" in seg:
+            t.logprobs.extend(seg["logprobs"])
+            t.versions.extend([seg["version"]] * len(ids))
+        else:
+            t.logprobs.extend([0.0] * len(ids))
+            t.versions.extend([-1] * len(ids))
+    return t
+
+
+def _finite(value: Any) -> Any:
+    """`value` with every non-finite float replaced by None (JSON has no NaN; browsers refuse it)."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_finite(v) for v in value]
+    return value
+
+
+def _dumps(record: dict[str, Any]) -> str:
+    try:
+        return json.dumps(record, allow_nan=False, default=str)
+    except ValueError:
+        return json.dumps(_finite(record), allow_nan=False, default=str)
+
+
+def write_trajectories(path: str | Path, records: Iterable[dict[str, Any]]) -> int:
+    """Write `records` (from `trajectory_record`) to `path` as JSON Lines; return how many."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    n = 0
+    with tmp.open("w") as f:
+        for record in records:
+            f.write(_dumps(record) + "\n")
+            n += 1
+    tmp.replace(path)  # a reader (the viewer) never sees half a file
+    return n
+
+
+def write_eval_trajectories(
+    path: str | Path, groups: Sequence[Sequence[Trajectory]], rows: Sequence[dict[str, Any]], tokenizer: Any,
+) -> int:
+    """`agentrl eval`'s file: every episode of every group, with its row's ground truth."""
+    pieces = TokenPieces(tokenizer)
+    return write_trajectories(path, (
+        trajectory_record(t, pieces, source="eval", ground_truth=_ground_truth(row))
+        for group, row in zip(groups, rows, strict=True) for t in group
+    ))  # fmt: skip
+
+
+def _ground_truth(row: dict[str, Any] | None) -> Any:
+    return ((row or {}).get("reward_model") or {}).get("ground_truth")
+
+
+def read_trajectory_file(path: str | Path) -> list[dict[str, Any]]:
+    """The lines of a trajectory file, in this module's format (older files are converted, their
+    tokens without text). A line cut by a crash is skipped."""
+    out = []
+    with Path(path).open() as f:
+        for line in f:
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            out.append(record if "segments" in record else _upgrade(record))
+    return out
+
+
+def _upgrade(old: dict[str, Any]) -> dict[str, Any]:
+    t = trajectory_from_record(old)
+    record = trajectory_record(t, None, source="eval", ground_truth=old.get("ground_truth"))
+    record["text"] = old.get("text")
+    return record
+
+
+# ── a step's sample ────────────────────────────────────────────────────────────────────────
+
+
+@dataclass
+class _Group:
+    trajectories: list[Trajectory]
+    status: str
+    row: dict[str, Any] | None
+    kept_as: list[str] = field(default_factory=list)
+
+    @property
+    def has_infra(self) -> bool:
+        return any(not t.trainable for t in self.trajectories)
+
+    @property
+    def mean_reward(self) -> float | None:
+        valid = [float(t.reward or 0.0) for t in self.trajectories if t.trainable]
+        return sum(valid) / len(valid) if valid else None
+
+
+def select_groups(mean_rewards: Sequence[float | None], has_infra: Sequence[bool], keep: Keep,
+                  rng: random.Random) -> dict[int, list[str]]:
+    """Which groups a step's sample keeps, and why: index -> reasons.
+
+    `all` keeps every group. N keeps the best and the worst group by mean reward (over episodes
+    that did not fail for infrastructure reasons), then groups drawn at random up to N, and on top
+    of those every group with an infrastructure-failed episode. 0 keeps nothing.
+    """
+    n = len(mean_rewards)
+    if keep == "all":
+        return {i: ["all"] for i in range(n)}
+    chosen: dict[int, list[str]] = {}
+    if keep <= 0:
+        return chosen
+    scored = [i for i in range(n) if mean_rewards[i] is not None]
+    if scored:
+        best = max(scored, key=lambda i: mean_rewards[i])  # type: ignore[arg-type,return-value]
+        worst = min(scored, key=lambda i: mean_rewards[i])  # type: ignore[arg-type,return-value]
+        chosen.setdefault(best, []).append("best")
+        if len(chosen) < keep:
+            chosen.setdefault(worst, []).append("worst")
+    rest = [i for i in scored if i not in chosen]
+    for i in rng.sample(rest, min(len(rest), max(0, keep - len(chosen)))):
+        chosen[i] = ["sample"]
+    for i in range(n):
+        if has_infra[i]:
+            chosen.setdefault(i, []).append("infra")
+    return dict(sorted(chosen.items()))
+
+
+class RolloutLog:
+    """Writes a sample of each training step's rollouts to `RUN_DIR/rollouts/step-N.jsonl`.
+
+    `keep` is `run.keep_rollouts`. The choice of groups is seeded by the run's seed and the step,
+    so a resumed run writes the same sample for the same step.
+    """
+
+    def __init__(self, run_dir: str | Path, tokenizer: Any, keep: Keep, *, seed: int = 0) -> None:
+        self.dir = Path(run_dir) / "rollouts"
+        self.keep = keep
+        self.seed = seed
+        self.pieces = TokenPieces(tokenizer)
+        self.last_seconds = 0.0
+
+    def path(self, step: int) -> Path:
+        """The file of step `step` (1-based: the step that made policy version `step`)."""
+        return self.dir / f"step-{step:06d}.jsonl"
+
+    def write_step(self, step: int, trained: Sequence[Any], discarded: Sequence[Any] = (),
+                   rows: Sequence[dict[str, Any] | None] | None = None) -> Path | None:
+        """Write step `step`'s sample (`step` 0-based as the scheduler counts; the file is 1-based).
+
+        `trained` and `discarded` are the step's `GroupResult`s (trained, and filtered or failed);
+        `rows` the training rows their `prompt.index` points into. Returns the file, or None when
+        `keep` is 0.
+        """
+        if self.keep == 0:
+            return None
+        start = time.perf_counter()
+        groups = [_Group(list(g.trajectories), "trained", _row(rows, g)) for g in trained]
+        groups += [
+            _Group(list(g.trajectories), "filtered" if any(t.trainable for t in g.trajectories) else "infra",
+                   _row(rows, g))
+            for g in discarded
+        ]
+        chosen = select_groups([g.mean_reward for g in groups], [g.has_infra for g in groups], self.keep,
+                               random.Random(self.seed * 1_000_003 + step))
+        path = self.path(step + 1)
+        write_trajectories(path, (
+            trajectory_record(t, self.pieces, source="train", step=step + 1, status=groups[i].status,
+                              kept_as=why, ground_truth=_ground_truth(groups[i].row))
+            for i, why in chosen.items() for t in groups[i].trajectories
+        ))  # fmt: skip
+        self.last_seconds = time.perf_counter() - start
+        return path
+
+
+    def write_stopped(self, step: int, trajectories: Sequence[Trajectory]) -> Path:
+        """Write the infrastructure-failed episodes that stopped the run in step `step` (0-based) to
+        `rollouts/step-N-stopped.jsonl`, whatever `keep` is: they are what a user needs to see."""
+        path = self.dir / f"step-{step + 1:06d}-stopped.jsonl"
+        write_trajectories(path, (
+            trajectory_record(t, self.pieces, source="train", step=step + 1, status="infra",
+                              kept_as="the run stopped on infrastructure failures")
+            for t in trajectories if not t.trainable
+        ))  # fmt: skip
+        return path
+
+
+def _row(rows: Sequence[dict[str, Any] | None] | None, group: Any) -> dict[str, Any] | None:
+    prompt = getattr(group, "prompt", None)
+    if rows is None or prompt is None or not 0 <= prompt.index < len(rows):
+        return None
+    return rows[prompt.index]

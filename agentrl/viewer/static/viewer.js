@@ -1,0 +1,528 @@
+// agentrl view: the page's script. Plain JavaScript, no framework, nothing from the internet.
+// It asks the local server (agentrl/viewer/server.py) for the run, its dashboard curves, the
+// episodes of a training step or an evaluation, and one whole episode, and draws them. Model
+// output is untrusted text: it only ever reaches the page through textContent, never as HTML.
+"use strict";
+
+const COLOURS = ["#1f77b4", "#ff7f0e", "#2ca02c", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#17becf"];
+const FINISH = {
+  done: "the environment ended the episode (an answer was given)",
+  max_turns: "it ran out of turns (rollout.max_turns, or the env's own budget)",
+  max_length: "it ran out of tokens: a turn was cut by rollout.max_tokens_per_turn or the episode by rollout.max_total_tokens",
+  timeout: "its deadline passed (rollout.episode_timeout_s)",
+  error: "it failed",
+};
+const STATUS = {
+  trained: "its group was trained on",
+  filtered: "its group was filtered out (not trained)",
+  infra: "every episode of its group failed for infrastructure reasons (requeued, not trained)",
+  eval: "an evaluation episode (never trained on)",
+};
+
+const state = {run: null, sourceId: "", episodes: [], episodeIndex: -1, dashboard: null, record: null, tokens: []};
+const $ = (id) => document.getElementById(id);
+
+function el(tag, attrs, ...children) {
+  const node = document.createElement(tag);
+  for (const [k, v] of Object.entries(attrs || {})) {
+    if (v === undefined || v === null || v === false) continue;
+    if (k === "class") node.className = v;
+    else if (k === "text") node.textContent = v;
+    else if (k.startsWith("on")) node.addEventListener(k.slice(2), v);
+    else node.setAttribute(k, v === true ? "" : String(v));
+  }
+  for (const c of children.flat(Infinity)) {
+    if (c === undefined || c === null || c === false) continue;
+    node.append(c instanceof Node ? c : document.createTextNode(String(c)));
+  }
+  return node;
+}
+
+function svg(tag, attrs, ...children) {
+  const node = document.createElementNS("http://www.w3.org/2000/svg", tag);
+  for (const [k, v] of Object.entries(attrs || {})) {
+    if (k === "text") node.textContent = v;
+    else if (k.startsWith("on")) node.addEventListener(k.slice(2), v);
+    else node.setAttribute(k, String(v));
+  }
+  for (const c of children.flat(Infinity)) if (c) node.append(c);
+  return node;
+}
+
+async function api(path) {
+  const response = await fetch(path, {cache: "no-store"});
+  const body = await response.json();
+  if (!response.ok) throw new Error(body.error || response.statusText);
+  return body;
+}
+
+function fmt(x, digits = 3) {
+  if (x === null || x === undefined) return "–";
+  if (typeof x !== "number") return String(x);
+  if (Number.isInteger(x)) return String(x);
+  const a = Math.abs(x);
+  if (a !== 0 && (a < 1e-3 || a >= 1e5)) return x.toExponential(2);
+  return String(Number(x.toFixed(digits)));
+}
+
+function short(text, n) {
+  text = String(text ?? "");
+  return text.length > n ? text.slice(0, n - 1) + "…" : text;
+}
+
+// ── location: #source=ID&episode=N, so a view can be shared and reloaded ──────────────────────
+function readHash() {
+  const params = new URLSearchParams(location.hash.slice(1));
+  return {source: params.get("source") || "", episode: params.has("episode") ? Number(params.get("episode")) : -1};
+}
+
+function writeHash() {
+  const params = new URLSearchParams();
+  if (state.sourceId) params.set("source", state.sourceId);
+  if (state.episodeIndex >= 0) params.set("episode", String(state.episodeIndex));
+  const hash = "#" + params.toString();
+  if (location.hash !== hash) history.replaceState(null, "", hash);
+}
+
+// ── the run ───────────────────────────────────────────────────────────────────────────────────
+async function loadRun() {
+  const run = await api("api/run");
+  state.run = run;
+  document.title = `agentrl view: ${run.name}`;
+  $("run-name").textContent = run.name;
+  const facts = $("run-facts");
+  facts.replaceChildren();
+  const add = (k, v) => facts.append(el("span", {}, `${k} `, el("b", {text: String(v)})));
+  add(run.kind === "run" ? "run" : run.kind === "eval" ? "evaluation" : "file", run.path);
+  for (const [k, v] of Object.entries(run.config || {})) add(k, v);
+  if (run.report) {
+    add("pass@1", fmt(run.report.pass_at_1));
+    add(`pass@${run.report.k}`, fmt(run.report.pass_at_k));
+  }
+  const select = $("source");
+  select.replaceChildren();
+  const train = run.sources.filter((s) => s.kind === "train");
+  const evals = run.sources.filter((s) => s.kind === "eval");
+  if (!run.sources.length) select.append(el("option", {value: "", text: "no kept episodes yet"}));
+  if (train.length) select.append(el("optgroup", {label: "Training steps"}, train.map((s) => el("option", {value: s.id, text: s.label}))));
+  if (evals.length) select.append(el("optgroup", {label: "Evaluations"}, evals.map((s) => el("option", {value: s.id, text: s.label}))));
+  $("show-curves").hidden = !run.has_metrics;
+}
+
+// ── episodes of a source ─────────────────────────────────────────────────────────────────────
+async function selectSource(id, episode = -1) {
+  state.sourceId = id;
+  $("source").value = id;
+  state.episodes = id ? await api(`api/episodes?source=${encodeURIComponent(id)}`) : [];
+  fillFilters();
+  $("filters").hidden = !id;
+  $("episodes").hidden = !id;
+  renderList();
+  if (episode >= 0 && episode < state.episodes.length) await openEpisode(episode);
+  else {
+    state.episodeIndex = -1;
+    await showCurves();
+  }
+}
+
+function fillFilters() {
+  const eps = state.episodes;
+  const options = (id, values, label) => {
+    const select = $(id);
+    const keep = select.value;
+    select.replaceChildren(el("option", {value: "", text: "any"}),
+      ...[...new Set(values)].sort().map((v) => el("option", {value: v, text: label ? label(v) : v})));
+    if ([...select.options].some((o) => o.value === keep)) select.value = keep;
+  };
+  options("f-finish", eps.map((e) => e.finish_reason));
+  options("f-fault", eps.map((e) => e.fault));
+  options("f-source", eps.map((e) => e.data_source));
+  options("f-status", eps.map((e) => e.status));
+}
+
+function filtered() {
+  const min = $("f-reward-min").value, max = $("f-reward-max").value;
+  const finish = $("f-finish").value, fault = $("f-fault").value, tool = $("f-tool").value;
+  const source = $("f-source").value, status = $("f-status").value;
+  return state.episodes.filter((e) => {
+    const r = e.reward ?? NaN;
+    if (min !== "" && !(r >= Number(min))) return false;
+    if (max !== "" && !(r <= Number(max))) return false;
+    if (finish && e.finish_reason !== finish) return false;
+    if (fault && e.fault !== fault) return false;
+    if (source && e.data_source !== source) return false;
+    if (status && e.status !== status) return false;
+    const errors = e.tool_errors_model + e.tool_errors_infra + e.parse_errors;
+    if (tool === "some" && !(errors > 0)) return false;
+    if (tool === "model" && !(e.tool_errors_model + e.parse_errors > 0)) return false;
+    if (tool === "infra" && !(e.tool_errors_infra > 0)) return false;
+    if (tool === "none" && errors > 0) return false;
+    return true;
+  });
+}
+
+function renderList() {
+  const shown = filtered();
+  $("episode-count").textContent = `${shown.length} of ${state.episodes.length} episodes`;
+  const body = $("episodes").tBodies[0];
+  body.replaceChildren();
+  let lastGroup = null;
+  for (const e of shown) {
+    const tools = e.tool_calls ? `${fmt(e.tool_calls)} call${e.tool_calls === 1 ? "" : "s"}` : "";
+    const errors = e.tool_errors_model + e.tool_errors_infra + e.parse_errors;
+    const row = el("tr", {
+      class: "row" + (e.index === state.episodeIndex ? " selected" : "") + (e.group_id !== lastGroup ? " group-start" : ""),
+      "data-index": e.index, title: `group ${e.group_id} (${e.status}${e.kept_as.length ? ", kept as " + e.kept_as.join(", ") : ""})`,
+      onclick: () => openEpisode(e.index),
+    },
+      el("td", {text: e.index}),
+      el("td", {class: e.fault === "infra" ? "bad" : e.reward >= 1 ? "ok" : ""}, e.fault === "infra" ? "infra" : fmt(e.reward)),
+      el("td", {}, e.finish_reason, e.fault !== "none" ? el("span", {class: "bad", text: ` (${e.fault})`}) : null,
+        el("span", {class: "answer", text: e.error || e.answer})),
+      el("td", {}, tools, errors ? el("span", {class: "bad", text: ` ${fmt(errors)} err`}) : null),
+      el("td", {}, `${e.num_sampled}/${e.num_tokens}`),
+    );
+    lastGroup = e.group_id;
+    body.append(row);
+  }
+}
+
+// ── one episode ──────────────────────────────────────────────────────────────────────────────
+async function openEpisode(index) {
+  $("curves").hidden = true;
+  $("episode").hidden = false;
+  $("episode").replaceChildren(el("p", {class: "empty-note", text: `loading episode ${index}…`}));
+  const record = await api(`api/episode?source=${encodeURIComponent(state.sourceId)}&index=${index}`);
+  state.episodeIndex = index;
+  state.record = record;
+  for (const row of document.querySelectorAll("#episodes tr.row")) {
+    row.classList.toggle("selected", Number(row.dataset.index) === index);
+  }
+  $("curves").hidden = true;
+  $("episode").hidden = false;
+  renderEpisode(record);
+  writeHash();
+  $("main").scrollTop = 0;
+}
+
+function blocksOf(record) {
+  // Consecutive segments of one turn and one side: the prompt, what the assistant sampled, what the
+  // environment answered (tool output and the template's markers around it).
+  const blocks = [];
+  for (const seg of record.segments) {
+    const side = seg.origin === "prompt" ? "prompt" : seg.origin === "sampled" ? "assistant" : "env";
+    const last = blocks[blocks.length - 1];
+    if (last && last.side === side && last.turn === seg.turn) last.segments.push(seg);
+    else blocks.push({side, turn: seg.turn, segments: [seg]});
+  }
+  return blocks;
+}
+
+function messagesByTurn(messages) {
+  // The k-th assistant message is turn k; the messages after it, until the next one, are the
+  // environment's answer in turn k.
+  const turns = {};
+  let k = 0;
+  for (const m of messages || []) {
+    if (m.role === "assistant") {
+      k += 1;
+      (turns[k] = turns[k] || {assistant: null, env: []}).assistant = m;
+    } else if (k > 0) {
+      (turns[k] = turns[k] || {assistant: null, env: []}).env.push(m);
+    }
+  }
+  return turns;
+}
+
+function renderEpisode(r) {
+  const root = $("episode");
+  root.replaceChildren();
+  const infra = r.fault === "infra";
+  const rewardClass = infra || r.reward === null ? "none" : r.reward >= 1 ? "good" : r.reward <= 0 ? "zero" : "";
+  const chips = [
+    ["finish", r.finish_reason || "none", r.finish_reason === "error"],
+    ["fault", r.fault || "none", !!r.fault],
+    ["group", `${r.group_id} · ${r.status}${r.kept_as && r.kept_as.length ? " · kept as " + r.kept_as.join(", ") : ""}`, r.status === "infra"],
+    ["trained", r.trained ? "yes" : "no", false],
+    ["data source", r.data_source || "unknown", false],
+    ["tokens", `${r.num_tokens} (${r.num_sampled} sampled)`, false],
+    ["turns", r.num_turns, false],
+    ["episode", r.episode_id, false],
+  ];
+  if (r.step !== null && r.step !== undefined) chips.unshift(["step", r.step, false]);
+  root.append(el("div", {class: "ep-head"},
+    el("div", {class: `reward ${rewardClass}`, id: "ep-reward"}, infra ? "infra" : fmt(r.reward), el("small", {text: "reward"})),
+    el("div", {class: "chips"}, chips.map(([k, v, bad]) => el("span", {class: "chip" + (bad ? " bad" : "")}, `${k}: `, el("b", {text: String(v)})))),
+  ));
+  root.append(whyBox(r));
+  root.append(legendBar(r));
+
+  const turns = messagesByTurn(r.messages);
+  state.tokens = [];
+  for (const block of blocksOf(r)) root.append(renderBlock(r, block, turns[block.turn]));
+  root.append(el("details", {}, el("summary", {text: "messages, metrics and info as recorded"}),
+    el("pre", {text: JSON.stringify({messages: r.messages, metrics: r.metrics, info: r.info}, null, 2)})));
+  if (r.text && r.segments.every((s) => s.pieces === undefined)) {
+    root.append(el("div", {class: "why"}, el("h3", {text: "Text (written before tokens carried their own text)"}),
+      el("pre", {class: "tokens", text: r.text})));
+  }
+}
+
+function lastAssistant(r) {
+  for (let i = (r.messages || []).length - 1; i >= 0; i--) if (r.messages[i].role === "assistant") return r.messages[i];
+  return null;
+}
+
+function whyBox(r) {
+  const rows = [];
+  const m = r.metrics || {};
+  if (r.fault === "infra") rows.push(["reward", "not scored: the episode failed for infrastructure reasons, so it is masked out of the loss and its prompt is requeued"]);
+  else rows.push(["reward", fmt(r.reward)]);
+  rows.push(["ended", `${r.finish_reason || "none"}: ${FINISH[r.finish_reason] || "unknown"}`]);
+  if (r.error) rows.push(["error", r.error]);
+  if (r.ground_truth !== null && r.ground_truth !== undefined) rows.push(["ground truth", typeof r.ground_truth === "string" ? r.ground_truth : JSON.stringify(r.ground_truth)]);
+  const last = lastAssistant(r);
+  if (last) rows.push(["final answer", short(last.content, 800) || "(empty)"]);
+  const tools = [`${fmt(m.tool_calls || 0)} call${m.tool_calls === 1 ? "" : "s"}`];
+  if (m.tool_errors_model) tools.push(`${fmt(m.tool_errors_model)} failed by the model's fault`);
+  if (m.tool_errors_infra) tools.push(`${fmt(m.tool_errors_infra)} failed for infrastructure reasons`);
+  if (m.parse_errors) tools.push(`${fmt(m.parse_errors)} malformed`);
+  rows.push(["tools", tools.join(", ")]);
+  const skip = new Set(["tool_calls", "tool_errors_model", "tool_errors_infra", "parse_errors", "turns", "sampled_tokens",
+    "total_tokens", "episode_s", "generate_s", "env_s"]);
+  const extra = Object.entries(m).filter(([k, v]) => !skip.has(k) && v !== 0);
+  if (extra.length) rows.push(["env metrics", extra.map(([k, v]) => `${k} ${fmt(v)}`).join(", ")]);
+  for (const [k, v] of Object.entries(r.info || {})) {
+    if (k === "template_mismatches") continue;
+    rows.push([k, short(typeof v === "string" ? v : JSON.stringify(v), 600)]);
+  }
+  rows.push(["group", STATUS[r.status] || r.status]);
+  rows.push(["time", `${fmt(m.episode_s || 0, 1)} s (generating ${fmt(m.generate_s || 0, 1)} s, env ${fmt(m.env_s || 0, 1)} s)`]);
+  return el("div", {class: "why", id: "why"}, el("h3", {text: "The reward and why"}),
+    el("dl", {}, rows.map(([k, v]) => [el("dt", {text: k}), el("dd", {text: String(v)})])));
+}
+
+function legendBar(r) {
+  const sample = (cls, text, title) => el("span", {class: `tok ${cls}`, title}, text);
+  const lowp = el("input", {type: "checkbox", id: "mark-lowp", onchange: (e) => {
+    for (const t of document.querySelectorAll("#episode .tok[data-lowp]")) t.classList.toggle("lowp", e.target.checked);
+  }});
+  return el("div", {class: "legend-bar"},
+    sample("o-prompt m0", "prompt", "the first prompt: context, masked"),
+    sample("o-sampled m1", "sampled, trained", "sampled by the policy and in the loss"),
+    sample("o-sampled m0", "sampled, masked", "sampled, but not in the loss (evaluation, filtered group, or infrastructure failure)"),
+    sample("o-template m0", "template", "chat-template markers: context, masked"),
+    sample("o-tool m0", "tool / env", "what the environment said: context, masked"),
+    el("span", {class: "muted", text: r.trained ? "Underlined tokens are the ones trained on; everything else is masked." :
+      "Nothing in this episode was trained on: every token is masked."}),
+    el("label", {}, lowp, " mark unlikely samples (p < 5%)"),
+  );
+}
+
+function renderBlock(r, block, turn) {
+  const nTokens = block.segments.reduce((n, s) => n + s.ids.length, 0);
+  let title;
+  if (block.side === "prompt") title = ["Prompt", `${nTokens} tokens · context, masked`];
+  else if (block.side === "assistant") {
+    const lps = block.segments.flatMap((s) => s.logprobs || []);
+    const versions = [...new Set(block.segments.map((s) => s.version))].join(", ");
+    const mean = lps.length ? lps.reduce((a, b) => a + b, 0) / lps.length : 0;
+    title = [`Turn ${block.turn} · assistant`, `${nTokens} tokens · policy v${versions} · mean logprob ${fmt(mean)} · ${r.trained ? "trained" : "masked"}`];
+  } else {
+    const tool = block.segments.filter((s) => s.origin === "tool").reduce((n, s) => n + s.ids.length, 0);
+    title = [`Turn ${block.turn} · environment`, `${nTokens} tokens (${tool} from tools) · context, masked`];
+  }
+  const section = el("section", {class: `turn ${block.side}`, "data-turn": block.turn, "data-side": block.side},
+    el("h3", {}, title[0], " ", el("span", {class: "muted", text: `· ${title[1]}`})));
+  const box = el("div", {class: "tokens"});
+  const frag = document.createDocumentFragment();
+  for (const seg of block.segments) {
+    const pieces = seg.pieces || seg.ids.map((id) => `⟨${id}⟩`);
+    seg.ids.forEach((id, j) => {
+      const i = seg.start + j;
+      const trained = r.trained && seg.origin === "sampled";
+      const span = document.createElement("span");
+      span.className = `tok o-${seg.origin} ${trained ? "m1" : "m0"}`;
+      span.dataset.i = String(i);
+      span.dataset.origin = seg.origin;
+      span.dataset.mask = trained ? "1" : "0";
+      if (seg.origin === "sampled") {
+        span.dataset.lp = String(seg.logprobs[j]);
+        span.dataset.v = String(seg.version);
+        if (seg.logprobs[j] < Math.log(0.05)) span.dataset.lowp = "";
+      }
+      span.textContent = pieces[j];
+      state.tokens[i] = {id, origin: seg.origin, turn: seg.turn, piece: pieces[j], lp: seg.logprobs ? seg.logprobs[j] : null,
+        version: seg.origin === "sampled" ? seg.version : null, trained};
+      frag.append(span);
+    });
+  }
+  box.append(frag);
+  section.append(box);
+  if (block.side === "prompt" && nTokens > 120) {
+    // The prompt is the same for a whole group: folded, so the turns are what one sees first.
+    box.classList.add("folded");
+    section.querySelector("h3").append(el("button", {type: "button", class: "unfold", onclick: (e) => {
+      const folded = box.classList.toggle("folded");
+      e.target.textContent = folded ? "show all" : "fold";
+    }, text: "show all"}));
+  }
+  if (turn && block.side === "assistant" && turn.assistant && turn.assistant.tool_calls && turn.assistant.tool_calls.length) {
+    section.append(el("div", {class: "calls"}, turn.assistant.tool_calls.map((c) => {
+      const f = c.function || c;
+      const args = typeof f.arguments === "string" ? f.arguments : JSON.stringify(f.arguments, null, 1);
+      return el("div", {class: "call"}, "tool call ", el("span", {class: "name", text: f.name}), c.id ? el("span", {class: "muted", text: ` (${c.id})`}) : null,
+        el("pre", {text: args}));
+    })));
+  }
+  if (turn && block.side === "env" && turn.env.length) {
+    section.append(el("div", {class: "calls"}, turn.env.map((m) => {
+      const content = String(m.content ?? "");
+      const error = /^\s*error\b/i.test(content);
+      const who = m.role === "tool" ? `result of ${m.name || "a tool"}` : `${m.role} message`;
+      return el("div", {class: "result" + (error ? " error" : "")}, el("b", {text: who}), m.tool_call_id ? el("span", {class: "muted", text: ` (${m.tool_call_id})`}) : null,
+        el("pre", {text: short(content, 4000)}));
+    })));
+  }
+  return section;
+}
+
+// The tooltip of a token: what it is, where it came from, whether it was trained on.
+function tokenTip(t, i) {
+  const lines = [`token #${i} · id ${t.id} · turn ${t.turn}`];
+  if (t.origin === "sampled") {
+    lines.push(`sampled by policy v${t.version}`);
+    lines.push(`rollout logprob ${t.lp.toFixed(4)} (p = ${Math.exp(t.lp).toFixed(3)})`);
+  } else lines.push({prompt: "prompt", template: "chat template", tool: "tool / environment output"}[t.origin]);
+  lines.push(t.trained ? "in the loss (trained)" : "masked: not in the loss");
+  lines.push(JSON.stringify(t.piece));
+  return lines.join("\n");
+}
+
+function onTokenHover(event) {
+  const tip = $("tooltip");
+  const span = event.target.closest && event.target.closest(".tok[data-i]");
+  if (!span) { tip.hidden = true; return; }
+  const i = Number(span.dataset.i);
+  const t = state.tokens[i];
+  if (!t) { tip.hidden = true; return; }
+  tip.textContent = tokenTip(t, i);
+  tip.hidden = false;
+  const x = Math.min(event.clientX + 14, window.innerWidth - 370);
+  const y = event.clientY + 16 + 120 > window.innerHeight ? event.clientY - 120 : event.clientY + 16;
+  tip.style.left = `${x}px`;
+  tip.style.top = `${y}px`;
+}
+
+// ── curves ───────────────────────────────────────────────────────────────────────────────────
+async function showCurves() {
+  $("episode").hidden = true;
+  const box = $("curves");
+  box.hidden = false;
+  state.episodeIndex = -1;
+  for (const row of document.querySelectorAll("#episodes tr.row.selected")) row.classList.remove("selected");
+  writeHash();
+  if (!state.run.has_metrics) {
+    box.replaceChildren(el("p", {class: "empty-note", text: state.sourceId ?
+      "Pick an episode on the left to see its turns and tokens." :
+      "This directory has no metrics.jsonl and no kept episodes yet."}));
+    return;
+  }
+  if (!state.dashboard) state.dashboard = await api("api/dashboard");
+  const source = state.run.sources.find((s) => s.id === state.sourceId);
+  const mark = source && source.kind === "train" ? source.step : source ? source.step : null;
+  const drawn = state.dashboard.panels.filter((p) => !p.empty);
+  const empty = state.dashboard.panels.filter((p) => p.empty);
+  box.replaceChildren(
+    el("div", {class: "curves-head"}, el("h2", {text: `Dashboard · ${state.dashboard.steps} step(s)`}),
+      mark !== null && mark !== undefined ? el("span", {class: "muted", text: `dashed line: ${source.label}; click a curve to open that step's rollouts`}) :
+        el("span", {class: "muted", text: "click a curve to open that step's rollouts"})),
+    el("div", {class: "panels"}, drawn.map((p) => drawPanel(p, mark))),
+    empty.length ? el("p", {class: "nothing", text: "Nothing to show: " + empty.map((p) => `${p.title} (${p.empty})`).join("; ")}) : null,
+  );
+}
+
+function drawPanel(panel, mark) {
+  const W = 340, H = 170, L = 44, R = 10, T = 8, B = 20;
+  let series = Object.entries(panel.series);
+  if (panel.stacked) series = series.filter(([, s]) => s.y.some((v) => v !== 0));
+  const xs = [...new Set(series.flatMap(([, s]) => s.x))].sort((a, b) => a - b);
+  let lines;
+  if (panel.stacked) {
+    const base = new Map(xs.map((x) => [x, 0]));
+    lines = series.map(([key, s]) => {
+      const at = new Map(s.x.map((x, i) => [x, s.y[i]]));
+      const lo = xs.map((x) => base.get(x));
+      const hi = xs.map((x) => base.get(x) + (at.get(x) || 0));
+      xs.forEach((x, i) => base.set(x, hi[i]));
+      return {key, x: xs, y: hi, lo};
+    });
+  } else lines = series.map(([key, s]) => ({key, x: s.x, y: s.y}));
+  const ys = lines.flatMap((l) => l.y.concat(l.lo || []));
+  let y0 = Math.min(0, ...ys), y1 = Math.max(...ys);
+  if (y1 === y0) y1 = y0 + 1;
+  let x0 = Math.min(...xs), x1 = Math.max(...xs);
+  if (x1 === x0) { x0 -= 1; x1 += 1; }
+  const px = (x) => L + ((x - x0) / (x1 - x0)) * (W - L - R);
+  const py = (y) => T + (1 - (y - y0) / (y1 - y0)) * (H - T - B);
+  const alarm = panel.title === "Infrastructure failures" && ys.some((v) => v > 0);
+  const g = svg("svg", {viewBox: `0 0 ${W} ${H}`, role: "img", "aria-label": panel.title});
+  for (const v of [y0, (y0 + y1) / 2, y1]) {
+    g.append(svg("line", {x1: L, x2: W - R, y1: py(v), y2: py(v), stroke: "#e5e5e5"}));
+    g.append(svg("text", {x: L - 4, y: py(v) + 3, "text-anchor": "end", text: fmt(v, 2)}));
+  }
+  const ticks = xs.length <= 8 ? xs : [x0, Math.round((x0 + x1) / 2), x1];
+  for (const v of ticks) g.append(svg("text", {x: px(v), y: H - 5, "text-anchor": "middle", text: fmt(v)}));
+  lines.forEach((l, k) => {
+    const colour = COLOURS[k % COLOURS.length];
+    if (panel.stacked) {
+      const top = l.x.map((x, i) => `${px(x)},${py(l.y[i])}`);
+      const bottom = l.x.map((x, i) => `${px(x)},${py(l.lo[i])}`).reverse();
+      g.append(svg("polygon", {points: top.concat(bottom).join(" "), fill: colour, "fill-opacity": 0.75, stroke: colour}));
+    } else {
+      g.append(svg("polyline", {points: l.x.map((x, i) => `${px(x)},${py(l.y[i])}`).join(" "), fill: "none", stroke: colour, "stroke-width": 1.8}));
+      if (l.x.length <= 60) l.x.forEach((x, i) => g.append(svg("circle", {cx: px(x), cy: py(l.y[i]), r: 2.4, fill: colour},
+        svg("title", {text: `${l.key} at step ${fmt(x)}: ${fmt(l.y[i], 4)}`}))));
+    }
+  });
+  if (mark !== null && mark !== undefined && mark >= x0 && mark <= x1) {
+    g.append(svg("line", {x1: px(mark), x2: px(mark), y1: T, y2: H - B, stroke: "#333", "stroke-dasharray": "4 3"}));
+  }
+  g.addEventListener("click", (event) => {
+    const box = g.getBoundingClientRect();
+    const x = x0 + ((event.clientX - box.left) / box.width * W - L) / (W - L - R) * (x1 - x0);
+    const steps = state.run.sources.filter((s) => s.kind === "train");
+    if (!steps.length) return;
+    const near = steps.reduce((a, b) => (Math.abs(b.step - x) < Math.abs(a.step - x) ? b : a));
+    selectSource(near.id);
+  });
+  const legend = lines.length > 1 ? el("div", {class: "legend"}, lines.map((l, k) => el("span", {},
+    el("i", {style: `background:${COLOURS[k % COLOURS.length]}`}), l.key.split("/").pop()))) : null;
+  let last = lines.length === 1 ? ` · last ${fmt(lines[0].y[lines[0].y.length - 1], 4)}` : "";
+  if (alarm) last = ` · up to ${fmt(Math.max(...ys) * 100, 1)}%`;
+  return el("div", {class: "panel" + (alarm ? " alarm" : ""), "data-title": panel.title},
+    el("h3", {text: panel.title + last}), el("p", {class: "hint", text: panel.hint}), g, legend);
+}
+
+// ── start ────────────────────────────────────────────────────────────────────────────────────
+async function start() {
+  await loadRun();
+  $("source").addEventListener("change", (e) => selectSource(e.target.value));
+  $("show-curves").addEventListener("click", () => showCurves());
+  for (const id of ["f-reward-min", "f-reward-max", "f-finish", "f-fault", "f-tool", "f-source", "f-status"]) {
+    $(id).addEventListener("input", renderList);
+    $(id).addEventListener("change", renderList);
+  }
+  $("episode").addEventListener("mouseover", onTokenHover);
+  $("episode").addEventListener("mouseleave", () => { $("tooltip").hidden = true; });
+  const want = readHash();
+  const sources = state.run.sources;
+  const first = sources.find((s) => s.id === want.source) || sources.filter((s) => s.kind === "train").pop() || sources[0];
+  await selectSource(first ? first.id : "", first && first.id === want.source ? want.episode : -1);
+  document.body.dataset.ready = "1";
+}
+
+start().catch((err) => {
+  document.body.dataset.ready = "error";
+  $("main").replaceChildren(el("p", {class: "bad", text: `agentrl view could not load this run: ${err.message}`}));
+});

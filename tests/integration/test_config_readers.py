@@ -1,0 +1,80 @@
+"""Every config field has a reader: a knob that does nothing is a bug (issue 15, item 1).
+
+Real `agentrl run` and `agentrl eval` commands run with `AGENTRL_CONFIG_TRACE` set, which makes
+every process they start (the driver, the trainer actors) record each config field it reads. The
+union over a few short runs that take the code's branches (sync and async modes, GRPO and GAE with
+a critic, LoRA, a KL controller, resume, a server the run starts and servers it is given, an
+evaluation) must cover every field of `AgentRLConfig`, except the few in `ONLY_ELSEWHERE`, each
+with the reason it is not read on a CPU machine's run or eval path.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from agentrl.config import config_fields
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parents[2]
+
+# Fields that no run or eval on this CPU machine reads, and why. Keep it short: every entry is a
+# knob a CPU user could set and see nothing happen.
+ONLY_ELSEWHERE: dict[str, str] = {}
+
+
+def _section_names() -> dict[str, str]:
+    """Section class name -> section key (`RolloutConfig` -> `rollout`)."""
+    from agentrl.config import AgentRLConfig
+
+    return {field.annotation.__name__: name for name, field in AgentRLConfig.model_fields.items()}  # type: ignore[union-attr]
+
+
+def _run(args: list[str], trace: Path, cwd: Path) -> None:
+    env = {**os.environ, "AGENTRL_CONFIG_TRACE": str(trace),
+           "PYTHONPATH": os.pathsep.join([str(REPO / "tests" / "e2e"), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-m", "agentrl.cli", *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=1800)
+    assert done.returncode == 0, f"agentrl {' '.join(args)} failed:\n{done.stderr[-3000:]}"
+
+
+def test_every_config_field_is_read_by_run_or_eval(tmp_path: Path, vllm_server, assets: Path) -> None:
+    tiny = str(assets / "tiny-random-qwen2")
+    trace = tmp_path / "reads.txt"
+    common = [
+        "env=parity_env:ParityEnv", f"model.path={tiny}", "model.chat_template=chatml-tools",
+        "data.prompts_per_step=2", "rollout.samples_per_prompt=2", "rollout.max_tokens_per_turn=8",
+        "rollout.max_turns=1", "rollout.max_total_tokens=128", "trainer.device=cpu", "data.num_val_rows=2",
+        "eval.k=1", f"run.output_dir={tmp_path / 'runs'}", "rollout.extra_stop_token_ids=[0,10,20]",
+    ]  # fmt: skip
+    # A: sync GRPO with a KL controller and shaping, on a server the run starts; then resumed.
+    sync = [*common, "run.name=sync", "inference.max_model_len=256", "inference.cpu_kv_cache_gb=0.25",
+            "algorithm.kl_coef=0.01", "algorithm.kl_target=0.05", "algorithm.rollout_is=icepop",
+            "algorithm.overlong_buffer_tokens=2", "algorithm.stop_properly_penalty=0.5",
+            "run.save_every=1", "run.eval_every=1", "run.loggers=[console,jsonl,tensorboard]"]
+    _run(["run", *sync, "run.total_steps=1"], trace, tmp_path)
+    _run(["run", *sync, "run.total_steps=2", "resume=true"], trace, tmp_path)
+    # B: async GAE with a critic and LoRA on the shared server.
+    _run(["run", *common, "run.name=async", f"inference.urls=[{vllm_server.url}]", "run.mode=async",
+          "run.partial_rollout=true", "run.max_staleness=2", "algorithm.advantage=gae", "trainer.lora_rank=4",
+          "run.total_steps=2", "run.eval_every=0"], trace, tmp_path)
+    # C: an offline evaluation.
+    _run(["eval", *common, f"inference.urls=[{vllm_server.url}]", "eval.max_rows=2",
+          f"eval.output_dir={tmp_path / 'eval'}"], trace, tmp_path)
+
+    sections = _section_names()
+    read = set()
+    for line in trace.read_text().splitlines():
+        cls, _, field = line.partition(".")
+        if cls in sections:
+            read.add(f"{sections[cls]}.{field}")
+    every = {dotted for dotted, *_ in config_fields()}
+    unread = sorted(every - read - set(ONLY_ELSEWHERE))
+    assert not unread, f"config fields nothing reads on the run/eval paths (wire them or remove them): {unread}"
+    stale = sorted(set(ONLY_ELSEWHERE) - every)
+    assert not stale, f"ONLY_ELSEWHERE names fields that no longer exist: {stale}"

@@ -1,0 +1,45 @@
+"""Pre-flight: what building a job cannot show is checked before anything starts (issue 14, item 2)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from agentrl.config import load_config
+from agentrl.errors import PreflightError
+from agentrl.orchestration.build import build_job
+from agentrl.orchestration.preflight import preflight, run_checks
+
+DATA = Path(__file__).resolve().parents[1] / "data" / "verl"
+
+
+def job_for(tmp_path: Path, *overrides: str):
+    return build_job(load_config(None, ["env=arithmetic", f"run.output_dir={tmp_path}", *overrides]), "run")
+
+
+def checks_by_name(job) -> dict:
+    return {c.name: c for c in run_checks(job)}
+
+
+def test_published_rows_pass_and_a_mis_keyed_dataset_is_named(tmp_path: Path) -> None:
+    good = checks_by_name(job_for(tmp_path, f"data.train_files=[{DATA / 'gsm8k.jsonl'}]"))
+    assert good["dataset"].ok, good["dataset"].detail
+    assert "rows' own answers score 1.0" in good["dataset"].detail
+    rows = [json.loads(line) for line in (DATA / "gsm8k.jsonl").read_text().splitlines() if line.strip()]
+    rows[1]["reward_model"]["ground_truth"] = "seventy-two"  # an answer the GSM8K scorer cannot read
+    bad_file = tmp_path / "miskeyed.jsonl"
+    bad_file.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    job = job_for(tmp_path, f"data.train_files=[{bad_file}]")
+    bad = checks_by_name(job)["dataset"]
+    assert not bad.ok and f"{bad_file} row 1" in bad.detail and "seventy-two" in bad.detail
+    with pytest.raises(PreflightError, match="Pre-flight found 1 problem"):
+        preflight(job)
+
+
+def test_memory_and_disk_plans_are_reported(tmp_path: Path) -> None:
+    checks = checks_by_name(job_for(tmp_path))
+    assert checks["memory"].ok and "trainer" in checks["memory"].detail and "server 0" in checks["memory"].detail
+    assert checks["disk"].ok and "checkpoints" in checks["disk"].detail
+    assert "sandbox (local)" not in checks  # arithmetic runs no code

@@ -1,0 +1,127 @@
+"""What `agentrl view` reads (agentrl/viewer/sources.py): run and eval directories, trajectory files."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+from agentrl.chat import ChatTemplate
+from agentrl.errors import ConfigError
+from agentrl.viewer import RunReader
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from viewer_runs import QWEN25, make_run_dir, tool_episode
+
+pytestmark = pytest.mark.skipif(not QWEN25.is_dir(), reason=f"tokenizer assets not found under {QWEN25}")
+
+
+@pytest.fixture(scope="module")
+def template() -> ChatTemplate:
+    return ChatTemplate.from_pretrained(QWEN25)
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory: pytest.TempPathFactory, template: ChatTemplate) -> Path:
+    return make_run_dir(tmp_path_factory.mktemp("viewer") / "calc-run", template)
+
+
+def test_a_run_lists_its_steps_and_evaluations(run_dir: Path) -> None:
+    reader = RunReader(run_dir)
+    assert reader.kind == "run"
+    assert [(s.id, s.kind, s.step, s.label) for s in reader.sources()] == [
+        ("rollouts/step-000001", "train", 1, "step 1 rollouts"),
+        ("rollouts/step-000002", "train", 2, "step 2 rollouts"),
+        ("rollouts/step-000003", "train", 3, "step 3 rollouts"),
+        ("eval/step-000000", "eval", 0, "eval before training"),
+        ("eval/step-000003", "eval", 3, "eval after step 3"),
+    ]
+    summary = reader.summary()
+    assert summary["name"] == "calc-run" and summary["has_metrics"]
+    assert summary["config"] == {"env.name": "arithmetic", "model.path": str(QWEN25), "run.mode": "sync"}
+    json.dumps(summary, allow_nan=False)
+
+
+def test_episode_summaries_carry_what_the_filters_need(run_dir: Path) -> None:
+    episodes = RunReader(run_dir).episodes("rollouts/step-000002")
+    # keep_rollouts=2: the best group (g3, filtered: all rewards 1), the worst (g1, all 0) and the
+    # infrastructure-failed g2, in the order the step had them
+    assert [(e["group_id"], e["status"], e["kept_as"]) for e in episodes] == [
+        ("g1", "trained", ["worst"]), ("g1", "trained", ["worst"]),
+        ("g2", "infra", ["infra"]), ("g2", "infra", ["infra"]),
+        ("g3", "filtered", ["best"]), ("g3", "filtered", ["best"]),
+    ]
+    worst, infra, best = episodes[0], episodes[2], episodes[4]
+    assert best["reward"] == 1.0 and best["finish_reason"] == "done" and best["fault"] == "none"
+    assert best["answer"] == "The answer is \\boxed{84}." and best["ground_truth"] == "84"
+    assert worst["answer"] == "The answer is \\boxed{85}." and worst["trained"] and not best["trained"]
+    assert best["tool_calls"] == 1.0 and best["index"] == 4
+    assert infra["fault"] == "infra" and infra["tool_errors_infra"] == 1.0 and not infra["trained"]
+    assert infra["finish_reason"] == "error"
+    assert "worker process is gone" in infra["error"]
+
+
+def test_an_episode_is_its_trajectory_file_line(run_dir: Path, template: ChatTemplate) -> None:
+    reader = RunReader(run_dir)
+    record = reader.episode("rollouts/step-000001", 0)
+    assert record["episode_id"] == "e1-0"
+    assert "".join(s["text"] for s in record["segments"]) == template.tokenizer.decode(
+        [i for s in record["segments"] for i in s["ids"]], skip_special_tokens=False)
+    with pytest.raises(KeyError):
+        reader.episode("rollouts/step-000001", 99)
+    with pytest.raises(KeyError):
+        reader.episodes("../../etc/passwd")
+
+
+def test_the_dashboard_has_the_plot_panels(run_dir: Path) -> None:
+    dash = RunReader(run_dir).dashboard()
+    panels = {p["title"]: p for p in dash["panels"]}
+    assert dash["steps"] == 3
+    assert panels["Infrastructure failures"]["series"]["tools/error_rate_infra"] == {"x": [1.0, 2.0, 3.0], "y": [0.0, 0.5, 0.0]}
+    assert panels["Held-out pass@k"]["series"]["eval/pass_at_1"]["x"] == [0.0, 3.0]
+    assert panels["KL"]["empty"] == "always 0" and panels["Entropy"]["empty"] == "not logged"
+    assert panels["Finish reasons"]["stacked"]
+
+
+def test_an_eval_directory_a_single_file_and_an_old_file(run_dir: Path, tmp_path: Path, template: ChatTemplate) -> None:
+    eval_dir = run_dir / "eval" / "step-000003"
+    (eval_dir / "report.json").write_text(json.dumps({"pass_at_1": 0.5, "k": 2, "pass_at_k": 1.0}))
+    reader = RunReader(eval_dir)
+    assert reader.kind == "eval" and [s.id for s in reader.sources()] == ["eval"]
+    assert reader.summary()["report"]["pass_at_1"] == 0.5
+    assert [e["reward"] for e in reader.episodes("eval")] == [1.0, 0.0]
+    single = RunReader(eval_dir / "trajectories.jsonl")
+    assert single.kind == "file" and len(single.episodes("file")) == 2
+
+    # A file from before tokens carried their text: the run's config names the tokenizer.
+    old_dir = tmp_path / "old-run" / "eval" / "step-000000"
+    old_dir.mkdir(parents=True)
+    t = tool_episode(template)
+    (old_dir / "trajectories.jsonl").write_text(json.dumps(t.to_dict() | {"text": "all of it"}) + "\n")
+    (tmp_path / "old-run" / "config.yaml").write_text(f"model:\n  path: {QWEN25}\n")
+    old = RunReader(tmp_path / "old-run")
+    record = old.episode("eval/step-000000", 0)
+    assert [s["origin"] for s in record["segments"]][:2] == ["prompt", "sampled"]
+    assert "".join(s["text"] for s in record["segments"]) == template.tokenizer.decode(t.token_ids, skip_special_tokens=False)
+
+
+def test_what_is_not_a_run_is_refused_with_what_to_give(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="does not exist"):
+        RunReader(tmp_path / "nope")
+    with pytest.raises(ConfigError, match="holds no run"):
+        RunReader(tmp_path)
+
+
+def test_a_file_being_rewritten_is_read_again(run_dir: Path, tmp_path: Path, template: ChatTemplate) -> None:
+    from agentrl.orchestration.trajectory_log import write_eval_trajectories
+
+    path = tmp_path / "t.jsonl"
+    write_eval_trajectories(path, [[tool_episode(template)]], [{}], template.tokenizer)
+    reader = RunReader(path)
+    assert len(reader.episodes("file")) == 1
+    write_eval_trajectories(path, [[tool_episode(template), tool_episode(template)]], [{}], template.tokenizer)
+    os.utime(path, ns=(1, 1))  # another stamp even on a coarse clock
+    assert len(reader.episodes("file")) == 2
