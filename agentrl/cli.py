@@ -1,4 +1,5 @@
-"""The `agentrl` command line: run, eval, plot, view, serve, sandbox, envs, tools, config, validate, doctor, version.
+"""The `agentrl` command line: run, eval, plot, view, serve, gateway, sandbox, envs, tools, config, validate, doctor,
+version.
 
 Each subcommand parses its arguments, builds what it needs from the layers below, and turns any
 `AgentRLError` into one readable message and exit status 1 (2 for a command-line usage error).
@@ -52,6 +53,20 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--show", action="store_true", help="print the resolved config as YAML")
         if name == "serve":
             p.add_argument("--log-dir", default=None, help="write each server's log here")
+
+    p = sub.add_parser(
+        "gateway", help="serve the policy behind an OpenAI-compatible API and record every agent's tokens",
+        description="Start the configured LLM servers and an OpenAI-compatible gateway in front of them, for "
+        "offline evaluation of any OpenAI-API agent: point it at http://HOST:PORT/v1 with one API key per "
+        "run (or at http://HOST:PORT/s/RUN/v1); each run's token ledger is appended to OUT/trajectories.jsonl "
+        "when it ends (POST /agentrl/sessions/KEY/end, optionally with {\"reward\": r}), after --idle-timeout, "
+        "or at Ctrl-C.")
+    p.add_argument("args", nargs="*", metavar="CONFIG_OR_OVERRIDE", help=_CONFIG_HELP)
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8400, help="port to bind (default: 8400; 0 picks a free one)")
+    p.add_argument("--out", default=None, help="where trajectories.jsonl goes (default: RUN.OUTPUT_DIR/gateway-<time>)")
+    p.add_argument("--idle-timeout", type=float, default=600.0,
+                   help="end a session after this many seconds without a call (default: 600)")
 
     p = sub.add_parser("plot", help="draw a run's metric curves to PNG files")
     p.add_argument("run_dir", help="the run directory (holds metrics.jsonl)")
@@ -327,6 +342,45 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_gateway(ns: argparse.Namespace) -> int:
+    import asyncio
+    import time
+    from pathlib import Path
+
+    from agentrl.config import save_config
+    from agentrl.gateway.standalone import serve_gateway
+    from agentrl.inference.serve import serve_from_config
+    from agentrl.orchestration.build import build_job
+
+    cfg = _load(ns.args)
+    _log_to_console()
+    job = build_job(cfg, "eval")  # the model, its chat template, tool parser and budgets, checked
+    asyncio.run(job.aclose())  # the gateway runs no env: nothing of the job but its loop is needed
+    out = Path(ns.out or Path(cfg.run.output_dir) / f"gateway-{time.strftime('%Y%m%d-%H%M%S')}")
+    save_config(cfg, out)
+    print(f"starting {cfg.inference.num_servers} {cfg.inference.engine} server(s) for {cfg.model.path} ...",
+          flush=True)
+    served = cfg.model_copy(deep=True)
+    served.model.path = job.model_path
+    service = serve_from_config(served, log_dir=out / "logs")
+
+    def ready(gateway: Any) -> None:
+        print(f"OpenAI-compatible gateway at {gateway.url}/v1 (any model name; one API key per agent run)", flush=True)
+        print(f"trajectories: {out}/trajectories.jsonl   press Ctrl-C to stop", flush=True)
+
+    async def main() -> Any:
+        loop = job.agent_loop(service.client, evaluation=True)
+        return await serve_gateway(loop, output_dir=out, host=ns.host, port=ns.port, model_name=cfg.model.path,
+                                   idle_timeout_s=ns.idle_timeout or None, ready=ready)
+
+    try:
+        writer = asyncio.run(main())
+    finally:
+        service.stop()
+    print(f"{writer.sessions} session(s), {writer.segments} trajectory segment(s) in {writer.path}")
+    return 0
+
+
 def cmd_config(ns: argparse.Namespace) -> int:
     from agentrl.config import config_fields, list_presets
 
@@ -416,6 +470,7 @@ _COMMANDS = {
     "plot": cmd_plot,
     "view": cmd_view,
     "serve": cmd_serve,
+    "gateway": cmd_gateway,
     "validate": cmd_validate,
     "doctor": cmd_doctor,
     "config": cmd_config,

@@ -183,6 +183,10 @@ ENVS = Registry(
     "env",
     "agentrl envs list",
     {
+        "agent": (
+            "agentrl.gateway.agent_env:AgentEnv",
+            "Your OpenAI-API agent (a function or a command) on dataset rows, through the gateway.",
+        ),
         "arithmetic": (
             "agentrl.envs.arithmetic:ArithmeticEnv",
             "Multi-step arithmetic word problems solved with a calculator tool.",

@@ -45,6 +45,7 @@ from typing import Any
 
 from agentrl.config import AgentRLConfig, save_config
 from agentrl.errors import AgentRLError, ConfigError, InfraFailureError
+from agentrl.gateway.session import final_segments, is_first_segment, segment_metrics
 from agentrl.orchestration.build import Job, build_job
 from agentrl.orchestration.checkpoints import Checkpoint, CheckpointStore, move_aside_earlier_attempt
 from agentrl.orchestration.evaluate import check_infra_failures, evaluate
@@ -200,7 +201,7 @@ class _Run:
         index = ref.epoch * len(self.train_rows) + ref.index
         seed = group_seed(self.config.run.seed, index * 16 + ref.attempt)
         group = await self.worker.run_group(row, self.config.rollout.samples_per_prompt, seed=seed, group_id=ref.key)
-        self.infra.record(group)
+        self.infra.record(final_segments(group))  # an agent episode in segments is one episode
         try:
             self.infra.check()
         except InfraFailureError:
@@ -215,7 +216,7 @@ class _Run:
         if verdict[0] != "ok":
             return verdict
         valid = [t for t in group.trajectories if t.trainable]
-        if max(t.prompt_length for t in valid) > self.config.data.max_prompt_tokens:
+        if max(t.prompt_length for t in valid if is_first_segment(t)) > self.config.data.max_prompt_tokens:
             return "filtered", f"prompt longer than data.max_prompt_tokens={self.config.data.max_prompt_tokens}"
         if self.config.algorithm.filter_groups and len({float(t.reward or 0.0) for t in valid}) <= 1:
             return "filtered", "every sample got the same reward (dynamic group filtering)"
@@ -242,9 +243,10 @@ class _Run:
     async def after_step(self, record: StepRecord) -> None:
         assert self.scheduler is not None
         step = record.step
-        groups = [g.trajectories for g in record.groups]
+        groups = [final_segments(g.trajectories) for g in record.groups]  # agent episodes in segments count once
         metrics = episode_metrics(groups, trainer_version=record.trainer_version,
                                   group_versions=[g.version for g in record.groups])
+        metrics.update(segment_metrics(record.trajectories))
         metrics.update(record.train_metrics)
         metrics.update({f"time/{k}": v for k, v in record.timings.items()})
         metrics["time/weight_sync_s"] = record.timings.get("weight_sync_s", 0.0) + record.train_metrics.get(

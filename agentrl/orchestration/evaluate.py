@@ -30,6 +30,7 @@ from typing import Any
 
 from agentrl.config import AgentRLConfig, save_config
 from agentrl.errors import InfraFailureError
+from agentrl.gateway.session import final_segments
 from agentrl.orchestration.build import Job, build_job
 from agentrl.orchestration.infra import describe_infra_failures, fix_for
 from agentrl.orchestration.trajectory_log import write_eval_trajectories
@@ -118,6 +119,7 @@ def summarise(
     config: AgentRLConfig, groups: list[list[Trajectory]], seconds: float, out_dir: str = "",
     *, reports_resolved: bool = False,
 ) -> EvalReport:
+    groups = [final_segments(g) for g in groups]  # an agent episode in segments counts once
     trajs = [t for g in groups for t in g]
     valid = [t for t in trajs if t.trainable]
     n = max(len(trajs), 1)

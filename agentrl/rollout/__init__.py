@@ -11,12 +11,13 @@ from agentrl.rollout.agent_loop import (
     GenerateClient,
     end_of_turn_ids,
 )
-from agentrl.rollout.worker import RolloutWorker, group_seed
+from agentrl.rollout.worker import ExternalAgentEnv, RolloutWorker, group_seed
 
 __all__ = [
     "AgentLoop",
     "AgentLoopConfig",
     "EpisodeState",
+    "ExternalAgentEnv",
     "GenerateClient",
     "RolloutWorker",
     "end_of_turn_ids",

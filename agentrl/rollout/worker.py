@@ -8,6 +8,12 @@ wait, rather than fail, when the cap is reached. Every episode returns a traject
 included (marked with their fault), so nothing is silently dropped.
 
 Each episode gets a fresh environment from `env_factory`, closed by the AgentLoop at its end.
+An environment whose episodes are driven by an external agent rather than by the AgentLoop
+(`ExternalAgentEnv`: `agentrl.gateway.AgentEnv` runs a user's OpenAI-API agent through the gateway)
+plays its episode itself with the worker's AgentLoop as its inference backend, and may return
+several trajectories for one episode (segments, when the agent rewrote its history; they share
+the episode's reward and `episode_id`, and `info["segment"]` numbers them). A group's list then
+holds every segment of its episodes, in sample order.
 Placement on Ray, weight pushes and staleness belong to the orchestration layer, not here.
 
 Garbage collection. A rollout process holds a large, long-lived heap (transformers, the tokenizer,
@@ -46,12 +52,25 @@ import asyncio
 import gc
 import hashlib
 from collections.abc import AsyncIterator, Callable, Sequence
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 from agentrl.rollout.agent_loop import AgentLoop
 from agentrl.types import Trajectory
 
-__all__ = ["RolloutWorker", "group_seed"]
+__all__ = ["ExternalAgentEnv", "RolloutWorker", "group_seed"]
+
+
+@runtime_checkable
+class ExternalAgentEnv(Protocol):
+    """An env that plays its own episodes, generating through `loop` (its client, template, budgets).
+
+    `arun_episode` returns the episode's trajectories (one, or one per segment), never raises for
+    an episode failure (it records it, like `AgentLoop.run_episode`), and closes the env.
+    """
+
+    async def arun_episode(
+        self, loop: AgentLoop, *, row: dict[str, Any] | None, seed: int | None, episode_id: str, group_id: str
+    ) -> list[Trajectory]: ...
 
 _gc_frozen = False
 _GC_GEN2_THRESHOLD = 1_000
@@ -136,6 +155,17 @@ class RolloutWorker:
         self._pacing = False
 
     async def run_episode(self, row: dict[str, Any] | None, *, seed: int, group_id: str, episode_id: str) -> Trajectory:
+        """One episode's trajectory; for an episode that may come in segments use `run_episode_segments`."""
+        segments = await self.run_episode_segments(row, seed=seed, group_id=group_id, episode_id=episode_id)
+        if len(segments) != 1:
+            raise ValueError(f"episode {episode_id} produced {len(segments)} trajectory segments; "
+                             "call run_episode_segments to get all of them")
+        return segments[0]
+
+    async def run_episode_segments(
+        self, row: dict[str, Any] | None, *, seed: int, group_id: str, episode_id: str
+    ) -> list[Trajectory]:
+        """Every trajectory of one episode: one from the AgentLoop, one per segment from an external agent."""
         async with self._slots:
             self.in_flight += 1
             if self.freeze_gc and not self._pacing:
@@ -144,7 +174,11 @@ class RolloutWorker:
             try:
                 async with self.loop.gate:  # a thousand episodes admitted at once start in slices
                     env = self.env_factory()
-                return await self.loop.run_episode(env, row=row, seed=seed, group_id=group_id, episode_id=episode_id)
+                if isinstance(env, ExternalAgentEnv):
+                    return await env.arun_episode(self.loop, row=row, seed=seed, episode_id=episode_id,
+                                                  group_id=group_id)
+                return [await self.loop.run_episode(env, row=row, seed=seed, group_id=group_id,
+                                                    episode_id=episode_id)]
             finally:
                 self.in_flight -= 1
                 if self.in_flight == 0 and self._pacing:
@@ -154,17 +188,17 @@ class RolloutWorker:
     async def run_group(
         self, row: dict[str, Any] | None, samples: int, *, seed: int, group_id: str
     ) -> list[Trajectory]:
-        """`samples` episodes of one prompt, in sample order."""
+        """`samples` episodes of one prompt, in sample order (every segment of each, in order)."""
         # Creating the tasks is paced like any other CPU section: a caller that starts hundreds
         # of groups at once would otherwise spend one long loop iteration creating all of them.
         async with self.loop.gate:
             episodes = asyncio.gather(
                 *(
-                    self.run_episode(row, seed=seed, group_id=group_id, episode_id=f"{group_id}-{i}")
+                    self.run_episode_segments(row, seed=seed, group_id=group_id, episode_id=f"{group_id}-{i}")
                     for i in range(samples)
                 )
             )
-        return list(await episodes)
+        return [t for segments in await episodes for t in segments]
 
     async def run_batch(
         self, rows: Sequence[dict[str, Any] | None], samples_per_prompt: int, *, seed: int = 0, first_index: int = 0

@@ -11,6 +11,14 @@ the metrics an RL practitioner watches, named `group/metric`. The KL coefficient
 controller (`make_kl_controller`) that the caller keeps across steps: fixed, or adaptive when
 `algorithm.kl_target` is set, updated after each step with the batch's KL to the reference.
 
+An episode an external agent played through the gateway may arrive as several trajectory segments
+(`info["segment"]`, same `group_id` and `episode_id`, same reward). The group-relative estimators
+(grpo, dr_grpo, rloo, reinforce_pp_baseline) then count each episode once: the group statistics use
+one reward per episode and every segment's tokens get its episode's advantage (the step-wise
+"broadcast" of rLLM and SkyRL), so an agent that rewrites its history more often does not weigh
+more in its group. Token-level estimators (gae, reinforce_pp) see each segment as a sequence that
+ends with the episode's reward.
+
 It owns no model and no process group: every rank calls it with the same batch and the backend
 splits the work. It does not collect trajectories, push weights, or drop groups whose rewards are
 all equal (`algorithm.filter_groups`, DAPO's dynamic sampling): the orchestration layer drops
@@ -181,11 +189,52 @@ def _advantages(
         kwargs = {"values": values, "gamma": algorithm.gamma, "lam": algorithm.lam}
     elif algorithm.advantage == "reinforce_pp":
         kwargs = {"gamma": algorithm.gamma}
-    advantages, returns = estimator(rewards, mask, [t.group_id for t in trajs], **kwargs)
+    groups = [t.group_id for t in trajs]
+    episode_of = _episode_index(trajs)
+    if episode_of is not None and algorithm.advantage in _PER_EPISODE_ESTIMATORS:
+        advantages, returns = _per_episode_advantages(estimator, rewards, mask, groups, episode_of)
+        metrics["batch/segments"] = float(len(trajs))
+        metrics["batch/episodes"] = float(max(episode_of) + 1)
+    else:
+        advantages, returns = estimator(rewards, mask, groups, **kwargs)
     metrics.update(_stats("adv", advantages, mask))
     if values is not None:
         metrics.update(_stats("critic/returns", returns, mask))
     return advantages, returns, values
+
+
+_PER_EPISODE_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_pp_baseline")
+
+
+def _episode_index(trajs: Sequence[Trajectory]) -> list[int] | None:
+    """Each trajectory's episode number when some episodes come in segments (module docstring), else None."""
+    seen: dict[Any, int] = {}
+    index = []
+    for i, t in enumerate(trajs):
+        segmented = isinstance(t.info.get("segment"), dict) and t.episode_id
+        key = (t.group_id, t.episode_id) if segmented else i
+        index.append(seen.setdefault(key, len(seen)))
+    return index if len(seen) < len(trajs) else None
+
+
+def _per_episode_advantages(
+    estimator: Any, rewards: torch.Tensor, mask: torch.Tensor, groups: list[str], episode_of: list[int]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A group estimator over one score per episode, each segment given its episode's advantage."""
+    n_episodes = max(episode_of) + 1
+    of = torch.tensor(episode_of)
+    first: dict[int, int] = {}
+    for i, e in enumerate(episode_of):
+        first.setdefault(e, i)
+    # Segments share the reward. Shaping that differs per segment is combined: token rewards (a KL
+    # penalty in the reward) add up over the episode, per-sequence scores (overlong penalty) average.
+    total = rewards.float().sum(-1) if rewards.dim() == 2 else rewards.float()
+    per_episode = total.new_zeros(n_episodes).index_add(0, of, total)
+    if rewards.dim() == 1:
+        per_episode = per_episode / torch.bincount(of, minlength=n_episodes).float()
+    adv, _ = estimator(per_episode, torch.ones(n_episodes, 1), [groups[first[e]] for e in range(n_episodes)])
+    advantages = adv[:, 0][of].unsqueeze(-1) * mask.to(adv.dtype)
+    return advantages, advantages
 
 
 def _rollout_mismatch(

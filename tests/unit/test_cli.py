@@ -9,7 +9,7 @@ from agentrl.cli import EXIT_ERROR, EXIT_USAGE, main
 
 def test_envs_and_tools_list(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["envs", "list"]) == 0
-    assert capsys.readouterr().out.startswith("arithmetic  Multi-step arithmetic")
+    assert "arithmetic  Multi-step arithmetic" in capsys.readouterr().out.splitlines()[1]
     assert main(["tools", "list"]) == 0
     assert "calculator" in capsys.readouterr().out
 

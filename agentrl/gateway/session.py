@@ -1,0 +1,386 @@
+"""Gateway sessions: one episode's chat completion calls, recorded as exact trajectory segments.
+
+A `GatewaySession` is what one episode (one agent run) talks to. Each call's messages are compared
+with the conversations the session has recorded so far, message by message (`wire.message_key`):
+
+- When they extend a recorded conversation (its messages, then the assistant message the gateway
+  returned, then anything new), the call continues that conversation's trajectory exactly as the
+  AgentLoop does: the new messages are delta-tokenised with the chat template after the sampled
+  tokens (`ChatTemplate.encode_delta`), so the ids sent extend the ids of the previous call and
+  no sampled token is ever re-tokenised. Tool results, user turns and template tokens are masked.
+- When they do not (the agent edited, truncated or summarised its history, stripped a thinking
+  block, changed its tools, or started a side conversation), the call starts a new *segment*: a
+  new trajectory whose prompt is the agent's messages rendered whole. Every earlier segment stays
+  as it was, exact up to its last sampled token; the episode's ledger is never silently patched.
+  A segment is counted as a rewrite when it shares its first message with an earlier one, and as a
+  new conversation otherwise.
+
+Nothing is written into a trajectory until its generation has succeeded, so a failed or refused
+call leaves no trace and a retry of it extends the same conversation. A conversation waiting on a
+generation cannot be extended by a concurrent call (that call starts its own segment).
+
+Budgets come from the backend's config (the run's `rollout` section), as for the AgentLoop: at most `max_turns`
+calls per episode, `max_tokens_per_turn` per call, `max_total_tokens` per trajectory, and
+`request_timeout_s` per generation. A call over budget is refused with an OpenAI-style 400
+(`context_length_exceeded`, `max_turns_exceeded`) and the refusal is remembered, so an agent that
+then gives up ends as `max_length` / `max_turns`, not as an infrastructure failure. Sampling is the
+backend's (temperature, top_p, stop ids): the trainer scores tokens at the rollout temperature, so
+an agent's own `temperature` is not applied (`metrics["ignored_sampling"]` counts such calls).
+
+A call's template and parsing work (well under a millisecond) runs inline, not through the
+AgentLoop's `CpuGate`: the HTTP handling around it is not paced either, and a gate whose slices are
+spent by that unpaced work keeps re-queuing its waiters (measured: seconds of waiting per call with
+200 agents on a loaded machine).
+
+Text stop sequences (`stop`) are applied after generation: the answer is cut before the earliest
+stop string and the sampled tokens are kept up to the one that completed it (the token API has no
+text stops), so the ledger holds exactly what the model sampled and saw.
+
+`trajectories()` ends the session: one `Trajectory` per segment, all sharing the episode's reward,
+finish reason and fault, each with `info["segment"] = {"index": k, "of": n}` (and `info["tools"]`,
+the tool schemas its prompt rendered); the episode's
+metrics (calls, segments, rewrites, tool calls, parse errors, refusals) are on the last segment.
+This module knows nothing of HTTP (`server.py`) or of how the agent is run (`agent_env.py`).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from agentrl.chat import ChatTemplate, TokenDelta
+from agentrl.config import RolloutConfig
+from agentrl.errors import ChatTemplateError, InferenceError, ServerUnavailableError
+from agentrl.gateway.wire import ChatRequest, Completion, WireError, assistant_message, message_key
+from agentrl.types import Action, FinishReason, Generation, Message, SamplingParams, TokenOrigin, Trajectory
+
+__all__ = [
+    "GatewayBackend",
+    "GatewaySession",
+    "final_segments",
+    "is_final_segment",
+    "is_first_segment",
+    "segment_metrics",
+]
+
+log = logging.getLogger(__name__)
+
+_STORED_RESPONSES = 64
+
+
+class _Parser(Protocol):
+    def parse(self, text: str) -> Action: ...
+
+
+class _Client(Protocol):
+    async def generate(
+        self, prompt_ids: list[int], sampling: SamplingParams, *, session_id: str, timeout_s: float | None = None
+    ) -> Generation: ...
+
+
+class GatewayBackend(Protocol):
+    """What a session generates with; an `agentrl.rollout.AgentLoop` is one (the gateway does not
+    import the rollout package: the two are siblings in DESIGN.md's layers)."""
+
+    client: _Client
+    template: ChatTemplate
+    parser: _Parser
+    config: RolloutConfig
+    stop_token_ids: tuple[int, ...]
+
+
+def is_final_segment(t: Trajectory) -> bool:
+    """True for the last segment of an episode (and for every trajectory that has no segments)."""
+    seg = t.info.get("segment")
+    return not isinstance(seg, dict) or seg.get("index") == seg.get("of", 1) - 1
+
+
+def is_first_segment(t: Trajectory) -> bool:
+    """True for the first segment of an episode (the one whose prompt is the dataset row's)."""
+    seg = t.info.get("segment")
+    return not isinstance(seg, dict) or seg.get("index") == 0
+
+
+def final_segments(trajectories: list[Trajectory]) -> list[Trajectory]:
+    """One trajectory per episode: the last segment of each (for per-episode counts and pass rates)."""
+    return [t for t in trajectories if is_final_segment(t)]
+
+
+def segment_metrics(trajectories: list[Trajectory]) -> dict[str, float]:
+    """Dashboard numbers of gateway episodes: segments, rewrites and model calls per episode ({} if none)."""
+    episodes = [t for t in final_segments(trajectories) if "llm_calls" in t.metrics]
+    if not episodes:
+        return {}
+    n = len(episodes)
+    out = {f"gateway/{k}_per_episode": sum(t.metrics.get(k, 0.0) for t in episodes) / n
+           for k in ("segments", "rewrites", "new_conversations", "llm_calls", "parse_errors", "server_errors")}
+    out["gateway/rewritten_frac"] = sum(t.metrics.get("rewrites", 0.0) > 0 for t in episodes) / n
+    return out
+
+
+@dataclass
+class _Segment:
+    trajectory: Trajectory
+    tools: list[Any] | None
+    tools_key: str
+    system: Message | None
+    keys: list[str] = field(default_factory=list)
+    turn: int = 0
+    busy: bool = False
+
+
+class GatewaySession:
+    """One episode's calls (see the module docstring). `complete` serves one chat request."""
+
+    def __init__(
+        self, backend: GatewayBackend, *, key: str, episode_id: str, group_id: str = "", data_source: str = "",
+        deadline: float | None = None,
+    ) -> None:
+        self.backend = backend
+        self.key = key
+        self.episode_id = episode_id
+        self.group_id = group_id
+        self.data_source = data_source
+        self.deadline = deadline
+        self.segments: list[_Segment] = []
+        self.closed = False
+        self.budget_hit: FinishReason | None = None
+        self.reward: float | None = None
+        # a reward given from outside (the standalone gateway's end call), if any
+        self.last_finish: str | None = None
+        self.started = time.monotonic()
+        self.last_used = self.started
+        self.stored_responses: dict[str, list[Message]] = {}
+        # `handling_s` is the server's time on this session's requests, from a request's arrival to its
+        # answer (generation included); minus `generate_s`, it is what the gateway itself added.
+        self.counters: dict[str, float] = {
+            "llm_calls": 0, "segments": 0, "rewrites": 0, "new_conversations": 0, "tool_calls": 0,
+            "parse_errors": 0, "length_cut": 0, "refused_context": 0, "refused_turns": 0, "server_errors": 0,
+            "ignored_sampling": 0, "template_mismatch": 0, "generate_s": 0.0, "handling_s": 0.0,
+        }
+
+    # ── serving one call ────────────────────────────────────────────────────────────────────
+    def time_left(self) -> float:
+        return float("inf") if self.deadline is None else self.deadline - time.monotonic()
+
+    async def complete(self, request: ChatRequest) -> Completion:
+        """Generate the answer to one chat request and record it; raise `WireError` if refused."""
+        if self.closed:
+            raise WireError("This agentrl session has ended (its episode is over); no more calls are served.",
+                            status=410, code="session_closed")
+        self.last_used = time.monotonic()
+        backend, cfg = self.backend, self.backend.config
+        if self.counters["llm_calls"] >= cfg.max_turns:
+            self.counters["refused_turns"] += 1
+            self.budget_hit = FinishReason.MAX_TURNS
+            raise WireError(f"This episode has used its {cfg.max_turns} model calls (rollout.max_turns).",
+                            code="max_turns_exceeded")
+        template = backend.template
+        tools = template.intern_tools(request.tools)
+        tools_key = template.tools_key(tools)
+        seg = self._match(request.keys, tools_key)
+        delta: TokenDelta | None = None
+        try:
+            if seg is None:
+                prompt = list(template.first_prompt_ids(request.messages, tools))
+            else:
+                new = request.messages[len(seg.keys):]
+                delta = template.encode_delta(new, sampled_ids=seg.trajectory.token_ids, tools=seg.tools,
+                                              system=seg.system)
+                prompt = seg.trajectory.token_ids + delta.token_ids
+        except ChatTemplateError as exc:
+            raise WireError(f"The model's chat template cannot render these messages: {exc}",
+                            param="messages") from exc
+        room = cfg.max_total_tokens - len(prompt)
+        if room < 1:
+            self.counters["refused_context"] += 1
+            self.budget_hit = FinishReason.MAX_LENGTH
+            raise WireError(
+                f"This model's maximum context length is {cfg.max_total_tokens} tokens "
+                f"(rollout.max_total_tokens). However, your messages resulted in {len(prompt)} tokens. "
+                "Please reduce the length of the messages.", param="messages", code="context_length_exceeded")
+        generation = await self._generate(prompt, request, min(cfg.max_tokens_per_turn, room), seg)
+        return self._commit(request, seg, delta, prompt, generation, tools, tools_key)
+
+    def _match(self, keys: list[str], tools_key: str) -> _Segment | None:
+        """The longest recorded conversation that `keys` extend (ties: the latest), if any."""
+        best: _Segment | None = None
+        for seg in self.segments:
+            n = len(seg.keys)
+            if seg.busy or seg.tools_key != tools_key or n > len(keys) or (best is not None and n < len(best.keys)):
+                continue
+            if keys[:n] == seg.keys:
+                best = seg
+        return best
+
+    async def _generate(self, prompt: list[int], request: ChatRequest, cap: int, seg: _Segment | None) -> Generation:
+        backend, cfg = self.backend, self.backend.config
+        budget = min(cap, request.max_tokens or cap)
+        sampling = SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p, max_tokens=budget,
+                                  stop_token_ids=backend.stop_token_ids, seed=request.seed)
+        timeout = min(cfg.request_timeout_s, self.time_left())
+        if timeout <= 0:
+            raise WireError("This episode has run out of time.", status=408, code="episode_timeout",
+                            kind="timeout_error")
+        if request.ignored:
+            self.counters["ignored_sampling"] += 1
+        if seg is not None:
+            seg.busy = True
+        t0 = time.perf_counter()
+        try:
+            generation = await backend.client.generate(prompt, sampling, session_id=self.episode_id, timeout_s=timeout)
+        except (ServerUnavailableError, TimeoutError) as exc:
+            self.counters["server_errors"] += 1
+            raise WireError(f"No inference server answered in time: {exc}", status=503, code="server_unavailable",
+                            kind="server_error") from exc
+        except InferenceError as exc:
+            self.counters["server_errors"] += 1
+            raise WireError(f"The inference server refused the request: {exc}", code="invalid_prompt") from exc
+        finally:
+            self.counters["generate_s"] += time.perf_counter() - t0
+            if seg is not None:
+                seg.busy = False
+        if generation.finish_reason == "abort":
+            self.counters["server_errors"] += 1
+            raise WireError("The inference server aborted this generation (a weight update); retry the call.",
+                            status=503, code="generation_aborted", kind="server_error")
+        return generation
+
+    def _commit(
+        self, request: ChatRequest, seg: _Segment | None, delta: TokenDelta | None, prompt: list[int],
+        generation: Generation, tools: list[Any] | None, tools_key: str,
+    ) -> Completion:
+        backend = self.backend
+        ids, logprobs, finish = list(generation.token_ids), list(generation.logprobs), generation.finish_reason
+        text: str | None = None
+        if request.stop:
+            cut = _cut_at_stop(backend.template, ids, request.stop)
+            if cut is not None:
+                k, text = cut
+                ids, logprobs, finish = ids[:k], logprobs[:k], "stop"
+        if text is None:
+            text = backend.template.decode_turn(ids)
+        action = backend.parser.parse(text) if request.parse_tools else Action(text.strip())
+        # ── record: nothing was written before the generation succeeded ──
+        if seg is None:
+            seg = self._new_segment(request, prompt, tools, tools_key)
+        else:
+            t = seg.trajectory
+            assert delta is not None
+            for origin, run in delta.runs():
+                t.extend(run, origin, seg.turn, ints=True)
+            t.messages.extend(request.messages[len(seg.keys):])
+            seg.keys.extend(request.keys[len(seg.keys):])
+            if backend.config.verify_template:
+                self._check(seg)
+        seg.turn += 1
+        seg.trajectory.extend(ids, TokenOrigin.SAMPLED, seg.turn, logprobs=logprobs,
+                              version=generation.weight_version)
+        message = assistant_message(action.text, action.tool_calls)
+        seg.trajectory.messages.append(message)
+        seg.keys.append(message_key(message))
+        c = self.counters
+        c["llm_calls"] += 1
+        c["tool_calls"] += len(action.tool_calls)
+        c["parse_errors"] += len(action.parse_errors)
+        c["length_cut"] += finish == "length"
+        self.last_finish = finish
+        wire_finish = "tool_calls" if action.tool_calls else ("length" if finish == "length" else "stop")
+        return Completion(
+            model=request.model, content=action.text if (action.text or not action.tool_calls) else None,
+            tool_calls=list(action.tool_calls), finish_reason=wire_finish, prompt_tokens=len(prompt),
+            completion_tokens=len(ids),
+            logprobs=_token_logprobs(backend, ids, logprobs) if request.logprobs else None,
+        )
+
+    def _new_segment(self, request: ChatRequest, prompt: list[int], tools: list[Any] | None,
+                     tools_key: str) -> _Segment:
+        t = Trajectory(episode_id=self.episode_id, group_id=self.group_id, data_source=self.data_source)
+        t.extend(prompt, TokenOrigin.PROMPT, 0, ints=True)
+        t.messages.extend(request.messages)
+        first = request.messages[0]
+        if self.segments:
+            same_start = any(s.keys and s.keys[0] == request.keys[0] for s in self.segments)
+            self.counters["rewrites" if same_start else "new_conversations"] += 1
+            log.debug("session %s: call %d starts segment %d (%s)", self.episode_id, int(self.counters["llm_calls"]),
+                      len(self.segments), "rewrite" if same_start else "new conversation")
+        seg = _Segment(t, tools, tools_key, first if first.get("role") == "system" else None, list(request.keys))
+        self.segments.append(seg)
+        self.counters["segments"] = float(len(self.segments))
+        return seg
+
+    def _check(self, seg: _Segment) -> None:
+        """Compare the ledger with a full re-render (`rollout.verify_template`), as the AgentLoop does."""
+        t = seg.trajectory
+        try:
+            same = self.backend.template.encode_prompt(t.messages, seg.tools) == t.token_ids
+        except ChatTemplateError:
+            same = False
+        if not same:
+            self.counters["template_mismatch"] += 1
+
+    def store_response(self, response_id: str, conversation: list[Message]) -> None:
+        """Keep a Responses API conversation for `previous_response_id` (the latest 64 per session)."""
+        if len(self.stored_responses) >= _STORED_RESPONSES:
+            del self.stored_responses[next(iter(self.stored_responses))]
+        self.stored_responses[response_id] = conversation
+
+    # ── ending ──────────────────────────────────────────────────────────────────────────────
+    def close(self) -> None:
+        """Refuse every later call (the episode is over)."""
+        self.closed = True
+
+    def trajectories(
+        self, *, reward: float | None, finish_reason: FinishReason, fault: str | None = None,
+        error: str | None = None, metrics: dict[str, float] | None = None, info: dict[str, Any] | None = None,
+    ) -> list[Trajectory]:
+        """The episode's segments, closed and labelled (module docstring); empty if no call succeeded."""
+        self.close()
+        out = []
+        n = len(self.segments)
+        for k, seg in enumerate(self.segments):
+            t = seg.trajectory
+            t.reward, t.finish_reason, t.fault, t.error = reward, finish_reason, fault, error  # type: ignore[assignment]
+            t.info["segment"] = {"index": k, "of": n}
+            if seg.tools:
+                t.info["tools"] = seg.tools  # what the prompt rendered: a re-render needs them
+            t.metrics.update({"turns": float(seg.turn), "sampled_tokens": float(t.num_sampled),
+                              "total_tokens": float(len(t))})
+            out.append(t)
+        if out:
+            last = out[-1]
+            last.metrics.update({k: float(v) for k, v in self.counters.items()})
+            last.metrics.update(metrics or {})
+            if info:
+                last.info.update(info)
+        return out
+
+
+def _cut_at_stop(template: ChatTemplate, ids: list[int], stops: tuple[str, ...]) -> tuple[int, str] | None:
+    """(tokens to keep, text before the earliest stop string) if the turn contains one, else None.
+
+    The kept tokens end with the one that completed a stop string: the fewest whose text holds one.
+    """
+    if not any(s in template.decode_turn(ids) for s in stops):
+        return None
+    lo, hi = 1, len(ids)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if any(s in template.decode_turn(ids[:mid]) for s in stops):
+            hi = mid
+        else:
+            lo = mid + 1
+    text = template.decode_turn(ids[:lo])
+    at = min(text.find(s) for s in stops if s in text)
+    return lo, text[:at]
+
+
+def _token_logprobs(backend: GatewayBackend, ids: list[int], logprobs: list[float]) -> list[tuple[str, float]]:
+    tok = backend.template.tokenizer
+    stop = set(backend.stop_token_ids)
+    n = len(ids)
+    while n and ids[n - 1] in stop:
+        n -= 1
+    return [(tok.decode([i]), lp) for i, lp in zip(ids[:n], logprobs[:n], strict=True)]
