@@ -6,11 +6,12 @@ One run, on Ray (a local instance by default; the cluster when `ray start` made 
 1. The run directory (`run.output_dir/run.name`) gets the resolved config; with `run.resume` it
    must hold a checkpoint, without it it must not (so a run is never silently overwritten).
 2. The LLM servers start (`serve_from_config`, behind the session-sticky router) while the trainer
-   actors load the policy (`TrainerGroup`).
+   actors load the policy (`TrainerGroup`); with placement `colocated` the vLLM engine starts
+   inside the trainer actor instead, and the router reaches it there (`placement.py`).
 3. The `Scheduler` runs the steps in `run.mode`: rollouts are asyncio tasks in this process (the
    AgentLoop over the router), training is a Ray call, and each new policy reaches the servers
-   through the files checkpoint engine (`weights/version-N`), after which the router serves only
-   that version.
+   through the files checkpoint engine (`weights/version-N`), or in memory into the colocated
+   engine, after which the router serves only that version.
 4. After every step the dashboard metrics go to the console, `metrics.jsonl` and TensorBoard;
    every `run.eval_every` steps (and before the first and after the last) the held-out split is
    evaluated (`eval/pass_at_1`, ...), with its report under `eval/step-N/`; every `run.save_every`
@@ -159,6 +160,7 @@ class _Run:
         self.eval_before: dict[str, float | None] = {}
         self.eval_after: dict[str, float | None] = {}
         self.steps_done = 0
+        self.colocated = job.plan is not None and job.plan.colocated
         self.scheduler: Scheduler | None = None
         self.last_saved_step = -1
         self.last_eval_step = -1
@@ -191,12 +193,18 @@ class _Run:
         trajectories = [t for g in groups for t in g.trajectories if t.trainable]
         metrics = await self.trainer.train(trajectories)
         assert self.scheduler is not None
-        path, export_s = await self.trainer.export(self.scheduler.trainer_version + 1)
-        metrics["time/export_s"] = export_s
-        self.last_weights = path
+        if not self.colocated:  # colocated: the engine takes the trainer's tensors at the push, in memory
+            path, export_s = await self.trainer.export(self.scheduler.trainer_version + 1)
+            metrics["time/export_s"] = export_s
+            self.last_weights = path
         return metrics
 
     async def push(self, version: int) -> None:
+        if self.colocated:
+            await self.trainer.update_engines(version)
+            await self.router.check_health()
+            self.router.set_version(version)
+            return
         path = self.weights_dir / f"version-{version:08d}"
         await self.router.update_weights(str(path), version)
 
@@ -322,8 +330,11 @@ class _Run:
         served = {s["weight_version"] for s in self.router.stats()["servers"]}
         if version > 0 or served != {0}:
             # Resumed, or servers that were already running hold other weights: serve the trainer's.
-            path, _ = await trainer.export(version)
-            await self.router.update_weights(path, version)
+            if self.colocated:
+                await self.push(version)
+            else:
+                path, _ = await trainer.export(version)
+                await self.router.update_weights(path, version)
         self.scheduler = Scheduler(
             mode=config.run.mode, prompts_per_step=config.data.prompts_per_step, sampler=self.sampler,
             ledger=self.ledger, rollout=self.rollout, train=self.train, push=self.push,
@@ -351,7 +362,7 @@ def run_training(config: AgentRLConfig) -> RunResult:
     Everything is built and checked first (`build_job`, then `preflight`): a config that cannot
     do useful work fails here, in seconds, before a server, a trainer or Ray starts.
     """
-    from agentrl.inference.serve import serve_from_config
+    from agentrl.orchestration.placement import start_inference
     from agentrl.orchestration.trainer_group import TrainerGroup
 
     started = time.perf_counter()
@@ -369,11 +380,13 @@ def run_training(config: AgentRLConfig) -> RunResult:
     try:
         run = _Run(job, run_dir, checkpoint)
         _init_ray()
-        trainer = TrainerGroup(config, job.model_path, run_dir / "weights")  # loads while the servers start
+        # The trainer loads while the servers start (placement split), or with its engine (colocated).
+        trainer = TrainerGroup(config, job.model_path, run_dir / "weights", plan=job.plan)
         try:
             served = config.model_copy(deep=True)
             served.model.path = job.model_path
-            service = serve_from_config(served, log_dir=run_dir / "logs")
+            assert job.plan is not None  # build_job made it
+            service = start_inference(job.plan, served, trainer, log_dir=run_dir / "logs")
             try:
                 asyncio.run(run.main(trainer, service))
             except AgentRLError as exc:
