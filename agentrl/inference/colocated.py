@@ -152,11 +152,9 @@ class InProcessVLLM(ServerEngine):
     def _build(self) -> Any:
         import torch
 
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # InprocClient: the engine core in this process
         # vLLM drops torch to one thread "for serving" unless OMP_NUM_THREADS is set, and its CPU
         # worker replaces torch.set_num_threads process-wide with a no-op: keep the trainer's count.
         threads = torch.get_num_threads()
-        os.environ.setdefault("OMP_NUM_THREADS", str(threads))
         set_num_threads = torch.set_num_threads
         from vllm.engine.arg_utils import EngineArgs
         from vllm.v1.engine.llm_engine import LLMEngine
@@ -170,9 +168,20 @@ class InProcessVLLM(ServerEngine):
                 kwargs["dtype"] = "float32"  # as the trainer on CPU (vLLM's auto is emulated bfloat16)
             if self.kv_cache_bytes is not None and "VLLM_CPU_KVCACHE_SPACE" not in os.environ:
                 kwargs["kv_cache_memory_bytes"] = self.kv_cache_bytes
+        # The engine core in this process (InprocClient). Both variables are read while the engine is
+        # built and put back after, so servers this process starts later are not affected.
+        env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS",
+                                                                                      str(threads))}
+        saved = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
         try:
             engine = LLMEngine.from_engine_args(EngineArgs(**kwargs), enable_multiprocessing=False)
         finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
             torch.set_num_threads = set_num_threads
             set_num_threads(threads)
         self.expected_names = checkpoint_names(self.model_path)
@@ -368,7 +377,11 @@ class InProcessVLLM(ServerEngine):
                 received.append(name)
                 yield name, tensor
 
-        self._engine.collective_rpc(_reload_in_worker, args=(counted(),))
+        try:
+            self._engine.collective_rpc(_reload_in_worker, args=(counted(),))
+        except BaseException as exc:  # a half-loaded model (a corrupted or short push) must not serve
+            self.broken = exc
+            raise
         self.weights_released = False
         missing = sorted(self.expected_names - set(received))
         if missing:
