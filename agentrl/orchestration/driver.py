@@ -9,12 +9,14 @@ One run, on Ray (a local instance by default; the cluster when `ray start` made 
    must hold none (a run is never silently overwritten), and the records of an earlier attempt
    that saved no checkpoint are moved into `previous/`, never deleted.
 2. The LLM servers start (`serve_from_config`, behind the session-sticky router, supervised: a
-   dead server is restarted and re-synced) while the trainer actors load the policy (`TrainerGroup`).
+   dead server is restarted and re-synced) while the trainer actors load the policy (`TrainerGroup`);
+   with placement `colocated` the vLLM engine starts inside the trainer actor instead, and the
+   router reaches it there (`placement.py`).
 3. The `Scheduler` runs the steps in `run.mode`: rollouts are asyncio tasks in this process (the
    AgentLoop over the router), training is a Ray call, and each new policy reaches the servers
    through the checkpoint engine `weights.backend` selects (`weights/version-N` directories, or an
-   HTTP endpoint on the trainer's node), every bucket checksummed and verified by each server,
-   after which the router serves only that version.
+   HTTP endpoint on the trainer's node), every bucket checksummed and verified by each server, or
+   in memory into the colocated engine, after which the router serves only that version.
 4. After every step the dashboard metrics go to the console, `metrics.jsonl` and TensorBoard;
    every `run.eval_every` steps (and before the first and after the last) the held-out split is
    evaluated (`eval/pass_at_1`, ...), with its report under `eval/step-N/`; every `run.save_every`
@@ -188,6 +190,7 @@ class _Run:
         self.eval_before: dict[str, float | None] = {}
         self.eval_after: dict[str, float | None] = {}
         self.steps_done = 0
+        self.colocated = job.plan is not None and job.plan.colocated
         self.scheduler: Scheduler | None = None
         self.last_saved_step = -1
         self.last_eval_step = -1
@@ -228,12 +231,18 @@ class _Run:
         trajectories = [t for g in groups for t in g.trajectories if t.trainable]
         metrics = await self.trainer.train(trajectories)
         assert self.scheduler is not None
-        path, export_s = await self.trainer.export(self.scheduler.trainer_version + 1)
-        metrics["time/export_s"] = export_s
-        self.last_weights = path
+        if not self.colocated:  # colocated: the engine takes the trainer's tensors at the push, in memory
+            path, export_s = await self.trainer.export(self.scheduler.trainer_version + 1)
+            metrics["time/export_s"] = export_s
+            self.last_weights = path
         return metrics
 
     async def push(self, version: int) -> None:
+        if self.colocated:
+            await self.trainer.update_engines(version)
+            await self.router.check_health()
+            self.router.set_version(version)
+            return
         source, token = self.trainer.weight_source(version)
         reports = await self.router.update_weights(source, version, token=token)
         done = [r for r in reports.values() if r is not None]
@@ -360,11 +369,13 @@ class _Run:
                      self.checkpoint.name, start_step, version, self.session)
         await trainer.ready()
         await self.router.check_health()
-        await trainer.check_servers(self.router)  # every server reaches the trainer's weights
+        if not self.colocated:
+            await trainer.check_servers(self.router)  # every server reaches the trainer's weights
         served = {s["weight_version"] for s in self.router.stats()["servers"]}
         if version > 0 or served != {0}:
             # Resumed, or servers that were already running hold other weights: serve the trainer's.
-            await trainer.export(version)
+            if not self.colocated:
+                await trainer.export(version)
             await self.push(version)
         self.scheduler = Scheduler(
             mode=config.run.mode, prompts_per_step=config.data.prompts_per_step, sampler=self.sampler,
@@ -394,7 +405,7 @@ def run_training(config: AgentRLConfig) -> RunResult:
     Everything is built and checked first (`build_job`, then `preflight`): a config that cannot
     do useful work fails here, in seconds, before a server, a trainer or Ray starts.
     """
-    from agentrl.inference.serve import serve_from_config
+    from agentrl.orchestration.placement import start_inference
     from agentrl.orchestration.trainer_group import TrainerGroup
 
     started = time.perf_counter()
@@ -416,11 +427,13 @@ def run_training(config: AgentRLConfig) -> RunResult:
     try:
         run = _Run(job, run_dir, store, checkpoint)
         _init_ray()
-        trainer = TrainerGroup(config, job.model_path, run_dir / "weights")  # loads while the servers start
+        # The trainer loads while the servers start (placement split), or with its engine (colocated).
+        trainer = TrainerGroup(config, job.model_path, run_dir / "weights", plan=job.plan)
         try:
             served = config.model_copy(deep=True)
             served.model.path = job.model_path
-            service = serve_from_config(served, log_dir=run_dir / "logs")
+            assert job.plan is not None  # build_job made it
+            service = start_inference(job.plan, served, trainer, log_dir=run_dir / "logs")
             try:
                 asyncio.run(run.main(trainer, service))
             except AgentRLError as exc:

@@ -34,6 +34,7 @@ from typing import Any
 from agentrl.envs.rewards import check_ground_truths
 from agentrl.errors import AgentRLError, PreflightError
 from agentrl.orchestration.build import Job, build_sandbox
+from agentrl.orchestration.placement import VLLM_RUNTIME_GB
 
 __all__ = ["Check", "estimate_memory_gb", "preflight", "run_checks"]
 
@@ -251,6 +252,10 @@ def estimate_memory_gb(job: Job) -> dict[str, float]:
     # fp32 weights, gradients and AdamW's two moments; a reference copy with a KL term; a working margin.
     trainer = params * 16 + (params * 4 if config.algorithm.kl_coef > 0 else 0)
     plan["trainer"] = trainer / _GB + 0.5
+    if job.plan is not None and job.plan.colocated and job.purpose == "run":
+        # The engine lives in the trainer's process: its weights, KV cache and vLLM's own share.
+        engine = _model_bytes(job.model_path) / _GB + config.inference.cpu_kv_cache_gb + VLLM_RUNTIME_GB
+        return {"trainer + engine": plan["trainer"] + engine}
     if config.inference.engine in ("vllm", "hf", "sglang") and not config.inference.urls:
         weights = _model_bytes(job.model_path)
         per_server = weights / _GB + (config.inference.cpu_kv_cache_gb if config.inference.engine == "vllm" else 0.0)

@@ -20,6 +20,15 @@ Weights (`weights_backend` resolves `weights.backend`):
 At start the servers prove they can reach the weights (`check_servers`): they read back a nonce the
 trainer wrote into its weights directory, or asked of its endpoint.
 
+With placement `colocated` each rank is a `ColocatedTrainerWorker`: it also hosts the vLLM engine
+(`inference.colocated.ColocatedServer`) in its own process. The router reaches the engine through
+`TrainerGroup.engine_clients()` (`engine_*` actor methods). Around every update the engine sleeps
+(frees its KV cache, and in `sync` mode its weights) and wakes after; `update_engines(version)`
+streams the trainer's tensors into the engine through the in-process checkpoint engine (checksummed
+buckets, no files). The engine's weights change only at that push, so a batch's version labels stay
+true; an update waits until the previous one has reached the engine, so a push never carries newer
+weights than its version says (async mode trains the next batch only after the last push).
+
 Nothing here decides when to train or push: that is `schedule.py`.
 """
 
@@ -34,43 +43,14 @@ from pathlib import Path
 from typing import Any
 
 from agentrl.config import AgentRLConfig
-from agentrl.errors import AgentRLError, ConfigError, TrainerError, WeightSyncError
+from agentrl.errors import AgentRLError, ServerUnavailableError, TrainerError, WeightSyncError
+from agentrl.orchestration.placement import weights_backend
 from agentrl.types import Trajectory
 
-__all__ = ["TrainerGroup", "TrainerWorker", "export_assets", "weights_backend"]
+__all__ = ["ColocatedTrainerWorker", "TrainerGroup", "TrainerWorker", "export_assets"]
 
 FILES_KEEP_LAST = 3
 """Versions the files engine keeps in `weights/` (besides those a checkpoint was taken at)."""
-
-
-def weights_backend(config: AgentRLConfig) -> str:
-    """The engine a run pushes weights with: `weights.backend`, with `auto` resolved (`files` or `http`).
-
-    `auto` takes `files` when this run starts its own servers on this machine and Ray is not a
-    cluster (`RAY_ADDRESS` unset): trainer and servers then share the run directory. Servers named by
-    `inference.urls`, or a cluster, may be on other machines: `http`. SGLang servers load only from
-    disk, so they always get `files`. Refused values raise ConfigError naming the key.
-    """
-    backend = config.weights.backend
-    engine = config.inference.engine
-    if backend == "broadcast":
-        raise ConfigError(
-            "weights.backend: 'broadcast' is not wired into runs yet (the servers' workers would join a "
-            "torch.distributed group with the trainer); use 'http' for servers on other machines (they "
-            "pull the weights from the trainer's node, no shared filesystem or NCCL needed) or 'files'."
-        )
-    if backend == "inprocess":
-        raise ConfigError(
-            "weights.backend: 'inprocess' is for the colocated placement (trainer and inference engine in "
-            "one process), which runs do not have yet; use 'files' or 'http'."
-        )
-    if backend == "auto":
-        remote = bool(config.inference.urls) or bool(os.environ.get("RAY_ADDRESS"))
-        backend = "http" if remote and engine != "sglang" else "files"
-    if backend == "http" and engine == "sglang":
-        raise ConfigError("weights.backend: SGLang servers load new weights only from disk "
-                          "(update_weights_from_disk); use weights.backend=files.")
-    return backend
 
 
 def export_assets(config: AgentRLConfig, model_path: str) -> dict[str, bytes]:
@@ -200,6 +180,124 @@ class TrainerWorker:
         return position
 
 
+class ColocatedTrainerWorker(TrainerWorker):
+    """A trainer rank that hosts the inference engine too (placement `colocated`; see the module
+    docstring). An async Ray actor: generation requests are served on its event loop while the
+    blocking trainer calls run on threads."""
+
+    def __init__(self, config: dict[str, Any], model_path: str, weights_dir: str, *,
+                 release_weights: bool = False, **kwargs: Any) -> None:
+        super().__init__(config, model_path, weights_dir, **kwargs)
+        from agentrl.inference.colocated import ColocatedServer, InProcessVLLM
+
+        inf = self.config.inference
+        engine = InProcessVLLM(
+            model_path, max_model_len=inf.max_model_len, kv_cache_bytes=int(inf.cpu_kv_cache_gb * 2**30),
+            prefix_caching=inf.prefix_caching, enforce_eager=inf.enforce_eager, dtype=self.config.model.dtype,
+            seed=self.config.run.seed, gpu_memory_utilization=inf.gpu_memory_utilization,
+        )  # fmt: skip
+        engine.start_blocking()  # the engine loads while the driver sets up; calls queue behind it
+        self.server = ColocatedServer(engine)
+        self.release_weights = release_weights
+        self.trainer_version = 0  # the version of the trainer's tensors (set by a push, +1 per update)
+        self._pushed: asyncio.Event | None = None
+
+    async def ready(self) -> int:  # type: ignore[override]
+        return self.rank
+
+    async def train(self, trajectories: list[Trajectory]) -> dict[str, float]:  # type: ignore[override]
+        from agentrl.inference.colocated import trim_heap
+
+        start = time.perf_counter()
+        while self.server.weight_version != self.trainer_version:  # the last update has not reached the engine
+            self._pushed = self._pushed or asyncio.Event()
+            self._pushed.clear()
+            await self._pushed.wait()
+        waited = time.perf_counter() - start
+        await self.server.sleep(weights=self.release_weights)
+        try:
+            metrics = await asyncio.to_thread(TrainerWorker.train, self, trajectories)
+        finally:
+            trim_heap()  # the activations' pages go back before the engine takes its KV cache again
+            if not self.release_weights:
+                await self.server.wake()
+        self.trainer_version += 1
+        phases = self.server.engine.phase_s
+        metrics.update({"time/engine_sleep_s": phases.get("sleep_s", 0.0), "time/wait_push_s": waited})
+        if not self.release_weights:
+            metrics["time/engine_wake_s"] = phases.get("wake_s", 0.0)
+        return metrics
+
+    async def update_engines(self, version: int) -> float:
+        """Stream the trainer's weights into this rank's engine as `version` (in memory, checksummed
+        buckets); return the seconds it took. Requests running on the old weights finish first."""
+        from agentrl.weights import make_checkpoint_engine
+
+        start = time.perf_counter()
+        sender = make_checkpoint_engine("inprocess", bucket_bytes=self.config.weights.bucket_mb << 20)
+        async with self.server.weight_update(version):
+            # Sender and receiver run at once on two threads; buckets are copied out as they land
+            # (vLLM holds a layer's tensors until the layer is complete).
+            await asyncio.gather(
+                asyncio.to_thread(sender.send, self.backend.export_weights(), version),
+                self.server.engine.load_tensors(lambda: sender.receive(copy=True)),
+            )
+        self.trainer_version = version
+        if self._pushed is not None:
+            self._pushed.set()
+        return time.perf_counter() - start
+
+    async def export(self, version: int) -> tuple[str, float]:  # type: ignore[override]
+        return await asyncio.to_thread(TrainerWorker.export, self, version)
+
+    async def save(self, path: str, data_position: dict[str, Any]) -> float:  # type: ignore[override]
+        return await asyncio.to_thread(TrainerWorker.save, self, path, data_position)
+
+    async def load(self, path: str) -> dict[str, Any]:  # type: ignore[override]
+        return await asyncio.to_thread(TrainerWorker.load, self, path)
+
+    # ── the engine's server contract, for `ColocatedClient` ──
+    async def engine_generate(self, request: Any) -> Any:
+        return await self.server.generate(request)
+
+    async def engine_health(self) -> Any:
+        return self.server.health()
+
+    async def engine_pause(self, abort: bool) -> Any:
+        await self.server.pause(abort=abort)
+        return self.server.health()
+
+    async def engine_resume(self) -> Any:
+        self.server.resume()
+        return self.server.health()
+
+    async def engine_metrics(self) -> Any:
+        queried, hits = self.server.engine.prefix_cache_stats()
+        return self.server.metrics.model_copy(update={"prefix_cache_queries": queried, "prefix_cache_hits": hits})
+
+
+async def _actor_call(actor: Any, server_id: str, method: str, *args: Any) -> Any:
+    """Run `actor.method(*args)` for a `ColocatedClient`; a dead actor is an unavailable server, and
+    a cancelled call cancels the remote one (the engine then aborts the request)."""
+    import ray
+    import ray.exceptions
+
+    ref = getattr(actor, method).remote(*args)
+    try:
+        return await ref
+    except asyncio.CancelledError:
+        ray.cancel(ref)
+        raise
+    except ray.exceptions.RayActorError as exc:
+        raise ServerUnavailableError(f"{server_id}: the trainer process hosting this engine is gone "
+                                     f"({type(exc).__name__}); see the run's driver.log.") from exc
+    except ray.exceptions.RayTaskError as exc:
+        cause = exc.cause if getattr(exc, "cause", None) is not None else exc
+        if isinstance(cause, AgentRLError):
+            raise cause from None
+        raise ServerUnavailableError(f"{server_id}: {method} failed: {type(cause).__name__}: {cause}") from exc
+
+
 def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
@@ -209,10 +307,12 @@ def _free_port() -> int:
 class TrainerGroup:
     """`trainer.num_processes` TrainerWorker actors called as one (see the module docstring)."""
 
-    def __init__(self, config: AgentRLConfig, model_path: str, weights_dir: str | Path) -> None:
+    def __init__(self, config: AgentRLConfig, model_path: str, weights_dir: str | Path, *,
+                 plan: Any | None = None) -> None:
         import ray
 
-        self.weights = weights_backend(config)
+        self.colocated = plan is not None and plan.colocated
+        self.weights = "inprocess" if self.colocated else weights_backend(config)
         self.weights_dir = Path(weights_dir)
         self.endpoint: dict[str, Any] = {}
         n = config.trainer.num_processes
@@ -220,16 +320,21 @@ class TrainerGroup:
             config.trainer.device == "auto" and bool(ray.cluster_resources().get("GPU"))
         )
         cpus = os.cpu_count() or 1
-        actor_cls = ray.remote(num_cpus=0 if not use_gpu else 1, num_gpus=1 if use_gpu else 0)(TrainerWorker)
+        worker_cls = ColocatedTrainerWorker if self.colocated else TrainerWorker
+        extra: dict[str, Any] = (
+            {"release_weights": plan.release_weights_while_training} if self.colocated else {"weights": self.weights}
+        )
+        actor_cls = ray.remote(num_cpus=0 if not use_gpu else 1, num_gpus=1 if use_gpu else 0)(worker_cls)
         master = ("127.0.0.1", _free_port()) if n > 1 else None
         payload = config.model_dump(mode="json")
         self.actors = [
             actor_cls.remote(  # type: ignore[attr-defined]
                 payload, model_path, str(weights_dir), rank=r, world_size=n, master=master,
-                threads=max(1, cpus // n), weights=self.weights,
+                threads=max(1, cpus // n), **extra,
             )
             for r in range(n)
         ]
+        self.request_timeout_s = config.rollout.request_timeout_s
 
     async def _all(self, method: str, *args: Any) -> Any:
         import ray.exceptions
@@ -289,6 +394,26 @@ class TrainerGroup:
 
     async def save(self, path: str, data_position: dict[str, Any]) -> float:
         return await self._all("save", path, data_position)
+
+    # ── placement colocated ──
+    def engine_clients(self) -> list[Any]:
+        """One `ColocatedClient` per rank's engine, for the router."""
+        import functools
+
+        from agentrl.inference.colocated_client import ColocatedClient
+
+        if not self.colocated:
+            raise TrainerError("engine_clients() needs placement=colocated: these trainer ranks host no engine.")
+        clients = []
+        for rank, actor in enumerate(self.actors):
+            server_id = f"colocated-rank-{rank}"
+            call = functools.partial(_actor_call, actor, server_id)
+            clients.append(ColocatedClient(call, server_id, timeout_s=self.request_timeout_s))
+        return clients
+
+    async def update_engines(self, version: int) -> float:
+        """Every rank's engine loads that rank's trainer weights as `version`, in memory."""
+        return float(await self._all("update_engines", version))
 
     async def load(self, path: str) -> dict[str, Any]:
         return await self._all("load", path)

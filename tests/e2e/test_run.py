@@ -3,11 +3,13 @@
 The tiny random Qwen2 plays `ParityEnv` (reward for an even-length answer, so groups have reward
 variance and every step a real gradient). A random model almost never samples its end-of-turn
 token, so one token id in ten also ends a turn (`rollout.extra_stop_token_ids`): answers end at
-varied lengths instead of all being cut at the token budget. One vLLM server (the session's) serves every run here
-through `inference.urls`; each run first pushes its own initial weights to it. Checked: the
+varied lengths instead of all being cut at the token budget. One vLLM server (the session's) serves every split run
+here through `inference.urls`; each run first pushes its own initial weights to it. The colocated
+runs (`placement=colocated`) start their vLLM engine inside the trainer actor instead. Checked: the
 prompt ledger balances, the dashboard metrics are there with sane values, weights reach the
-server every step, the staleness bound holds in the async modes, and a resumed run continues with
-exactly the prompts the uninterrupted run took.
+server every step, the staleness bound holds in the async modes, a resumed run continues with
+exactly the prompts the uninterrupted run took, and colocated rollouts agree with the trainer's
+logprobs to 1e-6.
 """
 
 from __future__ import annotations
@@ -47,12 +49,13 @@ STOP_IDS = list(range(0, 151_000, 10))
 TINY = ""  # the tiny model's directory, set by the `server_url` fixture
 
 
-def config(tmp_path: Path, url: str, name: str, mode: str, steps: int, *extra: str):
+def config(tmp_path: Path, url: str | None, name: str, mode: str, steps: int, *extra: str):
     from agentrl.config import load_config
 
+    inference = [f"inference.urls=[{url}]"] if url else [
+        "placement=colocated", "inference.max_model_len=512", "inference.cpu_kv_cache_gb=0.25"]
     return load_config(None, [
-        "env=parity_env:ParityEnv", f"model.path={TINY}",
-        "model.chat_template=chatml-tools", f"inference.urls=[{url}]",
+        "env=parity_env:ParityEnv", f"model.path={TINY}", "model.chat_template=chatml-tools", *inference,
         "data.prompts_per_step=3", "rollout.samples_per_prompt=2", "rollout.max_tokens_per_turn=12",
         "rollout.max_turns=1", "rollout.max_total_tokens=256", "rollout.temperature=1.0",
         "trainer.lr=1e-3", "trainer.device=cpu", f"run.mode={mode}", f"run.total_steps={steps}",
@@ -135,3 +138,46 @@ def test_overlapped_modes_keep_the_staleness_bound_and_the_books(tmp_path, serve
     assert max(m["staleness/max"] for m in metrics) <= bound
     if mode != "sync":
         assert max(m["staleness/max"] for m in metrics) >= 1, "the modes must actually overlap"
+
+
+@pytest.fixture(scope="module")
+def colocated_ready(vllm_ready, assets):
+    global TINY
+    TINY = str(assets / "tiny-random-qwen2")
+    yield
+    import ray
+
+    ray.shutdown()
+
+
+@pytest.mark.parametrize(("mode", "extra"), [
+    ("sync", ()),
+    ("async", ("run.max_staleness=1", "run.partial_rollout=true")),
+    ("async", ("run.max_staleness=2",)),
+])  # fmt: skip
+def test_colocated_runs_push_weights_in_memory_and_keep_the_bounds(tmp_path, colocated_ready, mode, extra):
+    from agentrl.orchestration.driver import run_training
+
+    steps = 3 if mode == "sync" else 4
+    result = run_training(config(tmp_path, None, f"colocated-{mode}", mode, steps, "run.eval_every=0", *extra))
+    run_dir = Path(result.run_dir)
+    assert result.steps_done == steps and result.policy_version == steps
+    assert result.ledger["in_flight"] == 0 and result.ledger["unfinished"] == 0
+    assert result.ledger["trained"] >= 3 * steps
+    assert not (run_dir / "weights").exists(), "colocated weights move in memory, never through files"
+    metrics = lines(run_dir / "metrics.jsonl")
+    assert [m["step"] for m in metrics] == list(range(steps))
+    assert sum(m["actor/grad_norm"] for m in metrics) > 0
+    for m in metrics:
+        assert m["time/engine_sleep_s"] >= 0 and m["time/weight_sync_s"] > 0
+    if mode == "sync":
+        # every batch was generated on the weights it is trained from: the engine and the trainer agree
+        assert max(m["rollout/logprob_abs_diff"] for m in metrics) <= 1e-6
+        assert max(m["staleness/max"] for m in metrics) == 0
+        evals = lines(run_dir / "eval.jsonl")
+        assert [e["step"] for e in evals] == [0, steps] and all(e["problems"] == 2 for e in evals)
+    else:
+        # the engine generated on older weights while the trainer updated or waited, within the bound
+        bound = int(extra[0].split("=")[1])
+        assert 1 <= result.max_staleness <= bound
+        assert max(m["staleness/max"] for m in metrics) <= bound

@@ -11,7 +11,7 @@ import torch
 
 from agentrl.config import AlgorithmConfig, TrainerConfig
 from agentrl.gateway import final_segments, segment_metrics
-from agentrl.trainer.backend import PolicyBatch, TrainerBackend
+from agentrl.trainer.backend import PolicyBatch, TrainerBackend, UpdateResult
 from agentrl.trainer.step import train_step
 from agentrl.types import TokenOrigin, Trajectory
 
@@ -40,9 +40,9 @@ class _Recorder(TrainerBackend):
 
         return pad_trajectories(trajectories).rollout_logprobs
 
-    def update_policy(self, batch: PolicyBatch, algorithm: Any) -> dict[str, float]:
+    def update_policy(self, batch: PolicyBatch, algorithm: Any) -> UpdateResult:
         self.batches.append(batch)
-        return {}
+        return UpdateResult()
 
     def compute_ref_logprobs(self, trajectories: Any, *, temperature: float = 1.0) -> Any:  # pragma: no cover
         raise AssertionError
