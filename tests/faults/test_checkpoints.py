@@ -19,7 +19,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from conftest import check_books, lines, make_config, trained_by_step
+from fault_common import check_books, lines, make_config, trained_by_step
 
 pytestmark = pytest.mark.slow
 

@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import (
+from fault_common import (
     E2E,
     HERE,
     check_books,

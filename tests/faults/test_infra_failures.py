@@ -86,7 +86,7 @@ def test_a_sandbox_that_breaks_mid_run_stops_it_in_the_first_step(tmp_path: Path
 def test_a_sandbox_killed_mid_episode_fails_that_episode_only_and_leaves_nothing_behind(
     tmp_path: Path, vllm_server, assets: Path
 ) -> None:
-    from conftest import check_books, lines, make_config, procs_matching, wait_until_gone
+    from fault_common import check_books, lines, make_config, procs_matching, wait_until_gone
 
     from agentrl.orchestration.driver import run_training
 

@@ -12,7 +12,7 @@ import textwrap
 import time
 
 import psutil
-from conftest import wait_until_gone
+from fault_common import wait_until_gone
 
 # A "server" that starts a child of its own in the same process group (like vLLM's engine core).
 SERVER = ("import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)']); "

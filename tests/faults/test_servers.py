@@ -16,7 +16,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from conftest import OWN_SERVER, check_books, lines, make_config, own_servers_left, trained_by_step
+from fault_common import OWN_SERVER, check_books, lines, make_config, own_servers_left, trained_by_step
 
 pytestmark = pytest.mark.slow
 
