@@ -439,7 +439,7 @@ class AgentRLConfig(_Section):
     """Steps, modes, logging, checkpoints."""
     placement: Literal["split", "colocated", "auto"] = "split"
     """Where the inference engine runs (`agentrl validate` prints the plan). `split`: each LLM server
-    in a process of its own, new weights through files (clusters, GPU machines). `colocated`: vLLM
+    in a process of its own, new weights through `weights.backend` (clusters, GPU machines). `colocated`: vLLM
     inside the trainer's process, taking turns with it on memory and cores, new weights in memory
     (verl's hybrid engine; the less memory and the faster step on one CPU machine). `auto`:
     colocated on a CPU trainer, split on GPU."""
