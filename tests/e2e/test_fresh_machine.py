@@ -29,6 +29,7 @@ the run starts vLLM and the trainer); the time of each part is printed.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -96,7 +97,10 @@ def container():
         assert copied.returncode == 0, copied.stderr
         yield name
     finally:
-        _docker("rm", "-f", name)
+        if os.environ.get("AGENTRL_KEEP_FRESH_CONTAINER"):  # to look inside after a failure
+            print(f"\nkept the container: docker exec -it {name} bash", flush=True)
+        else:
+            _docker("rm", "-f", name)
 
 
 def _read(name: str, path: str) -> str:
@@ -113,9 +117,11 @@ def test_readme_first_block_on_a_fresh_debian(container: str) -> None:
     done = _docker("exec", container, "bash", "-c", command, timeout=3000)
     total_s = time.monotonic() - start
     if done.returncode != 0:
+        first_errors = _docker("exec", container, "sh", "-c",
+                               "grep -h -m3 -B3 -A30 -E 'Traceback|Error' runs/*/logs/*.log | head -n 150").stdout
         logs = _docker("exec", container, "sh", "-c", "tail -n 40 runs/*/logs/*.log runs/*/driver.log").stdout
         pytest.fail(f"`{command}` exited {done.returncode}:\n{done.stdout[-4000:]}\n{done.stderr[-6000:]}\n"
-                    f"the run's logs:\n{logs[-8000:]}")
+                    f"the first errors in the servers' logs:\n{first_errors[-8000:]}\nthe run's logs:\n{logs[-8000:]}")
 
     run_dir = f"{WORKDIR}/runs/fresh"
     result = json.loads(_read(container, f"{run_dir}/result.json"))

@@ -47,6 +47,6 @@ def test_console_script_answers(tmp_path: Path) -> None:
     assert bad.returncode == 1
     assert "trainer.lrr: unknown key. Did you mean 'trainer.lr'?" in bad.stderr
     good = _agentrl("validate", "env=arithmetic", cwd=tmp_path)
-    assert good.returncode == 0 and good.stdout.startswith("Config OK: env=arithmetic")
+    assert good.returncode == 0 and good.stdout.startswith("Config OK for 'agentrl run': env=arithmetic")
     version = _agentrl("version", cwd=tmp_path)
     assert version.stdout.strip().startswith("agentrl 0.")
