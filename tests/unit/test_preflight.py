@@ -43,3 +43,24 @@ def test_memory_and_disk_plans_are_reported(tmp_path: Path) -> None:
     assert checks["memory"].ok and "trainer" in checks["memory"].detail and "server 0" in checks["memory"].detail
     assert checks["disk"].ok and "checkpoints" in checks["disk"].detail
     assert "sandbox (local)" not in checks  # arithmetic runs no code
+
+
+def test_vllm_on_cpu_needs_a_cpp_compiler_and_python_headers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM's CPU sampler is compiled by torch.compile at the first request: without a compiler (a fresh
+    Debian machine has none) the engine dies on the first token, so pre-flight refuses first."""
+    import shutil
+    import sys
+
+    from agentrl.orchestration.preflight import _cpu_compiler_problem
+
+    if shutil.which("g++") is None:
+        pytest.skip("no g++ on this machine")
+    assert _cpu_compiler_problem(sys.executable) == ""  # this machine has both (scripts/install.sh)
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    assert "does not run" in _cpu_compiler_problem(sys.executable)
+    failing = tmp_path / "cxx"
+    failing.write_text("#!/bin/sh\necho 'fatal error: Python.h: No such file or directory' >&2\nexit 1\n")
+    failing.chmod(0o755)
+    monkeypatch.setenv("CXX", str(failing))
+    problem = _cpu_compiler_problem(sys.executable)
+    assert "cannot compile against the Python headers" in problem and "Python.h" in problem
