@@ -89,13 +89,14 @@ def agreement(backend: Any, trajs: list[Trajectory]) -> float:
 
 def push(backend: Any, server: Any, run: Loop, version: int, *, corrupt: bool = False) -> None:
     sender = make_checkpoint_engine("inprocess", bucket_bytes=1 << 20)
-    if corrupt:  # flip one byte of the second pooled bucket after its checksum was taken
+    if corrupt:  # flip one byte of the first pooled bucket after its checksum was taken (the tiny
+        # model has one: its embedding travels alone as an oversized bucket, the rest fits in 1 MiB)
         transmit, count = sender._transmit, [0]
 
         def damaged(bucket: Any) -> None:
             if not bucket.meta.oversized:  # an oversized bucket's bytes are the trainer's own tensor
                 count[0] += 1
-                if count[0] == 2:
+                if count[0] == 1:
                     bucket.data[bucket.data.numel() // 2] ^= 0xFF
             transmit(bucket)
 
