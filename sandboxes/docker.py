@@ -447,6 +447,7 @@ class DockerSandbox:
     def _spec(self, image: str | None, workdir: str | None, one_shot: bool) -> _Spec:
         image = image or self.image
         if image == IMAGE:
+            self._image_config(IMAGE)  # imported on first use: a fresh daemon does not have it
             return _Spec(IMAGE, WORKDIR, True, True, self.user or f"{JOB_UID}:{JOB_UID}")
         config = self._image_config(image)
         user = self.user or config.get("User") or "0"
