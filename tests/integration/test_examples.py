@@ -44,7 +44,12 @@ def test_openai_agent_example_trains_the_sdk_agent_with_agentrl_run(vllm_server,
                  "data.prompts_per_step=2", "rollout.samples_per_prompt=2", "rollout.max_tokens_per_turn=12",
                  "data.num_val_rows=2", "eval.k=1", "trainer.device=cpu", f"run.output_dir={tmp_path}",
                  "run.name=agent", "run.loggers=[jsonl]"]
-    env = {**os.environ, "RAY_TMPDIR": os.environ.get("RAY_TMPDIR", str(tmp_path / "ray"))}
+    import shutil
+    import tempfile
+
+    # Ray's own directory, short: its socket paths must fit AF_UNIX's 107 bytes (tmp_path's do not).
+    ray_tmp = os.environ.get("RAY_TMPDIR") or tempfile.mkdtemp(prefix="ray-", dir="/tmp")
+    env = {**os.environ, "RAY_TMPDIR": ray_tmp}
     try:
         out = subprocess.run([sys.executable, str(EXAMPLES / "openai_agent.py"), *overrides], capture_output=True,
                              text=True, timeout=900, env=env)
@@ -55,6 +60,8 @@ def test_openai_agent_example_trains_the_sdk_agent_with_agentrl_run(vllm_server,
             await client.aclose()
 
         asyncio.run(restore())
+        if ray_tmp != os.environ.get("RAY_TMPDIR"):
+            shutil.rmtree(ray_tmp, ignore_errors=True)
     assert out.returncode == 0, out.stdout + out.stderr
     result = json.loads((tmp_path / "agent" / "result.json").read_text())
     assert result["steps_done"] == 1 and result["policy_version"] == 1
