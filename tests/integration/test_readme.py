@@ -232,7 +232,7 @@ def test_training_variants(command: str, tmp_path: Path) -> None:
     (run_dir,) = (tmp_path / "runs").iterdir()
     steps = 2 if "total_steps=2" in COMMANDS[command].size else 1
     _check_run(run_dir, steps)
-    assert f"{run_dir}" in out.stdout
+    assert f"run runs/{run_dir.name}: {steps} steps" in out.stdout  # the closing line names the run
 
 
 # ── evaluation, sized ──────────────────────────────────────────────────────────────────────────
