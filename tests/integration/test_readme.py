@@ -286,11 +286,11 @@ def test_eval_against_an_external_openai_server(openai_vllm_server, tmp_path: Pa
     command = "agentrl eval env=retool inference.engine=external inference.urls=[http://127.0.0.1:8000]"
     filled = command.replace("127.0.0.1:8000", f"127.0.0.1:{openai_vllm_server.port}")
     report = _check_eval(run(command, tmp_path, filled=filled), tmp_path, 4)
-    from agentrl.types import TokenOrigin
-
-    for t in lines(next(tmp_path.glob("runs/eval-*/trajectories.jsonl"))):
-        sampled = [lp for lp, o in zip(t["logprobs"], t["origins"], strict=True) if o == TokenOrigin.SAMPLED]
-        assert sampled and all(lp <= 0.0 for lp in sampled)  # the server's own logprobs came back
+    for t in lines(next(tmp_path.glob("runs/eval-*/trajectories.jsonl"))):  # agentrl.trajectory/1 lines
+        sampled = [seg for seg in t["segments"] if seg["origin"] == "sampled"]
+        logprobs = [lp for seg in sampled for lp in seg["logprobs"]]
+        assert sampled and all(len(seg["logprobs"]) == len(seg["ids"]) for seg in sampled)
+        assert all(lp <= 0.0 for lp in logprobs)  # the server's own logprobs came back, one per sampled token
     assert report["model"] == "smollm2-135m-instruct"
 
 
