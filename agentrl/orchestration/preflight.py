@@ -10,7 +10,8 @@ cheap (seconds):
   CPU, a C++ compiler and Python headers for the kernels it compiles), or the external servers answer.
 - `rows`: the dataset has rows, and the reward function scores rows' own answers (ground truths
   written in their source's format) as correct: a sample of up to 64 rows, every data source
-  included. A mis-keyed dataset or a broken `reward.function` is found here, not after training.
+  included. A user's `reward.function` may score some of them below 1 by its own rules; it is
+  refused only when it scores none of them as correct. A mis-keyed dataset or a broken `reward.function` is found here, not after training.
 - `disk`: free space under `run.output_dir` for the checkpoints and weight versions the run keeps.
 - `memory`: the planned processes (trainer, servers) fit in the memory available.
 
@@ -25,6 +26,7 @@ import importlib.util
 import json
 import logging
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -43,6 +45,7 @@ log = logging.getLogger(__name__)
 
 _GB = 1 << 30
 _SNIPPET_TIMEOUT_S = 60.0
+_SCORED_BELOW_FULL = re.compile(r"\) scored [-+0-9.e]+, not 1\.0$")
 _REWARD_SAMPLE = 64  # rows whose own answers are scored, spread over the data sources
 
 
@@ -220,6 +223,14 @@ def _check_rows(job: Job) -> Check:
     picked = _sample_by_source(rows, _REWARD_SAMPLE)
     problems = check_ground_truths(job.reward_fn, [rows[i] for i in picked],
                                    where=[sources[i] if i < len(sources) else f"row {i}" for i in picked])
+    partial = [p for p in problems if _SCORED_BELOW_FULL.search(p)]
+    if job.config.reward.function is not None and partial and len(partial) < len(picked) and len(partial) == len(problems):
+        # A user's function has rules of its own (partial credit, another answer format): some rows' own
+        # answers may score below 1. Only one that scores none of them as correct is refused.
+        log.warning("pre-flight: %d of %d rows' own answers score below 1.0 with %r (its own rule), e.g. %s",
+                    len(partial), len(picked), job.reward_fn, partial[0])
+        return Check("dataset", True, f"{detail}; {len(picked) - len(partial)} of {len(picked)} rows' own answers "
+                     f"score 1.0 with {job.reward_fn!r} (the rest below: its own rule)")
     if problems:
         shown = "\n       ".join(problems[:5]) + (f"\n       ... and {len(problems) - 5} more" if len(problems) > 5 else "")
         return Check("dataset", False, f"the reward function {job.reward_fn!r} does not score the rows' own "
