@@ -156,6 +156,8 @@ def build_job(config: AgentRLConfig, purpose: Purpose) -> Job:
         _check_names(config, purpose)
         job.plan = build_plan(config, purpose, model_path)
         if purpose == "run":
+            _check_tensor_parallel(config, model_path)
+        if purpose == "run":
             train = _rows(config, env_cls, "train")
             job.train_rows, job.train_skipped, job.sources["train"] = train.by_index(), train.skipped, train.sources
             val = _optional_val_rows(config, env_cls, job)
@@ -302,6 +304,23 @@ def _check_env_builds(job: Job) -> None:
         env.close()
     except Exception as exc:  # an env that cannot close before reset is its own bug; not fatal here
         log.debug("closing the probe env: %s", exc)
+
+
+def _check_tensor_parallel(config: AgentRLConfig, model_path: str) -> None:
+    """Megatron splits heads, key/value groups, the FFN and the vocabulary over the tensor-parallel
+    ranks: refuse a size that does not divide the model's, before any trainer process starts."""
+    trainer = config.trainer
+    if trainer.backend != "megatron" or trainer.tensor_parallel <= 1:
+        return
+    from transformers import AutoConfig
+
+    from agentrl.trainer.megatron_convert import gpt_layout_from_hf
+
+    try:
+        hf_config = AutoConfig.from_pretrained(model_path, trust_remote_code=config.model.trust_remote_code)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"model.path: cannot read the model's config from {model_path}: {exc}") from exc
+    gpt_layout_from_hf(hf_config).check_tensor_parallel(trainer.tensor_parallel)
 
 
 def _check_names(config: AgentRLConfig, purpose: Purpose) -> None:

@@ -56,7 +56,7 @@ COMMANDS: dict[str, How] = {
     "agentrl run env=retool run.mode=async run.max_staleness=2 run.partial_rollout=true":
         How("SIZED", RUN_SIZE.replace("total_steps=1", "total_steps=2")),
     "agentrl run env=retool run.mode=one_step_off": How("SIZED", RUN_SIZE.replace("total_steps=1", "total_steps=2")),
-    "agentrl run env=retool trainer.backend=megatron trainer.tensor_parallel=2 trainer.num_processes=2":
+    "agentrl run env=retool trainer.backend=megatron trainer.tensor_parallel=3 trainer.num_processes=3":
         How("SIZED", RUN_SIZE),
     "agentrl plot runs/mine": How("QUICK"),
     "agentrl eval env=swe": How("SIZED", SWE_EVAL_SIZE),
@@ -225,7 +225,7 @@ def test_eval_of_a_trained_policy(mine: Path) -> None:
 @pytest.mark.parametrize("command", [
     "agentrl run env=retool run.mode=async run.max_staleness=2 run.partial_rollout=true",
     "agentrl run env=retool run.mode=one_step_off",
-    "agentrl run env=retool trainer.backend=megatron trainer.tensor_parallel=2 trainer.num_processes=2",
+    "agentrl run env=retool trainer.backend=megatron trainer.tensor_parallel=3 trainer.num_processes=3",
 ])  # fmt: skip
 def test_training_variants(command: str, tmp_path: Path) -> None:
     out = run(command, tmp_path)

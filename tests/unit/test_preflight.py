@@ -64,3 +64,23 @@ def test_vllm_on_cpu_needs_a_cpp_compiler_and_python_headers(tmp_path: Path, mon
     monkeypatch.setenv("CXX", str(failing))
     problem = _cpu_compiler_problem(sys.executable)
     assert "cannot compile against the Python headers" in problem and "Python.h" in problem
+
+
+def test_a_tensor_parallel_size_that_does_not_split_the_model_is_refused_before_anything_starts(
+        tmp_path: Path, assets: Path) -> None:
+    """SmolLM2-135M has 9 attention heads and 3 key/value heads: trainer.tensor_parallel=2 cannot split
+    them. `build_job` (validate, run) says so, naming the key, instead of a trainer dying at start."""
+    import shutil
+
+    from agentrl.errors import ConfigError
+
+    pytest.importorskip("megatron.core")
+    model = tmp_path / "model"
+    shutil.copytree(assets / "tiny-random-qwen2", model)
+    config = json.loads((model / "config.json").read_text())
+    config.update(num_attention_heads=9, num_key_value_heads=3, intermediate_size=192, vocab_size=151938)  # only read
+    (model / "config.json").write_text(json.dumps(config))
+    megatron = ("trainer.backend=megatron", f"model.path={model}", "model.chat_template=chatml-tools")
+    with pytest.raises(ConfigError, match=r"trainer.tensor_parallel=2 does not divide the model's attention heads \(9\)"):
+        job_for(tmp_path, *megatron, "trainer.tensor_parallel=2", "trainer.num_processes=2")
+    assert job_for(tmp_path, *megatron, "trainer.tensor_parallel=3", "trainer.num_processes=3").plan is not None
