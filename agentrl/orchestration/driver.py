@@ -1,7 +1,8 @@
 """`agentrl run`: the training driver that ties servers, rollouts, the trainer and weight sync together.
 
 One run, on Ray (a local instance by default; the cluster when `ray start` made one or
-`RAY_ADDRESS` names it):
+`RAY_ADDRESS` names it; with `cluster.address`, that cluster, every role reserved in one placement
+group before anything starts: `cluster.py`):
 
 1. The run directory (`run.output_dir/run.name`) gets the resolved config. With `run.resume` it
    must hold an intact checkpoint: the newest is verified against its checksums (and a damaged one
@@ -46,7 +47,7 @@ from pathlib import Path
 from typing import Any
 
 from agentrl.config import AgentRLConfig, save_config
-from agentrl.errors import AgentRLError, ConfigError, InfraFailureError
+from agentrl.errors import AgentRLError, ConfigError, InfraFailureError, PreflightError
 from agentrl.gateway.session import final_segments, is_first_segment, segment_metrics
 from agentrl.orchestration.build import Job, build_job
 from agentrl.orchestration.checkpoints import Checkpoint, CheckpointStore, move_aside_earlier_attempt
@@ -139,7 +140,7 @@ def _prepare_run_dir(config: AgentRLConfig) -> tuple[Path, CheckpointStore, Chec
     return run_dir, store, checkpoint, notes
 
 
-def _init_ray() -> None:
+def _init_ray(config: AgentRLConfig) -> None:
     import ray
 
     from agentrl.lifeline import start_reaper
@@ -149,9 +150,18 @@ def _init_ray() -> None:
     start_reaper()
     if ray.is_initialized():
         return
-    address = os.environ.get("RAY_ADDRESS")
-    ray.init(address=address, include_dashboard=False, log_to_driver=True, configure_logging=False,
-             ignore_reinit_error=True)
+    address = config.cluster.address or os.environ.get("RAY_ADDRESS")
+    try:
+        ray.init(address=address, include_dashboard=False, log_to_driver=True, configure_logging=False,
+                 ignore_reinit_error=True)
+    except (ConnectionError, RuntimeError) as exc:
+        if not config.cluster.address:
+            raise
+        raise PreflightError(
+            f"cluster.address={address}: cannot join the Ray cluster there ({type(exc).__name__}: "
+            f"{str(exc).splitlines()[0] if str(exc) else ''}). Start its head with 'ray start --head', give "
+            "the HOST:PORT it prints, and run from a node of the cluster (with its token, when Ray's token "
+            "authentication is on).") from exc
 
 
 class _Run:
@@ -424,16 +434,21 @@ def run_training(config: AgentRLConfig) -> RunResult:
         log.warning("%s", note)
     for damaged in checkpoint.set_aside if checkpoint else []:
         log.error("%s", damaged)
+    reservation = None
     try:
         run = _Run(job, run_dir, store, checkpoint)
-        _init_ray()
+        _init_ray(config)
+        assert job.plan is not None  # build_job made it
+        if job.plan.cluster is not None:  # checked against the cluster's resources before anything starts
+            from agentrl.orchestration.cluster import reserve
+
+            reservation = reserve(job.plan.cluster)
         # The trainer loads while the servers start (placement split), or with its engine (colocated).
-        trainer = TrainerGroup(config, job.model_path, run_dir / "weights", plan=job.plan)
+        trainer = TrainerGroup(config, job.model_path, run_dir / "weights", plan=job.plan, reservation=reservation)
         try:
             served = config.model_copy(deep=True)
             served.model.path = job.model_path
-            assert job.plan is not None  # build_job made it
-            service = start_inference(job.plan, served, trainer, log_dir=run_dir / "logs")
+            service = start_inference(job.plan, served, trainer, log_dir=run_dir / "logs", reservation=reservation)
             try:
                 asyncio.run(run.main(trainer, service))
             except AgentRLError as exc:
@@ -449,6 +464,8 @@ def run_training(config: AgentRLConfig) -> RunResult:
         finally:
             trainer.shutdown()
     finally:
+        if reservation is not None:
+            reservation.release()
         logging.getLogger("agentrl").removeHandler(handler)
         handler.close()
         asyncio.run(job.aclose())

@@ -12,7 +12,8 @@ cheap (seconds):
   written in their source's format) as correct: a sample of up to 64 rows, every data source
   included. A mis-keyed dataset or a broken `reward.function` is found here, not after training.
 - `disk`: free space under `run.output_dir` for the checkpoints and weight versions the run keeps.
-- `memory`: the planned processes (trainer, servers) fit in the memory available.
+- `memory`: the planned processes (trainer, servers) fit in the memory available (on one machine;
+  on a cluster the placement group's reservation checks each role against the nodes instead).
 
 `preflight(job)` runs them and raises `PreflightError` listing every failed check with its fix;
 `run_checks(job)` returns them all for `agentrl doctor`, which prints them.
@@ -79,7 +80,8 @@ def run_checks(job: Job) -> list[Check]:
     checks = [_check_sandbox(job), _check_inference(job), _check_rows(job)]
     if job.purpose == "run":
         checks.append(_check_disk(job))
-    checks.append(_check_memory(job))
+    if job.plan is None or job.plan.cluster is None:  # on a cluster, Ray's reservation checks memory
+        checks.append(_check_memory(job))
     return [c for c in checks if c is not None]
 
 

@@ -29,6 +29,14 @@ buckets, no files). The engine's weights change only at that push, so a batch's 
 true; an update waits until the previous one has reached the engine, so a push never carries newer
 weights than its version says (async mode trains the next batch only after the last push).
 
+On a Ray cluster (`cluster.address`; `cluster.Reservation`), each rank is placed in its bundle of
+the run's placement group; rank 0 is on the driver's node, where the run directory is, and the
+ranks rendezvous at that node's address on a port free there (gloo on CPU, NCCL for GPU tensors;
+the GPU path is written but has not run on a multi-node GPU cluster). A rank on another node
+resolves the model there, and writes its checkpoint shard into a directory of its own node, whose
+files it returns; `TrainerGroup.save` writes them into the checkpoint on the driver's node, so a
+checkpoint is whole without a shared filesystem.
+
 Nothing here decides when to train or push: that is `schedule.py`.
 """
 
@@ -85,13 +93,20 @@ class TrainerWorker:
     def __init__(
         self, config: dict[str, Any], model_path: str, weights_dir: str, *, rank: int = 0, world_size: int = 1,
         master: tuple[str, int] | None = None, threads: int | None = None, weights: str = "files",
+        local_rank: int | None = None, ship_checkpoints: bool = False,
     ) -> None:
         if world_size > 1:
             assert master is not None  # TrainerGroup always passes it for several ranks
             os.environ.update({
-                "RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
+                "RANK": str(rank), "WORLD_SIZE": str(world_size),
+                "LOCAL_RANK": str(rank if local_rank is None else local_rank),
                 "MASTER_ADDR": master[0], "MASTER_PORT": str(master[1]),
             })  # fmt: skip
+        if not Path(model_path).is_dir():  # a rank on another node: the model resolved there
+            from agentrl.models import resolve_model_path
+
+            model_path = resolve_model_path(config["model"]["path"])
+        self.ship_checkpoints = ship_checkpoints
         import torch
 
         if threads:
@@ -162,16 +177,32 @@ class TrainerWorker:
         source = "" if self.rank else (self.http.url if self.http is not None else str(self.files.path_for(version)))
         return source, time.perf_counter() - start
 
-    def save(self, path: str, data_position: dict[str, Any]) -> float:
-        """Save the trainer's state, and keep the current version as a complete HF directory in `weights/`."""
+    def save(self, path: str, data_position: dict[str, Any]) -> tuple[float, dict[str, bytes]]:
+        """Save the trainer's state, and keep the current version as a complete HF directory in `weights/`.
+
+        Returns (seconds, files): a rank on another node than the driver's (`ship_checkpoints`) saves
+        into a directory of its own node and returns what it wrote there (relative path -> bytes),
+        for the driver to write into `path`; the others write `path` directly and return no files.
+        """
+        import shutil
+
         start = time.perf_counter()
-        self.backend.save(path, {**data_position, "kl_coef": self.kl_controller.value})
+        target = tempfile.mkdtemp(prefix="agentrl-shard-") if self.ship_checkpoints else path
+        shipped: dict[str, bytes] = {}
+        try:
+            self.backend.save(target, {**data_position, "kl_coef": self.kl_controller.value})
+            if self.ship_checkpoints:
+                root = Path(target)
+                shipped = {str(f.relative_to(root)): f.read_bytes() for f in sorted(root.rglob("*")) if f.is_file()}
+        finally:
+            if self.ship_checkpoints:
+                shutil.rmtree(target, ignore_errors=True)
         if self.version is not None:
             if self.weights == "http":
                 self._send(self.files, self.version)  # nothing was written per step: write this one
             if self.rank == 0:
                 self.files.keep(self.version)
-        return time.perf_counter() - start
+        return time.perf_counter() - start, shipped
 
     def load(self, path: str) -> dict[str, Any]:
         position = self.backend.load(path)
@@ -250,7 +281,7 @@ class ColocatedTrainerWorker(TrainerWorker):
     async def export(self, version: int) -> tuple[str, float]:  # type: ignore[override]
         return await asyncio.to_thread(TrainerWorker.export, self, version)
 
-    async def save(self, path: str, data_position: dict[str, Any]) -> float:  # type: ignore[override]
+    async def save(self, path: str, data_position: dict[str, Any]) -> tuple[float, dict[str, bytes]]:  # type: ignore[override]
         return await asyncio.to_thread(TrainerWorker.save, self, path, data_position)
 
     async def load(self, path: str) -> dict[str, Any]:  # type: ignore[override]
@@ -298,9 +329,10 @@ async def _actor_call(actor: Any, server_id: str, method: str, *args: Any) -> An
         raise ServerUnavailableError(f"{server_id}: {method} failed: {type(cause).__name__}: {cause}") from exc
 
 
-def _free_port() -> int:
+def _free_port(host: str) -> int:
+    """A port free on `host`, an address of this (the driver's) node."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((host, 0))
         return int(s.getsockname()[1])
 
 
@@ -308,8 +340,9 @@ class TrainerGroup:
     """`trainer.num_processes` TrainerWorker actors called as one (see the module docstring)."""
 
     def __init__(self, config: AgentRLConfig, model_path: str, weights_dir: str | Path, *,
-                 plan: Any | None = None) -> None:
+                 plan: Any | None = None, reservation: Any | None = None) -> None:
         import ray
+        import ray.util
 
         self.colocated = plan is not None and plan.colocated
         self.weights = "inprocess" if self.colocated else weights_backend(config)
@@ -325,18 +358,37 @@ class TrainerGroup:
             {"release_weights": plan.release_weights_while_training} if self.colocated else {"weights": self.weights}
         )
         actor_cls = ray.remote(num_cpus=0 if not use_gpu else 1, num_gpus=1 if use_gpu else 0)(worker_cls)
-        master = ("127.0.0.1", _free_port()) if n > 1 else None
         payload = config.model_dump(mode="json")
-        self.actors = [
-            actor_cls.remote(  # type: ignore[attr-defined]
-                payload, model_path, str(weights_dir), rank=r, world_size=n, master=master,
-                threads=max(1, cpus // n), **extra,
-            )
-            for r in range(n)
-        ]
+        if reservation is None:
+            master = ("127.0.0.1", _free_port("127.0.0.1")) if n > 1 else None
+            self.actors = [
+                actor_cls.remote(  # type: ignore[attr-defined]
+                    payload, model_path, str(weights_dir), rank=r, world_size=n, master=master,
+                    threads=max(1, cpus // n), **extra,
+                )
+                for r in range(n)
+            ]
+        else:
+            # Rank 0 is pinned to the driver's node (`cluster.reserve`): the port is taken free here.
+            head = reservation.node_ip("trainer", 0)
+            master = (head, _free_port(head)) if n > 1 else None
+            nodes = [reservation.node_ip("trainer", r) for r in range(n)]
+            slot_cpus = int(config.cluster.trainer.cpus) or 1
+            self.actors = [
+                actor_cls.options(**reservation.options("trainer", r)).remote(  # type: ignore[attr-defined]
+                    payload, model_path, str(weights_dir), rank=r, world_size=n, master=master,
+                    threads=slot_cpus, local_rank=0 if use_gpu else nodes[:r].count(nodes[r]),
+                    ship_checkpoints=nodes[r] != head, **extra,
+                )
+                for r in range(n)
+            ]  # fmt: skip
         self.request_timeout_s = config.rollout.request_timeout_s
 
     async def _all(self, method: str, *args: Any) -> Any:
+        """Call `method` on every rank; rank 0's answer."""
+        return (await self._all_results(method, *args))[0]
+
+    async def _all_results(self, method: str, *args: Any) -> list[Any]:
         import ray.exceptions
 
         refs = [getattr(a, method).remote(*args) for a in self.actors]
@@ -359,7 +411,7 @@ class TrainerGroup:
             if isinstance(cause, AgentRLError):
                 raise cause from None
             raise TrainerError(f"The trainer failed during '{method}': {type(cause).__name__}: {cause}") from exc
-        return results[0]
+        return list(results)
 
     async def ready(self) -> None:
         await self._all("ready")
@@ -393,7 +445,14 @@ class TrainerGroup:
         return await self._all("export", version)
 
     async def save(self, path: str, data_position: dict[str, Any]) -> float:
-        return await self._all("save", path, data_position)
+        """Every rank saves; the shards of ranks on other nodes are written into `path` here."""
+        results = await self._all_results("save", path, data_position)
+        for _seconds, files in results:
+            for name, data in files.items():
+                target = Path(path) / name
+                target.parent.mkdir(parents=True, exist_ok=True)
+                target.write_bytes(data)
+        return float(results[0][0])
 
     # ── placement colocated ──
     def engine_clients(self) -> list[Any]:
