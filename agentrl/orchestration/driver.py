@@ -256,8 +256,10 @@ class _Run:
         source, token = self.trainer.weight_source(version)
         reports = await self.router.update_weights(source, version, token=token)
         done = [r for r in reports.values() if r is not None]
-        log.info("weight version %d on %d server(s) from %s: %s bucket(s) verified of %s", version, len(reports),
-                 source, sum(r.verified_buckets for r in done), sum(r.buckets for r in done))
+        each = ", ".join(f"{sid} {r.verified_buckets}/{r.buckets}" if r is not None else f"{sid} (no report)"
+                         for sid, r in reports.items())
+        log.info("weight version %d on %d server(s) from %s: %s bucket(s) verified of %s [%s]", version, len(reports),
+                 source, sum(r.verified_buckets for r in done), sum(r.buckets for r in done), each)
 
     async def after_step(self, record: StepRecord) -> None:
         assert self.scheduler is not None

@@ -102,6 +102,14 @@ class TrainerWorker:
                 "LOCAL_RANK": str(rank if local_rank is None else local_rank),
                 "MASTER_ADDR": master[0], "MASTER_PORT": str(master[1]),
             })  # fmt: skip
+        if ship_checkpoints or (master is not None and master[0] != "127.0.0.1"):
+            # gloo (and NCCL's bootstrap) bind to the address this host's name resolves to, and fall
+            # back to loopback where it resolves to none: on a cluster the peers could not connect.
+            # Name the interface that holds this node's address instead.
+            iface = _interface_of(_node_ip())
+            if iface:
+                os.environ.setdefault("GLOO_SOCKET_IFNAME", iface)
+                os.environ.setdefault("NCCL_SOCKET_IFNAME", iface)
         if not Path(model_path).is_dir():  # a rank on another node: the model resolved there
             from agentrl.models import resolve_model_path
 
@@ -327,6 +335,29 @@ async def _actor_call(actor: Any, server_id: str, method: str, *args: Any) -> An
         if isinstance(cause, AgentRLError):
             raise cause from None
         raise ServerUnavailableError(f"{server_id}: {method} failed: {type(cause).__name__}: {cause}") from exc
+
+
+def _node_ip() -> str:
+    import ray.util
+
+    return str(ray.util.get_node_ip_address())
+
+
+def _interface_of(ip: str) -> str | None:
+    """The network interface whose (first IPv4) address is `ip` on this machine (None if none; Linux)."""
+    import fcntl
+    import struct
+
+    siocgifaddr = 0x8915
+    for _, name in socket.if_nameindex():
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            try:
+                raw = fcntl.ioctl(s.fileno(), siocgifaddr, struct.pack("256s", name[:15].encode()))
+            except OSError:  # no IPv4 address on it
+                continue
+        if socket.inet_ntoa(raw[20:24]) == ip:
+            return name
+    return None
 
 
 def _free_port(host: str) -> int:
