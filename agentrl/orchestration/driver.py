@@ -411,6 +411,37 @@ class _Run:
             self.logger.close()
 
 
+def _start_sandbox_hosts(job: Job, reservation: Any) -> Any:
+    """Start the cluster's sandbox hosts, check each runs a command, and make them the run's sandbox
+    (the envs get a client of them instead of the local sandbox `build_job` made and never started)."""
+    from agentrl.orchestration.sandbox_hosts import start_sandbox_hosts
+    from agentrl.sandboxes.remote import RemoteSandbox
+
+    hosts = start_sandbox_hosts(job.config, reservation)
+
+    async def check() -> None:
+        for url in hosts.urls:
+            client = RemoteSandbox(url, token=hosts.token)
+            try:
+                res = await client.exec("echo $((6 * 7))", timeout_s=60)
+            finally:
+                await client.close()
+            if res.exit_code != 0 or res.stdout.strip() != "42":
+                raise PreflightError(f"cluster.sandbox_hosts: the sandbox host at {url} cannot run a shell command "
+                                     f"(exit {res.exit_code}, {res.stderr[-300:]!r}); run 'agentrl doctor' on "
+                                     "that node with the same sandbox settings.")
+
+    try:
+        asyncio.run(check())
+        asyncio.run(job.aclose())  # the local sandbox, never used
+        job.sandbox = hosts.sandbox()
+        job.env_kwargs["sandbox"] = job.sandbox
+    except BaseException:
+        hosts.stop()
+        raise
+    return hosts
+
+
 def run_training(config: AgentRLConfig) -> RunResult:
     """`agentrl run`: train `config` end to end (see the module docstring); return what happened.
 
@@ -436,7 +467,7 @@ def run_training(config: AgentRLConfig) -> RunResult:
         log.warning("%s", note)
     for damaged in checkpoint.set_aside if checkpoint else []:
         log.error("%s", damaged)
-    reservation = None
+    reservation = sandbox_hosts = None
     try:
         run = _Run(job, run_dir, store, checkpoint)
         _init_ray(config)
@@ -445,6 +476,8 @@ def run_training(config: AgentRLConfig) -> RunResult:
             from agentrl.orchestration.cluster import reserve
 
             reservation = reserve(job.plan.cluster)
+            if job.plan.cluster.count("sandbox"):
+                sandbox_hosts = _start_sandbox_hosts(job, reservation)
         # The trainer loads while the servers start (placement split), or with its engine (colocated).
         trainer = TrainerGroup(config, job.model_path, run_dir / "weights", plan=job.plan, reservation=reservation)
         try:
@@ -466,6 +499,8 @@ def run_training(config: AgentRLConfig) -> RunResult:
         finally:
             trainer.shutdown()
     finally:
+        if sandbox_hosts is not None:
+            sandbox_hosts.stop()
         if reservation is not None:
             reservation.release()
         logging.getLogger("agentrl").removeHandler(handler)
