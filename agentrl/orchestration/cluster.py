@@ -160,12 +160,6 @@ def _refuse_what_is_not_built(config: AgentRLConfig, purpose: str) -> None:
             f"trainer.backend={config.trainer.backend} with {key}: not built yet (only FSDP2 ranks have "
             "been run across nodes); use trainer.backend=fsdp2."
         )
-    if config.run.resume:
-        raise FeatureUnavailableError(
-            f"run.resume=true with {key}: not built yet. A cluster run's checkpoints hold every rank's shard "
-            "(shipped to the driver's node), but loading them back onto ranks on other nodes has not been "
-            "built; continue the run on one machine, or start it again."
-        )
 
 
 # ── against the running cluster ─────────────────────────────────────────────────────────────

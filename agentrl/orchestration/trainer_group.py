@@ -35,7 +35,8 @@ ranks rendezvous at that node's address on a port free there (gloo on CPU, NCCL 
 the GPU path is written but has not run on a multi-node GPU cluster). A rank on another node
 resolves the model there, and writes its checkpoint shard into a directory of its own node, whose
 files it returns; `TrainerGroup.save` writes them into the checkpoint on the driver's node, so a
-checkpoint is whole without a shared filesystem.
+checkpoint is whole without a shared filesystem. On resume such a rank gets the checkpoint's
+files from the driver (`TrainerGroup.load`) and loads them from a directory of its node.
 
 Nothing here decides when to train or push: that is `schedule.py`.
 """
@@ -212,8 +213,22 @@ class TrainerWorker:
                 self.files.keep(self.version)
         return time.perf_counter() - start, shipped
 
-    def load(self, path: str) -> dict[str, Any]:
-        position = self.backend.load(path)
+    def load(self, path: str, files: dict[str, bytes] | None = None) -> dict[str, Any]:
+        """Load a checkpoint: from `path`, or, on a rank of another node, from `files` (the checkpoint's
+        files as the driver read them), written into a directory of this node for the load."""
+        import shutil
+
+        local = None
+        if files is not None:
+            local = Path(tempfile.mkdtemp(prefix="agentrl-resume-"))
+            for name, data in files.items():
+                (local / name).parent.mkdir(parents=True, exist_ok=True)
+                (local / name).write_bytes(data)
+        try:
+            position = self.backend.load(str(local) if local is not None else path)
+        finally:
+            if local is not None:
+                shutil.rmtree(local, ignore_errors=True)
         if "kl_coef" in position:
             self.kl_controller.value = float(position["kl_coef"])
         return position
@@ -390,6 +405,7 @@ class TrainerGroup:
         )
         actor_cls = ray.remote(num_cpus=0 if not use_gpu else 1, num_gpus=1 if use_gpu else 0)(worker_cls)
         payload = config.model_dump(mode="json")
+        self.ships = [False] * n  # which ranks run on another node than the driver's
         if reservation is None:
             master = ("127.0.0.1", _free_port("127.0.0.1")) if n > 1 else None
             self.actors = [
@@ -405,11 +421,12 @@ class TrainerGroup:
             master = (head, _free_port(head)) if n > 1 else None
             nodes = [reservation.node_ip("trainer", r) for r in range(n)]
             slot_cpus = int(config.cluster.trainer.cpus) or 1
+            self.ships = [node != head for node in nodes]
             self.actors = [
                 actor_cls.options(**reservation.options("trainer", r)).remote(  # type: ignore[attr-defined]
                     payload, model_path, str(weights_dir), rank=r, world_size=n, master=master,
                     threads=slot_cpus, local_rank=0 if use_gpu else nodes[:r].count(nodes[r]),
-                    ship_checkpoints=nodes[r] != head, **extra,
+                    ship_checkpoints=self.ships[r], **extra,
                 )
                 for r in range(n)
             ]  # fmt: skip
@@ -420,9 +437,11 @@ class TrainerGroup:
         return (await self._all_results(method, *args))[0]
 
     async def _all_results(self, method: str, *args: Any) -> list[Any]:
+        return await self._gather(method, [getattr(a, method).remote(*args) for a in self.actors])
+
+    async def _gather(self, method: str, refs: list[Any]) -> list[Any]:
         import ray.exceptions
 
-        refs = [getattr(a, method).remote(*args) for a in self.actors]
         try:
             results = await asyncio.gather(*refs)
         except ray.exceptions.OutOfMemoryError as exc:
@@ -506,7 +525,15 @@ class TrainerGroup:
         return float(await self._all("update_engines", version))
 
     async def load(self, path: str) -> dict[str, Any]:
-        return await self._all("load", path)
+        """Every rank loads the checkpoint at `path`; ranks on other nodes get its files from here."""
+        import ray
+
+        if not any(self.ships):
+            return await self._all("load", path)
+        root = Path(path)
+        files = ray.put({str(f.relative_to(root)): f.read_bytes() for f in sorted(root.rglob("*")) if f.is_file()})
+        refs = [a.load.remote(path, files if ship else None) for a, ship in zip(self.actors, self.ships, strict=True)]
+        return (await self._gather("load", refs))[0]  # type: ignore[no-any-return]
 
     def shutdown(self) -> None:
         import ray

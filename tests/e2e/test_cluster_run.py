@@ -6,7 +6,7 @@ The hosts share no /tmp, so the run directory exists on the head only: the worke
 gets every new version over HTTP from trainer rank 0's endpoint, and the worker's trainer rank
 ships its checkpoint shard to the head. Checked: where each process ran, that both servers load
 every new version (every bucket verified), that the ledger balances, that the checkpoint holds
-both ranks' shards; and, in the second test, that killing the worker host's server in the middle
+both ranks' shards and the run resumes from it on the cluster; and, in the second test, that killing the worker host's server in the middle
 of the run loses no episode (the server is restarted on its node, re-synced, and every prompt taken
 is trained).
 """
@@ -103,6 +103,18 @@ def test_a_run_spans_two_hosts(ns_cluster, assets: Path) -> None:
     on_worker = worker.run(["sh", "-c", f"ls -R {run_dir} 2>/dev/null || true"]).stdout
     assert "checkpoints" not in on_worker and "driver.log" not in on_worker
     assert "hf-" in on_worker  # only the log of the server that ran there
+
+    # Resume on the cluster: the worker's rank gets the checkpoint's files from the head, one more step.
+    again = head.run(
+        run_args(assets, ns_cluster.address, "span", 3, "resume=true"), env=env(), timeout=1500, check=False
+    )
+    log = read(head, f"{run_dir}/driver.log")
+    assert again.returncode == 0, log[-8000:] + again.stderr[-4000:]
+    assert re.search(r"resuming .*span from step-0*2: step 2, policy version 2", log), log[-3000:]
+    result = json.loads(read(head, f"{run_dir}/result.json"))
+    assert result["steps_done"] == 3 and result["policy_version"] == 3
+    assert sorted(pushes(log)) == [1, 2, 3]  # version 2 pushed again at the resume, then version 3
+    assert result["ledger"]["in_flight"] == 0
 
 
 def test_killing_the_worker_hosts_server_mid_run_loses_no_episode(ns_cluster, assets: Path) -> None:

@@ -70,7 +70,6 @@ def test_a_cluster_plan_has_one_bundle_per_process_and_pulls_weights_over_http()
 
 @pytest.mark.parametrize(("overrides", "error", "key"), [
     (["placement=colocated"], FeatureUnavailableError, "placement=colocated"),
-    (["run.resume=true", "run.name=x"], FeatureUnavailableError, "run.resume=true"),
     (["trainer.backend=megatron"], FeatureUnavailableError, "trainer.backend=megatron"),
     (["inference.engine=sglang"], FeatureUnavailableError, "inference.engine=sglang"),
     (["inference.urls=[http://10.77.0.2:8000]"], ConfigError, "inference.urls"),
