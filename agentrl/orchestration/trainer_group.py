@@ -407,9 +407,14 @@ class TrainerGroup:
         payload = config.model_dump(mode="json")
         self.ships = [False] * n  # which ranks run on another node than the driver's
         if reservation is None:
+            # One machine: the ranks stay on the driver's node (Ray may be a cluster through RAY_ADDRESS
+            # without a `cluster` section), so loopback is their rendezvous and the run directory theirs.
+            from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+            here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
             master = ("127.0.0.1", _free_port("127.0.0.1")) if n > 1 else None
             self.actors = [
-                actor_cls.remote(  # type: ignore[attr-defined]
+                actor_cls.options(scheduling_strategy=here).remote(  # type: ignore[attr-defined]
                     payload, model_path, str(weights_dir), rank=r, world_size=n, master=master,
                     threads=max(1, cpus // n), **extra,
                 )
