@@ -40,7 +40,9 @@ __all__ = [
     "RolloutConfig",
     "RunConfig",
     "SandboxConfig",
+    "ServerResourcesConfig",
     "TrainerConfig",
+    "TrainerResourcesConfig",
     "WeightSyncConfig",
     "apply_overrides",
     "config_fields",
@@ -357,6 +359,14 @@ class RoleResourcesConfig(_Section):
     """Memory in GiB each process of this role reserves from Ray (0: none reserved)."""
 
 
+class TrainerResourcesConfig(RoleResourcesConfig):
+    """What each trainer rank reserves on a cluster."""
+
+
+class ServerResourcesConfig(RoleResourcesConfig):
+    """What each LLM server reserves on a cluster."""
+
+
 class ClusterConfig(_Section):
     address: str | None = None
     """The Ray cluster a run spans: the head's `HOST:PORT` (what `ray start --head` prints) or `auto`
@@ -366,9 +376,9 @@ class ClusterConfig(_Section):
     strategy: Literal["PACK", "SPREAD"] = "PACK"
     """How the placement group lays the roles on nodes: `PACK` fills as few nodes as it can,
     `SPREAD` puts them on as many as it can (a trainer rank and a server on each node)."""
-    trainer: RoleResourcesConfig = Field(default_factory=RoleResourcesConfig)
+    trainer: TrainerResourcesConfig = Field(default_factory=TrainerResourcesConfig)
     """What each trainer rank (`trainer.num_processes` of them) reserves."""
-    server: RoleResourcesConfig = Field(default_factory=RoleResourcesConfig)
+    server: ServerResourcesConfig = Field(default_factory=ServerResourcesConfig)
     """What each LLM server (`inference.num_servers` of them) reserves."""
     sandbox_hosts: int = Field(0, ge=0)
     """Hosts that run `agentrl sandbox serve` for the tools (placed like the servers; the run's

@@ -109,10 +109,13 @@ def resolve_run_dir(config: AgentRLConfig) -> Path:
     return Path(config.run.output_dir) / name
 
 
-def _prepare_run_dir(config: AgentRLConfig) -> tuple[Path, CheckpointStore, Checkpoint | None, list[str]]:
+def _prepare_run_dir(config: AgentRLConfig, plan_cluster: bool = False
+                     ) -> tuple[Path, CheckpointStore, Checkpoint | None, list[str]]:
     """The run directory, its checkpoint store, the checkpoint to resume from (verified), and notes
     for the log. Raises before anything starts when the directory does not fit `run.resume`."""
     run_dir = resolve_run_dir(config)
+    if plan_cluster:  # actors on the driver's node work in other directories: give them absolute paths
+        run_dir = run_dir.absolute()
     store = CheckpointStore(run_dir / "checkpoints", keep=config.run.keep_checkpoints)
     notes: list[str] = []
     checkpoint = None
@@ -140,7 +143,7 @@ def _prepare_run_dir(config: AgentRLConfig) -> tuple[Path, CheckpointStore, Chec
     return run_dir, store, checkpoint, notes
 
 
-def _init_ray(config: AgentRLConfig) -> None:
+def _init_ray(cluster_address: str | None) -> None:
     import ray
 
     from agentrl.lifeline import start_reaper
@@ -150,12 +153,12 @@ def _init_ray(config: AgentRLConfig) -> None:
     start_reaper()
     if ray.is_initialized():
         return
-    address = config.cluster.address or os.environ.get("RAY_ADDRESS")
+    address = cluster_address or os.environ.get("RAY_ADDRESS")
     try:
         ray.init(address=address, include_dashboard=False, log_to_driver=True, configure_logging=False,
                  ignore_reinit_error=True)
     except (ConnectionError, RuntimeError) as exc:
-        if not config.cluster.address:
+        if not cluster_address:
             raise
         raise PreflightError(
             f"cluster.address={address}: cannot join the Ray cluster there ({type(exc).__name__}: "
@@ -455,7 +458,8 @@ def run_training(config: AgentRLConfig) -> RunResult:
     job = build_job(config, "run")
     try:
         preflight(job)
-        run_dir, store, checkpoint, notes = _prepare_run_dir(config)
+        run_dir, store, checkpoint, notes = _prepare_run_dir(
+            config, job.plan is not None and job.plan.cluster is not None)
     except BaseException:
         asyncio.run(job.aclose())
         raise
@@ -470,8 +474,8 @@ def run_training(config: AgentRLConfig) -> RunResult:
     reservation = sandbox_hosts = None
     try:
         run = _Run(job, run_dir, store, checkpoint)
-        _init_ray(config)
         assert job.plan is not None  # build_job made it
+        _init_ray(job.plan.cluster.address if job.plan.cluster is not None else None)
         if job.plan.cluster is not None:  # checked against the cluster's resources before anything starts
             from agentrl.orchestration.cluster import reserve
 

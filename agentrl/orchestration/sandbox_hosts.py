@@ -132,7 +132,7 @@ def start_sandbox_hosts(config: AgentRLConfig, reservation: Any, *, timeout_s: f
     token = secrets.token_urlsafe(32)
     actor_cls = ray.remote(SandboxHostActor)
     n = config.cluster.sandbox_hosts
-    actors = [
+    actors: list[Any] = [
         actor_cls.options(**reservation.options("sandbox", i)).remote(  # type: ignore[attr-defined]
             config.sandbox.name, dict(config.sandbox.kwargs), token
         )

@@ -12,7 +12,9 @@ lifeline, so it ends with the actor (and with the actor's node).
 reaches the server directly at its node address and `serve.ServerSupervisor` supervises it like a
 local one: a server that died, or whose actor or node is gone, is `server_down` in the router, its
 sessions move; it is restarted through its actor (a new actor in the same bundle when the old one
-died) and re-synced to the current weights (`router.resync`) before it serves again.
+died, on the same port; if Ray moved the bundle off a lost node, the router's client follows it to
+the new node's address) and re-synced to the current weights (`router.resync`) before it serves
+again. The lost-node path has not been exercised by a test (the tests kill the server process).
 `start_placed_servers` starts all of them and returns the `InferenceService` the driver uses.
 """
 
@@ -107,6 +109,7 @@ class PlacedServer:
         self.returncode: int | None = None
         self.startup_s: float | None = None
         self._restart: Any = None
+        self._client: Any = None  # the router's client of this server (`client()`)
 
     def __repr__(self) -> str:
         return f"PlacedServer({self.index}, {self.url or self.node_ip}, alive={self.alive})"
@@ -132,7 +135,14 @@ class PlacedServer:
 
     async def started(self, timeout_s: float) -> PlacedServer:
         """Wait until the server answers /health on its node; learn its URL."""
-        self.url = await self._call("url")
+        url = await self._call("url")
+        if self._client is not None and url != self._client.base_url:
+            # Its node was lost and Ray moved the bundle: the router's client follows it there.
+            log.warning("server %d moved from %s to %s", self.index, self._client.base_url, url)
+            self._client.base_url = url
+            self._client._http.base_url = url
+            self.node_ip = url.split("//", 1)[1].rsplit(":", 1)[0]
+        self.url = url
         self.port = int(self.url.rsplit(":", 1)[1])
         self.startup_s = await self._call("wait_healthy", timeout_s)
         return self
@@ -189,7 +199,8 @@ class PlacedServer:
     def client(self, **kwargs: Any) -> Any:
         from agentrl.inference.client import HTTPServerClient
 
-        return HTTPServerClient(self.url, **kwargs)
+        self._client = HTTPServerClient(self.url, **kwargs)
+        return self._client
 
     def kill(self) -> None:
         import ray
