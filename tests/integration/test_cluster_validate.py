@@ -44,3 +44,26 @@ def test_a_plan_the_cluster_cannot_hold_stops_before_anything_starts(ns_cluster,
     for host in ns_cluster.hosts:  # no server and no trainer was started anywhere
         found = host.run(["pgrep", "-f", "agentrl.inference.hf_server|TrainerWorker"], check=False).stdout
         assert found.strip() == ""
+
+
+def test_the_files_engine_without_a_shared_directory_stops_at_start(ns_cluster, assets: Path) -> None:
+    argv = base(assets, ns_cluster.address)
+    argv.insert(3, "run")
+    done = ns_cluster.head.run(
+        [
+            *argv,
+            "cluster.strategy=SPREAD",
+            "weights.backend=files",
+            "run.name=files",
+            "env=parity_env:ParityEnv",
+            "run.total_steps=1",
+        ],
+        env={"PYTHONPATH": str(Path(__file__).parents[1] / "e2e")},
+        timeout=900,
+        check=False,
+    )
+    assert done.returncode != 0
+    # The worker host's server cannot read the head's run directory: the probe says so before any step.
+    assert "weights.backend=files" in done.stderr
+    assert "the files engine needs a directory that the trainer and every server share" in done.stderr
+    assert "use weights.backend=http" in done.stderr

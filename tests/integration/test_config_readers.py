@@ -10,6 +10,7 @@ with the reason it is not read on a CPU machine's run or eval path.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -77,13 +78,18 @@ def test_every_config_field_is_read_by_run_or_eval(tmp_path: Path, vllm_server, 
           f"eval.output_dir={tmp_path / 'eval'}"], trace, tmp_path)
 
     # D: a cluster plan, validated on the namespace cluster (tests/cluster_hosts.py): every `cluster` key.
+    # Its rows come from a file with a malformed row, kept out by data.skip_bad_rows.
     inside = "/tmp/work/reads-cluster.txt"
+    good = {"prompt": [{"role": "user", "content": "What is 1 + 1?"}], "data_source": "gsm8k",
+            "reward_model": {"style": "rule", "ground_truth": "2"}}
+    ns_cluster.head.write("/tmp/work/rows.jsonl", json.dumps(good) + "\n" + json.dumps({"prompt": 5}) + "\n")
     ns_cluster.head.run([
         sys.executable, "-m", "agentrl.cli", "validate", "env=retool", f"model.path={tiny}",
         "model.chat_template=chatml-tools", "inference.engine=hf", "trainer.device=cpu",
         f"cluster.address={ns_cluster.address}", "cluster.strategy=SPREAD", "cluster.trainer.cpus=1",
         "cluster.trainer.memory_gb=0.5", "cluster.server.cpus=1", "cluster.server.gpus=0",
-        "cluster.sandbox_hosts=1", "cluster.sandbox_cpus=0.5",
+        "cluster.sandbox_hosts=1", "cluster.sandbox_cpus=0.5", "data.train_files=[/tmp/work/rows.jsonl]",
+        "data.skip_bad_rows=true",
     ], env={"AGENTRL_CONFIG_TRACE": inside}, timeout=600)  # fmt: skip
     with trace.open("a") as f:
         f.write(ns_cluster.head.run(["cat", inside]).stdout)
@@ -92,7 +98,9 @@ def test_every_config_field_is_read_by_run_or_eval(tmp_path: Path, vllm_server, 
     read = set()
     for line in trace.read_text().splitlines():
         cls, _, field = line.partition(".")
-        if cls in sections:
+        if cls == "AgentRLConfig":  # a top-level key (`placement`)
+            read.add(field)
+        elif cls in sections:
             read.add(f"{sections[cls]}.{field}")
     every = {dotted for dotted, *_ in config_fields()}
     unread = sorted(every - read - set(ONLY_ELSEWHERE))
