@@ -149,7 +149,13 @@ def cmd_validate(ns: argparse.Namespace) -> int:
         print(f"Config OK for 'agentrl {purpose}': env={cfg.env.name} model={cfg.model.path} "
               f"engine={cfg.inference.engine} mode={cfg.run.mode} steps={cfg.run.total_steps} "
               f"sandbox={sandbox} rows={rows}")
-        for line in job.plan.describe() if job.plan is not None else []:
+        lines = job.plan.describe() if job.plan is not None else []
+        if job.plan is not None and job.plan.cluster is not None:
+            from agentrl.orchestration.cluster import trial_placement
+
+            # Where each process lands, as the cluster grants it now (it must hold the plan).
+            lines = lines[: len(lines) - len(job.plan.cluster.describe())] + trial_placement(job.plan.cluster)
+        for line in lines:
             print(line)
         for note in job.notes:
             print(f"note: {note}")

@@ -29,16 +29,20 @@ __all__ = [
     "SHORTHANDS",
     "AgentRLConfig",
     "AlgorithmConfig",
+    "ClusterConfig",
     "DataConfig",
     "EnvConfig",
     "EvalConfig",
     "InferenceConfig",
     "ModelConfig",
     "RewardConfig",
+    "RoleResourcesConfig",
     "RolloutConfig",
     "RunConfig",
     "SandboxConfig",
+    "ServerResourcesConfig",
     "TrainerConfig",
+    "TrainerResourcesConfig",
     "WeightSyncConfig",
     "apply_overrides",
     "config_fields",
@@ -346,6 +350,43 @@ class WeightSyncConfig(_Section):
     """Size of one weight bucket in MiB: the unit of transfer, of checksumming and of retry."""
 
 
+class RoleResourcesConfig(_Section):
+    cpus: float = Field(1.0, ge=0.0)
+    """Ray CPUs each process of this role reserves."""
+    gpus: float = Field(0.0, ge=0.0)
+    """GPUs each process of this role reserves (1 per trainer rank or server on GPU nodes)."""
+    memory_gb: float = Field(0.0, ge=0.0)
+    """Memory in GiB each process of this role reserves from Ray (0: none reserved)."""
+
+
+class TrainerResourcesConfig(RoleResourcesConfig):
+    """What each trainer rank reserves on a cluster."""
+
+
+class ServerResourcesConfig(RoleResourcesConfig):
+    """What each LLM server reserves on a cluster."""
+
+
+class ClusterConfig(_Section):
+    address: str | None = None
+    """The Ray cluster a run spans: the head's `HOST:PORT` (what `ray start --head` prints) or `auto`
+    (the cluster `ray start` made on this machine). None: no cluster, one machine as without this
+    section. With an address, every role is reserved in one Ray placement group, checked against the
+    cluster's resources before anything starts (`agentrl validate` prints where each role runs)."""
+    strategy: Literal["PACK", "SPREAD"] = "PACK"
+    """How the placement group lays the roles on nodes: `PACK` fills as few nodes as it can,
+    `SPREAD` puts them on as many as it can (a trainer rank and a server on each node)."""
+    trainer: TrainerResourcesConfig = Field(default_factory=TrainerResourcesConfig)
+    """What each trainer rank (`trainer.num_processes` of them) reserves."""
+    server: ServerResourcesConfig = Field(default_factory=ServerResourcesConfig)
+    """What each LLM server (`inference.num_servers` of them) reserves."""
+    sandbox_hosts: int = Field(0, ge=0)
+    """Hosts that run `agentrl sandbox serve` for the tools (placed like the servers; the run's
+    sandbox becomes the `remote` backend over them). 0: tools run in the driver's sandbox."""
+    sandbox_cpus: float = Field(1.0, gt=0.0)
+    """Ray CPUs each sandbox host reserves."""
+
+
 class EvalConfig(_Section):
     k: int = Field(4, ge=1)
     """Samples per problem; the report gives pass@1 and pass@k (unbiased estimator)."""
@@ -437,6 +478,8 @@ class AgentRLConfig(_Section):
     """Offline evaluation (`agentrl eval`) and the held-out evaluation during training."""
     run: RunConfig = Field(default_factory=RunConfig)
     """Steps, modes, logging, checkpoints."""
+    cluster: ClusterConfig = Field(default_factory=ClusterConfig)
+    """A Ray cluster the run spans, and what each role reserves on it (none by default)."""
     placement: Literal["split", "colocated", "auto"] = "split"
     """Where the inference engine runs (`agentrl validate` prints the plan). `split`: each LLM server
     in a process of its own, new weights through `weights.backend` (clusters, GPU machines). `colocated`: vLLM

@@ -10,7 +10,8 @@ the server runs the docker backend), bearer-token auth. With
 The client is an `httpx.AsyncClient` with a connection pool; each request's deadline is the job's
 timeout plus `grace_s`. A server that cannot be reached, rejects the token or answers 5xx raises
 `SandboxError` (an infrastructure fault); a program that fails comes back in the `ExecResult`.
-Isolation is whatever the server provides; this module adds none.
+Isolation is whatever the server provides; this module adds none. `SpreadSandbox` spreads jobs
+and sessions over several servers (the sandbox hosts of a cluster run), each to the next in turn.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import httpx
 from agentrl.errors import SandboxClosedError, SandboxError, SandboxUnavailableError
 from agentrl.types import ExecResult
 
-__all__ = ["RemoteSandbox", "RemoteSession"]
+__all__ = ["RemoteSandbox", "RemoteSession", "SpreadSandbox"]
 
 
 def _encode_files(files: Mapping[str, str | bytes] | None) -> dict[str, str]:
@@ -236,3 +237,39 @@ def _detail(resp: httpx.Response) -> str:
     except ValueError:
         detail = resp.text
     return detail if isinstance(detail, str) else str(detail)
+
+
+class SpreadSandbox:
+    """Several `RemoteSandbox`es as one `Sandbox`: each job or new session goes to the next in turn.
+
+    A session stays on the server that opened it. `is_alive` is true while any server answers;
+    `close` closes every client.
+    """
+
+    def __init__(self, sandboxes: list[RemoteSandbox]) -> None:
+        if not sandboxes:
+            raise ValueError("SpreadSandbox needs at least one sandbox.")
+        self.sandboxes = list(sandboxes)
+        self._next = 0
+
+    def _pick(self) -> RemoteSandbox:
+        sandbox = self.sandboxes[self._next % len(self.sandboxes)]
+        self._next += 1
+        return sandbox
+
+    async def exec(self, command: str | None = None, *, code: str | None = None, timeout_s: float,
+                   stdin: str | bytes | None = None, files: Mapping[str, str | bytes] | None = None) -> ExecResult:
+        return await self._pick().exec(command, code=code, timeout_s=timeout_s, stdin=stdin, files=files)
+
+    async def session(self, **kwargs: Any) -> RemoteSession:
+        return await self._pick().session(**kwargs)
+
+    async def close(self) -> None:
+        for sandbox in self.sandboxes:
+            await sandbox.close()
+
+    async def is_alive(self) -> bool:
+        for sandbox in self.sandboxes:
+            if await sandbox.is_alive():
+                return True
+        return False

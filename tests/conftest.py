@@ -107,3 +107,23 @@ def hf_model(assets: Path):
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(assets / "tiny-random-qwen2", dtype=torch.float32).eval()
+
+
+# ── a two-host Ray cluster on this machine (network and mount namespaces) ──────────────────────
+
+
+@pytest.fixture(scope="session")
+def ns_cluster():
+    """Two hosts (network + mount namespaces, joined by a veth pair) with a Ray head on one and a
+    worker on the other, token authentication on (`tests/cluster_hosts.py`). Skips, saying why,
+    where it cannot be built (not root, no `ip netns`); torn down at the end of the session."""
+    from cluster_hosts import NamespaceCluster
+
+    why = NamespaceCluster.unavailable()
+    if why:
+        pytest.skip(f"the namespace cluster cannot be built here: {why}")
+    cluster = NamespaceCluster().start()
+    try:
+        yield cluster
+    finally:
+        cluster.stop()

@@ -1,8 +1,9 @@
 """Start and stop inference servers as their own processes: `launch_server` and `ServerProcess`.
 
 A server is a child process (`python -m agentrl.inference.hf_server ...`, the vLLM wrapper run by
-the vLLM venv's python, or SGLang's own launcher) bound to 127.0.0.1, with its output in a log
-file. `launch_server` starts one and waits until `GET /health` answers (`wait_healthy`, or
+the vLLM venv's python, or SGLang's own launcher) bound to `host` (127.0.0.1 unless given: on a
+cluster, the node's address, so that the driver's router on another node reaches it), with its
+output in a log file. `launch_server` starts one and waits until `GET /health` answers (`wait_healthy`, or
 `await wait_healthy_async` from an event loop); `ServerProcess.stop` ends it (SIGTERM to its
 process group, then SIGKILL). Each server runs under a lifeline (`agentrl.lifeline`): a small
 process that leads the server's process group and ends it, the engine's own children included
@@ -68,8 +69,10 @@ class EngineSpec:
     def python(self) -> str:
         return (os.environ.get(self.python_env) if self.python_env else None) or sys.executable
 
-    def command(self, model_path: str, port: int, **engine_kwargs: Any) -> list[str]:
+    def command(self, model_path: str, port: int, host: str | None = None, **engine_kwargs: Any) -> list[str]:
         cmd = [self.python(), "-m", self.module, self.model_flag, str(model_path), "--port", str(port)]
+        if host is not None:
+            cmd += ["--host", host]
         for key, value in engine_kwargs.items():
             flag = "--" + key.replace("_", "-")
             if value is None:
@@ -98,10 +101,10 @@ SGLANG_ENGINE = EngineSpec(
 )
 
 
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port on `host` (an address of this machine) that nothing listens on right now."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((host, 0))
         return int(s.getsockname()[1])
 
 
@@ -114,15 +117,17 @@ class ServerProcess:
         model_path: str,
         *,
         port: int | None = None,
+        host: str | None = None,
         log_path: str | Path | None = None,
         env: dict[str, str] | None = None,
         **engine_kwargs: Any,
     ) -> None:
         self.spec = spec
         self.model_path = model_path
-        self.port = port or free_port()
-        self.host = "127.0.0.1"
-        self.command = spec.command(model_path, self.port, **engine_kwargs)
+        self.host = host or "127.0.0.1"
+        self.port = port or free_port(self.host)
+        # The flag only when asked: SGLang's launcher and the servers all default to loopback.
+        self.command = spec.command(model_path, self.port, host, **engine_kwargs)
         if log_path is None:
             fd, name = tempfile.mkstemp(prefix=f"agentrl-{spec.name}-{self.port}-", suffix=".log")
             os.close(fd)
@@ -158,6 +163,15 @@ class ServerProcess:
     @property
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
+
+    @property
+    def returncode(self) -> int | None:
+        """How the server's process ended (None while it runs or before it started)."""
+        return self.proc.returncode if self.proc is not None else None
+
+    async def refresh(self) -> None:
+        """Bring `alive` up to date: nothing to do for a child of this process (a placed server's
+        proxy asks its node; the supervisor awaits this before it reads `alive`)."""
 
     def start(self) -> ServerProcess:
         if self.proc is not None:
@@ -269,6 +283,7 @@ def launch_server(
     model_path: str,
     *,
     port: int | None = None,
+    host: str | None = None,
     log_path: str | Path | None = None,
     startup_timeout_s: float = 600.0,
     wait: bool = True,
@@ -278,15 +293,15 @@ def launch_server(
     """Start a server of `engine` (`hf`, `vllm`, `sglang`, or an EngineSpec import path) for `model_path`.
 
     Extra keyword arguments become command-line flags of the server (`enforce_eager=True` ->
-    `--enforce-eager`, `max_model_len=2048` -> `--max-model-len 2048`). With `wait` (the default) it
-    returns once the server is healthy.
+    `--enforce-eager`, `max_model_len=2048` -> `--max-model-len 2048`). `host` is the address it serves
+    on (127.0.0.1 unless given). With `wait` (the default) it returns once the server is healthy.
     """
     spec = INFERENCE_ENGINES.resolve(engine)
     if not isinstance(spec, EngineSpec):
         raise ConfigError(
             f"inference engine '{engine}' resolved to {spec!r}, not an EngineSpec; engine 'external' is not launched, see agentrl.inference.serve."
         )
-    server = ServerProcess(spec, model_path, port=port, log_path=log_path, env=env, **engine_kwargs).start()
+    server = ServerProcess(spec, model_path, port=port, host=host, log_path=log_path, env=env, **engine_kwargs).start()
     if wait:
         server.wait_healthy(startup_timeout_s)
     return server

@@ -233,6 +233,8 @@ class ServerSupervisor:
     async def _watch(self) -> None:
         while True:
             for i, proc in enumerate(self.servers):
+                if i not in self._reviving:
+                    await proc.refresh()  # a placed server's proxy asks its node whether it still runs
                 if i in self._reviving or self.router.servers[i].given_up is not None:
                     continue
                 why = self._trouble(i, proc)
@@ -244,8 +246,7 @@ class ServerSupervisor:
 
     def _trouble(self, i: int, proc: ServerProcess) -> str:
         if not proc.alive:
-            code = proc.proc.returncode if proc.proc is not None else None
-            return f"exited (code {code})"
+            return f"exited (code {proc.returncode})"
         routed = self.router.servers[i]
         if routed.healthy or routed.syncing:
             self._unhealthy_since[i] = None

@@ -155,6 +155,13 @@ def build_job(config: AgentRLConfig, purpose: Purpose) -> Job:
         _check_env_builds(job)
         _check_names(config, purpose)
         job.plan = build_plan(config, purpose, model_path)
+        if job.plan.cluster is not None and job.plan.cluster.count("sandbox"):
+            if sandbox is None:
+                raise ConfigError(f"cluster.sandbox_hosts={config.cluster.sandbox_hosts}: env '{config.env.name}' "
+                                  "runs no code in a sandbox, so the hosts would do nothing; remove it.")
+            if config.sandbox.name not in ("local", "docker"):
+                raise ConfigError(f"cluster.sandbox_hosts: each host serves the sandbox.name backend; "
+                                  f"'{config.sandbox.name}' is not one a host can serve (use local or docker).")
         if purpose == "run":
             _check_tensor_parallel(config, model_path)
         if purpose == "run":

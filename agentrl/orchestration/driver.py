@@ -1,7 +1,8 @@
 """`agentrl run`: the training driver that ties servers, rollouts, the trainer and weight sync together.
 
 One run, on Ray (a local instance by default; the cluster when `ray start` made one or
-`RAY_ADDRESS` names it):
+`RAY_ADDRESS` names it; with `cluster.address`, that cluster, every role reserved in one placement
+group before anything starts: `cluster.py`):
 
 1. The run directory (`run.output_dir/run.name`) gets the resolved config. With `run.resume` it
    must hold an intact checkpoint: the newest is verified against its checksums (and a damaged one
@@ -46,7 +47,7 @@ from pathlib import Path
 from typing import Any
 
 from agentrl.config import AgentRLConfig, save_config
-from agentrl.errors import AgentRLError, ConfigError, InfraFailureError
+from agentrl.errors import AgentRLError, ConfigError, InfraFailureError, PreflightError
 from agentrl.gateway.session import final_segments, is_first_segment, segment_metrics
 from agentrl.orchestration.build import Job, build_job
 from agentrl.orchestration.checkpoints import Checkpoint, CheckpointStore, move_aside_earlier_attempt
@@ -108,10 +109,13 @@ def resolve_run_dir(config: AgentRLConfig) -> Path:
     return Path(config.run.output_dir) / name
 
 
-def _prepare_run_dir(config: AgentRLConfig) -> tuple[Path, CheckpointStore, Checkpoint | None, list[str]]:
+def _prepare_run_dir(config: AgentRLConfig, plan_cluster: bool = False
+                     ) -> tuple[Path, CheckpointStore, Checkpoint | None, list[str]]:
     """The run directory, its checkpoint store, the checkpoint to resume from (verified), and notes
     for the log. Raises before anything starts when the directory does not fit `run.resume`."""
     run_dir = resolve_run_dir(config)
+    if plan_cluster:  # actors on the driver's node work in other directories: give them absolute paths
+        run_dir = run_dir.absolute()
     store = CheckpointStore(run_dir / "checkpoints", keep=config.run.keep_checkpoints)
     notes: list[str] = []
     checkpoint = None
@@ -139,7 +143,7 @@ def _prepare_run_dir(config: AgentRLConfig) -> tuple[Path, CheckpointStore, Chec
     return run_dir, store, checkpoint, notes
 
 
-def _init_ray() -> None:
+def _init_ray(cluster_address: str | None) -> None:
     import ray
 
     from agentrl.lifeline import start_reaper
@@ -149,9 +153,18 @@ def _init_ray() -> None:
     start_reaper()
     if ray.is_initialized():
         return
-    address = os.environ.get("RAY_ADDRESS")
-    ray.init(address=address, include_dashboard=False, log_to_driver=True, configure_logging=False,
-             ignore_reinit_error=True)
+    address = cluster_address or os.environ.get("RAY_ADDRESS")
+    try:
+        ray.init(address=address, include_dashboard=False, log_to_driver=True, configure_logging=False,
+                 ignore_reinit_error=True)
+    except (ConnectionError, RuntimeError) as exc:
+        if not cluster_address:
+            raise
+        raise PreflightError(
+            f"cluster.address={address}: cannot join the Ray cluster there ({type(exc).__name__}: "
+            f"{str(exc).splitlines()[0] if str(exc) else ''}). Start its head with 'ray start --head', give "
+            "the HOST:PORT it prints, and run from a node of the cluster (with its token, when Ray's token "
+            "authentication is on).") from exc
 
 
 class _Run:
@@ -246,8 +259,10 @@ class _Run:
         source, token = self.trainer.weight_source(version)
         reports = await self.router.update_weights(source, version, token=token)
         done = [r for r in reports.values() if r is not None]
-        log.info("weight version %d on %d server(s) from %s: %s bucket(s) verified of %s", version, len(reports),
-                 source, sum(r.verified_buckets for r in done), sum(r.buckets for r in done))
+        each = ", ".join(f"{sid} {r.verified_buckets}/{r.buckets}" if r is not None else f"{sid} (no report)"
+                         for sid, r in reports.items())
+        log.info("weight version %d on %d server(s) from %s: %s bucket(s) verified of %s [%s]", version, len(reports),
+                 source, sum(r.verified_buckets for r in done), sum(r.buckets for r in done), each)
 
     async def after_step(self, record: StepRecord) -> None:
         assert self.scheduler is not None
@@ -399,6 +414,37 @@ class _Run:
             self.logger.close()
 
 
+def _start_sandbox_hosts(job: Job, reservation: Any) -> Any:
+    """Start the cluster's sandbox hosts, check each runs a command, and make them the run's sandbox
+    (the envs get a client of them instead of the local sandbox `build_job` made and never started)."""
+    from agentrl.orchestration.sandbox_hosts import start_sandbox_hosts
+    from agentrl.sandboxes.remote import RemoteSandbox
+
+    hosts = start_sandbox_hosts(job.config, reservation)
+
+    async def check() -> None:
+        for url in hosts.urls:
+            client = RemoteSandbox(url, token=hosts.token)
+            try:
+                res = await client.exec("echo $((6 * 7))", timeout_s=60)
+            finally:
+                await client.close()
+            if res.exit_code != 0 or res.stdout.strip() != "42":
+                raise PreflightError(f"cluster.sandbox_hosts: the sandbox host at {url} cannot run a shell command "
+                                     f"(exit {res.exit_code}, {res.stderr[-300:]!r}); run 'agentrl doctor' on "
+                                     "that node with the same sandbox settings.")
+
+    try:
+        asyncio.run(check())
+        asyncio.run(job.aclose())  # the local sandbox, never used
+        job.sandbox = hosts.sandbox()
+        job.env_kwargs["sandbox"] = job.sandbox
+    except BaseException:
+        hosts.stop()
+        raise
+    return hosts
+
+
 def run_training(config: AgentRLConfig) -> RunResult:
     """`agentrl run`: train `config` end to end (see the module docstring); return what happened.
 
@@ -412,7 +458,8 @@ def run_training(config: AgentRLConfig) -> RunResult:
     job = build_job(config, "run")
     try:
         preflight(job)
-        run_dir, store, checkpoint, notes = _prepare_run_dir(config)
+        run_dir, store, checkpoint, notes = _prepare_run_dir(
+            config, job.plan is not None and job.plan.cluster is not None)
     except BaseException:
         asyncio.run(job.aclose())
         raise
@@ -424,16 +471,23 @@ def run_training(config: AgentRLConfig) -> RunResult:
         log.warning("%s", note)
     for damaged in checkpoint.set_aside if checkpoint else []:
         log.error("%s", damaged)
+    reservation = sandbox_hosts = None
     try:
         run = _Run(job, run_dir, store, checkpoint)
-        _init_ray()
+        assert job.plan is not None  # build_job made it
+        _init_ray(job.plan.cluster.address if job.plan.cluster is not None else None)
+        if job.plan.cluster is not None:  # checked against the cluster's resources before anything starts
+            from agentrl.orchestration.cluster import reserve
+
+            reservation = reserve(job.plan.cluster)
+            if job.plan.cluster.count("sandbox"):
+                sandbox_hosts = _start_sandbox_hosts(job, reservation)
         # The trainer loads while the servers start (placement split), or with its engine (colocated).
-        trainer = TrainerGroup(config, job.model_path, run_dir / "weights", plan=job.plan)
+        trainer = TrainerGroup(config, job.model_path, run_dir / "weights", plan=job.plan, reservation=reservation)
         try:
             served = config.model_copy(deep=True)
             served.model.path = job.model_path
-            assert job.plan is not None  # build_job made it
-            service = start_inference(job.plan, served, trainer, log_dir=run_dir / "logs")
+            service = start_inference(job.plan, served, trainer, log_dir=run_dir / "logs", reservation=reservation)
             try:
                 asyncio.run(run.main(trainer, service))
             except AgentRLError as exc:
@@ -449,6 +503,10 @@ def run_training(config: AgentRLConfig) -> RunResult:
         finally:
             trainer.shutdown()
     finally:
+        if sandbox_hosts is not None:
+            sandbox_hosts.stop()
+        if reservation is not None:
+            reservation.release()
         logging.getLogger("agentrl").removeHandler(handler)
         handler.close()
         asyncio.run(job.aclose())

@@ -20,6 +20,9 @@ the key, raised here, so `agentrl validate` finds it in seconds. `build_job` car
 (`Job.plan`), `validate` prints it (`PlacementPlan.describe`), and the driver starts the inference
 side from it (`start_inference`). Each `Role` names where it runs and what it takes, so that a
 multi-node plan (roles placed on nodes with Ray placement groups) can grow from the same object.
+With `cluster.address` set, `PlacementPlan.cluster` holds that multi-node plan (`cluster.py`): the
+placement is `split` (`auto` resolves to it), and weights go over HTTP unless `weights.backend` names
+`files` (checked at start: every server must read the trainer's weights directory).
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from agentrl.config import AgentRLConfig
 from agentrl.errors import ConfigError, FeatureUnavailableError
+from agentrl.orchestration.cluster import ClusterPlan, build_cluster_plan
 
 if TYPE_CHECKING:
     from agentrl.inference.serve import InferenceService
@@ -75,6 +79,8 @@ class PlacementPlan:
     true in `sync` mode only, where the push of the new weights always follows the update. In the
     overlapped modes the engine goes on generating on the old weights until the push."""
     chosen_by: str = "placement"
+    cluster: ClusterPlan | None = None
+    """The roles' places on a Ray cluster (`cluster.address`); None on one machine."""
 
     @property
     def colocated(self) -> bool:
@@ -96,6 +102,8 @@ class PlacementPlan:
             lines.append("  weights: checksummed safetensors files under the run's weights/ directory")
         elif self.weight_sync == "http":
             lines.append("  weights: checksummed buckets the servers pull over HTTP from the trainer's node")
+        if self.cluster is not None:
+            lines += self.cluster.describe()
         return lines
 
 
@@ -135,6 +143,10 @@ def build_plan(config: AgentRLConfig, purpose: str = "run", model_path: str | No
     choice = config.placement
     device = _trainer_device(config)
     chosen_by = "placement"
+    cluster = build_cluster_plan(config, purpose)
+    if cluster is not None:
+        return _split_plan(config, purpose, device, "placement=split on a cluster (cluster.address)", 0.0,
+                           0.0, lambda v: {}, {}, cluster)
     if choice == "auto":
         choice = "colocated" if device == "cpu" and inf.engine == "vllm" and not inf.urls else "split"
         chosen_by = f"placement=auto on a {'CPU' if device == 'cpu' else 'GPU'} trainer"
@@ -183,7 +195,8 @@ def build_plan(config: AgentRLConfig, purpose: str = "run", model_path: str | No
 
 
 def _split_plan(config: AgentRLConfig, purpose: str, device: Literal["cpu", "cuda"], chosen_by: str,
-                trainer_gb: float, engine_gb: float, mem: Any, gpu: dict[str, float]) -> PlacementPlan:
+                trainer_gb: float, engine_gb: float, mem: Any, gpu: dict[str, float],
+                cluster: ClusterPlan | None = None) -> PlacementPlan:
     inf, trainer = config.inference, config.trainer
     weights: Literal["files", "http", "none"] = weights_backend(config) if purpose == "run" else "none"
     roles: list[Role] = []
@@ -194,6 +207,8 @@ def _split_plan(config: AgentRLConfig, purpose: str, device: Literal["cpu", "cud
     else:
         roles.append(Role(f"{inf.engine} server", inf.num_servers, "a process of its own (agentrl serve)",
                           {**gpu, **mem(engine_gb + (1.1 if inf.engine == "vllm" else 0.0))}))
+    if cluster is not None:  # its own lines say where each process goes
+        return PlacementPlan("split", device, (), weights, chosen_by=chosen_by, cluster=cluster)
     roles.append(Role("rollouts", 1, "asyncio tasks in the driver, through the router"))
     return PlacementPlan("split", device, tuple(roles), weights, chosen_by=chosen_by)
 
@@ -202,8 +217,8 @@ def weights_backend(config: AgentRLConfig) -> Literal["files", "http"]:
     """The engine a split run pushes weights with: `weights.backend`, with `auto` resolved (`files` or `http`).
 
     `auto` takes `files` when this run starts its own servers on this machine and Ray is not a
-    cluster (`RAY_ADDRESS` unset): trainer and servers then share the run directory. Servers named by
-    `inference.urls`, or a cluster, may be on other machines: `http`. SGLang servers load only from
+    cluster (`RAY_ADDRESS` and `cluster.address` unset): trainer and servers then share the run
+    directory. Servers named by `inference.urls`, or a cluster, may be on other machines: `http`. SGLang servers load only from
     disk, so they always get `files`. Refused values raise ConfigError naming the key.
     """
     backend = config.weights.backend
@@ -220,7 +235,7 @@ def weights_backend(config: AgentRLConfig) -> Literal["files", "http"]:
             "placement=colocated has (trainer and vLLM engine in one process); use 'files' or 'http' here."
         )
     if backend == "auto":
-        remote = bool(config.inference.urls) or bool(os.environ.get("RAY_ADDRESS"))
+        remote = bool(config.inference.urls) or bool(os.environ.get("RAY_ADDRESS")) or bool(config.cluster.address)
         backend = "http" if remote and engine != "sglang" else "files"
     if backend == "http" and engine == "sglang":
         raise ConfigError("weights.backend: SGLang servers load new weights only from disk "
@@ -229,11 +244,16 @@ def weights_backend(config: AgentRLConfig) -> Literal["files", "http"]:
 
 
 def start_inference(plan: PlacementPlan, config: AgentRLConfig, trainer: Any, *,
-                    log_dir: str | Path | None = None) -> InferenceService:
+                    log_dir: str | Path | None = None, reservation: Any | None = None) -> InferenceService:
     """The inference side of a run, behind one router: the split plan's server processes (started
-    now, `serve_from_config`), or the colocated plan's engines inside `trainer` (a `TrainerGroup`)."""
+    now, `serve_from_config`; on a cluster, each by an actor in its bundle of `reservation`,
+    `server_actor.start_placed_servers`), or the colocated plan's engines inside `trainer`."""
     from agentrl.inference.serve import InferenceService, serve_from_config
 
+    if reservation is not None:
+        from agentrl.orchestration.server_actor import start_placed_servers
+
+        return start_placed_servers(config, reservation, log_dir=log_dir)  # type: ignore[no-any-return]
     if not plan.colocated:
         return serve_from_config(config, log_dir=log_dir)
     from agentrl.inference.router import Router

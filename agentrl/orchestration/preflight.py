@@ -13,7 +13,8 @@ cheap (seconds):
   included. A user's `reward.function` may score some of them below 1 by its own rules; it is
   refused only when it scores none of them as correct. A mis-keyed dataset or a broken `reward.function` is found here, not after training.
 - `disk`: free space under `run.output_dir` for the checkpoints and weight versions the run keeps.
-- `memory`: the planned processes (trainer, servers) fit in the memory available.
+- `memory`: the planned processes (trainer, servers) fit in the memory available (on one machine;
+  on a cluster the placement group's reservation checks each role against the nodes instead).
 
 `preflight(job)` runs them and raises `PreflightError` listing every failed check with its fix;
 `run_checks(job)` returns them all for `agentrl doctor`, which prints them.
@@ -83,7 +84,8 @@ def run_checks(job: Job) -> list[Check]:
     checks = [_check_sandbox(job), _check_inference(job), _check_rows(job)]
     if job.purpose == "run":
         checks.append(_check_disk(job))
-    checks.append(_check_memory(job))
+    if job.plan is None or job.plan.cluster is None:  # on a cluster, Ray's reservation checks memory
+        checks.append(_check_memory(job))
     return [c for c in checks if c is not None]
 
 
@@ -94,6 +96,9 @@ def _check_sandbox(job: Job) -> Check | None:
     if job.sandbox is None:
         return None
     config = job.config
+    if job.plan is not None and job.plan.cluster is not None and job.plan.cluster.count("sandbox"):
+        return Check(f"sandbox ({config.sandbox.name})", True, f"runs on {config.cluster.sandbox_hosts} cluster "
+                     "host(s); each runs a snippet when it starts")
     env = job.make_env()
     try:
         wants_python = "python" in getattr(env, "tools", {})

@@ -29,6 +29,15 @@ buckets, no files). The engine's weights change only at that push, so a batch's 
 true; an update waits until the previous one has reached the engine, so a push never carries newer
 weights than its version says (async mode trains the next batch only after the last push).
 
+On a Ray cluster (`cluster.address`; `cluster.Reservation`), each rank is placed in its bundle of
+the run's placement group; rank 0 is on the driver's node, where the run directory is, and the
+ranks rendezvous at that node's address on a port free there (gloo on CPU, NCCL for GPU tensors;
+the GPU path is written but has not run on a multi-node GPU cluster). A rank on another node
+resolves the model there, and writes its checkpoint shard into a directory of its own node, whose
+files it returns; `TrainerGroup.save` writes them into the checkpoint on the driver's node, so a
+checkpoint is whole without a shared filesystem. On resume such a rank gets the checkpoint's
+files from the driver (`TrainerGroup.load`) and loads them from a directory of its node.
+
 Nothing here decides when to train or push: that is `schedule.py`.
 """
 
@@ -85,13 +94,28 @@ class TrainerWorker:
     def __init__(
         self, config: dict[str, Any], model_path: str, weights_dir: str, *, rank: int = 0, world_size: int = 1,
         master: tuple[str, int] | None = None, threads: int | None = None, weights: str = "files",
+        local_rank: int | None = None, ship_checkpoints: bool = False,
     ) -> None:
         if world_size > 1:
             assert master is not None  # TrainerGroup always passes it for several ranks
             os.environ.update({
-                "RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
+                "RANK": str(rank), "WORLD_SIZE": str(world_size),
+                "LOCAL_RANK": str(rank if local_rank is None else local_rank),
                 "MASTER_ADDR": master[0], "MASTER_PORT": str(master[1]),
             })  # fmt: skip
+        if ship_checkpoints or (master is not None and master[0] != "127.0.0.1"):
+            # gloo (and NCCL's bootstrap) bind to the address this host's name resolves to, and fall
+            # back to loopback where it resolves to none: on a cluster the peers could not connect.
+            # Name the interface that holds this node's address instead.
+            iface = _interface_of(_node_ip())
+            if iface:
+                os.environ.setdefault("GLOO_SOCKET_IFNAME", iface)
+                os.environ.setdefault("NCCL_SOCKET_IFNAME", iface)
+        if not Path(model_path).is_dir():  # a rank on another node: the model resolved there
+            from agentrl.models import resolve_model_path
+
+            model_path = resolve_model_path(config["model"]["path"])
+        self.ship_checkpoints = ship_checkpoints
         import torch
 
         if threads:
@@ -162,19 +186,49 @@ class TrainerWorker:
         source = "" if self.rank else (self.http.url if self.http is not None else str(self.files.path_for(version)))
         return source, time.perf_counter() - start
 
-    def save(self, path: str, data_position: dict[str, Any]) -> float:
-        """Save the trainer's state, and keep the current version as a complete HF directory in `weights/`."""
+    def save(self, path: str, data_position: dict[str, Any]) -> tuple[float, dict[str, bytes]]:
+        """Save the trainer's state, and keep the current version as a complete HF directory in `weights/`.
+
+        Returns (seconds, files): a rank on another node than the driver's (`ship_checkpoints`) saves
+        into a directory of its own node and returns what it wrote there (relative path -> bytes),
+        for the driver to write into `path`; the others write `path` directly and return no files.
+        """
+        import shutil
+
         start = time.perf_counter()
-        self.backend.save(path, {**data_position, "kl_coef": self.kl_controller.value})
+        target = tempfile.mkdtemp(prefix="agentrl-shard-") if self.ship_checkpoints else path
+        shipped: dict[str, bytes] = {}
+        try:
+            self.backend.save(target, {**data_position, "kl_coef": self.kl_controller.value})
+            if self.ship_checkpoints:
+                root = Path(target)
+                shipped = {str(f.relative_to(root)): f.read_bytes() for f in sorted(root.rglob("*")) if f.is_file()}
+        finally:
+            if self.ship_checkpoints:
+                shutil.rmtree(target, ignore_errors=True)
         if self.version is not None:
             if self.weights == "http":
                 self._send(self.files, self.version)  # nothing was written per step: write this one
             if self.rank == 0:
                 self.files.keep(self.version)
-        return time.perf_counter() - start
+        return time.perf_counter() - start, shipped
 
-    def load(self, path: str) -> dict[str, Any]:
-        position = self.backend.load(path)
+    def load(self, path: str, files: dict[str, bytes] | None = None) -> dict[str, Any]:
+        """Load a checkpoint: from `path`, or, on a rank of another node, from `files` (the checkpoint's
+        files as the driver read them), written into a directory of this node for the load."""
+        import shutil
+
+        local = None
+        if files is not None:
+            local = Path(tempfile.mkdtemp(prefix="agentrl-resume-"))
+            for name, data in files.items():
+                (local / name).parent.mkdir(parents=True, exist_ok=True)
+                (local / name).write_bytes(data)
+        try:
+            position = self.backend.load(str(local) if local is not None else path)
+        finally:
+            if local is not None:
+                shutil.rmtree(local, ignore_errors=True)
         if "kl_coef" in position:
             self.kl_controller.value = float(position["kl_coef"])
         return position
@@ -250,7 +304,7 @@ class ColocatedTrainerWorker(TrainerWorker):
     async def export(self, version: int) -> tuple[str, float]:  # type: ignore[override]
         return await asyncio.to_thread(TrainerWorker.export, self, version)
 
-    async def save(self, path: str, data_position: dict[str, Any]) -> float:  # type: ignore[override]
+    async def save(self, path: str, data_position: dict[str, Any]) -> tuple[float, dict[str, bytes]]:  # type: ignore[override]
         return await asyncio.to_thread(TrainerWorker.save, self, path, data_position)
 
     async def load(self, path: str) -> dict[str, Any]:  # type: ignore[override]
@@ -298,9 +352,33 @@ async def _actor_call(actor: Any, server_id: str, method: str, *args: Any) -> An
         raise ServerUnavailableError(f"{server_id}: {method} failed: {type(cause).__name__}: {cause}") from exc
 
 
-def _free_port() -> int:
+def _node_ip() -> str:
+    import ray.util
+
+    return str(ray.util.get_node_ip_address())
+
+
+def _interface_of(ip: str) -> str | None:
+    """The network interface whose (first IPv4) address is `ip` on this machine (None if none; Linux)."""
+    import fcntl
+    import struct
+
+    siocgifaddr = 0x8915
+    for _, name in socket.if_nameindex():
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            try:
+                raw = fcntl.ioctl(s.fileno(), siocgifaddr, struct.pack("256s", name[:15].encode()))
+            except OSError:  # no IPv4 address on it
+                continue
+        if socket.inet_ntoa(raw[20:24]) == ip:
+            return name
+    return None
+
+
+def _free_port(host: str) -> int:
+    """A port free on `host`, an address of this (the driver's) node."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((host, 0))
         return int(s.getsockname()[1])
 
 
@@ -308,8 +386,9 @@ class TrainerGroup:
     """`trainer.num_processes` TrainerWorker actors called as one (see the module docstring)."""
 
     def __init__(self, config: AgentRLConfig, model_path: str, weights_dir: str | Path, *,
-                 plan: Any | None = None) -> None:
+                 plan: Any | None = None, reservation: Any | None = None) -> None:
         import ray
+        import ray.util
 
         self.colocated = plan is not None and plan.colocated
         self.weights = "inprocess" if self.colocated else weights_backend(config)
@@ -325,21 +404,49 @@ class TrainerGroup:
             {"release_weights": plan.release_weights_while_training} if self.colocated else {"weights": self.weights}
         )
         actor_cls = ray.remote(num_cpus=0 if not use_gpu else 1, num_gpus=1 if use_gpu else 0)(worker_cls)
-        master = ("127.0.0.1", _free_port()) if n > 1 else None
         payload = config.model_dump(mode="json")
-        self.actors = [
-            actor_cls.remote(  # type: ignore[attr-defined]
-                payload, model_path, str(weights_dir), rank=r, world_size=n, master=master,
-                threads=max(1, cpus // n), **extra,
-            )
-            for r in range(n)
-        ]
+        self.ships = [False] * n  # which ranks run on another node than the driver's
+        if reservation is None:
+            # One machine: the ranks stay on the driver's node (Ray may be a cluster through RAY_ADDRESS
+            # without a `cluster` section), so loopback is their rendezvous and the run directory theirs.
+            from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+            here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+            master = ("127.0.0.1", _free_port("127.0.0.1")) if n > 1 else None
+            self.actors = [
+                actor_cls.options(scheduling_strategy=here).remote(  # type: ignore[attr-defined]
+                    payload, model_path, str(weights_dir), rank=r, world_size=n, master=master,
+                    threads=max(1, cpus // n), **extra,
+                )
+                for r in range(n)
+            ]
+        else:
+            # Rank 0 is pinned to the driver's node (`cluster.reserve`): the port is taken free here.
+            head = reservation.node_ip("trainer", 0)
+            master = (head, _free_port(head)) if n > 1 else None
+            nodes = [reservation.node_ip("trainer", r) for r in range(n)]
+            slot_cpus = int(config.cluster.trainer.cpus) or 1
+            self.ships = [node != head for node in nodes]
+            self.actors = [
+                actor_cls.options(**reservation.options("trainer", r)).remote(  # type: ignore[attr-defined]
+                    payload, model_path, str(weights_dir), rank=r, world_size=n, master=master,
+                    threads=slot_cpus, local_rank=0 if use_gpu else nodes[:r].count(nodes[r]),
+                    ship_checkpoints=self.ships[r], **extra,
+                )
+                for r in range(n)
+            ]  # fmt: skip
         self.request_timeout_s = config.rollout.request_timeout_s
 
     async def _all(self, method: str, *args: Any) -> Any:
+        """Call `method` on every rank; rank 0's answer."""
+        return (await self._all_results(method, *args))[0]
+
+    async def _all_results(self, method: str, *args: Any) -> list[Any]:
+        return await self._gather(method, [getattr(a, method).remote(*args) for a in self.actors])
+
+    async def _gather(self, method: str, refs: list[Any]) -> list[Any]:
         import ray.exceptions
 
-        refs = [getattr(a, method).remote(*args) for a in self.actors]
         try:
             results = await asyncio.gather(*refs)
         except ray.exceptions.OutOfMemoryError as exc:
@@ -359,7 +466,7 @@ class TrainerGroup:
             if isinstance(cause, AgentRLError):
                 raise cause from None
             raise TrainerError(f"The trainer failed during '{method}': {type(cause).__name__}: {cause}") from exc
-        return results[0]
+        return list(results)
 
     async def ready(self) -> None:
         await self._all("ready")
@@ -393,7 +500,14 @@ class TrainerGroup:
         return await self._all("export", version)
 
     async def save(self, path: str, data_position: dict[str, Any]) -> float:
-        return await self._all("save", path, data_position)
+        """Every rank saves; the shards of ranks on other nodes are written into `path` here."""
+        results = await self._all_results("save", path, data_position)
+        for _seconds, files in results:
+            for name, data in files.items():
+                target = Path(path) / name
+                target.parent.mkdir(parents=True, exist_ok=True)
+                target.write_bytes(data)
+        return float(results[0][0])
 
     # ── placement colocated ──
     def engine_clients(self) -> list[Any]:
@@ -416,7 +530,15 @@ class TrainerGroup:
         return float(await self._all("update_engines", version))
 
     async def load(self, path: str) -> dict[str, Any]:
-        return await self._all("load", path)
+        """Every rank loads the checkpoint at `path`; ranks on other nodes get its files from here."""
+        import ray
+
+        if not any(self.ships):
+            return await self._all("load", path)
+        root = Path(path)
+        files = ray.put({str(f.relative_to(root)): f.read_bytes() for f in sorted(root.rglob("*")) if f.is_file()})
+        refs = [a.load.remote(path, files if ship else None) for a, ship in zip(self.actors, self.ships, strict=True)]
+        return (await self._gather("load", refs))[0]  # type: ignore[no-any-return]
 
     def shutdown(self) -> None:
         import ray

@@ -4,12 +4,13 @@ Real `agentrl run` and `agentrl eval` commands run with `AGENTRL_CONFIG_TRACE` s
 every process they start (the driver, the trainer actors) record each config field it reads. The
 union over a few short runs that take the code's branches (sync and async modes, GRPO and GAE with
 a critic, LoRA, a KL controller, resume, a server the run starts and servers it is given, an
-evaluation) must cover every field of `AgentRLConfig`, except the few in `ONLY_ELSEWHERE`, each
+evaluation, and a cluster plan validated on the namespace cluster) must cover every field of `AgentRLConfig`, except the few in `ONLY_ELSEWHERE`, each
 with the reason it is not read on a CPU machine's run or eval path.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -28,11 +29,20 @@ REPO = Path(__file__).resolve().parents[2]
 ONLY_ELSEWHERE: dict[str, str] = {}
 
 
-def _section_names() -> dict[str, str]:
-    """Section class name -> section key (`RolloutConfig` -> `rollout`)."""
+def _section_names(model: type | None = None, prefix: str = "") -> dict[str, str]:
+    """Section class name -> dotted section key (`RolloutConfig` -> `rollout`, nested sections too:
+    `TrainerResourcesConfig` -> `cluster.trainer`)."""
+    from pydantic import BaseModel
+
     from agentrl.config import AgentRLConfig
 
-    return {field.annotation.__name__: name for name, field in AgentRLConfig.model_fields.items()}  # type: ignore[union-attr]
+    out: dict[str, str] = {}
+    for name, field in (model or AgentRLConfig).model_fields.items():  # type: ignore[attr-defined]
+        ann = field.annotation
+        if isinstance(ann, type) and issubclass(ann, BaseModel):
+            out[ann.__name__] = f"{prefix}{name}"
+            out.update(_section_names(ann, f"{prefix}{name}."))
+    return out
 
 
 def _run(args: list[str], trace: Path, cwd: Path) -> None:
@@ -43,7 +53,7 @@ def _run(args: list[str], trace: Path, cwd: Path) -> None:
     assert done.returncode == 0, f"agentrl {' '.join(args)} failed:\n{done.stderr[-3000:]}"
 
 
-def test_every_config_field_is_read_by_run_or_eval(tmp_path: Path, vllm_server, assets: Path) -> None:
+def test_every_config_field_is_read_by_run_or_eval(tmp_path: Path, vllm_server, assets: Path, ns_cluster) -> None:
     tiny = str(assets / "tiny-random-qwen2")
     trace = tmp_path / "reads.txt"
     common = [
@@ -67,11 +77,30 @@ def test_every_config_field_is_read_by_run_or_eval(tmp_path: Path, vllm_server, 
     _run(["eval", *common, f"inference.urls=[{vllm_server.url}]", "eval.max_rows=2",
           f"eval.output_dir={tmp_path / 'eval'}"], trace, tmp_path)
 
+    # D: a cluster plan, validated on the namespace cluster (tests/cluster_hosts.py): every `cluster` key.
+    # Its rows come from a file with a malformed row, kept out by data.skip_bad_rows.
+    inside = "/tmp/work/reads-cluster.txt"
+    good = {"prompt": [{"role": "user", "content": "What is 1 + 1?"}], "data_source": "gsm8k",
+            "reward_model": {"style": "rule", "ground_truth": "2"}}
+    ns_cluster.head.write("/tmp/work/rows.jsonl", json.dumps(good) + "\n" + json.dumps({"prompt": 5}) + "\n")
+    ns_cluster.head.run([
+        sys.executable, "-m", "agentrl.cli", "validate", "env=retool", f"model.path={tiny}",
+        "model.chat_template=chatml-tools", "inference.engine=hf", "trainer.device=cpu",
+        f"cluster.address={ns_cluster.address}", "cluster.strategy=SPREAD", "cluster.trainer.cpus=1",
+        "cluster.trainer.memory_gb=0.5", "cluster.server.cpus=1", "cluster.server.gpus=0",
+        "cluster.sandbox_hosts=1", "cluster.sandbox_cpus=0.5", "data.train_files=[/tmp/work/rows.jsonl]",
+        "data.skip_bad_rows=true",
+    ], env={"AGENTRL_CONFIG_TRACE": inside}, timeout=600)  # fmt: skip
+    with trace.open("a") as f:
+        f.write(ns_cluster.head.run(["cat", inside]).stdout)
+
     sections = _section_names()
     read = set()
     for line in trace.read_text().splitlines():
         cls, _, field = line.partition(".")
-        if cls in sections:
+        if cls == "AgentRLConfig":  # a top-level key (`placement`)
+            read.add(field)
+        elif cls in sections:
             read.add(f"{sections[cls]}.{field}")
     every = {dotted for dotted, *_ in config_fields()}
     unread = sorted(every - read - set(ONLY_ELSEWHERE))

@@ -81,6 +81,16 @@ COMMANDS: dict[str, How] = {
         "ELSEWHERE", where="tests/integration/test_swe_images.py::test_check_lists_the_broken_instances"),
     "agentrl eval env=swe sandbox=docker data.val_files=[rows.jsonl]": How(
         "ELSEWHERE", where="tests/integration/test_swe_images.py::test_agentrl_eval_with_the_docker_sandbox"),
+    "ray start --head --port=6379": How(
+        "ELSEWHERE", where="tests/cluster_hosts.py starts a head this way (with its node's address) on a namespace host"),
+    "ray start --address=HEAD_IP:6379": How(
+        "ELSEWHERE", where="tests/cluster_hosts.py joins a worker this way from a second namespace host"),
+    "agentrl validate env=retool cluster.address=HEAD_IP:6379 cluster.strategy=SPREAD trainer.num_processes=2 "
+    "inference.num_servers=2": How(
+        "ELSEWHERE", where="tests/integration/test_cluster_validate.py validates this plan on the namespace cluster"),
+    "agentrl run env=retool cluster.address=HEAD_IP:6379 cluster.strategy=SPREAD trainer.num_processes=2 "
+    "inference.num_servers=2": How(
+        "ELSEWHERE", where="tests/e2e/test_cluster_run.py runs this plan (tiny model, parity env) across two hosts"),
 }
 
 

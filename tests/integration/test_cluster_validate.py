@@ -1,0 +1,69 @@
+"""The cluster plan against a real cluster (issue 16), the namespace cluster of `tests/cluster_hosts.py`:
+`agentrl validate` prints the node each process would run on, and a run the cluster cannot hold
+stops before anything starts, naming the role and the resource."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+
+def base(assets: Path, address: str) -> list[str]:
+    return [
+        sys.executable, "-m", "agentrl.cli", "env=arithmetic", f"model.path={assets / 'tiny-random-qwen2'}",
+        "model.chat_template=chatml-tools", "inference.engine=hf", "trainer.device=cpu",
+        "trainer.num_processes=2", "inference.num_servers=2", f"cluster.address={address}",
+        "run.output_dir=/tmp/work/runs",
+    ]  # fmt: skip
+
+
+def test_validate_prints_where_each_process_runs(ns_cluster, assets: Path) -> None:
+    argv = base(assets, ns_cluster.address)
+    argv.insert(3, "validate")
+    out = ns_cluster.head.run([*argv, "cluster.strategy=SPREAD"], timeout=300).stdout
+    lines = out.splitlines()
+    assert "placement split on cpu (placement=split on a cluster (cluster.address))" in lines
+    assert f"  trainer rank 0: 1 CPU -> node {ns_cluster.head.ip}" in lines  # pinned to the driver's node
+    nodes = [line.rsplit(" ", 1)[1] for line in lines if " -> node " in line]
+    assert sorted(nodes) == sorted([ns_cluster.head.ip] * 2 + [ns_cluster.worker.ip] * 2)
+    assert any("one placement group of 4 bundles, strategy SPREAD" in line for line in lines)
+
+
+def test_a_plan_the_cluster_cannot_hold_stops_before_anything_starts(ns_cluster, assets: Path) -> None:
+    argv = base(assets, ns_cluster.address)
+    argv.insert(3, "run")
+    done = ns_cluster.head.run([*argv, "cluster.server.cpus=3", "run.name=toobig"], timeout=300, check=False)
+    assert done.returncode != 0
+    assert "cannot hold the run's plan; nothing was started" in done.stderr
+    assert "CPU: the plan needs 8 (cluster.trainer 2, cluster.server 6), the cluster has 4" in done.stderr
+    assert "server 0 (CPU 3, from cluster.server) fits on no node" in done.stderr
+    for host in ns_cluster.hosts:  # no server and no trainer was started anywhere
+        found = host.run(["pgrep", "-f", "agentrl.inference.hf_server|TrainerWorker"], check=False).stdout
+        assert found.strip() == ""
+
+
+def test_the_files_engine_without_a_shared_directory_stops_at_start(ns_cluster, assets: Path) -> None:
+    argv = base(assets, ns_cluster.address)
+    argv.insert(3, "run")
+    done = ns_cluster.head.run(
+        [
+            *argv,
+            "cluster.strategy=SPREAD",
+            "weights.backend=files",
+            "run.name=files",
+            "env=parity_env:ParityEnv",
+            "run.total_steps=1",
+        ],
+        env={"PYTHONPATH": str(Path(__file__).parents[1] / "e2e")},
+        timeout=900,
+        check=False,
+    )
+    assert done.returncode != 0
+    # The worker host's server cannot read the head's run directory: the probe says so before any step.
+    assert "weights.backend=files" in done.stderr
+    assert "the files engine needs a directory that the trainer and every server share" in done.stderr
+    assert "use weights.backend=http" in done.stderr

@@ -1,0 +1,134 @@
+"""The cluster plan (issue 16): the `cluster` section as one placement group's bundles, refused where a
+cluster run is not built, and checked against a cluster's resources before anything starts."""
+
+from __future__ import annotations
+
+import pytest
+
+from agentrl.config import AgentRLConfig, load_config
+from agentrl.errors import ConfigError, FeatureUnavailableError, PreflightError
+from agentrl.orchestration.cluster import build_cluster_plan, check_fits
+from agentrl.orchestration.placement import build_plan
+
+GB = float(1 << 30)
+
+
+def cfg(*overrides: str) -> AgentRLConfig:
+    return load_config(None, ["env=arithmetic", "trainer.device=cpu", "inference.engine=hf", *overrides])
+
+
+def two_by_two(*overrides: str) -> AgentRLConfig:
+    return cfg(
+        "cluster.address=10.77.0.1:6379",
+        "cluster.strategy=SPREAD",
+        "trainer.num_processes=2",
+        "inference.num_servers=2",
+        *overrides,
+    )
+
+
+def test_without_a_cluster_section_one_machine_plans_as_before() -> None:
+    config = cfg()
+    assert build_cluster_plan(config) is None
+    plan = build_plan(config)
+    assert plan.cluster is None and plan.weight_sync == "files"
+    assert [r.name for r in plan.roles] == ["trainer", "hf server", "rollouts"]
+
+
+def test_a_cluster_plan_has_one_bundle_per_process_and_pulls_weights_over_http() -> None:
+    config = two_by_two(
+        "cluster.server.cpus=0.5",
+        "cluster.server.memory_gb=2",
+        "cluster.sandbox_hosts=1",
+        "cluster.sandbox_cpus=0.25",
+    )
+    plan = build_plan(config)
+    assert plan.placement == "split" and plan.weight_sync == "http"  # auto: no shared filesystem assumed
+    cluster = plan.cluster
+    assert cluster is not None and cluster.strategy == "SPREAD" and cluster.address == "10.77.0.1:6379"
+    assert [s.name for s in cluster.slots] == [
+        "trainer rank 0",
+        "trainer rank 1",
+        "server 0",
+        "server 1",
+        "sandbox 0",
+    ]
+    assert [s.bundle() for s in cluster.slots] == [
+        {"CPU": 1.0}, {"CPU": 1.0}, {"CPU": 0.5, "memory": 2 * GB}, {"CPU": 0.5, "memory": 2 * GB},
+        {"CPU": 0.25},
+    ]  # fmt: skip
+    assert cluster.index("server", 1) == 3 and cluster.count("trainer") == 2
+    text = "\n".join(plan.describe())
+    assert "one placement group of 5 bundles, strategy SPREAD" in text
+    assert "server 1: 0.5 CPU, 2 GiB" in text
+    nodes = ["10.77.0.1", "10.77.0.2", "10.77.0.1", "10.77.0.2", "10.77.0.2"]
+    assert cluster.describe(nodes)[4] == "  server 1: 0.5 CPU, 2 GiB -> node 10.77.0.2"
+    # auto never colocates on a cluster; files stay possible (checked at start against the servers)
+    assert build_plan(two_by_two("placement=auto")).placement == "split"
+    assert build_plan(two_by_two("weights.backend=files")).weight_sync == "files"
+
+
+@pytest.mark.parametrize(("overrides", "error", "key"), [
+    (["placement=colocated"], FeatureUnavailableError, "placement=colocated"),
+    (["trainer.backend=megatron"], FeatureUnavailableError, "trainer.backend=megatron"),
+    (["inference.engine=sglang"], FeatureUnavailableError, "inference.engine=sglang"),
+    (["inference.urls=[http://10.77.0.2:8000]"], ConfigError, "inference.urls"),
+    (["cluster.server.cpus=0"], ConfigError, "cluster.server"),
+    (["cluster.address=' '"], ConfigError, "cluster.address is empty"),
+])  # fmt: skip
+def test_what_a_cluster_run_cannot_do_is_refused_naming_the_key(overrides, error, key) -> None:
+    with pytest.raises(error, match=key.replace(".", r"\.").replace("[", r"\[")):
+        build_plan(two_by_two(*overrides))
+
+
+def test_eval_on_a_cluster_is_refused() -> None:
+    with pytest.raises(FeatureUnavailableError, match="agentrl eval"):
+        build_plan(two_by_two(), "eval")
+
+
+NODES = {"10.77.0.1": {"CPU": 2.0, "memory": 6 * GB}, "10.77.0.2": {"CPU": 2.0, "memory": 6 * GB}}
+TOTAL = {"CPU": 4.0, "memory": 12 * GB}
+
+
+def test_a_plan_the_cluster_holds_passes() -> None:
+    plan = build_cluster_plan(two_by_two())
+    assert plan is not None
+    check_fits(plan, TOTAL, NODES, "10.77.0.1")
+
+
+def test_too_few_cpus_in_total_names_the_resource_and_each_role() -> None:
+    plan = build_cluster_plan(two_by_two("cluster.sandbox_hosts=1"))
+    assert plan is not None
+    with pytest.raises(PreflightError) as info:
+        check_fits(plan, TOTAL, NODES, "10.77.0.1")
+    text = str(info.value)
+    assert (
+        "CPU: the plan needs 5 (cluster.trainer 2, cluster.server 2, cluster.sandbox_cpus 1), the cluster has 4"
+        in text
+    )
+    assert "nothing was started" in text and "ray start --address" in text
+
+
+def test_a_process_no_single_node_can_hold_is_named() -> None:
+    plan = build_cluster_plan(
+        two_by_two(
+            "trainer.num_processes=1",
+            "inference.num_servers=1",
+            "cluster.server.cpus=3",
+            "cluster.trainer.cpus=0.5",
+        )
+    )
+    assert plan is not None
+    with pytest.raises(PreflightError, match=r"server 0 \(CPU 3, from cluster.server\) fits on no node"):
+        check_fits(plan, {"CPU": 4.0}, NODES, "10.77.0.1")
+
+
+def test_trainer_rank_0_must_fit_on_the_drivers_node() -> None:
+    plan = build_cluster_plan(
+        two_by_two("cluster.trainer.memory_gb=5", "inference.num_servers=1", "trainer.num_processes=1")
+    )
+    assert plan is not None
+    nodes = {"10.77.0.1": {"CPU": 2.0, "memory": 4 * GB}, "10.77.0.2": {"CPU": 2.0, "memory": 8 * GB}}
+    with pytest.raises(PreflightError, match="trainer rank 0 .* the driver's node 10.77.0.1 cannot hold it"):
+        check_fits(plan, {"CPU": 4.0, "memory": 12 * GB}, nodes, "10.77.0.1")
+    check_fits(plan, {"CPU": 4.0, "memory": 12 * GB}, nodes, "10.77.0.2")  # driven from the big node: fits
