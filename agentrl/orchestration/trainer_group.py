@@ -44,7 +44,7 @@ from typing import Any
 
 from agentrl.config import AgentRLConfig
 from agentrl.errors import AgentRLError, ServerUnavailableError, TrainerError, WeightSyncError
-from agentrl.orchestration.placement import weights_backend
+from agentrl.orchestration.placement import PlacementPlan, weights_backend
 from agentrl.types import Trajectory
 
 __all__ = ["ColocatedTrainerWorker", "TrainerGroup", "TrainerWorker", "export_assets"]
@@ -308,10 +308,11 @@ class TrainerGroup:
     """`trainer.num_processes` TrainerWorker actors called as one (see the module docstring)."""
 
     def __init__(self, config: AgentRLConfig, model_path: str, weights_dir: str | Path, *,
-                 plan: Any | None = None) -> None:
+                 plan: PlacementPlan | None = None) -> None:
         import ray
 
-        self.colocated = plan is not None and plan.colocated
+        colocated_plan = plan if plan is not None and plan.colocated else None
+        self.colocated = colocated_plan is not None
         self.weights = "inprocess" if self.colocated else weights_backend(config)
         self.weights_dir = Path(weights_dir)
         self.endpoint: dict[str, Any] = {}
@@ -322,12 +323,15 @@ class TrainerGroup:
         cpus = os.cpu_count() or 1
         worker_cls = ColocatedTrainerWorker if self.colocated else TrainerWorker
         extra: dict[str, Any] = (
-            {"release_weights": plan.release_weights_while_training} if self.colocated else {"weights": self.weights}
+            {"release_weights": colocated_plan.release_weights_while_training}
+            if colocated_plan is not None
+            else {"weights": self.weights}
         )
         actor_cls = ray.remote(num_cpus=0 if not use_gpu else 1, num_gpus=1 if use_gpu else 0)(worker_cls)
         master = ("127.0.0.1", _free_port()) if n > 1 else None
         payload = config.model_dump(mode="json")
-        self.actors = [
+        # ray types `ray.remote(...)(cls)` as a union of the class and an actor handle; these are handles
+        self.actors: list[Any] = [
             actor_cls.remote(  # type: ignore[attr-defined]
                 payload, model_path, str(weights_dir), rank=r, world_size=n, master=master,
                 threads=max(1, cpus // n), **extra,
