@@ -104,6 +104,7 @@ class InProcessVLLM(ServerEngine):
         dtype: str = "auto",
         seed: int = 0,
         gpu_memory_utilization: float = 0.8,
+        trust_remote_code: bool = False,
     ) -> None:
         self.model_path = model_path
         self.model_name = Path(model_path).name or model_path
@@ -112,6 +113,7 @@ class InProcessVLLM(ServerEngine):
             "max_model_len": max_model_len, "dtype": dtype, "seed": seed,
             "logprobs_mode": "processed_logprobs", "gpu_memory_utilization": gpu_memory_utilization,
             "distributed_executor_backend": "uni", "disable_log_stats": True,
+            "trust_remote_code": trust_remote_code,
         }  # fmt: skip
         self.kv_cache_bytes = kv_cache_bytes
         self.on_gpu = False

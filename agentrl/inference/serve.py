@@ -335,6 +335,10 @@ def engine_kwargs_from_config(config: AgentRLConfig) -> dict[str, Any]:
     """Command-line options of the configured engine's server, from `config.inference` and `model`."""
     inf = config.inference
     dtype = config.model.dtype
+    # a flag only when set: `--trust-remote-code` is each server's (and SGLang's) own switch
+    remote = True if config.model.trust_remote_code else None
+    if inf.engine == "hf":
+        return {"trust_remote_code": remote}
     if inf.engine == "vllm":
         return {
             "enforce_eager": inf.enforce_eager,
@@ -344,6 +348,7 @@ def engine_kwargs_from_config(config: AgentRLConfig) -> dict[str, Any]:
             "cpu_kv_cache_gb": inf.cpu_kv_cache_gb,
             "dtype": dtype,
             "seed": config.run.seed,
+            "trust_remote_code": remote,
         }
     if inf.engine == "sglang":
         return {
@@ -351,6 +356,7 @@ def engine_kwargs_from_config(config: AgentRLConfig) -> dict[str, Any]:
             "mem_fraction_static": inf.gpu_memory_utilization,
             "dtype": dtype,
             "disable_radix_cache": True if not inf.prefix_caching else None,
+            "trust_remote_code": remote,
         }
     return {}
 

@@ -63,7 +63,8 @@ def export_assets(config: AgentRLConfig, model_path: str) -> dict[str, bytes]:
     from agentrl.orchestration.build import BUILTIN_TEMPLATES
 
     tokenizer_path = resolve_model_path(config.model.tokenizer) if config.model.tokenizer else model_path
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
+    remote = config.model.trust_remote_code
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_path, trust_remote_code=remote)
     choice = config.model.chat_template
     if choice is not None:
         tokenizer.chat_template = BUILTIN_TEMPLATES[choice] if choice in BUILTIN_TEMPLATES else Path(choice).read_text()
@@ -195,6 +196,7 @@ class ColocatedTrainerWorker(TrainerWorker):
             model_path, max_model_len=inf.max_model_len, kv_cache_bytes=int(inf.cpu_kv_cache_gb * 2**30),
             prefix_caching=inf.prefix_caching, enforce_eager=inf.enforce_eager, dtype=self.config.model.dtype,
             seed=self.config.run.seed, gpu_memory_utilization=inf.gpu_memory_utilization,
+            trust_remote_code=self.config.model.trust_remote_code,
         )  # fmt: skip
         engine.start_blocking()  # the engine loads while the driver sets up; calls queue behind it
         self.server = ColocatedServer(engine)
