@@ -56,6 +56,9 @@ __all__ = [
 ]
 
 
+LoggerName = Literal["console", "jsonl", "tensorboard", "wandb"]
+
+
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_assignment=True)
 
@@ -425,9 +428,7 @@ class RunConfig(_Section):
     """Seed of every random choice (data order, sampling seeds, initialisation)."""
     resume: bool = False
     """Continue from the last checkpoint in the run directory."""
-    loggers: list[Literal["console", "jsonl", "tensorboard", "wandb"]] = Field(
-        default_factory=lambda: ["console", "jsonl"]
-    )
+    loggers: list[LoggerName] = Field(default_factory=lambda: list[LoggerName](("console", "jsonl")))
     """Where metrics go each step."""
     keep_rollouts: int | Literal["all"] = 4
     """Rollouts kept for `agentrl view`: each step writes `rollouts/step-N.jsonl` (token ledger,
@@ -649,9 +650,9 @@ def _describe(err: Any) -> str:
 
 
 def _field_names_at(loc: tuple[str, ...]) -> list[str]:
-    model: Any = AgentRLConfig
+    model: type[BaseModel] = AgentRLConfig
     for part in loc:
-        field = model.model_fields.get(part) if isinstance(model, type) else None
+        field = model.model_fields.get(part)
         if field is None or not (isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel)):
             return []
         model = field.annotation
@@ -708,7 +709,10 @@ def _unregistered_names(data: dict[str, Any]) -> list[str]:
     for dotted, kind in _NAMED_FIELDS:
         section, key = dotted.split(".")
         raw = data.get(section, {})
-        default = AgentRLConfig.model_fields[section].annotation.model_fields[key].default
+        section_model = AgentRLConfig.model_fields[section].annotation
+        if not (isinstance(section_model, type) and issubclass(section_model, BaseModel)):
+            raise TypeError(f"_NAMED_FIELDS names '{dotted}', but '{section}' is not a config section.")
+        default = section_model.model_fields[key].default
         name = raw.get(key, default) if isinstance(raw, dict) else default
         registry = REGISTRIES[kind]
         if not isinstance(name, str) or ":" in name or name in registry or not len(registry):

@@ -161,7 +161,7 @@ class Registry:
         """Decorator: register the decorated class or function under `name` (default: its name)."""
 
         def decorate(obj: T) -> T:
-            self.add(name or getattr(obj, "__name__", ""), obj, overwrite=overwrite)
+            self.add(name or str(getattr(obj, "__name__", "")), obj, overwrite=overwrite)
             return obj
 
         return decorate

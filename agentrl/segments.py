@@ -115,6 +115,8 @@ class SegmentEncoder:
             self.hits += 1
             return entry
         self.misses += 1
+        if self._backend is None:  # callers take the slow tokenizer's own path before coming here
+            raise RuntimeError("SegmentEncoder._lookup needs a fast tokenizer.")
         enc = self._backend.encode(piece, add_special_tokens=False)
         entry = (tuple(enc.ids), tuple(enc.offsets))
         if len(piece) <= self.max_chars // 8:  # one huge tool output must not flush the cache

@@ -98,7 +98,6 @@ class Env(gymnasium.Env[list, Action]):
     `info["tools"]` from `reset` lists the OpenAI tool schemas the agent may call.
     """
 
-    metadata: ClassVar[dict[str, Any]] = {"render_modes": []}
     observation_space = ChatSpace()
     action_space = ActionSpace()
     reports_resolved: ClassVar[bool] = False

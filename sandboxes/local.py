@@ -451,11 +451,11 @@ class LocalSandbox:
                  stdin: str | bytes | None, files: Mapping[str, str | bytes] | None,
                  wipe: bool) -> tuple[dict[str, Any], list[bytes]]:
         """The fork server's exec header and blobs: program, stdin, then (path, content) pairs."""
-        if (command is None) == (code is None):
+        program = command if code is None else code if command is None else None
+        if program is None:
             raise ValueError("Pass exactly one of `command` (a shell command) or `code` (Python source).")
         if not (isinstance(timeout_s, (int, float)) and 0 < timeout_s < math.inf):
             raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}.")
-        program = command if command is not None else code
         blobs = [program.encode("utf-8", errors="surrogateescape"),
                  stdin.encode() if isinstance(stdin, str) else bytes(stdin or b"")]
         for path, data in (files or {}).items():

@@ -35,7 +35,7 @@ class BashTool(Tool):
         self.exec_timeout_s = exec_timeout_s
         self.max_output_chars = max_output_chars
 
-    async def run(self, ctx: ToolContext, command: str) -> ToolResult:  # type: ignore[override]  # the schema is this signature
+    async def run(self, ctx: ToolContext, command: str) -> ToolResult:
         """Run a bash command in your working directory and return its output and exit code.
 
         Args:

@@ -46,8 +46,10 @@ def evaluate_expression(expression: str) -> Fraction:
 
 
 def _eval(node: ast.AST) -> Fraction:
-    if isinstance(node, ast.Constant) and type(node.value) in (int, float):
-        return Fraction(node.value)
+    if isinstance(node, ast.Constant):
+        constant = node.value
+        if isinstance(constant, (int, float)) and not isinstance(constant, bool):
+            return Fraction(constant)
     if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
         value = _eval(node.operand)
         return -value if isinstance(node.op, ast.USub) else value

@@ -78,7 +78,8 @@ class Tool:
     async def create(self, ctx: ToolContext) -> None:
         """Prepare per-episode resources before the first call of an episode."""
 
-    async def run(self, ctx: ToolContext, **arguments: Any) -> Any:
+    async def run(self, ctx: ToolContext, *args: Any, **arguments: Any) -> Any:
+        # `*args: Any, **arguments: Any`: a subclass's typed signature (its schema) overrides it
         raise NotImplementedError(f"{type(self).__name__} must define `async def run(self, ctx, ...)`.")
 
     async def release(self, ctx: ToolContext) -> None:

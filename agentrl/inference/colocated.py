@@ -46,8 +46,8 @@ from pathlib import Path
 from typing import Any
 
 from agentrl.errors import InferenceError
-from agentrl.inference.protocol import GenerateRequest, GenerateResponse, HealthResponse
-from agentrl.inference.server_app import ServerEngine, ServerState
+from agentrl.inference.protocol import GenerateRequest, GenerateResponse, HealthResponse, WeightLoadReport
+from agentrl.inference.server_app import ServerEngine, ServerState, WeightLoadError, weight_load_report
 
 __all__ = ["ColocatedServer", "InProcessVLLM", "trim_heap"]
 
@@ -104,6 +104,7 @@ class InProcessVLLM(ServerEngine):
         dtype: str = "auto",
         seed: int = 0,
         gpu_memory_utilization: float = 0.8,
+        trust_remote_code: bool = False,
     ) -> None:
         self.model_path = model_path
         self.model_name = Path(model_path).name or model_path
@@ -112,6 +113,7 @@ class InProcessVLLM(ServerEngine):
             "max_model_len": max_model_len, "dtype": dtype, "seed": seed,
             "logprobs_mode": "processed_logprobs", "gpu_memory_utilization": gpu_memory_utilization,
             "distributed_executor_backend": "uni", "disable_log_stats": True,
+            "trust_remote_code": trust_remote_code,
         }  # fmt: skip
         self.kv_cache_bytes = kv_cache_bytes
         self.on_gpu = False
@@ -306,19 +308,30 @@ class InProcessVLLM(ServerEngine):
         thread; return how many tensors came. No request may be running (pause first)."""
         return int(await self._call(lambda: self._load(open_stream)))
 
-    async def load_weights(self, path: str) -> None:
-        """Load a directory of safetensors (the files engine's format), as the other servers do."""
-        from safetensors import safe_open
+    async def load_weights(self, source: str, *, version: int, token: str | None) -> WeightLoadReport:
+        """The server contract's load (`ServerEngine.load_weights`): the verified stream of
+        `agentrl.weights.receive_weights` (a files-engine directory or an http endpoint), loaded
+        in place by `load_tensors`. No request may be running (`ServerState.update_weights` pauses)."""
+        from agentrl.weights import receive_weights
+
+        start = time.perf_counter()
+        applied = 0
+        streams: list[Any] = []
 
         def tensors() -> Iterator[tuple[str, Any]]:
-            for f in sorted(Path(path).glob("*.safetensors")):
-                with safe_open(str(f), framework="pt") as handle:
-                    for name in handle.keys():
-                        yield name, handle.get_tensor(name)
+            nonlocal applied
+            # owned buckets: vLLM's loader keeps a layer's tensors until the layer is complete
+            with receive_weights(source, version=version, token=token) as stream:
+                streams.append(stream)
+                for item in stream:
+                    applied += 1
+                    yield item
 
-        if not any(Path(path).glob("*.safetensors")):
-            raise ValueError(f"no *.safetensors files in {path}")
-        await self.load_tensors(tensors)
+        try:
+            await self.load_tensors(tensors)
+        except Exception as exc:
+            raise WeightLoadError(f"{type(exc).__name__}: {exc}", touched=applied > 0) from exc
+        return weight_load_report(source, version, streams[-1].stats.as_dict(), time.perf_counter() - start)
 
     def _worker(self) -> Any:
         return self._engine.model_executor.driver_worker.worker

@@ -66,8 +66,11 @@ class HFEngine(ServerEngine):
 
     engine_name = "hf"
 
-    def __init__(self, model_path: str, *, num_threads: int | None = None) -> None:
+    def __init__(
+        self, model_path: str, *, num_threads: int | None = None, trust_remote_code: bool = False
+    ) -> None:
         self.model_path = model_path
+        self.trust_remote_code = trust_remote_code
         self.model_name = Path(model_path).name or model_path
         self.num_threads = num_threads
         self.model: Any = None
@@ -84,7 +87,9 @@ class HFEngine(ServerEngine):
 
         if self.num_threads:
             torch.set_num_threads(self.num_threads)
-        self.model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32).eval()
+        self.model = AutoModelForCausalLM.from_pretrained(
+            self.model_path, dtype=torch.float32, trust_remote_code=self.trust_remote_code
+        ).eval()
         eos: Any = None
         try:
             eos = GenerationConfig.from_pretrained(self.model_path).eos_token_id
@@ -163,8 +168,9 @@ class HFEngine(ServerEngine):
 def main(argv: list[str] | None = None) -> None:
     parser = server_arg_parser("hf")
     parser.add_argument("--num-threads", type=int, default=None, help="torch CPU threads")
+    parser.add_argument("--trust-remote-code", action="store_true", help="run the model repository's code")
     args = parser.parse_args(argv)
-    engine = HFEngine(args.model, num_threads=args.num_threads)
+    engine = HFEngine(args.model, num_threads=args.num_threads, trust_remote_code=args.trust_remote_code)
     run_server(
         engine, host=args.host, port=args.port, weight_version=args.weight_version, log_level=args.log_level
     )

@@ -218,9 +218,10 @@ class Router:
             sessions.move_to_end(session_id)
             chosen = current
         else:
-            chosen = self._least_loaded(exclude)
-            if chosen is None:
+            least = self._least_loaded(exclude)
+            if least is None:
                 return None
+            chosen = least
             if current is None:
                 self.counters["new_sessions"] += 1
                 if len(sessions) >= self.max_sessions:

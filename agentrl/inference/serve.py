@@ -36,9 +36,10 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import httpx
 
@@ -160,7 +161,9 @@ class ExternalClient:
                 "per-token logprobs on /v1/completions."
             )
         reason = choice.get("finish_reason")
-        finish = reason if reason in ("stop", "length") else "abort"
+        finish: Literal["stop", "length", "abort"] = (
+            "stop" if reason == "stop" else "length" if reason == "length" else "abort"
+        )
         return Generation(list(ids), logprobs, finish, self.weight_version, self.server_id)
 
     async def health(self, timeout_s: float | None = None) -> HealthResponse:
@@ -241,8 +244,16 @@ class ServerSupervisor:
                 if why:
                     task = asyncio.create_task(self._revive(i, why), name=f"agentrl-restart-{proc.port}")
                     self._reviving[i] = task
-                    task.add_done_callback(lambda _t, i=i: self._reviving.pop(i, None))
+                    task.add_done_callback(self._forget_revival(i))
             await asyncio.sleep(self.poll_s)
+
+    def _forget_revival(self, i: int) -> Callable[[asyncio.Task[None]], None]:
+        """The done-callback of server `i`'s revival task."""
+
+        def forget(_task: asyncio.Task[None]) -> None:
+            self._reviving.pop(i, None)
+
+        return forget
 
     def _trouble(self, i: int, proc: ServerProcess) -> str:
         if not proc.alive:
@@ -325,6 +336,10 @@ def engine_kwargs_from_config(config: AgentRLConfig) -> dict[str, Any]:
     """Command-line options of the configured engine's server, from `config.inference` and `model`."""
     inf = config.inference
     dtype = config.model.dtype
+    # a flag only when set: `--trust-remote-code` is each server's (and SGLang's) own switch
+    remote = True if config.model.trust_remote_code else None
+    if inf.engine == "hf":
+        return {"trust_remote_code": remote}
     if inf.engine == "vllm":
         return {
             "enforce_eager": inf.enforce_eager,
@@ -334,6 +349,7 @@ def engine_kwargs_from_config(config: AgentRLConfig) -> dict[str, Any]:
             "cpu_kv_cache_gb": inf.cpu_kv_cache_gb,
             "dtype": dtype,
             "seed": config.run.seed,
+            "trust_remote_code": remote,
         }
     if inf.engine == "sglang":
         return {
@@ -341,6 +357,7 @@ def engine_kwargs_from_config(config: AgentRLConfig) -> dict[str, Any]:
             "mem_fraction_static": inf.gpu_memory_utilization,
             "dtype": dtype,
             "disable_radix_cache": True if not inf.prefix_caching else None,
+            "trust_remote_code": remote,
         }
     return {}
 
@@ -354,10 +371,11 @@ def serve_from_config(config: AgentRLConfig, *, log_dir: str | Path | None = Non
     server answers /health (or raises, stopping the ones that did start).
     """
     inf = config.inference
-    router_opts = {
-        "overload_threshold": inf.overload_threshold,
-        "request_timeout_s": config.rollout.request_timeout_s,
-    }
+
+    def make_router(clients: list[Any]) -> Router:
+        return Router(clients, overload_threshold=inf.overload_threshold,
+                      request_timeout_s=config.rollout.request_timeout_s)
+
     if inf.engine == "external":
         if not inf.urls:
             raise ConfigError(
@@ -368,13 +386,13 @@ def serve_from_config(config: AgentRLConfig, *, log_dir: str | Path | None = Non
         # The served name is asked from the server (`vllm serve PATH` calls its model PATH); the
         # configured model path only picks among several, and is the tokenizer the loop uses.
         clients = [ExternalClient(u, model_hint=config.model.path) for u in inf.urls]
-        return InferenceService(Router(clients, **router_opts))
+        return InferenceService(make_router(clients))
     if inf.urls:
         # Servers someone already started (`agentrl serve`, or another job): connect, start nothing.
         from agentrl.inference.client import HTTPServerClient
 
         check_context(config, inf.urls)
-        return InferenceService(Router([HTTPServerClient(u) for u in inf.urls], **router_opts))
+        return InferenceService(make_router([HTTPServerClient(u) for u in inf.urls]))
     kwargs = engine_kwargs_from_config(config)
     model_path = resolve_model_path(config.model.path)  # built-in names are converted once, here
     servers: list[ServerProcess] = []
@@ -392,7 +410,7 @@ def serve_from_config(config: AgentRLConfig, *, log_dir: str | Path | None = Non
             server.stop()
         raise
     clients = [s.client() for s in servers]
-    router = Router(clients, **router_opts)
+    router = make_router(clients)
     supervisor = ServerSupervisor(router, servers, startup_timeout_s=inf.startup_timeout_s,
                                   max_restarts=inf.max_restarts)
     return InferenceService(router, servers, supervisor)

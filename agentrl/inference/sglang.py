@@ -24,7 +24,7 @@ never against a live SGLang server.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 import httpx
 
@@ -34,7 +34,11 @@ from agentrl.types import Generation, SamplingParams
 
 __all__ = ["SGLangClient", "sglang_request"]
 
-_FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
+_FINISH: dict[str, Literal["stop", "length", "abort"]] = {
+    "stop": "stop",
+    "length": "length",
+    "abort": "abort",
+}
 
 
 def sglang_request(prompt_ids: list[int], sampling: SamplingParams) -> dict[str, Any]:

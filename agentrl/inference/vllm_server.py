@@ -87,6 +87,7 @@ class VLLMEngine(ServerEngine):
         seed: int = 0,
         gpu_memory_utilization: float = 0.8,
         cpu_kv_cache_bytes: int | None = None,
+        trust_remote_code: bool = False,
     ) -> None:
         self.model_path = model_path
         self.model_name = Path(model_path).name or model_path
@@ -99,6 +100,7 @@ class VLLMEngine(ServerEngine):
             "seed": seed,
             "logprobs_mode": "processed_logprobs",
             "gpu_memory_utilization": gpu_memory_utilization,
+            "trust_remote_code": trust_remote_code,
             "worker_extension_cls": "agentrl.inference.vllm_worker.VLLMWorkerExtension",
         }
         self.cpu_kv_cache_bytes = cpu_kv_cache_bytes
@@ -247,6 +249,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--trust-remote-code", action="store_true", help="run the model repository's code")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.8)
     parser.add_argument("--cpu-kv-cache-gb", type=float, default=1.0,
                         help="KV cache size in GiB on CPU machines (VLLM_CPU_KVCACHE_SPACE, whole GiB, overrides it)")
@@ -265,6 +268,7 @@ def main(argv: list[str] | None = None) -> None:
         seed=args.seed,
         gpu_memory_utilization=args.gpu_memory_utilization,
         cpu_kv_cache_bytes=int(args.cpu_kv_cache_gb * 2**30),
+        trust_remote_code=args.trust_remote_code,
     )
     run_server(
         engine, host=args.host, port=args.port, weight_version=args.weight_version, log_level=args.log_level

@@ -3,7 +3,8 @@
 `agentrl validate`, `doctor`, `eval` and `run` all call `build_job(config, purpose)` first, so
 anything `validate` accepts, `run` can build, and every error surfaces in seconds, as an
 `AgentRLError` naming the config key, instead of minutes later after servers and trainers started.
-It builds, in this order: the model directory (`model.path`, converting the built-in default once),
+It builds, in this order: the model directory (`model.path`, converting the built-in default once;
+it must hold weights when the trainer or a server agentrl starts will load them),
 the chat template and tokenizer, the tool-call parser and the end-of-turn ids, the env class and its
 constructor arguments (one env is built to check them), the sandbox, the reward function
 (`reward.function`), the dataset rows (each checked; `data.skip_bad_rows` keeps the bad ones' numbers), and checks the names the later stages resolve (inference engine, advantage
@@ -130,11 +131,15 @@ def build_sandbox(config: AgentRLConfig) -> Any:
         raise ConfigError(f"sandbox.kwargs: {exc}") from exc
 
 
-def build_job(config: AgentRLConfig, purpose: Purpose) -> Job:
+def build_job(config: AgentRLConfig, purpose: Purpose, *, own_client: bool = False) -> Job:
     """Build and check every piece of `config` for `purpose` ("run" or "eval"); raise on the first
-    problem, with the key that causes it. Starts nothing."""
+    problem, with the key that causes it. Starts nothing. `own_client`: the caller generates with a
+    client of its own (an eval given one), so no server will load the model's weights."""
     _check_budgets(config)
-    model_path = _model_path(config)
+    given_servers = config.inference.engine == "external" or bool(config.inference.urls)
+    # the trainer loads the weights in every run; servers agentrl starts load them too
+    loads_weights = purpose == "run" or not (own_client or given_servers)
+    model_path = _model_path(config, loads_weights=loads_weights)
     template = _template(config, model_path)
     parser_factory = _parser(config)
     stop_ids = set(end_of_turn_ids(template.tokenizer)) | set(config.rollout.extra_stop_token_ids)
@@ -209,7 +214,7 @@ def _check_budgets(config: AgentRLConfig) -> None:
         )
 
 
-def _model_path(config: AgentRLConfig) -> str:
+def _model_path(config: AgentRLConfig, *, loads_weights: bool) -> str:
     try:
         path = resolve_model_path(config.model.path)
     except AgentRLError as exc:
@@ -222,6 +227,12 @@ def _model_path(config: AgentRLConfig) -> str:
         )
     if not (Path(path) / "config.json").is_file():
         raise ConfigError(f"model.path '{path}' has no config.json: it is not a Hugging Face model directory.")
+    if loads_weights and not any(Path(path).glob("*.safetensors")) and not any(Path(path).glob("*.bin")):
+        raise ConfigError(
+            f"model.path '{path}' holds no weights (no *.safetensors or *.bin file; a tokenizer-only "
+            "directory?), and this job loads them into the trainer or a server. Give the directory the "
+            "model was saved to, e.g. model.path=runs/NAME/weights/version-00000006."
+        )
     return path
 
 

@@ -237,7 +237,7 @@ def run_eval(
     from agentrl.inference.serve import serve_from_config
     from agentrl.orchestration.preflight import preflight
 
-    job = build_job(config, "eval")
+    job = build_job(config, "eval", own_client=client is not None)
     try:
         preflight(job)
         stamp = time.strftime("%Y%m%d-%H%M%S")

@@ -53,7 +53,7 @@ from typing import Any
 
 from agentrl.config import AgentRLConfig
 from agentrl.errors import AgentRLError, ServerUnavailableError, TrainerError, WeightSyncError
-from agentrl.orchestration.placement import weights_backend
+from agentrl.orchestration.placement import PlacementPlan, weights_backend
 from agentrl.types import Trajectory
 
 __all__ = ["ColocatedTrainerWorker", "TrainerGroup", "TrainerWorker", "export_assets"]
@@ -72,7 +72,8 @@ def export_assets(config: AgentRLConfig, model_path: str) -> dict[str, bytes]:
     from agentrl.orchestration.build import BUILTIN_TEMPLATES
 
     tokenizer_path = resolve_model_path(config.model.tokenizer) if config.model.tokenizer else model_path
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
+    remote = config.model.trust_remote_code
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_path, trust_remote_code=remote)
     choice = config.model.chat_template
     if choice is not None:
         tokenizer.chat_template = BUILTIN_TEMPLATES[choice] if choice in BUILTIN_TEMPLATES else Path(choice).read_text()
@@ -249,6 +250,7 @@ class ColocatedTrainerWorker(TrainerWorker):
             model_path, max_model_len=inf.max_model_len, kv_cache_bytes=int(inf.cpu_kv_cache_gb * 2**30),
             prefix_caching=inf.prefix_caching, enforce_eager=inf.enforce_eager, dtype=self.config.model.dtype,
             seed=self.config.run.seed, gpu_memory_utilization=inf.gpu_memory_utilization,
+            trust_remote_code=self.config.model.trust_remote_code,
         )  # fmt: skip
         engine.start_blocking()  # the engine loads while the driver sets up; calls queue behind it
         self.server = ColocatedServer(engine)
@@ -386,11 +388,12 @@ class TrainerGroup:
     """`trainer.num_processes` TrainerWorker actors called as one (see the module docstring)."""
 
     def __init__(self, config: AgentRLConfig, model_path: str, weights_dir: str | Path, *,
-                 plan: Any | None = None, reservation: Any | None = None) -> None:
+                 plan: PlacementPlan | None = None, reservation: Any | None = None) -> None:
         import ray
         import ray.util
 
-        self.colocated = plan is not None and plan.colocated
+        colocated_plan = plan if plan is not None and plan.colocated else None
+        self.colocated = colocated_plan is not None
         self.weights = "inprocess" if self.colocated else weights_backend(config)
         self.weights_dir = Path(weights_dir)
         self.endpoint: dict[str, Any] = {}
@@ -401,7 +404,9 @@ class TrainerGroup:
         cpus = os.cpu_count() or 1
         worker_cls = ColocatedTrainerWorker if self.colocated else TrainerWorker
         extra: dict[str, Any] = (
-            {"release_weights": plan.release_weights_while_training} if self.colocated else {"weights": self.weights}
+            {"release_weights": colocated_plan.release_weights_while_training}
+            if colocated_plan is not None
+            else {"weights": self.weights}
         )
         actor_cls = ray.remote(num_cpus=0 if not use_gpu else 1, num_gpus=1 if use_gpu else 0)(worker_cls)
         payload = config.model_dump(mode="json")
@@ -413,7 +418,8 @@ class TrainerGroup:
 
             here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
             master = ("127.0.0.1", _free_port("127.0.0.1")) if n > 1 else None
-            self.actors = [
+            # ray types `ray.remote(...)(cls)` as a union of the class and an actor handle; these are handles
+            self.actors: list[Any] = [
                 actor_cls.options(scheduling_strategy=here).remote(  # type: ignore[attr-defined]
                     payload, model_path, str(weights_dir), rank=r, world_size=n, master=master,
                     threads=max(1, cpus // n), **extra,

@@ -483,8 +483,9 @@ def _trainable_rows(trajectories: Sequence[Trajectory]) -> torch.Tensor:
 def make_backend(config: Any) -> TrainerBackend:
     """The backend an `AgentRLConfig` names (`trainer.backend`), built on this rank.
 
-    The policy comes from `model.path` in `model.dtype`, initial weights are seeded with `run.seed`,
-    and the reference model and critic are loaded when the algorithm needs them.
+    The policy comes from `model.path` in `model.dtype` (running the repository's model code only
+    with `model.trust_remote_code`), initial weights are seeded with `run.seed`, and the reference
+    model and critic are loaded when the algorithm needs them.
     """
     if config.trainer.backend == "fsdp2":
         from agentrl.trainer.fsdp2 import FSDP2Backend as backend_cls
@@ -495,5 +496,6 @@ def make_backend(config: Any) -> TrainerBackend:
             f"trainer.backend '{config.trainer.backend}' is not built; use trainer.backend=fsdp2 or megatron."
         )
     return backend_cls(
-        config.model.path, config.trainer, config.algorithm, dtype=config.model.dtype, seed=config.run.seed
+        config.model.path, config.trainer, config.algorithm, dtype=config.model.dtype, seed=config.run.seed,
+        trust_remote_code=config.model.trust_remote_code,
     )

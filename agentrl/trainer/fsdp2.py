@@ -122,6 +122,7 @@ class FSDP2Backend(TrainerBackend):
         seed: int = 0,
         deterministic: bool = False,
         chunked_head: bool = True,
+        trust_remote_code: bool = False,
     ) -> None:
         if trainer.lora_rank > 0:
             try:
@@ -138,6 +139,7 @@ class FSDP2Backend(TrainerBackend):
         self.score_all_tokens = False
         self._heads: dict[int, ScoringHead | None] = {}
         self.model_path = str(model_path)
+        self.trust_remote_code = trust_remote_code
         self.device = resolve_device(trainer.device)
         self.rank, self.world_size = init_distributed(self.device)
         self.mesh = init_device_mesh(self.device.type, (self.world_size,))
@@ -200,7 +202,9 @@ class FSDP2Backend(TrainerBackend):
     def _build_policy(self, *, trainable: bool) -> nn.Module:
         from transformers import AutoModelForCausalLM
 
-        model: Any = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32)
+        model: Any = AutoModelForCausalLM.from_pretrained(
+            self.model_path, dtype=torch.float32, trust_remote_code=self.trust_remote_code
+        )
         if trainable and self.config.gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if not trainable:
@@ -232,7 +236,9 @@ class FSDP2Backend(TrainerBackend):
     def _build_critic(self) -> nn.Module:
         from transformers import AutoModel
 
-        backbone = AutoModel.from_pretrained(self.model_path, dtype=torch.float32)
+        backbone = AutoModel.from_pretrained(
+            self.model_path, dtype=torch.float32, trust_remote_code=self.trust_remote_code
+        )
         if self.config.gradient_checkpointing:
             backbone.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         critic = ValueModel(backbone, backbone.config.hidden_size)

@@ -40,6 +40,8 @@ _CHUNK_ELEMENTS = 1 << 25
 class ScoringHead(nn.Module):
     """The LM head's weight (and bias), plus an optional request to score labels in chunks."""
 
+    bias: torch.Tensor | None  # registered as a parameter (None when the head has no bias)
+
     def __init__(self, head: nn.Linear, chunk_size: int | None = None) -> None:
         super().__init__()
         if chunk_size is None:
@@ -62,18 +64,20 @@ class ScoringHead(nn.Module):
             # tokens usually outnumber them, and the head is the costliest part of a small model.
             picked = select.reshape(-1).nonzero().squeeze(-1)
             flat, flat_labels = flat.index_select(0, picked), flat_labels.index_select(0, picked)
+
+        def score(h: torch.Tensor, lab: torch.Tensor) -> torch.Tensor:
+            if with_entropy:
+                return self._entropy_and_logprob(h, lab, temperature, entropy_grad)
+            return self._logprob(h, lab, temperature)
+
         outs = []
         starts = range(0, flat.shape[0], self.chunk_size)
         for start in starts:
             args = (flat[start : start + self.chunk_size], flat_labels[start : start + self.chunk_size])
-            if with_entropy:
-                fn, args = self._entropy_and_logprob, (*args, temperature, entropy_grad)
-            else:
-                fn, args = self._logprob, (*args, temperature)
             if torch.is_grad_enabled() and flat.requires_grad and start != starts[-1]:
-                outs.append(checkpoint(fn, *args, use_reentrant=False))
+                outs.append(checkpoint(score, *args, use_reentrant=False))
             else:
-                outs.append(fn(*args))
+                outs.append(score(*args))
         if outs:
             out = torch.cat(outs)
         else:
@@ -116,8 +120,11 @@ def install_scoring_head(model: nn.Module, chunk_size: int | None = None) -> Sco
     head = get_head() if get_head is not None else None
     if not isinstance(head, nn.Linear):
         return None
+    set_head = getattr(model, "set_output_embeddings", None)
+    if set_head is None:
+        return None
     scoring_head = ScoringHead(head, chunk_size)
-    model.set_output_embeddings(scoring_head)
+    set_head(scoring_head)
     return scoring_head
 
 

@@ -186,6 +186,7 @@ class MegatronBackend(TrainerBackend):
         dtype: str = "auto",
         seed: int = 0,
         deterministic: bool = False,
+        trust_remote_code: bool = False,
     ) -> None:
         ps = _megatron()
         if with_critic is None:
@@ -246,9 +247,10 @@ class MegatronBackend(TrainerBackend):
 
         from transformers import AutoConfig, AutoModelForCausalLM
 
-        self.layout = gpt_layout_from_hf(AutoConfig.from_pretrained(self.model_path))
+        remote = {"trust_remote_code": trust_remote_code}
+        self.layout = gpt_layout_from_hf(AutoConfig.from_pretrained(self.model_path, **remote))
         self.layout.check_tensor_parallel(tp)
-        hf = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32)
+        hf = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32, **remote)
         hf_state = hf.state_dict()
         del hf
         if with_reference is None:

@@ -237,8 +237,8 @@ def pack_trajectories(
 
     groups: dict[tuple[int, ...] | int, list[int]] = {}
     for i, traj in enumerate(trajectories):
-        key = prefix_key(traj) if share_prefixes else None
-        groups.setdefault(key if key is not None else -1 - i, []).append(i)
+        prompt = prefix_key(traj) if share_prefixes else None
+        groups.setdefault(prompt if prompt is not None else -1 - i, []).append(i)
     for key, members in groups.items():
         if isinstance(key, int) or len(members) == 1:
             for i in members:
@@ -380,8 +380,8 @@ def split_micro_batches(lengths: Sequence[int], max_tokens: int) -> list[list[in
     alone = [[i] for i, n in enumerate(lengths) if n > max_tokens]
     if alone:
         rest = [i for i, n in enumerate(lengths) if n <= max_tokens]
-        bins = [[rest[j] for j in b] for b in split_micro_batches([lengths[i] for i in rest], max_tokens)]
-        return sorted(alone + bins, key=lambda b: b[0])
+        fitting = [[rest[j] for j in b] for b in split_micro_batches([lengths[i] for i in rest], max_tokens)]
+        return sorted(alone + fitting, key=lambda b: b[0])
     if not lengths:
         return []
     order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
@@ -416,13 +416,14 @@ def prefix_units(
     by_key: dict[tuple[int, ...] | int, list[int]] = {}
     prefix: dict[tuple[int, ...] | int, int] = {}
     for i, traj in enumerate(trajectories):
-        key = prefix_key(traj)
-        key = key if key is not None else -1 - i
+        prompt = prefix_key(traj)
+        key: tuple[int, ...] | int = prompt if prompt is not None else -1 - i
         by_key.setdefault(key, []).append(i)
         prefix[key] = len(key) if isinstance(key, tuple) else 0
     units: list[tuple[list[int], int]] = []
     for key, members in by_key.items():
-        n, chunk = prefix[key], []
+        n = prefix[key]
+        chunk: list[int] = []
         for i in members:
             if chunk and shared_cost([lengths[j] for j in [*chunk, i]], n) > max_tokens:
                 units.append((chunk, n))

@@ -20,7 +20,10 @@ __all__ = ["load_rng", "rng_state", "save_rng", "set_rng_state"]
 
 def rng_state() -> dict[str, Any]:
     """This process's Python, NumPy and torch (CPU, and CUDA when visible) generator states."""
-    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    legacy = np.random.get_state(legacy=True)
+    if not isinstance(legacy, tuple):  # only without legacy=True (or with a non-MT19937 generator)
+        raise TypeError(f"NumPy's global generator state is a {type(legacy).__name__}; cannot save it.")
+    kind, keys, pos, has_gauss, cached = legacy
     state = {
         "python": random.getstate(),
         "numpy": (kind, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, cached),

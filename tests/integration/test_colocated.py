@@ -177,6 +177,20 @@ def test_a_request_running_at_sleep_is_recomputed_and_finished_after_wake(coloca
     assert interrupted.logprobs == pytest.approx(undisturbed.logprobs, abs=1e-5)
 
 
+def test_the_server_contracts_push_loads_a_verified_files_directory(colocated, tmp_path: Path) -> None:
+    """`ServerState.update_weights` (what the files and http engines drive) reaches the in-process
+    engine through `agentrl.weights.receive_weights`, every bucket's checksum verified."""
+    from agentrl.weights import FilesCheckpointEngine
+
+    backend, server, run = colocated
+    files = FilesCheckpointEngine(directory=tmp_path, bucket_bytes=1 << 20)
+    files.send(backend.export_weights(), 1)
+    report = run(server.update_weights(str(files.path_for(1)), 1))
+    assert report.buckets > 1 and report.verified_buckets == report.buckets and report.version == 1
+    assert server.health().status == "ok" and server.weight_version == 1
+    assert agreement(backend, trajectories(generate(server, run, temperature=1.0, seed=200))) <= 1e-6
+
+
 def test_a_corrupted_push_is_refused_and_the_engine_stops_serving(colocated) -> None:
     backend, server, run = colocated  # last: it leaves the shared engine broken on purpose
     with pytest.raises(ChecksumError, match="failed its sum64 check"):

@@ -4,7 +4,8 @@ Real `agentrl run` and `agentrl eval` commands run with `AGENTRL_CONFIG_TRACE` s
 every process they start (the driver, the trainer actors) record each config field it reads. The
 union over a few short runs that take the code's branches (sync and async modes, GRPO and GAE with
 a critic, LoRA, a KL controller, resume, a server the run starts and servers it is given, an
-evaluation, and a cluster plan validated on the namespace cluster) must cover every field of `AgentRLConfig`, except the few in `ONLY_ELSEWHERE`, each
+evaluation of a code-running env on dataset files, and a cluster plan validated on the namespace
+cluster) must cover every field of `AgentRLConfig`, except the few in `ONLY_ELSEWHERE`, each
 with the reason it is not read on a CPU machine's run or eval path.
 """
 
@@ -23,6 +24,7 @@ from agentrl.config import config_fields
 pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[2]
+DATA = REPO / "tests" / "data" / "verl"
 
 # Fields that no run or eval on this CPU machine reads, and why. Keep it short: every entry is a
 # knob a CPU user could set and see nothing happen.
@@ -73,9 +75,11 @@ def test_every_config_field_is_read_by_run_or_eval(tmp_path: Path, vllm_server, 
     _run(["run", *common, "run.name=async", f"inference.urls=[{vllm_server.url}]", "run.mode=async",
           "run.partial_rollout=true", "run.max_staleness=2", "algorithm.advantage=gae", "trainer.lora_rank=4",
           "run.total_steps=2", "run.eval_every=0"], trace, tmp_path)
-    # C: an offline evaluation.
-    _run(["eval", *common, f"inference.urls=[{vllm_server.url}]", "eval.max_rows=2",
-          f"eval.output_dir={tmp_path / 'eval'}"], trace, tmp_path)
+    # C: an offline evaluation of an env that runs code (the run's sandbox and tool deadline reach
+    # it) on dataset files (read with data.skip_bad_rows).
+    _run(["eval", *common, "env=retool", f"inference.urls=[{vllm_server.url}]", "eval.max_rows=2",
+          f"data.val_files=[{DATA / 'gsm8k.jsonl'}]", "data.skip_bad_rows=true", "rollout.tool_timeout_s=20",
+          "sandbox.kwargs.pool_size=1", f"eval.output_dir={tmp_path / 'eval'}"], trace, tmp_path)
 
     # D: a cluster plan, validated on the namespace cluster (tests/cluster_hosts.py): every `cluster` key.
     # Its rows come from a file with a malformed row, kept out by data.skip_bad_rows.

@@ -299,7 +299,7 @@ def test_the_runs_one_sandbox_reaches_every_env_it_builds(assets: Path) -> None:
     from agentrl.sandboxes.local import LocalSandbox
 
     config = load_config(overrides=["env=swe", f"model.path={assets / 'qwen2.5-0.5b-instruct'}", "eval.max_rows=1"])
-    job = build_job(config, "eval")
+    job = build_job(config, "eval", own_client=True)  # a tokenizer-only model directory: no server loads it
     first, second = job.make_env(), job.make_env()
     assert isinstance(job.sandbox, LocalSandbox) and first.sandbox is second.sandbox is job.sandbox
     assert (first.max_turns, first.tool_timeout_s) == (config.rollout.max_turns, config.rollout.tool_timeout_s)

@@ -1,0 +1,130 @@
+"""What a run cannot honour, `agentrl validate` refuses, naming the key (issue 15, "every knob is real").
+
+Each example of the issue either changes what the run builds (checked on the `Job` that `validate`,
+`eval` and `run` all build first) or is refused by `validate` with an AgentRLError that names the key.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+from agentrl.cli import EXIT_ERROR, main
+from agentrl.config import AgentRLConfig, load_config
+from agentrl.errors import ConfigError
+from agentrl.inference.launcher import HF_ENGINE, VLLM_ENGINE
+from agentrl.inference.serve import engine_kwargs_from_config
+from agentrl.orchestration.build import build_job
+
+
+def refusal(capsys: pytest.CaptureFixture[str], *args: str) -> str:
+    assert main(["validate", *args]) == EXIT_ERROR
+    return capsys.readouterr().err
+
+
+def test_a_weight_engine_runs_cannot_use_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    err = refusal(
+        capsys, "env=retool", "sandbox=docker", "weights.backend=broadcast", "rollout.tool_timeout_s=1"
+    )
+    assert "agentrl validate: weights.backend: 'broadcast' is not wired into runs yet" in err
+    assert "use 'http'" in err
+
+
+def test_sandbox_and_tool_deadline_reach_the_env_the_run_builds() -> None:
+    job = build_job(load_config(None, ["env=retool", "sandbox=docker", "rollout.tool_timeout_s=1"]), "run")
+    try:
+        from agentrl.sandboxes.docker import DockerSandbox
+
+        env = job.make_env()
+        assert isinstance(job.sandbox, DockerSandbox)
+        assert env.sandbox is job.sandbox  # type: ignore[attr-defined]
+        assert env.tool_timeout_s == 1.0  # type: ignore[attr-defined]
+    finally:
+        asyncio.run(job.aclose())
+
+
+def test_a_sandbox_for_an_env_that_runs_no_code_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    err = refusal(capsys, "env=arithmetic", "sandbox=docker")
+    assert "sandbox: env 'arithmetic' runs no code in a sandbox" in err
+
+
+def test_a_budget_set_twice_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    err = refusal(capsys, "env=retool", "env.kwargs.tool_timeout_s=1")
+    assert "env.kwargs.tool_timeout_s: the run sets this for every env through rollout.tool_timeout_s" in err
+
+
+def test_an_env_argument_the_env_rejects_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    err = refusal(capsys, "env=retool", "env.kwargs.split=dev")
+    assert "agentrl validate: env.kwargs: env 'retool' rejected its arguments" in err
+    assert "split must be 'train' or 'test', got 'dev'" in err
+    assert "Traceback" not in err
+
+
+def test_a_wrong_model_path_is_refused(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, assets: Path
+) -> None:
+    err = refusal(capsys, "env=retool", f"model.path={tmp_path / 'no-such-model'}")
+    assert f"agentrl validate: model.path '{tmp_path / 'no-such-model'}' is neither a model directory" in err
+    assert "AGENTRL_VLLM_PYTHON" not in err
+    (tmp_path / "empty").mkdir()
+    assert "has no config.json" in refusal(capsys, "env=retool", f"model.path={tmp_path / 'empty'}")
+    # a tokenizer-only directory: the chat template loads, but no trainer or server could load weights
+    tokenizer_only = assets / "qwen2.5-0.5b-instruct"
+    err = refusal(capsys, "env=retool", f"model.path={tokenizer_only}")
+    assert f"model.path '{tokenizer_only}' holds no weights" in err
+    # ...which is fine for an evaluation that brings its own client
+    job = build_job(
+        load_config(None, ["env=retool", f"model.path={tokenizer_only}"]), "eval", own_client=True
+    )
+    asyncio.run(job.aclose())
+    with pytest.raises(ConfigError, match="holds no weights"):
+        build_job(load_config(None, ["env=retool", f"model.path={tokenizer_only}"]), "eval")
+
+
+def test_trust_remote_code_reaches_the_servers_command_line() -> None:
+    config = AgentRLConfig()
+    assert "--trust-remote-code" not in VLLM_ENGINE.command("m", 1, **engine_kwargs_from_config(config))
+    config.model.trust_remote_code = True
+    for engine, spec in (("vllm", VLLM_ENGINE), ("hf", HF_ENGINE)):
+        config.inference.engine = engine
+        assert "--trust-remote-code" in spec.command("m", 1, **engine_kwargs_from_config(config))
+    config.inference.engine = "sglang"
+    assert engine_kwargs_from_config(config)["trust_remote_code"] is True
+
+
+def test_the_servers_parse_trust_remote_code(monkeypatch: pytest.MonkeyPatch) -> None:
+    from agentrl.inference import hf_server, vllm_server
+
+    made: dict[str, dict] = {}
+
+    def recorder(name: str):
+        def make(model: str, **kwargs: object) -> str:
+            made[name] = kwargs
+            return name
+
+        return make
+
+    monkeypatch.setenv("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")  # vllm_server's main sets it on small machines
+    monkeypatch.setattr(hf_server, "HFEngine", recorder("hf"))
+    monkeypatch.setattr(vllm_server, "VLLMEngine", recorder("vllm"))
+    monkeypatch.setattr(hf_server, "run_server", lambda *a, **k: None)
+    monkeypatch.setattr(vllm_server, "run_server", lambda *a, **k: None)
+    hf_server.main(["--model", "m", "--port", "1", "--trust-remote-code"])
+    vllm_server.main(["--model", "m", "--port", "1", "--trust-remote-code"])
+    assert made["hf"]["trust_remote_code"] is True and made["vllm"]["trust_remote_code"] is True
+    vllm_server.main(["--model", "m", "--port", "1"])
+    assert made["vllm"]["trust_remote_code"] is False
+
+
+def test_trust_remote_code_reaches_the_trainer(monkeypatch: pytest.MonkeyPatch) -> None:
+    from agentrl.trainer import fsdp2
+    from agentrl.trainer.backend import make_backend
+
+    given: dict[str, object] = {}
+    monkeypatch.setattr(fsdp2, "FSDP2Backend", lambda *args, **kwargs: given.update(kwargs))
+    config = AgentRLConfig()
+    config.model.trust_remote_code = True
+    make_backend(config)
+    assert given["trust_remote_code"] is True
