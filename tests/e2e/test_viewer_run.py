@@ -44,7 +44,8 @@ def test_each_step_keeps_its_best_and_worst_groups(short_run: Path) -> None:
         records = read_trajectory_file(path)
         kept = {r["group_id"]: r["kept_as"] for r in records}
         assert 2 <= len(kept) <= 3
-        assert ["best"] in kept.values() and any("worst" in why or "sample" in why for why in kept.values())
+        # one group can be both the best and the worst (when every group's reward ties)
+        assert any("best" in why for why in kept.values()) and any("worst" in why for why in kept.values())
         for r in records:
             assert r["format"] == FORMAT and r["step"] == step and r["source"] == "train"
             t = trajectory_from_record(r)
