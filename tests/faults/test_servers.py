@@ -56,7 +56,7 @@ def test_sync_a_server_killed_mid_step_is_restarted_resynced_then_given_up_and_t
                                        "resume=true", url=shared_url))
     assert resumed.steps_done == 5 and resumed.policy_version == 4  # step 3 had nothing to train
     books = check_books(run_dir)
-    assert books["trained"] == 12 and books["unfinished"] == 0
+    assert books["trained"] == 12 and books.get("unfinished", 0) == 0
     assert sorted(trained_by_step(run_dir)) == [0, 1, 2, 4]
     retried = [e for e in lines(run_dir / "ledger.jsonl") if e["status"] == "trained" and e["step"] == 4]
     assert all(e["attempt"] == 1 for e in retried), "step 3's requeued prompts are trained first on resume"
