@@ -463,9 +463,14 @@ class TrainerGroup:
                 f"(Ray said: {str(exc).splitlines()[0]})"
             ) from exc
         except ray.exceptions.RayActorError as exc:
+            # Ray's message ends with the error that ended the actor (an exception in its constructor,
+            # a signal, ...): name it here, since the actor's own output reaches only the console.
+            said = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+            errors = [ln for ln in said if "Error:" in ln or "Exception:" in ln]
+            reason = (errors or said or [""])[-1][:500]
             raise TrainerError(
-                f"A trainer process died during '{method}' ({type(exc).__name__}); its log is in the run's "
-                "driver.log. Fix the cause and continue with resume=true run.name=..."
+                f"A trainer process died during '{method}' ({type(exc).__name__}: {reason}). Fix the cause "
+                "and continue with resume=true run.name=..."
             ) from exc
         except ray.exceptions.RayTaskError as exc:
             cause = exc.cause if getattr(exc, "cause", None) is not None else exc
