@@ -280,14 +280,9 @@ class NamespaceCluster:
     # ── tearing down ──────────────────────────────────────────────────────────────────────────
     def stop(self) -> None:
         """Stop Ray on both hosts, end every process left in them, delete the namespaces."""
-        for host in self.hosts:
-            if host.keeper is not None and host.keeper.poll() is None:
-                with contextlib.suppress(Exception):
-                    host.run(
-                        [sys.executable, "-m", "ray.scripts.scripts", "stop", "--force"],
-                        timeout=60,
-                        check=False,
-                    )
+        # Not `ray stop`: it finds Ray's processes by name machine-wide (the hosts share the PID
+        # namespace), so it would also end every other Ray instance on this machine. Every process
+        # of a host is in its network namespace: end those, politely first.
         for sig in (signal.SIGTERM, signal.SIGKILL):
             for host in self.hosts:
                 for pid in host.pids():
