@@ -121,7 +121,7 @@ class ExecResult:
     """The outcome of running a command or program in a sandbox.
 
     `killed_reason` is None for a normal exit, else one of "timeout", "memory", "output",
-    "signal" or "cpu" (why the sandbox ended the process).
+    "signal", "cpu" (why the sandbox ended the process) or "closed" (its session was closed mid-job).
     """
 
     stdout: str

@@ -161,6 +161,7 @@ class _Worker:
         self.cgroup = cgroup
         self.tmpdir = tmpdir
         self.healthy = True
+        self.closed = False  # set when its session is closed on purpose: a job cut short then is not a fault
         self._stderr = bytearray()
         self._drain = asyncio.ensure_future(self._drain_stderr())
 
@@ -488,6 +489,9 @@ class LocalSandbox:
             # The sandbox itself died mid-job: the OOM killer (the job's memory: its fault), the job
             # killing it (possible only without root, where job and server share a uid), or
             # something outside the sandbox (an infrastructure failure, never the model's fault).
+            if worker.closed:  # the session was closed while the job ran: the caller's doing
+                return ExecResult("", "[sandbox session closed]", None, False, "closed",
+                                  time.monotonic() - start), False
             await worker.kill()
             oom = worker.cgroup is not None and worker.cgroup.oom_kills() > oom_before
             if oom or (worker.cgroup is None and "MemoryError" in worker.stderr_tail):
@@ -652,6 +656,7 @@ class LocalSession:
         """Kill every process of the session and delete its files. Closing twice is a no-op."""
         worker, self._worker = self._worker, None
         if worker is not None:
+            worker.closed = True
             await worker.kill()
 
     async def is_alive(self) -> bool:

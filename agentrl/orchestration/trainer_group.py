@@ -143,7 +143,7 @@ class TrainerWorker:
 
                 self.http = HTTPCheckpointEngine(host=ray.util.get_node_ip_address(), bucket_bytes=bucket_bytes)
                 self.nonce = self.http.nonce
-            else:
+            elif weights == "files":  # colocated ("inprocess") weights never touch the disk
                 self.nonce = write_probe(weights_dir)
         from agentrl.trainer.step import make_kl_controller
 
@@ -404,7 +404,7 @@ class TrainerGroup:
         cpus = os.cpu_count() or 1
         worker_cls = ColocatedTrainerWorker if self.colocated else TrainerWorker
         extra: dict[str, Any] = (
-            {"release_weights": colocated_plan.release_weights_while_training}
+            {"release_weights": colocated_plan.release_weights_while_training, "weights": self.weights}
             if colocated_plan is not None
             else {"weights": self.weights}
         )
