@@ -107,7 +107,8 @@ class ModelConfig(_Section):
     tool_parser: str = "hermes"
     """How tool calls are parsed out of model text: a tool-call parser name or import path."""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    """Weights dtype for training and serving; `auto` is float32 on CPU and bfloat16 on GPU."""
+    """The dtype servers hold the weights in and the trainer computes in (its master weights and optimizer
+    state stay float32, as in verl's mixed precision); `auto` is float32 on CPU and bfloat16 on GPU."""
     trust_remote_code: bool = False
     """Allow model code from the model repository (needed by some architectures)."""
 

@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from agentrl.errors import ConfigError
 from agentrl.inference.protocol import GenerateRequest, GenerateResponse, WeightLoadReport
 from agentrl.inference.server_app import (
     ServerEngine,
@@ -37,6 +38,8 @@ from agentrl.inference.server_app import (
 )
 
 __all__ = ["HFEngine", "main", "sample_token"]
+
+_DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def sample_token(
@@ -67,9 +70,13 @@ class HFEngine(ServerEngine):
     engine_name = "hf"
 
     def __init__(
-        self, model_path: str, *, num_threads: int | None = None, trust_remote_code: bool = False
+        self, model_path: str, *, num_threads: int | None = None, trust_remote_code: bool = False,
+        dtype: str = "auto",
     ) -> None:
+        if dtype not in _DTYPES:
+            raise ConfigError(f"model.dtype '{dtype}' is not one of {', '.join(_DTYPES)}.")
         self.model_path = model_path
+        self.dtype = dtype
         self.trust_remote_code = trust_remote_code
         self.model_name = Path(model_path).name or model_path
         self.num_threads = num_threads
@@ -78,6 +85,11 @@ class HFEngine(ServerEngine):
         self.max_len = 1 << 30
         self._lock = asyncio.Lock()  # one generation (or weight load) at a time
         self._abort_epoch = 0
+
+    def torch_dtype(self) -> torch.dtype:
+        """The weights' dtype: `model.dtype`; `auto` is float32, as this engine runs on the CPU (where the
+        trainer computes in float32 too, and bfloat16 without AVX512-BF16 is emulated, many times slower)."""
+        return _DTYPES[self.dtype] or torch.float32
 
     async def start(self) -> None:
         await asyncio.to_thread(self._load)
@@ -88,7 +100,7 @@ class HFEngine(ServerEngine):
         if self.num_threads:
             torch.set_num_threads(self.num_threads)
         self.model = AutoModelForCausalLM.from_pretrained(
-            self.model_path, dtype=torch.float32, trust_remote_code=self.trust_remote_code
+            self.model_path, dtype=self.torch_dtype(), trust_remote_code=self.trust_remote_code
         ).eval()
         eos: Any = None
         try:
@@ -169,8 +181,10 @@ def main(argv: list[str] | None = None) -> None:
     parser = server_arg_parser("hf")
     parser.add_argument("--num-threads", type=int, default=None, help="torch CPU threads")
     parser.add_argument("--trust-remote-code", action="store_true", help="run the model repository's code")
+    parser.add_argument("--dtype", default="auto", choices=list(_DTYPES), help="weights dtype (auto: bf16 on GPU, fp32 on CPU)")
     args = parser.parse_args(argv)
-    engine = HFEngine(args.model, num_threads=args.num_threads, trust_remote_code=args.trust_remote_code)
+    engine = HFEngine(args.model, num_threads=args.num_threads, trust_remote_code=args.trust_remote_code,
+                      dtype=args.dtype)
     run_server(
         engine, host=args.host, port=args.port, weight_version=args.weight_version, log_level=args.log_level
     )

@@ -339,7 +339,7 @@ def engine_kwargs_from_config(config: AgentRLConfig) -> dict[str, Any]:
     # a flag only when set: `--trust-remote-code` is each server's (and SGLang's) own switch
     remote = True if config.model.trust_remote_code else None
     if inf.engine == "hf":
-        return {"trust_remote_code": remote}
+        return {"trust_remote_code": remote, "dtype": dtype}
     if inf.engine == "vllm":
         return {
             "enforce_eager": inf.enforce_eager,

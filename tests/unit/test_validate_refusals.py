@@ -128,3 +128,25 @@ def test_trust_remote_code_reaches_the_trainer(monkeypatch: pytest.MonkeyPatch) 
     config.model.trust_remote_code = True
     make_backend(config)
     assert given["trust_remote_code"] is True
+
+
+def test_model_dtype_reaches_the_hf_engine(assets: Path) -> None:
+    """`model.dtype` is the hf server's weights dtype too (it was always float32)."""
+    import torch
+
+    from agentrl.inference.hf_server import HFEngine
+    from agentrl.inference.hf_server import main as hf_main
+
+    config = AgentRLConfig()
+    config.inference.engine = "hf"
+    config.model.dtype = "bfloat16"
+    command = HF_ENGINE.command("m", 1, **engine_kwargs_from_config(config))
+    assert command[command.index("--dtype") + 1] == "bfloat16"
+    engine = HFEngine(str(assets / "tiny-random-qwen2"), dtype="bfloat16")
+    engine._load()
+    assert {p.dtype for p in engine.model.parameters()} == {torch.bfloat16}
+    assert HFEngine("m").torch_dtype() == torch.float32  # auto: this engine runs on the CPU
+    with pytest.raises(ConfigError, match="model.dtype 'fp8'"):
+        HFEngine("m", dtype="fp8")
+    with pytest.raises(SystemExit):
+        hf_main(["--model", "m", "--port", "1", "--dtype", "fp8"])
