@@ -58,6 +58,7 @@ __all__ = [
     "RewardFn",
     "RewardFunction",
     "RewardResult",
+    "RowProblem",
     "answer_format",
     "check_ground_truths",
     "compute_score",
@@ -381,13 +382,26 @@ def score_row(
 _NO_ANSWER = "I could not work this out."
 
 
+class RowProblem(str):
+    """One line of `check_ground_truths`: the message, and its `kind` for callers that weigh kinds:
+    "no_truth", "raised", "below_full" (a row's own answer scored below 1.0), "blind" (a reply with no
+    answer scored 1.0)."""
+
+    kind: str
+
+    def __new__(cls, message: str, kind: str) -> RowProblem:
+        line = super().__new__(cls, message)
+        line.kind = kind
+        return line
+
+
 def check_ground_truths(
     reward_fn: RewardFn,
     rows: Sequence[Mapping[str, Any]],
     *,
     where: Sequence[str] | None = None,
     render: Callable[[str | None, Any], str] = render_answer,
-) -> list[str]:
+) -> list[RowProblem]:
     """What is wrong with scoring `rows` with `reward_fn`, one line per row (empty: all good).
 
     Each row's ground truth, written as a correct reply by `render(data_source, ground_truth)` (by
@@ -398,7 +412,7 @@ def check_ground_truths(
     A broken reward function or a dataset whose answers are keyed wrong is found this way before
     any training.
     """
-    problems: list[str] = []
+    problems: list[RowProblem] = []
     name = getattr(reward_fn, "name", None) or getattr(reward_fn, "__name__", None) or repr(reward_fn)
     checked_sources: set[Any] = set()
     for i, row in enumerate(rows):
@@ -406,29 +420,28 @@ def check_ground_truths(
         truth = (row.get("reward_model") or {}).get("ground_truth")
         source = row.get("data_source")
         if truth is None or (isinstance(truth, str) and not truth.strip()):
-            problems.append(f"{label}: no reward_model.ground_truth to score against")
+            problems.append(RowProblem(f"{label}: no reward_model.ground_truth to score against", "no_truth"))
             continue
         reply = render(source, truth)
         try:
             result = score_row(reward_fn, row, reply)
         except Exception as exc:  # the point of the check: report any failure, per row
-            problems.append(f"{label}: {name} raised {type(exc).__name__}: {exc}")
+            problems.append(RowProblem(f"{label}: {name} raised {type(exc).__name__}: {exc}", "raised"))
             continue
         if result.score < 1.0 - 1e-9:
-            problems.append(
+            problems.append(RowProblem(
                 f"{label}: the correct answer {reply!r} (data_source {source!r}, ground truth {truth!r}) "
-                f"scored {result.score:g}, not 1.0"
-            )
+                f"scored {result.score:g}, not 1.0", "below_full"))
         if source not in checked_sources:
             checked_sources.add(source)
             try:
                 blank = score_row(reward_fn, row, _NO_ANSWER)
             except Exception as exc:
-                problems.append(f"{label}: {name} raised {type(exc).__name__} on a reply with no answer: {exc}")
+                problems.append(RowProblem(
+                    f"{label}: {name} raised {type(exc).__name__} on a reply with no answer: {exc}", "raised"))
                 continue
             if blank.score >= 1.0 - 1e-9:
-                problems.append(
+                problems.append(RowProblem(
                     f"{label}: a reply with no answer ({_NO_ANSWER!r}) scored {blank.score:g}; the reward "
-                    f"function {name} does not look at the answer"
-                )
+                    f"function {name} does not look at the answer", "blind"))
     return problems

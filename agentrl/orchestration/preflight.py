@@ -27,7 +27,6 @@ import importlib.util
 import json
 import logging
 import os
-import re
 import shutil
 import subprocess
 import sys
@@ -46,7 +45,6 @@ log = logging.getLogger(__name__)
 
 _GB = 1 << 30
 _SNIPPET_TIMEOUT_S = 60.0
-_SCORED_BELOW_FULL = re.compile(r"\) scored [-+0-9.e]+, not 1\.0$")
 _REWARD_SAMPLE = 64  # rows whose own answers are scored, spread over the data sources
 
 
@@ -228,7 +226,7 @@ def _check_rows(job: Job) -> Check:
     picked = _sample_by_source(rows, _REWARD_SAMPLE)
     problems = check_ground_truths(job.reward_fn, [rows[i] for i in picked],
                                    where=[sources[i] if i < len(sources) else f"row {i}" for i in picked])
-    partial = [p for p in problems if _SCORED_BELOW_FULL.search(p)]
+    partial = [p for p in problems if p.kind == "below_full"]
     if job.config.reward.function is not None and partial and len(partial) < len(picked) and len(partial) == len(problems):
         # A user's function has rules of its own (partial credit, another answer format): some rows' own
         # answers may score below 1. Only one that scores none of them as correct is refused.

@@ -263,6 +263,10 @@ def test_preflight_finds_broken_reward_functions() -> None:
     assert check_ground_truths(crashes, data[:2]) == ["row 0: crashes raised KeyError: 'answer'",
                                                       "row 1: crashes raised KeyError: 'answer'"]
     assert check_ground_truths(compute_score, [{"prompt": "q"}]) == ["row 0: no reward_model.ground_truth to score against"]
+    # each line carries its kind, which pre-flight weighs (a user's own rule may score some answers below 1)
+    assert [p.kind for p in constant] == ["blind"]
+    assert {p.kind for p in check_ground_truths(crashes, data[:2])} == {"raised"}
+    assert [p.kind for p in check_ground_truths(lambda **kw: 0.5, data[:1])] == ["below_full"]
 
 
 # ── through the envs ────────────────────────────────────────────────────────────────────────
