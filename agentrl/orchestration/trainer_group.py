@@ -422,7 +422,8 @@ class TrainerGroup:
             self.actors: list[Any] = [
                 actor_cls.options(scheduling_strategy=here).remote(  # type: ignore[attr-defined]
                     payload, model_path, str(weights_dir), rank=r, world_size=n, master=master,
-                    threads=max(1, cpus // n), **extra,
+                    # Ray shows an actor with num_gpus=1 only its own GPU (CUDA_VISIBLE_DEVICES): cuda:0
+                    threads=max(1, cpus // n), local_rank=0 if use_gpu else r, **extra,
                 )
                 for r in range(n)
             ]
