@@ -180,8 +180,11 @@ def _raw_receive(host: str, port: int, buffer: torch.Tensor) -> None:
             got += n
 
 
-def _http_worker(rank: int, port: int, host: str, total_mb: int, bucket: int, repeats: int, out: str) -> None:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+def _http_worker(rank: int, port: int, host: str, total_mb: int, bucket: int, repeats: int, out: str,
+                 rendezvous: str = "127.0.0.1") -> None:
+    """One side of the http cases: rank 0 publishes on `host`, rank 1 pulls from it and writes the GB/s
+    of each case to `out`. The two meet (to take turns) at `rendezvous`:`port`, over gloo."""
+    dist.init_process_group("gloo", init_method=f"tcp://{rendezvous}:{port}", rank=rank, world_size=2)
     total = total_mb << 20
     tensors = make_tensors(total) if rank == 0 else []
     engines: dict[str, HTTPCheckpointEngine] = {}

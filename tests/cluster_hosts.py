@@ -170,13 +170,15 @@ class NamespaceCluster:
         return None
 
     # ── building ──────────────────────────────────────────────────────────────────────────────
-    def start(self, timeout_s: float = 180.0) -> NamespaceCluster:
+    def start(self, timeout_s: float = 180.0, *, ray: bool = True) -> NamespaceCluster:
+        """Build the hosts, then (unless `ray=False`: two hosts and nothing running on them) Ray across them."""
         try:
             self._network()
             for host in self.hosts:
                 self._keep(host)
                 host.write(TOKEN_PATH, self.token)
-            self._ray(timeout_s)
+            if ray:
+                self._ray(timeout_s)
         except BaseException:
             self.stop()
             raise

@@ -8,6 +8,7 @@ model's (a non-zero exit, a timeout, a limit hit). It does not run anything.
 
 from __future__ import annotations
 
+from agentrl.errors import ToolInfrastructureError
 from agentrl.types import ExecResult
 
 __all__ = ["format_exec_result", "truncate_middle"]
@@ -32,7 +33,12 @@ def truncate_middle(text: str, max_chars: int) -> str:
 
 
 def format_exec_result(result: ExecResult, *, max_chars: int = 4000, timeout_s: float | None = None) -> tuple[str, bool]:
-    """The text the model sees for `result`, and whether the run failed (by the model's doing)."""
+    """The text the model sees for `result`, and whether the run failed (by the model's doing).
+
+    A job cut short because its sandbox session was closed (killed_reason "closed") is no result of
+    the program's: it raises ToolInfrastructureError, an infrastructure failure of the call."""
+    if result.killed_reason == "closed":
+        raise ToolInfrastructureError("The sandbox session was closed while the program ran (not the program's doing).")
     failed = not result.ok
     out, err = result.stdout, result.stderr
     if out and err:

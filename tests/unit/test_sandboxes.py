@@ -148,6 +148,9 @@ def test_format_exec_result_describes_failures():
     assert failed and text.endswith("[the program was stopped: it ran past its time limit of 5 s]")
     text, _ = format_exec_result(ExecResult("", "", None, False, "memory"))
     assert "more memory" in text
+    closed = run(make_tool("python").invoke({"code": "x"}, ToolContext(sandbox=FakeSandbox(
+        ExecResult("", "[sandbox session closed]", None, False, "closed")))))
+    assert closed.fault == "infra" and "session was closed" in closed.content  # not the program's doing
 
 
 # ── tools with a fake sandbox ───────────────────────────────────────────────────────────────
