@@ -181,7 +181,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = server_arg_parser("hf")
     parser.add_argument("--num-threads", type=int, default=None, help="torch CPU threads")
     parser.add_argument("--trust-remote-code", action="store_true", help="run the model repository's code")
-    parser.add_argument("--dtype", default="auto", choices=list(_DTYPES), help="weights dtype (auto: bf16 on GPU, fp32 on CPU)")
+    parser.add_argument("--dtype", default="auto", choices=list(_DTYPES), help="weights dtype (auto: float32; this engine runs on the CPU)")
     args = parser.parse_args(argv)
     engine = HFEngine(args.model, num_threads=args.num_threads, trust_remote_code=args.trust_remote_code,
                       dtype=args.dtype)
