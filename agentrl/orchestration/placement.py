@@ -12,7 +12,9 @@
   KV cache (and, in `sync` mode, where a push always follows the update, its weights too); new
   weights go from the trainer's tensors into the engine in memory, through the in-process
   checkpoint engine's checksummed buckets. The router reaches the engine through the trainer actor.
-- `auto`: `colocated` when the trainer runs on the CPU, `split` when it runs on a GPU.
+- `auto`: `colocated` when the trainer runs on one CPU process with a vLLM engine this run starts,
+  else `split` (on a GPU, with another engine or servers of `inference.urls`, with several trainer
+  processes or servers, with `weights.backend` files or http); the plan says which key decided.
 
 In both, rollouts are asyncio tasks in the driver. A combination that cannot work (colocated with
 servers started elsewhere, with another engine, with several trainer processes) is an error naming
@@ -135,6 +137,26 @@ def _params(model_path: str | None) -> tuple[int, int]:
     return nbytes // (2 if "16" in dtype else 4), nbytes
 
 
+def _why_not_colocated(config: AgentRLConfig, device: str) -> str:
+    """What makes `placement=auto` choose split (the key that asks for it), or "" for colocated."""
+    inf, trainer = config.inference, config.trainer
+    if device != "cpu":
+        return "the GPU (the colocated GPU path has not run yet)"
+    if inf.engine != "vllm":
+        return f"inference.engine={inf.engine}"
+    if inf.urls:
+        return "inference.urls"
+    if trainer.num_processes > 1:
+        return f"trainer.num_processes={trainer.num_processes}"
+    if "num_servers" in inf.model_fields_set and inf.num_servers != 1:
+        return f"inference.num_servers={inf.num_servers}"
+    if config.weights.backend not in ("auto", "inprocess"):
+        return f"weights.backend={config.weights.backend}"
+    if importlib.util.find_spec("vllm") is None:
+        return "vLLM not being importable here"
+    return ""
+
+
 def build_plan(config: AgentRLConfig, purpose: str = "run", model_path: str | None = None) -> PlacementPlan:
     """Resolve and check `placement` for `config` (see the module docstring); raise ConfigError
     naming the key when the combination cannot work. `model_path` (the resolved model directory)
@@ -148,8 +170,10 @@ def build_plan(config: AgentRLConfig, purpose: str = "run", model_path: str | No
         return _split_plan(config, purpose, device, "placement=split on a cluster (cluster.address)", 0.0,
                            0.0, lambda v: {}, {}, cluster)
     if choice == "auto":
-        choice = "colocated" if device == "cpu" and inf.engine == "vllm" and not inf.urls else "split"
-        chosen_by = f"placement=auto on a {'CPU' if device == 'cpu' else 'GPU'} trainer"
+        why_split = _why_not_colocated(config, device)
+        choice = "split" if why_split else "colocated"
+        chosen_by = f"placement=auto on a {'CPU' if device == 'cpu' else 'GPU'} trainer" + (
+            f", split because of {why_split}" if why_split else "")
     params, weight_bytes = _params(model_path)
     gb = 1 << 30
     trainer_gb = (params * 16 + (params * 4 if config.algorithm.kl_coef > 0 else 0)) / gb + 0.5

@@ -207,12 +207,17 @@ class TrainerWorker:
         finally:
             if self.ship_checkpoints:
                 shutil.rmtree(target, ignore_errors=True)
-        if self.version is not None:
-            if self.weights == "http":
-                self._send(self.files, self.version)  # nothing was written per step: write this one
+        version = self._saved_version()
+        if version is not None:
+            if self.weights != "files":  # http, inprocess: nothing was written per step: write this one
+                self._send(self.files, version)
             if self.rank == 0:
-                self.files.keep(self.version)
+                self.files.keep(version)
         return time.perf_counter() - start, shipped
+
+    def _saved_version(self) -> int | None:
+        """The version whose weights a checkpoint keeps in `weights/`: the last one exported."""
+        return self.version
 
     def load(self, path: str, files: dict[str, bytes] | None = None) -> dict[str, Any]:
         """Load a checkpoint: from `path`, or, on a rank of another node, from `files` (the checkpoint's
@@ -305,6 +310,12 @@ class ColocatedTrainerWorker(TrainerWorker):
 
     async def export(self, version: int) -> tuple[str, float]:  # type: ignore[override]
         return await asyncio.to_thread(TrainerWorker.export, self, version)
+
+    def _saved_version(self) -> int | None:
+        # Weights reach the engine in memory, so a checkpoint is the only place they are written:
+        # the trainer's tensors as they are now (version `trainer_version`), a complete HF directory
+        # `agentrl eval model.path=runs/NAME/weights/version-N` loads.
+        return self.trainer_version
 
     async def save(self, path: str, data_position: dict[str, Any]) -> tuple[float, dict[str, bytes]]:  # type: ignore[override]
         return await asyncio.to_thread(TrainerWorker.save, self, path, data_position)

@@ -164,7 +164,12 @@ def test_colocated_runs_push_weights_in_memory_and_keep_the_bounds(tmp_path, col
     assert result.steps_done == steps and result.policy_version == steps
     assert result.ledger["in_flight"] == 0 and result.ledger["unfinished"] == 0
     assert result.ledger["trained"] >= 3 * steps
-    assert not (run_dir / "weights").exists(), "colocated weights move in memory, never through files"
+    # weights move in memory, never through files per step; the checkpoint (the last step) keeps the
+    # trainer's version as a complete HF directory, for `agentrl eval model.path=...`
+    kept = sorted(p.name for p in (run_dir / "weights").iterdir() if not p.name.startswith("."))
+    assert kept == [f"version-{steps:08d}"]
+    files = {p.name for p in (run_dir / "weights" / kept[0]).iterdir()}
+    assert "config.json" in files and any(name.endswith(".safetensors") for name in files)
     metrics = lines(run_dir / "metrics.jsonl")
     assert [m["step"] for m in metrics] == list(range(steps))
     assert sum(m["actor/grad_norm"] for m in metrics) > 0

@@ -47,6 +47,16 @@ def test_auto_is_colocated_on_a_cpu_trainer_and_eval_always_starts_servers() -> 
     assert build_plan(cfg("placement=colocated"), "eval").placement == "split"
 
 
+@pytest.mark.parametrize("override", [
+    "inference.engine=hf", "inference.urls=[http://127.0.0.1:1]", "inference.num_servers=2",
+    "weights.backend=files", "weights.backend=http", "trainer.num_processes=2",
+])  # fmt: skip
+def test_auto_takes_split_where_colocated_cannot_work_and_names_the_key(override: str) -> None:
+    plan = build_plan(cfg("placement=auto", override))
+    assert plan.placement == "split"
+    assert f"split because of {override.split('=[')[0]}" in plan.describe()[0]
+
+
 @pytest.mark.parametrize(("overrides", "error", "match"), [
     (["inference.engine=hf"], ConfigError, "inference.engine=hf cannot be colocated"),
     (["inference.urls=[http://127.0.0.1:1]"], ConfigError, "inference.urls"),
