@@ -189,6 +189,11 @@ class _Job:
     files: dict[str, bytes]
 
 
+def _closed_result(start: float) -> ExecResult:
+    """What a job cut short by the closing of its session or sandbox returns (as `local` does)."""
+    return ExecResult("", "[sandbox session closed]", None, False, "closed", time.monotonic() - start)
+
+
 class _Container:
     """One container and the blocking calls on it (run in threads)."""
 
@@ -197,6 +202,7 @@ class _Container:
         self.id = cid
         self.spec = spec
         self.healthy = True
+        self.closed = False  # set when it is removed on purpose (its session or the sandbox closed)
         self.keeper_uid = _uid_of(init_pid) if init_pid else None
 
     # ── cgroup files (present when the daemon runs on this machine) ──────────────────────────
@@ -530,6 +536,7 @@ class DockerSandbox:
             self._refilling.discard(spec)
 
     async def _drop(self, c: _Container) -> None:
+        c.closed = True  # a job still running in it was cut short by its caller, not by a fault
         self._all.discard(c)
         peak = await asyncio.to_thread(c.peak_memory_bytes)
         if peak:
@@ -594,11 +601,17 @@ class DockerSandbox:
             out, err, code, killed = await asyncio.to_thread(
                 c.run, job.argv, job.stdin, timeout_s, self.max_output_bytes, env=self._env(c))
         except (ValueError, SandboxError):
+            if c.closed:
+                return _closed_result(start)
             raise
         except Exception as exc:
+            if c.closed:
+                return _closed_result(start)
             c.healthy = False
             raise SandboxError(f"Docker failed to run the job: {type(exc).__name__}: {exc}") from exc
         duration = time.monotonic() - start
+        if c.closed:  # the container was removed under the job (its session closed): the caller's doing
+            return _closed_result(start)
         if killed is None and code is not None and code > 128:
             # Docker reports a signal death as 128 + signal; report it as -signal, like `local`.
             sig = code - 128

@@ -119,6 +119,21 @@ def test_docker_session_keeps_files_and_close_removes_the_container():
     assert _labelled_containers() == []  # the pool was removed by close() too
 
 
+def test_a_session_closed_mid_job_ends_the_job_as_closed_not_as_a_fault():
+    async def body(sb):
+        sess = await sb.session()
+        job = asyncio.ensure_future(sess.exec("echo started; sleep 60", timeout_s=90))
+        await asyncio.sleep(2.0)
+        await sess.close()
+        return await asyncio.wait_for(job, 30)
+
+    res = run(with_docker(body))
+    # the caller's doing: a tool reports it as an infrastructure failure, never as the program's
+    assert res.killed_reason == "closed" and res.exit_code is None and not res.timed_out
+    assert res.duration_s < 30
+    assert _labelled_containers() == []
+
+
 # ── images run as they are ──────────────────────────────────────────────────────────────────
 DEBIAN = "agentrl-swe-test/debian:trixie-py"
 
