@@ -324,18 +324,25 @@ def cmd_eval(ns: argparse.Namespace) -> int:
 
 
 def cmd_serve(ns: argparse.Namespace) -> int:
+    import os
     import signal
     import threading
 
+    from agentrl.inference.protocol import SERVER_TOKEN_ENV
     from agentrl.inference.serve import serve_from_config
 
     cfg = _load(ns.args)
     print(f"starting {cfg.inference.num_servers} {cfg.inference.engine} server(s) for {cfg.model.path} ...",
           flush=True)
-    service = serve_from_config(cfg, log_dir=ns.log_dir)
+    # Servers for other processes: they take the token of this environment, if it has one.
+    token = os.environ.get(SERVER_TOKEN_ENV) or None
+    service = serve_from_config(cfg, log_dir=ns.log_dir, token=token)
     try:
         for url in service.urls:
             print(f"serving {cfg.model.path} at {url}  (token in/out API: POST {url}/generate)", flush=True)
+        print(f"every route but /health needs the bearer token in {SERVER_TOKEN_ENV}; set it where the clients "
+              "run too" if token else f"no token: anyone who reaches the port can use it (set {SERVER_TOKEN_ENV} "
+              "before 'agentrl serve' and where the clients run to require one)", flush=True)
         print("press Ctrl-C to stop", flush=True)
         stop = threading.Event()
         signal.signal(signal.SIGTERM, lambda *_: stop.set())

@@ -14,12 +14,14 @@ context, bad parameters) raises `InferenceRequestError`, which says nothing abou
 
 from __future__ import annotations
 
+import os
 from typing import Any, Protocol, runtime_checkable
 
 import httpx
 
 from agentrl.errors import InferenceRequestError, ServerUnavailableError
 from agentrl.inference.protocol import (
+    SERVER_TOKEN_ENV,
     GenerateRequest,
     GenerateResponse,
     HealthResponse,
@@ -65,7 +67,8 @@ class HTTPServerClient:
     """Talks to ONE agentrl server over HTTP with a pooled `httpx.AsyncClient`.
 
     `timeout_s` is the default deadline of a `generate` call; control calls use `control_timeout_s`.
-    `transport` replaces the network (tests pass an `httpx.MockTransport`).
+    `transport` replaces the network (tests pass an `httpx.MockTransport`). `token` is the server's
+    bearer token (`server_app`); without one, `AGENTRL_SERVER_TOKEN` from this process's environment.
     """
 
     def __init__(
@@ -77,14 +80,17 @@ class HTTPServerClient:
         control_timeout_s: float = 10.0,
         transport: httpx.AsyncBaseTransport | None = None,
         max_connections: int = 1024,
+        token: str | None = None,
     ) -> None:
         self.base_url = base_url.rstrip("/")
         self.server_id = server_id or self.base_url
         self.timeout_s = timeout_s
         self.control_timeout_s = control_timeout_s
         limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)
+        token = token or os.environ.get(SERVER_TOKEN_ENV) or None
         self._http = httpx.AsyncClient(
-            base_url=self.base_url, transport=transport, limits=limits, timeout=timeout_s
+            base_url=self.base_url, transport=transport, limits=limits, timeout=timeout_s,
+            headers={"Authorization": f"Bearer {token}"} if token else None,
         )
 
     def __repr__(self) -> str:

@@ -34,6 +34,7 @@ from typing import Any
 import httpx
 
 from agentrl.errors import ConfigError, InferenceError, ServerUnavailableError
+from agentrl.inference.protocol import SERVER_TOKEN_ENV
 from agentrl.lifeline import lifeline_argv
 from agentrl.registry import INFERENCE_ENGINES, import_object
 
@@ -57,6 +58,8 @@ class EngineSpec:
     `module` is run as `python -m module --<model_flag> PATH --port N [--flag value ...]`, with the
     python named by the environment variable `python_env` if it is set (so vLLM can live in its own
     venv), else the current interpreter. `client` is the import path of the client class.
+    `token_env` is the environment variable the server reads its bearer token from (agentrl's own
+    servers, `server_app`), or None for a server that takes none this way.
     """
 
     name: str
@@ -65,6 +68,7 @@ class EngineSpec:
     model_flag: str = "--model"
     client: str = "agentrl.inference.client:HTTPServerClient"
     description: str = ""
+    token_env: str | None = SERVER_TOKEN_ENV
 
     def python(self) -> str:
         return (os.environ.get(self.python_env) if self.python_env else None) or sys.executable
@@ -98,6 +102,7 @@ SGLANG_ENGINE = EngineSpec(
     model_flag="--model-path",
     client="agentrl.inference.sglang:SGLangClient",
     description="SGLang's own server (GPU only)",
+    token_env=None,
 )
 
 
@@ -120,6 +125,7 @@ class ServerProcess:
         host: str | None = None,
         log_path: str | Path | None = None,
         env: dict[str, str] | None = None,
+        token: str | None = None,
         **engine_kwargs: Any,
     ) -> None:
         self.spec = spec
@@ -134,6 +140,10 @@ class ServerProcess:
             log_path = name
         self.log_path = Path(log_path)
         self.env = {**os.environ, **(env or {})}
+        # The bearer token every route but /health then needs (`server_app`); kept for `client()`.
+        self.token = token if spec.token_env else None
+        if self.token and spec.token_env:
+            self.env[spec.token_env] = self.token
         self.proc: subprocess.Popen[bytes] | None = None
         self.startup_s: float | None = None
 
@@ -245,8 +255,11 @@ class ServerProcess:
         return self.start()
 
     def client(self, **kwargs: Any) -> Any:
-        """A client for this server (an `HTTPServerClient`, or the engine's own adapter)."""
+        """A client for this server (an `HTTPServerClient`, or the engine's own adapter), holding
+        its token if it has one."""
         cls = import_object(self.spec.client)
+        if self.token:
+            kwargs.setdefault("token", self.token)
         return cls(self.url, **kwargs)
 
     def kill(self) -> None:
@@ -288,20 +301,24 @@ def launch_server(
     startup_timeout_s: float = 600.0,
     wait: bool = True,
     env: dict[str, str] | None = None,
+    token: str | None = None,
     **engine_kwargs: Any,
 ) -> ServerProcess:
     """Start a server of `engine` (`hf`, `vllm`, `sglang`, or an EngineSpec import path) for `model_path`.
 
     Extra keyword arguments become command-line flags of the server (`enforce_eager=True` ->
     `--enforce-eager`, `max_model_len=2048` -> `--max-model-len 2048`). `host` is the address it serves
-    on (127.0.0.1 unless given). With `wait` (the default) it returns once the server is healthy.
+    on (127.0.0.1 unless given). With `token`, every route but /health needs it (agentrl's own
+    servers; `ServerProcess.client()` sends it). With `wait` (the default) it returns once the server
+    is healthy.
     """
     spec = INFERENCE_ENGINES.resolve(engine)
     if not isinstance(spec, EngineSpec):
         raise ConfigError(
             f"inference engine '{engine}' resolved to {spec!r}, not an EngineSpec; engine 'external' is not launched, see agentrl.inference.serve."
         )
-    server = ServerProcess(spec, model_path, port=port, host=host, log_path=log_path, env=env, **engine_kwargs).start()
+    server = ServerProcess(spec, model_path, port=port, host=host, log_path=log_path, env=env, token=token,
+                           **engine_kwargs).start()
     if wait:
         server.wait_healthy(startup_timeout_s)
     return server

@@ -11,6 +11,9 @@ One request shape and one answer shape per endpoint, shared by the servers (`hf_
     POST /probe_weights   ProbeWeightsRequest  -> ProbeWeightsResponse
     GET  /metrics                              -> MetricsResponse
 
+Every route but /health takes `Authorization: Bearer <token>` when the server has a token
+(`SERVER_TOKEN_ENV` in its environment; see `server_app`).
+
 Everything is token ids: text is never sent, so it is never re-tokenised. This module holds the
 wire format only; it knows nothing about engines, processes or routing.
 """
@@ -24,6 +27,7 @@ from pydantic import AliasChoices, BaseModel, ConfigDict, Field
 from agentrl.types import Generation, SamplingParams
 
 __all__ = [
+    "SERVER_TOKEN_ENV",
     "GenerateRequest",
     "GenerateResponse",
     "HealthResponse",
@@ -36,6 +40,11 @@ __all__ = [
     "UpdateWeightsResponse",
     "WeightLoadReport",
 ]
+
+
+SERVER_TOKEN_ENV = "AGENTRL_SERVER_TOKEN"
+"""The environment variable holding an agentrl server's bearer token (read by the server and,
+when no token is passed, by `HTTPServerClient`)."""
 
 
 class _Wire(BaseModel):

@@ -2,7 +2,8 @@
 
 `serve_from_config(config)` reads `config.inference` and returns an `InferenceService`: for `hf`,
 `vllm` and `sglang` it starts `num_servers` server processes (in parallel, each on its own port,
-logging to `log_dir`) and puts a `Router` in front of them; for `external` it starts nothing and
+logging to `log_dir`, agentrl's own taking a bearer token made for the run, which only the run's
+clients hold: `server_app`) and puts a `Router` in front of them; for `external` it starts nothing and
 routes over `ExternalClient`s of the given `urls`. `InferenceService.client` is the
 `InferenceClient` the rollout layer uses; `await start()` starts the router's health checks and,
 for servers agentrl started, their `ServerSupervisor`; `stop()` ends what was started. The CLI
@@ -35,6 +36,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -362,13 +364,16 @@ def engine_kwargs_from_config(config: AgentRLConfig) -> dict[str, Any]:
     return {}
 
 
-def serve_from_config(config: AgentRLConfig, *, log_dir: str | Path | None = None) -> InferenceService:
+def serve_from_config(config: AgentRLConfig, *, log_dir: str | Path | None = None,
+                      token: str | None = "per-run") -> InferenceService:
     """Start `inference.num_servers` servers of `inference.engine` and a router in front of them.
 
     For `engine: external` nothing is started: the router spans the OpenAI-compatible servers at
     `inference.urls`. For the other engines, `inference.urls` names running agentrl servers
     (`agentrl serve`): the router connects to them and nothing is started either. Blocks until every
-    server answers /health (or raises, stopping the ones that did start).
+    server answers /health (or raises, stopping the ones that did start). The servers it starts
+    take `token` as their bearer token: by default a fresh one only this service's clients hold;
+    `None` for none (`agentrl serve` without `AGENTRL_SERVER_TOKEN`: anyone who reaches the port).
     """
     inf = config.inference
 
@@ -395,12 +400,14 @@ def serve_from_config(config: AgentRLConfig, *, log_dir: str | Path | None = Non
         return InferenceService(make_router([HTTPServerClient(u) for u in inf.urls]))
     kwargs = engine_kwargs_from_config(config)
     model_path = resolve_model_path(config.model.path)  # built-in names are converted once, here
+    if token == "per-run":
+        token = secrets.token_urlsafe(32)  # the servers of this run answer only its own clients
     servers: list[ServerProcess] = []
     try:
         for i in range(inf.num_servers):
             log_path = Path(log_dir) / f"{inf.engine}-{i}.log" if log_dir else None
             servers.append(
-                launch_server(inf.engine, model_path, log_path=log_path, wait=False, **kwargs)
+                launch_server(inf.engine, model_path, log_path=log_path, wait=False, token=token, **kwargs)
             )
         for server in servers:
             server.wait_healthy(inf.startup_timeout_s)

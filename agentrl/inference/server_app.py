@@ -18,6 +18,14 @@ refuses to serve rather than serve that mix: `/health` says "loading" with the r
 elsewhere, until a push completes. A push that fails before it touched the model (the source was
 unreachable) leaves the server serving its old version.
 
+Authentication. With a token (`AGENTRL_SERVER_TOKEN` in the server's environment; `agentrl run`
+makes one per run for the servers it starts), every route but `/health` needs `Authorization: Bearer
+<token>` and answers 401 without it, as vLLM's `--api-key` does: on a cluster the servers listen on
+their node's address, where anyone who reaches it could otherwise generate, pause the server or
+point it at other weights. `/health` stays open (status, weight version, load, context length) so
+launchers and `server_context` can poll it. Clients (`HTTPServerClient`) send the token they are
+given, or the one in their own environment.
+
 Errors are answered as what they are. A request the engine cannot serve (a prompt as long as the
 model's context or longer, bad parameters: `RequestRejected` or `ValueError` from the engine) is
 answered HTTP 400, so the client raises a request error and the router does not take the server for
@@ -32,9 +40,11 @@ import abc
 import argparse
 import asyncio
 import logging
+import os
 from typing import Any, Literal
 
 from agentrl.inference.protocol import (
+    SERVER_TOKEN_ENV,
     GenerateRequest,
     GenerateResponse,
     HealthResponse,
@@ -227,9 +237,11 @@ class ServerState:
         )
 
 
-def build_app(engine: ServerEngine, weight_version: int = 0) -> Any:
-    """The FastAPI app serving `engine`; the engine is started in the app's lifespan."""
+def build_app(engine: ServerEngine, weight_version: int = 0, *, token: str | None = None) -> Any:
+    """The FastAPI app serving `engine`; the engine is started in the app's lifespan. With `token`,
+    every route but `/health` needs it as a bearer token (see the module docstring)."""
     import contextlib
+    import hmac
 
     from fastapi import FastAPI, HTTPException, Request
     from fastapi.responses import JSONResponse
@@ -247,6 +259,18 @@ def build_app(engine: ServerEngine, weight_version: int = 0) -> Any:
             await engine.shutdown()
 
     app = FastAPI(title=f"agentrl {engine.engine_name} server", lifespan=lifespan)
+
+    if token:
+        expected = f"Bearer {token}".encode()
+
+        @app.middleware("http")
+        async def require_token(request: Request, call_next: Any) -> Any:
+            given = request.headers.get("authorization", "").encode()
+            if request.url.path != "/health" and not hmac.compare_digest(given, expected):
+                return JSONResponse(status_code=401, content={
+                    "detail": f"this server needs its token: send 'Authorization: Bearer <token>' (set "
+                              f"{SERVER_TOKEN_ENV} to the server's token where the client runs)"})
+            return await call_next(request)
 
     @app.exception_handler(WeightsIncompleteError)
     async def weights_incomplete(_request: Request, exc: WeightsIncompleteError) -> JSONResponse:
@@ -327,4 +351,5 @@ def run_server(engine: ServerEngine, *, host: str, port: int, weight_version: in
     import uvicorn
 
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    uvicorn.run(build_app(engine, weight_version), host=host, port=port, log_level=log_level)
+    app = build_app(engine, weight_version, token=os.environ.get(SERVER_TOKEN_ENV) or None)
+    uvicorn.run(app, host=host, port=port, log_level=log_level)

@@ -3,7 +3,8 @@
 `ServerActor` is a Ray actor placed in a server's bundle of the run's placement group
 (`cluster.Reservation`). On its node it resolves the model (a built-in name is converted there; a
 directory must exist there at the same path), starts the server process (`launcher.ServerProcess`)
-bound to the node's address on a free port there, and answers for it: its URL, whether it still
+bound to the node's address on a free port there, taking the run's bearer token (`server_app`:
+only the run's clients can generate, pause or push weights), and answers for it: its URL, whether it still
 runs, its health, its log; it restarts or stops it when asked. The process runs under the actor's
 lifeline, so it ends with the actor (and with the actor's node).
 
@@ -23,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import secrets
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +40,8 @@ class ServerActor:
     """One LLM server on this actor's node (see the module docstring); wrapped by `ray.remote`."""
 
     def __init__(
-        self, engine: str, model: str, engine_kwargs: dict[str, Any], log_path: str, port: int | None = None
+        self, engine: str, model: str, engine_kwargs: dict[str, Any], log_path: str, port: int | None = None,
+        token: str | None = None,
     ) -> None:
         import ray.util
 
@@ -60,6 +63,7 @@ class ServerActor:
             host=self.ip,
             port=port,
             log_path=log_path,
+            token=token,
             **engine_kwargs,
         )
         self.proc.start()
@@ -96,8 +100,9 @@ class ServerActor:
 class PlacedServer:
     """The driver's proxy of one `ServerActor` (see the module docstring)."""
 
-    def __init__(self, make_actor: Any, index: int, node_ip: str, log_path: str) -> None:
+    def __init__(self, make_actor: Any, index: int, node_ip: str, log_path: str, token: str | None = None) -> None:
         self.make_actor = make_actor  # (port or None) -> a new actor handle in this server's bundle
+        self.token = token  # the bearer token the server takes (`server_app`), for `client()`
         self.index = index
         self.node_ip = node_ip
         self.log_path = Path(log_path)  # on the server's node
@@ -199,7 +204,7 @@ class PlacedServer:
     def client(self, **kwargs: Any) -> Any:
         from agentrl.inference.client import HTTPServerClient
 
-        self._client = HTTPServerClient(self.url, **kwargs)
+        self._client = HTTPServerClient(self.url, **{"token": self.token, **kwargs})
         return self._client
 
     def kill(self) -> None:
@@ -231,18 +236,20 @@ def start_placed_servers(
     kwargs = engine_kwargs_from_config(config)
     actor_cls = ray.remote(max_concurrency=4)(ServerActor)  # type: ignore[call-overload]
     servers: list[PlacedServer] = []
+    # The servers listen on their nodes' addresses: only this run's clients hold the token they take.
+    token = secrets.token_urlsafe(32)
 
     def maker(i: int, log_path: str) -> Any:
         opts = reservation.options("server", i)
         return lambda port: actor_cls.options(**opts).remote(
-            inf.engine, config.model.path, kwargs, log_path, port
+            inf.engine, config.model.path, kwargs, log_path, port, token
         )
 
     async def start_all() -> None:
         for i in range(inf.num_servers):
             # The log lives on the server's node: the driver's run directory is not there.
             log_path = str(Path(log_dir or "/tmp") / f"{inf.engine}-{i}.log")
-            servers.append(PlacedServer(maker(i, log_path), i, reservation.node_ip("server", i), log_path))
+            servers.append(PlacedServer(maker(i, log_path), i, reservation.node_ip("server", i), log_path, token))
         await asyncio.gather(*(s.started(inf.startup_timeout_s) for s in servers))
 
     try:

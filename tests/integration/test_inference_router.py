@@ -28,6 +28,33 @@ def service(assets, tmp_path_factory):
     assert not any(p.alive for p in svc.servers)
 
 
+def test_the_servers_answer_only_the_clients_of_the_run_that_started_them(service, monkeypatch):
+    from agentrl.errors import InferenceRequestError
+    from agentrl.inference.client import HTTPServerClient
+
+    monkeypatch.delenv("AGENTRL_SERVER_TOKEN", raising=False)
+    sp = SamplingParams(temperature=1.0, max_tokens=2, seed=0)
+
+    async def scenario():
+        stranger = HTTPServerClient(service.servers[0].url)
+        try:
+            health = await stranger.health()  # open: launchers and context checks poll it
+            with pytest.raises(InferenceRequestError, match="HTTP 401"):
+                await stranger.generate([151644, 872], sp)
+            with pytest.raises(InferenceRequestError, match="HTTP 401"):
+                await stranger.pause(abort=True)
+        finally:
+            await stranger.aclose()
+        own = service.servers[0].client()
+        try:
+            return health, await own.generate([151644, 872], sp)
+        finally:
+            await own.aclose()
+
+    health, gen = asyncio.run(scenario())
+    assert health.status == "ok" and len(gen.token_ids) == 2
+
+
 def test_every_request_completes_when_a_server_is_killed_mid_run(service):
     servers = service.servers
     sp = SamplingParams(temperature=1.0, max_tokens=8, seed=0)

@@ -244,3 +244,16 @@ def test_external_engine_is_a_valid_config_and_picks_the_served_model():
         pick("c", "a", "b")
     with pytest.raises(InferenceError, match="lists no model"):
         pick("c")
+
+
+def test_a_launched_server_gets_its_token_in_its_environment_and_its_client_sends_it(tmp_path):
+    from agentrl.inference.launcher import HF_ENGINE, SGLANG_ENGINE, ServerProcess
+
+    server = ServerProcess(HF_ENGINE, "m", port=1, log_path=tmp_path / "hf.log", token="t0k")
+    assert server.env["AGENTRL_SERVER_TOKEN"] == "t0k" and "t0k" not in " ".join(server.command)  # not in `ps`
+    client = server.client()
+    assert client._http.headers["authorization"] == "Bearer t0k"
+    asyncio.run(client.aclose())
+    # SGLang's own server reads no such variable: it gets none, and its client is built without one
+    sglang = ServerProcess(SGLANG_ENGINE, "m", port=2, log_path=tmp_path / "sg.log", token="t0k")
+    assert sglang.token is None and isinstance(sglang.client(), SGLangClient)

@@ -195,3 +195,44 @@ def test_request_errors_are_http_400_and_a_dead_engine_fails_health_with_503():
         engine.dead = True
         dead = http.get("/health")
         assert dead.status_code == 503 and "EngineCore died" in dead.json()["detail"]
+
+
+def test_with_a_token_every_route_but_health_needs_it():
+    import httpx
+    from fastapi.testclient import TestClient
+
+    from agentrl.inference.client import HTTPServerClient
+
+    engine = FakeEngine()
+    with TestClient(build_app(engine, token="s3cret")) as http:
+        assert http.get("/health").status_code == 200  # launchers poll it without the token
+        anonymous = http.post("/generate", json=req(1).model_dump())
+        assert anonymous.status_code == 401 and "AGENTRL_SERVER_TOKEN" in anonymous.json()["detail"]
+        wrong = {"Authorization": "Bearer guess"}
+        assert http.post("/update_weights", json={"source": "/w/1", "version": 1}, headers=wrong).status_code == 401
+        assert http.post("/pause", headers=wrong).status_code == 401 and http.get("/metrics").status_code == 401
+        assert engine.loaded == [] and http.get("/health").json()["status"] == "ok"
+        right = {"Authorization": "Bearer s3cret"}
+        assert http.post("/generate", json=req(1).model_dump(), headers=right).json()["token_ids"] == [0]
+
+    # The client sends the token it is given (or AGENTRL_SERVER_TOKEN from its environment).
+    seen: list[str | None] = []
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        seen.append(request.headers.get("authorization"))
+        return httpx.Response(200, json={"status": "ok", "weight_version": 0, "load": 0, "model": "m", "engine": "fake"})
+
+    async def go(**kwargs):
+        client = HTTPServerClient("http://server", transport=httpx.MockTransport(answer), **kwargs)
+        try:
+            await client.health()
+        finally:
+            await client.aclose()
+
+    asyncio.run(go(token="s3cret"))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("AGENTRL_SERVER_TOKEN", "from-env")
+        asyncio.run(go())
+        mp.delenv("AGENTRL_SERVER_TOKEN")
+        asyncio.run(go())
+    assert seen == ["Bearer s3cret", "Bearer from-env", None]
