@@ -487,7 +487,8 @@ class AgentRLConfig(_Section):
     in a process of its own, new weights through `weights.backend` (clusters, GPU machines). `colocated`: vLLM
     inside the trainer's process, taking turns with it on memory and cores, new weights in memory
     (verl's hybrid engine; the less memory and the faster step on one CPU machine). `auto`:
-    colocated on a CPU trainer, split on GPU."""
+    colocated where it can work (one CPU trainer process, FSDP2, a vLLM engine the run starts),
+    else split; the `retool` preset uses it."""
 
 
 # `agentrl run env=retool resume=true` reads better than the dotted paths these stand for.

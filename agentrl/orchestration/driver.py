@@ -372,6 +372,8 @@ class _Run:
         config = self.config
         self.trainer = trainer
         self.router: Router = service.client
+        if self.colocated:  # the router reaches the engine through the trainer actor, which loads it first
+            await trainer.ready()
         await service.start()
         loop = self.job.agent_loop(self.router)
         self.worker = RolloutWorker(loop, self.job.make_env, max_concurrent=config.rollout.max_concurrent_episodes)

@@ -14,7 +14,8 @@
   checkpoint engine's checksummed buckets. The router reaches the engine through the trainer actor.
 - `auto`: `colocated` when the trainer runs on one CPU process with a vLLM engine this run starts,
   else `split` (on a GPU, with another engine or servers of `inference.urls`, with several trainer
-  processes or servers, with `weights.backend` files or http); the plan says which key decided.
+  processes or servers, with Megatron, with `weights.backend` files or http); the plan says which
+  key decided.
 
 In both, rollouts are asyncio tasks in the driver. A combination that cannot work (colocated with
 servers started elsewhere, with another engine, with several trainer processes) is an error naming
@@ -148,6 +149,8 @@ def _why_not_colocated(config: AgentRLConfig, device: str) -> str:
         return "inference.urls"
     if trainer.num_processes > 1:
         return f"trainer.num_processes={trainer.num_processes}"
+    if trainer.backend != "fsdp2":  # colocated has run with FSDP2 only; an explicit choice may still try
+        return f"trainer.backend={trainer.backend}"
     if "num_servers" in inf.model_fields_set and inf.num_servers != 1:
         return f"inference.num_servers={inf.num_servers}"
     if config.weights.backend not in ("auto", "inprocess"):

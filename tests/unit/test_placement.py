@@ -49,7 +49,7 @@ def test_auto_is_colocated_on_a_cpu_trainer_and_eval_always_starts_servers() -> 
 
 @pytest.mark.parametrize("override", [
     "inference.engine=hf", "inference.urls=[http://127.0.0.1:1]", "inference.num_servers=2",
-    "weights.backend=files", "weights.backend=http", "trainer.num_processes=2",
+    "weights.backend=files", "weights.backend=http", "trainer.num_processes=2", "trainer.backend=megatron",
 ])  # fmt: skip
 def test_auto_takes_split_where_colocated_cannot_work_and_names_the_key(override: str) -> None:
     plan = build_plan(cfg("placement=auto", override))
