@@ -40,14 +40,14 @@ def test_the_servers_answer_only_the_clients_of_the_run_that_started_them(servic
         try:
             health = await stranger.health()  # open: launchers and context checks poll it
             with pytest.raises(InferenceRequestError, match="HTTP 401"):
-                await stranger.generate([151644, 872], sp)
+                await stranger.generate([151644, 872], sp, session_id="s")
             with pytest.raises(InferenceRequestError, match="HTTP 401"):
                 await stranger.pause(abort=True)
         finally:
             await stranger.aclose()
         own = service.servers[0].client()
         try:
-            return health, await own.generate([151644, 872], sp)
+            return health, await own.generate([151644, 872], sp, session_id="s")
         finally:
             await own.aclose()
 

@@ -210,6 +210,8 @@ def test_train_resume_and_plot(mine: Path) -> None:
     run_dir = mine / "runs" / "mine"
     _check_run(run_dir, 1)
     assert (run_dir / "checkpoints").is_dir() and (run_dir / "eval.jsonl").is_file()
+    # the preset's placement: auto is colocated on this CPU machine, so no server process logged
+    assert not list(run_dir.glob("logs/vllm-*.log")) and (run_dir / "weights" / "version-00000001").is_dir()
     resumed = run("agentrl run env=retool run.name=mine resume=true", mine)
     assert "resum" in (resumed.stdout + resumed.stderr).lower()
     result = _check_run(run_dir, 2)
