@@ -30,6 +30,54 @@ def _docker_available() -> bool:
         return False
 
 
+# ── tier totals and a durations file (what .ci/run prints and keeps) ───────────────────────────
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--durations-file", default=None, metavar="PATH",
+                     help="write every test's wall time (set-up, call and tear-down) to PATH as TSV, slowest first")
+
+
+_WALL: dict[str, float] = {}
+_OUTCOME: dict[str, str] = {}
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    _WALL[report.nodeid] = _WALL.get(report.nodeid, 0.0) + report.duration
+    if report.failed:
+        _OUTCOME[report.nodeid] = "failed" if report.when == "call" else "error"
+    elif report.skipped:
+        _OUTCOME.setdefault(report.nodeid, "skipped")
+
+
+def _folder(nodeid: str) -> str:
+    """`tests/integration/test_x.py::t` -> `integration`: the folders are the suite's tiers of cost."""
+    parts = nodeid.split("::")[0].split("/")
+    return parts[1] if len(parts) > 2 and parts[0] == "tests" else parts[0]
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, exitstatus: int,
+                            config: pytest.Config) -> None:
+    if not _WALL:
+        return
+    totals: dict[str, list[float]] = {}
+    for nodeid, seconds in _WALL.items():
+        entry = totals.setdefault(_folder(nodeid), [0, 0.0])
+        entry[0] += 1
+        entry[1] += seconds
+    terminalreporter.section("time by folder")
+    for folder, (count, seconds) in sorted(totals.items(), key=lambda kv: -kv[1][1]):
+        terminalreporter.write_line(f"{folder:<12} {int(count):>4} tests {seconds / 60:7.1f} min")
+    terminalreporter.write_line(f"{'all':<12} {len(_WALL):>4} tests {sum(_WALL.values()) / 60:7.1f} min")
+    path = config.getoption("--durations-file")
+    if path:
+        rows = sorted(_WALL.items(), key=lambda kv: -kv[1])
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text("seconds\toutcome\ttest\n" + "".join(
+            f"{seconds:.1f}\t{_OUTCOME.get(nodeid, 'passed')}\t{nodeid}\n" for nodeid, seconds in rows))
+        terminalreporter.write_line(f"durations of every test: {path}")
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     needs = {"gpu": None, "docker": None}
     for item in items:

@@ -100,7 +100,7 @@ def container():
         if os.environ.get("AGENTRL_KEEP_FRESH_CONTAINER"):  # to look inside after a failure
             print(f"\nkept the container: docker exec -it {name} bash", flush=True)
         else:
-            _docker("rm", "-f", name)
+            _docker("rm", "-f", name, timeout=600)  # a few GB of layers: minutes on a loaded disk
 
 
 def _read(name: str, path: str) -> str:

@@ -6,6 +6,9 @@ table does not know fails `test_every_readme_command_is_checked`):
 - SIZED: it would train or evaluate for minutes, so it runs as written with the size overrides of
   `SIZE` appended (fewer steps, prompts, samples, rows, turns and tokens; a later override wins, so
   a written `eval.k=4` becomes the smaller one). Nothing but sizes is appended.
+- SHARED: a SIZED command that only needs *a* server of the default model (the ones that start
+  their own are checked by the commands that must): `inference.urls=[...]` of one vLLM server
+  this module starts is appended too, so the module pays for one engine start, not one per command.
 - A placeholder a user fills in is filled: `/path/to/hf/model` with a real Hugging Face directory
   (the default model's), the port of `http://127.0.0.1:8000` with the free port of a real vLLM
   OpenAI server this test starts.
@@ -43,7 +46,7 @@ SWE_EVAL_SIZE = "eval.k=1 eval.max_rows=1 rollout.max_turns=2 rollout.max_tokens
 
 @dataclass(frozen=True)
 class How:
-    rule: str  # QUICK, SIZED or ELSEWHERE
+    rule: str  # QUICK, SIZED, SHARED, SERVES or ELSEWHERE
     size: str = ""  # appended overrides (SIZED)
     where: str = ""  # the test that runs it (ELSEWHERE), or why not here
 
@@ -51,6 +54,7 @@ class How:
 COMMANDS: dict[str, How] = {
     "bash scripts/install.sh && agentrl run env=retool": How("ELSEWHERE", where="tests/e2e/test_fresh_machine.py"),
     "python -m pytest": How("ELSEWHERE", where="CI (.ci/run) runs it; this test is part of it"),
+    'python -m pytest -m "not slow"': How("ELSEWHERE", where="CI (.ci/run) runs it as its first tier"),
     "agentrl run env=retool run.name=mine": How("SIZED", RUN_SIZE),
     "agentrl run env=retool run.name=mine resume=true": How("SIZED", RUN_SIZE.replace("total_steps=1", "total_steps=2")),
     "agentrl run env=retool run.mode=async run.max_staleness=2 run.partial_rollout=true":
@@ -64,15 +68,15 @@ COMMANDS: dict[str, How] = {
     "agentrl validate env=arithmetic trainer.lr=1e-6 rollout.max_turns=4": How("QUICK"),
     "agentrl validate env=arithmetic --show": How("QUICK"),
     "agentrl config trainer": How("QUICK"),
-    "agentrl eval env=retool eval.k=4 eval.max_rows=50": How("SIZED", EVAL_SIZE),
+    "agentrl eval env=retool eval.k=4 eval.max_rows=50": How("SHARED", EVAL_SIZE),
     "agentrl eval env=retool model.path=/path/to/hf/model inference.engine=hf": How("SIZED", EVAL_SIZE),
     "agentrl eval env=retool inference.engine=external inference.urls=[http://127.0.0.1:8000]":
         How("SIZED", EVAL_SIZE),
     "agentrl view runs/mine": How("SERVES"),
     "agentrl view runs/eval-retool-20261122-101500": How("SERVES"),
-    "agentrl run  env=agent env.kwargs.agent=my_agent.py:solve data.train_files=[train.jsonl]": How("SIZED", RUN_SIZE),
-    "agentrl eval env=agent env.kwargs.agent=my_agent.py:solve data.val_files=[test.jsonl]": How("SIZED", EVAL_SIZE),
-    'agentrl run  env=agent env.kwargs.command="python my_agent.py"': How("SIZED", RUN_SIZE),
+    "agentrl run  env=agent env.kwargs.agent=my_agent.py:solve data.train_files=[train.jsonl]": How("SHARED", RUN_SIZE),
+    "agentrl eval env=agent env.kwargs.agent=my_agent.py:solve data.val_files=[test.jsonl]": How("SHARED", EVAL_SIZE),
+    'agentrl run  env=agent env.kwargs.command="python my_agent.py"': How("SHARED", RUN_SIZE),
     "python examples/openai_agent.py": How(
         "ELSEWHERE", where="tests/integration/test_examples.py runs it with size overrides against the session's vLLM"),
     "python -m agentrl.envs.swe_tasks verified.parquet rows.jsonl": How(
@@ -105,11 +109,15 @@ def readme_commands() -> list[str]:
     return commands
 
 
-def run(command: str, cwd: Path, *, filled: str | None = None, timeout: float = 1800) -> subprocess.CompletedProcess[str]:
+def run(command: str, cwd: Path, *, filled: str | None = None, server: str | None = None,
+        timeout: float = 1800) -> subprocess.CompletedProcess[str]:
     """The README's `command` as a user's shell runs it: `filled` (the command with its placeholders
-    filled) or the command itself, then its size overrides."""
+    filled) or the command itself, then its size overrides (and, for a SHARED one, the `server`)."""
     how = COMMANDS[command]
-    return run_line(f"{filled or command} {how.size}".strip(), cwd, timeout=timeout)
+    if (how.rule == "SHARED") != (server is not None):
+        raise ValueError(f"`{command}` is {how.rule}: pass server= exactly for SHARED commands")
+    shared = f"inference.urls=[{server}]" if server else ""
+    return run_line(f"{filled or command} {how.size} {shared}".strip(), cwd, timeout=timeout)
 
 
 def run_line(line: str, cwd: Path, *, timeout: float = 1800) -> subprocess.CompletedProcess[str]:
@@ -137,6 +145,18 @@ def lines(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+@pytest.fixture(scope="module")
+def default_model_server(vllm_ready: str):
+    """One vLLM server of the default model for the SHARED commands (the preset's engine and dtype)."""
+    from agentrl.inference import launch_server
+    from agentrl.models import resolve_model_path
+
+    server = launch_server("vllm", resolve_model_path("smollm2-135m-instruct"), startup_timeout_s=900,
+                           dtype="float32", max_model_len=2048, cpu_kv_cache_gb=1)
+    yield server.url
+    server.stop()
+
+
 # ── the README's structure ─────────────────────────────────────────────────────────────────────
 
 
@@ -144,7 +164,9 @@ def test_readme_starts_with_the_setup_and_test_commands() -> None:
     first_block = re.search(r"```bash\n(.*?)```", README, re.S).group(1)
     commands = [ln for ln in first_block.splitlines() if ln and not ln.startswith("#")]
     assert commands == ["bash scripts/install.sh && agentrl run env=retool", "python -m pytest"]
-    assert "python -m pytest" in (REPO / ".ci" / "run").read_text().splitlines()[-1]
+    # CI runs the README's test command in two tiers whose markers split the suite without overlap
+    ci = [ln.strip() for ln in (REPO / ".ci" / "run").read_text().splitlines() if ln.startswith("python -m pytest")]
+    assert [ln.split(" --")[0] for ln in ci] == ['python -m pytest -m "not slow" -x', 'python -m pytest -m "slow"']
 
 
 def test_every_readme_command_is_checked() -> None:
@@ -263,8 +285,8 @@ def _check_eval(done: subprocess.CompletedProcess[str], work: Path, episodes: in
 
 @pytest.mark.slow
 @pytest.mark.timeout(3600)
-def test_eval_default(tmp_path: Path) -> None:
-    done = run("agentrl eval env=retool eval.k=4 eval.max_rows=50", tmp_path)
+def test_eval_default(default_model_server: str, tmp_path: Path) -> None:
+    done = run("agentrl eval env=retool eval.k=4 eval.max_rows=50", tmp_path, server=default_model_server)
     _check_eval(done, tmp_path, 4)
 
 
@@ -381,17 +403,19 @@ def _agent_steps(run_dir: Path) -> list[dict]:
 
 @pytest.mark.slow
 @pytest.mark.timeout(3600)
-def test_agent_commands(tmp_path: Path) -> None:
+def test_agent_commands(default_model_server: str, tmp_path: Path) -> None:
     work = _agent_work(tmp_path)
-    run("agentrl run  env=agent env.kwargs.agent=my_agent.py:solve data.train_files=[train.jsonl]", work)
+    run("agentrl run  env=agent env.kwargs.agent=my_agent.py:solve data.train_files=[train.jsonl]", work,
+        server=default_model_server)
     (run_dir,) = (work / "runs").iterdir()
     _agent_steps(run_dir)
-    done = run("agentrl eval env=agent env.kwargs.agent=my_agent.py:solve data.val_files=[test.jsonl]", work)
+    done = run("agentrl eval env=agent env.kwargs.agent=my_agent.py:solve data.val_files=[test.jsonl]", work,
+               server=default_model_server)
     report = _check_eval(done, work, 4)
     assert report["problems"] == 2
     program = tmp_path / "program"
     program.mkdir()
     (program / "my_agent.py").write_text(AGENT_PROGRAM)
-    run('agentrl run  env=agent env.kwargs.command="python my_agent.py"', program)
+    run('agentrl run  env=agent env.kwargs.command="python my_agent.py"', program, server=default_model_server)
     (run_dir,) = (program / "runs").iterdir()
     _agent_steps(run_dir)
