@@ -15,7 +15,7 @@ One line (`format: "agentrl.trajectory/1"`):
 | `source` | `train` (a step's rollouts) or `eval` |
 | `step` | train: the step that used the episode; eval: null (the directory says when) |
 | `status` | what became of the episode's group: `trained`, `filtered` (not trained: e.g. equal rewards), `infra` (every episode failed for infrastructure reasons), `eval` |
-| `kept_as` | why the step's sample holds this group: `best`, `worst`, `infra`, `sample`, `all` |
+| `kept_as` | why the step's sample holds this group: `best`, `worst`, `infra`, `sample`, `all`; `stopped` in `step-N-stopped.jsonl` (the infrastructure-failed episodes the run stopped on) |
 | `trained` | true when its sampled tokens were in the loss (status `trained` and not an infra fault) |
 | `episode_id`, `group_id`, `data_source`, `ground_truth` | where it came from (`ground_truth`: the row's `reward_model.ground_truth`) |
 | `reward`, `finish_reason`, `fault`, `error` | how it ended (`fault`: `model`, `infra` or null) |
@@ -157,7 +157,11 @@ def trajectory_record(
     kept_as: Sequence[str] = (),
     ground_truth: Any = None,
 ) -> dict[str, Any]:
-    """One line of a trajectory file (see the module docstring)."""
+    """One line of a trajectory file (see the module docstring).
+
+    `kept_as` is a sequence of reasons; a bare string is refused (it would be written letter by letter)."""
+    if isinstance(kept_as, str):
+        raise TypeError(f"kept_as takes a sequence of reasons, such as ({kept_as!r},), not a bare string")
     return {
         "format": FORMAT,
         "source": source,
@@ -383,7 +387,7 @@ class RolloutLog:
         path = self.dir / f"step-{step + 1:06d}-stopped.jsonl"
         write_trajectories(path, (
             trajectory_record(t, self.pieces, source="train", step=step + 1, status="infra",
-                              kept_as="the run stopped on infrastructure failures")
+                              kept_as=("stopped",))
             for t in trajectories if not t.trainable
         ))  # fmt: skip
         return path

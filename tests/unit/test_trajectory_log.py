@@ -170,3 +170,16 @@ def test_every_origin_has_a_name() -> None:
 
     assert ORIGIN_NAMES == {int(o): o.name.lower() for o in TokenOrigin}
     assert set(ORIGIN_NAMES.values()) == {"prompt", "sampled", "template", "tool"}
+
+
+def test_kept_as_is_a_sequence_of_reasons_and_the_stopped_file_says_stopped(template: ChatTemplate,
+                                                                           tmp_path: Path) -> None:
+    t = tool_episode(template, fault="infra")
+    with pytest.raises(TypeError, match="not a bare string"):
+        trajectory_record(t, None, source="train", kept_as="best")
+    assert trajectory_record(t, None, source="train", kept_as=("best", "infra"))["kept_as"] == ["best", "infra"]
+    path = RolloutLog(tmp_path, template.tokenizer, 0).write_stopped(2, [t, tool_episode(template, episode_id="ok")])
+    assert path == tmp_path / "rollouts" / "step-000003-stopped.jsonl"
+    [record] = read_trajectory_file(path)  # the infrastructure failure only
+    assert (record["kept_as"], record["status"], record["step"], record["trained"]) == (["stopped"], "infra", 3, False)
+
