@@ -59,6 +59,7 @@ __all__ = [
     "RolloutLog",
     "TokenPieces",
     "read_trajectory_file",
+    "scan_trajectory_file",
     "select_groups",
     "trajectory_from_record",
     "trajectory_record",
@@ -263,18 +264,46 @@ def _ground_truth(row: dict[str, Any] | None) -> Any:
 
 def read_trajectory_file(path: str | Path) -> list[dict[str, Any]]:
     """The lines of a trajectory file, in this module's format (older files are converted, their
-    tokens without text). A line cut by a crash is skipped."""
-    out = []
+    tokens without text). A line that is not an episode (cut by a crash, or foreign) is skipped."""
+    return scan_trajectory_file(path)[0]
+
+
+def scan_trajectory_file(path: str | Path) -> tuple[list[dict[str, Any]], int]:
+    """The episodes of a trajectory file (as `read_trajectory_file`) and how many of its non-blank
+    lines are not episodes: not JSON, JSON but not an object, or an object without a usable ledger."""
+    out, skipped = [], 0
     with Path(path).open() as f:
         for line in f:
             if not line.strip():
                 continue
             try:
-                record = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            out.append(record if "segments" in record else _upgrade(record))
-    return out
+                record = json.loads(line, parse_constant=lambda _: None)  # NaN, Infinity: null, as written
+                if isinstance(record, dict) and "segments" not in record:  # the older format, or not an episode
+                    record = _upgrade(record) if isinstance(record.get("token_ids"), list) else None
+            except (ValueError, TypeError, KeyError, IndexError, AttributeError):  # JSONDecodeError: a ValueError
+                record = None
+            if _is_episode(record):
+                out.append(record)
+            else:
+                skipped += 1
+    return out, skipped
+
+
+def _is_episode(record: Any) -> bool:
+    """Whether a parsed line has the shape a reader relies on: segments with ids, messages as objects."""
+    if not isinstance(record, dict) or not isinstance(record.get("segments"), list):
+        return False
+    for seg in record["segments"]:
+        if not (isinstance(seg, dict) and seg.get("origin") in _ORIGIN_OF and isinstance(seg.get("ids"), list)
+                and type(seg.get("turn")) is int and type(seg.get("start")) is int):
+            return False
+        for key in ("pieces", "logprobs"):
+            if key in seg and not (isinstance(seg[key], list) and len(seg[key]) == len(seg["ids"])):
+                return False
+    messages = record.get("messages")
+    if messages is not None and not (isinstance(messages, list) and all(isinstance(m, dict) for m in messages)):
+        return False
+    return all(record.get(key) is None or isinstance(record[key], dict) for key in ("metrics", "info"))
 
 
 def _upgrade(old: dict[str, Any]) -> dict[str, Any]:

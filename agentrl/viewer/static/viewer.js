@@ -1,7 +1,9 @@
 // agentrl view: the page's script. Plain JavaScript, no framework, nothing from the internet.
 // It asks the local server (agentrl/viewer/server.py) for the run, its dashboard curves, the
 // episodes of a training step or an evaluation, and one whole episode, and draws them. Model
-// output is untrusted text: it only ever reaches the page through textContent, never as HTML.
+// output is untrusted text: it only ever reaches the page through textContent, never as HTML,
+// and its bidi control characters are drawn as visible escapes (`visible`), so that a right-to-left
+// override in one token cannot reorder what is drawn after it.
 "use strict";
 
 const COLOURS = ["#1f77b4", "#ff7f0e", "#2ca02c", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#17becf"];
@@ -19,21 +21,28 @@ const STATUS = {
   eval: "an evaluation episode (never trained on)",
 };
 
-const state = {run: null, sourceId: "", episodes: [], episodeIndex: -1, dashboard: null, record: null, tokens: []};
+const state = {run: null, sourceId: "", episodes: [], skippedLines: 0, episodeIndex: -1, dashboard: null, record: null, tokens: []};
 const $ = (id) => document.getElementById(id);
+
+// Embeddings, overrides, isolates and the directional marks: invisible, yet they reorder the text
+// around them. Shown as ⟨U+202E⟩ instead.
+const BIDI = /[\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069]/g;
+function visible(text) {
+  return String(text).replace(BIDI, (c) => `⟨U+${c.codePointAt(0).toString(16).toUpperCase().padStart(4, "0")}⟩`);
+}
 
 function el(tag, attrs, ...children) {
   const node = document.createElement(tag);
   for (const [k, v] of Object.entries(attrs || {})) {
     if (v === undefined || v === null || v === false) continue;
     if (k === "class") node.className = v;
-    else if (k === "text") node.textContent = v;
+    else if (k === "text") node.textContent = visible(v);
     else if (k.startsWith("on")) node.addEventListener(k.slice(2), v);
-    else node.setAttribute(k, v === true ? "" : String(v));
+    else node.setAttribute(k, v === true ? "" : k === "title" ? visible(v) : String(v));
   }
   for (const c of children.flat(Infinity)) {
     if (c === undefined || c === null || c === false) continue;
-    node.append(c instanceof Node ? c : document.createTextNode(String(c)));
+    node.append(c instanceof Node ? c : document.createTextNode(visible(c)));
   }
   return node;
 }
@@ -89,7 +98,7 @@ async function loadRun() {
   const run = await api("api/run");
   state.run = run;
   document.title = `agentrl view: ${run.name}`;
-  $("run-name").textContent = run.name;
+  $("run-name").textContent = visible(run.name);
   const facts = $("run-facts");
   facts.replaceChildren();
   const add = (k, v) => facts.append(el("span", {}, `${k} `, el("b", {text: String(v)})));
@@ -113,7 +122,9 @@ async function loadRun() {
 async function selectSource(id, episode = -1) {
   state.sourceId = id;
   $("source").value = id;
-  state.episodes = id ? await api(`api/episodes?source=${encodeURIComponent(id)}`) : [];
+  const got = id ? await api(`api/episodes?source=${encodeURIComponent(id)}`) : {episodes: [], skipped_lines: 0};
+  state.episodes = got.episodes;
+  state.skippedLines = got.skipped_lines;
   fillFilters();
   $("filters").hidden = !id;
   $("episodes").hidden = !id;
@@ -164,6 +175,9 @@ function filtered() {
 function renderList() {
   const shown = filtered();
   $("episode-count").textContent = `${shown.length} of ${state.episodes.length} episodes`;
+  const skipped = state.skippedLines;
+  $("skipped-lines").hidden = !skipped;
+  $("skipped-lines").textContent = skipped ? `${skipped} line${skipped === 1 ? "" : "s"} of this file ${skipped === 1 ? "is" : "are"} not an episode (cut, or not agentrl's) and left out` : "";
   const body = $("episodes").tBodies[0];
   body.replaceChildren();
   let lastGroup = null;
@@ -351,7 +365,7 @@ function renderBlock(r, block, turn) {
         span.dataset.v = String(seg.version);
         if (seg.logprobs[j] < Math.log(0.05)) span.dataset.lowp = "";
       }
-      span.textContent = pieces[j];
+      span.textContent = visible(pieces[j]);
       state.tokens[i] = {id, origin: seg.origin, turn: seg.turn, piece: pieces[j], lp: seg.logprobs ? seg.logprobs[j] : null,
         version: seg.origin === "sampled" ? seg.version : null, trained};
       frag.append(span);
@@ -406,7 +420,7 @@ function onTokenHover(event) {
   const i = Number(span.dataset.i);
   const t = state.tokens[i];
   if (!t) { tip.hidden = true; return; }
-  tip.textContent = tokenTip(t, i);
+  tip.textContent = visible(tokenTip(t, i));
   tip.hidden = false;
   const x = Math.min(event.clientX + 14, window.innerWidth - 370);
   const y = event.clientY + 16 + 120 > window.innerHeight ? event.clientY - 120 : event.clientY + 16;
