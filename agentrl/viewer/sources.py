@@ -179,10 +179,13 @@ class RunReader:
     def _summary(index: int, r: dict[str, Any]) -> dict[str, Any]:
         metrics = r.get("metrics") or {}
         answer = ""
-        for m in reversed(r.get("messages") or []):
-            if m.get("role") == "assistant":
-                answer = str(m.get("content") or "")
-                break
+        # The messages end with the model's turns; a prompt's own assistant messages (worked
+        # examples, an earlier conversation) come before them and are never its answer.
+        if max((s["turn"] for s in r["segments"]), default=0) > 0:
+            for m in reversed(r.get("messages") or []):
+                if m.get("role") == "assistant":
+                    answer = str(m.get("content") or "")
+                    break
         kept_as = r.get("kept_as")
         return {
             "index": index,

@@ -189,6 +189,45 @@ def _open(browser, index: int) -> None:
                                      and d.execute_script("return location.hash").endswith(f"episode={index}"))
 
 
+def test_tool_calls_and_results_sit_under_the_models_own_turns(browser, failing_run: Path) -> None:
+    from selenium.webdriver.common.by import By
+
+    from agentrl.orchestration.trajectory_log import read_trajectory_file
+
+    records = read_trajectory_file(failing_run / "rollouts" / "step-000001.jsonl")
+    with agentrl_view(failing_run) as url:
+        browser.get(url + "#source=rollouts/step-000001")
+        wait_ready(browser)
+        assert browser.find_element(By.ID, "episode-count").text == "5 of 5 episodes"
+        assert browser.find_element(By.ID, "skipped-lines").text.startswith("6 lines of this file are not an episode")
+
+        # The retool preset's prompt: two worked examples, four assistant messages before the model's.
+        _open(browser, 0)
+        sides = [(s.get_attribute("data-side"), s.get_attribute("data-turn"))
+                 for s in browser.find_elements(By.CSS_SELECTOR, "#episode .turn")]
+        assert sides == [("prompt", "0"), ("assistant", "1"), ("env", "1"), ("assistant", "2")]
+        [call] = _section(browser, "assistant", 1).find_elements(By.CSS_SELECTOR, ".call")
+        assert call.text.startswith("tool call python") and "print(12*7)" in call.text
+        [result] = _section(browser, "env", 1).find_elements(By.CSS_SELECTOR, ".result")
+        assert result.text.startswith("result of python") and result.text.endswith("84")  # not the example's 5468
+        assert "10 messages, 4 of them the assistant's" in _section(browser, "prompt", 0).find_element(By.TAG_NAME, "h3").text
+        assert _section(browser, "assistant", 2).find_elements(By.CSS_SELECTOR, ".call, .result") == []
+        assert "final answer\nThe answer is \\boxed{85}." in browser.find_element(By.ID, "why").text
+        check_tokens_match_ledger(browser, records[0])
+        screenshot(browser, "viewer-few-shot-episode")
+
+        # A chat-history row: the user's earlier exchange is prompt, not the model's turn 1.
+        _open(browser, 2)
+        [call] = _section(browser, "assistant", 1).find_elements(By.CSS_SELECTOR, ".call")
+        assert "calculator" in call.text and '"expression": "12*7"' in call.text
+        [result] = _section(browser, "env", 1).find_elements(By.CSS_SELECTOR, ".result")
+        assert result.text.startswith("result of calculator") and result.text.endswith("84")
+        assert "3 messages, 1 of them the assistant's" in _section(browser, "prompt", 0).find_element(By.TAG_NAME, "h3").text
+        assert "Ada" not in browser.find_element(By.CSS_SELECTOR, "#episode .turn.env").text
+        check_tokens_match_ledger(browser, records[2])
+        assert page_errors(browser) == []
+
+
 def test_a_bidi_override_reorders_nothing_drawn_after_it(browser, failing_run: Path) -> None:
     from selenium.webdriver.common.by import By
 
@@ -223,6 +262,8 @@ def test_the_stopped_run_and_a_failing_runs_curves(browser, failing_run: Path) -
         wait_ready(browser)
         chips = browser.find_element(By.CSS_SELECTOR, "#episode .chips").text
         assert "kept as stopped" in chips and "t, h, e" not in chips
+        why = browser.find_element(By.ID, "why").text
+        assert "final answer\nnone: the model took no turn" in why and "9455" not in why  # not a worked example
         sides = [s.get_attribute("data-side") for s in browser.find_elements(By.CSS_SELECTOR, "#episode .turn")]
         assert sides == ["prompt"]
 

@@ -139,6 +139,8 @@ def test_the_stopped_run_file_says_why_its_episodes_were_kept(failing_run: Path)
     episodes = reader.episodes(stopped.id)
     assert [(e["episode_id"], e["status"], e["kept_as"], e["fault"]) for e in episodes] == [
         ("stopped", "infra", ["stopped"], "infra"), ("stopped-tool", "infra", ["stopped"], "infra")]
+    # The first failed before the model's first turn: its prompt's worked examples are no answer.
+    assert episodes[0]["answer"] == "" and episodes[0]["num_turns"] == 0
     assert reader.episode(stopped.id, 0)["kept_as"] == ["stopped"]
 
 
@@ -157,6 +159,13 @@ def test_lines_that_are_not_episodes_are_left_out_and_counted(failing_run: Path,
     assert summary["kept_as"] == [] and summary["tool_calls"] == 0.0 and summary["parse_errors"] == 0.0
     assert odd.skipped_lines("file") == 1
     json.dumps(summary, allow_nan=False)
+
+
+def test_a_prompts_own_assistant_messages_are_not_the_answer(failing_run: Path) -> None:
+    reader = RunReader(failing_run)
+    few_shot = reader.episode("rollouts/step-000001", 0)
+    assert sum(m["role"] == "assistant" for m in few_shot["messages"]) == 6  # 4 worked, 2 sampled
+    assert [e["answer"] for e in reader.episodes("rollouts/step-000001")][:4] == ["The answer is \\boxed{85}."] * 4
 
 
 def test_a_failing_run_still_draws_reward_pass_at_k_and_infrastructure_failures(failing_run: Path) -> None:

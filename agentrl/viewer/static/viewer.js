@@ -232,18 +232,25 @@ function blocksOf(record) {
   return blocks;
 }
 
-function messagesByTurn(messages) {
-  // The k-th assistant message is turn k; the messages after it, until the next one, are the
-  // environment's answer in turn k.
-  const turns = {};
-  let k = 0;
-  for (const m of messages || []) {
-    if (m.role === "assistant") {
-      k += 1;
-      (turns[k] = turns[k] || {assistant: null, env: []}).assistant = m;
-    } else if (k > 0) {
-      (turns[k] = turns[k] || {assistant: null, env: []}).env.push(m);
-    }
+function messagesByTurn(r) {
+  // The ledger numbers the model's turns: 1..K, the turn of each sampled token and of the
+  // environment's answer after it. The messages end with those K turns, each one assistant message
+  // (what was sampled) followed by what the environment added. Everything before them is the prompt,
+  // whose own assistant messages (worked examples, an earlier conversation) were never sampled here:
+  // so the model's turn k is the k-th of the last K assistant messages, never the k-th from the start.
+  const messages = r.messages || [];
+  const K = r.segments.reduce((k, s) => Math.max(k, s.turn), 0);
+  const assistant = [];
+  messages.forEach((m, i) => { if (m.role === "assistant") assistant.push(i); });
+  const first = assistant.length - K;  // the index, in `assistant`, of the model's turn 1
+  const promptEnd = K === 0 ? messages.length : (assistant[Math.max(first, 0)] ?? messages.length);
+  const turns = {prompt: messages.slice(0, promptEnd), last: null};
+  for (let k = 1; k <= K; k++) {
+    const at = assistant[first + k - 1];
+    if (at === undefined) continue;  // fewer messages than the ledger has turns: nothing to attach
+    const next = first + k < assistant.length ? assistant[first + k] : messages.length;
+    turns[k] = {assistant: messages[at], env: messages.slice(at + 1, next)};
+    turns.last = messages[at];
   }
   return turns;
 }
@@ -268,12 +275,12 @@ function renderEpisode(r) {
     el("div", {class: `reward ${rewardClass}`, id: "ep-reward"}, infra ? "infra" : fmt(r.reward), el("small", {text: "reward"})),
     el("div", {class: "chips"}, chips.map(([k, v, bad]) => el("span", {class: "chip" + (bad ? " bad" : "")}, `${k}: `, el("b", {text: String(v)})))),
   ));
-  root.append(whyBox(r));
+  const turns = messagesByTurn(r);
+  root.append(whyBox(r, turns));
   root.append(legendBar(r));
 
-  const turns = messagesByTurn(r.messages);
   state.tokens = [];
-  for (const block of blocksOf(r)) root.append(renderBlock(r, block, turns[block.turn]));
+  for (const block of blocksOf(r)) root.append(renderBlock(r, block, block.side === "prompt" ? turns.prompt : turns[block.turn]));
   root.append(el("details", {}, el("summary", {text: "messages, metrics and info as recorded"}),
     el("pre", {text: JSON.stringify({messages: r.messages, metrics: r.metrics, info: r.info}, null, 2)})));
   if (r.text && r.segments.every((s) => s.pieces === undefined)) {
@@ -282,12 +289,7 @@ function renderEpisode(r) {
   }
 }
 
-function lastAssistant(r) {
-  for (let i = (r.messages || []).length - 1; i >= 0; i--) if (r.messages[i].role === "assistant") return r.messages[i];
-  return null;
-}
-
-function whyBox(r) {
+function whyBox(r, turns) {
   const rows = [];
   const m = r.metrics || {};
   if (r.fault === "infra") rows.push(["reward", "not scored: the episode failed for infrastructure reasons, so it is masked out of the loss and its prompt is requeued"]);
@@ -295,8 +297,8 @@ function whyBox(r) {
   rows.push(["ended", `${r.finish_reason || "none"}: ${FINISH[r.finish_reason] || "unknown"}`]);
   if (r.error) rows.push(["error", r.error]);
   if (r.ground_truth !== null && r.ground_truth !== undefined) rows.push(["ground truth", typeof r.ground_truth === "string" ? r.ground_truth : JSON.stringify(r.ground_truth)]);
-  const last = lastAssistant(r);
-  if (last) rows.push(["final answer", short(last.content, 800) || "(empty)"]);
+  if (turns.last) rows.push(["final answer", short(turns.last.content, 800) || "(empty)"]);
+  else rows.push(["final answer", "none: the model took no turn"]);
   const tools = [`${fmt(m.tool_calls || 0)} call${m.tool_calls === 1 ? "" : "s"}`];
   if (m.tool_errors_model) tools.push(`${fmt(m.tool_errors_model)} failed by the model's fault`);
   if (m.tool_errors_infra) tools.push(`${fmt(m.tool_errors_infra)} failed for infrastructure reasons`);
@@ -334,9 +336,15 @@ function legendBar(r) {
 }
 
 function renderBlock(r, block, turn) {
+  // `turn`: the prompt's messages for the prompt, else that turn's {assistant, env} messages.
   const nTokens = block.segments.reduce((n, s) => n + s.ids.length, 0);
   let title;
-  if (block.side === "prompt") title = ["Prompt", `${nTokens} tokens · context, masked`];
+  if (block.side === "prompt") {
+    const messages = turn || [];
+    const own = messages.filter((m) => m.role === "assistant").length;
+    const said = own ? `, ${own} of them the assistant's (worked examples or an earlier conversation, not sampled here)` : "";
+    title = ["Prompt", `${messages.length} message${messages.length === 1 ? "" : "s"}${said} · ${nTokens} tokens · context, masked`];
+  }
   else if (block.side === "assistant") {
     const lps = block.segments.flatMap((s) => s.logprobs || []);
     const versions = [...new Set(block.segments.map((s) => s.version))].join(", ");
