@@ -136,15 +136,24 @@ def legend_colours(driver: Any) -> dict[str, str]:
         return out;""")
 
 
+_BIDI = re.compile("[\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069]")
+
+
+def visible(text: str) -> str:
+    """`text` as the page draws model output: each bidi control character as an escape, ⟨U+202E⟩."""
+    return _BIDI.sub(lambda m: f"⟨U+{ord(m.group()):04X}⟩", text)
+
+
 def check_tokens_match_ledger(driver: Any, record: dict[str, Any]) -> list[dict[str, Any]]:
     """Assert that the open episode shows exactly the ledger of `record` (a trajectory-file line):
-    every token once, in order, with its text, its origin's colour (the legend's), the trained
-    underline exactly on the sampled tokens of a trained episode, and its logprob and version."""
+    every token once, in order, with its text (bidi controls drawn visibly), its origin's colour
+    (the legend's), the trained underline exactly on the sampled tokens of a trained episode, and
+    its logprob and version."""
     shown = shown_tokens(driver)
     ledger = []
     for seg in record["segments"]:
         for j, piece in enumerate(seg["pieces"]):
-            ledger.append({"origin": seg["origin"], "text": piece,
+            ledger.append({"origin": seg["origin"], "text": visible(piece),
                            "lp": seg["logprobs"][j] if "logprobs" in seg else None, "version": seg.get("version")})
     assert [t["i"] for t in shown] == list(range(len(ledger))) == list(range(record["num_tokens"]))
     legend = legend_colours(driver)

@@ -72,23 +72,27 @@ class Panel:
     `keys` are metric names; a key ending in `*` stands for every logged key with that prefix
     (`finish/*`: one curve per finish reason). Keys under `eval/` come from `eval.jsonl`, which
     also holds the evaluation before the first step. `stacked` panels add their curves up (shares
-    of a whole, parts of a step's time).
+    of a whole, parts of a step's time). `always` panels are drawn even when every value is 0:
+    a reward, a pass@k or an infrastructure failure rate of 0 is what a failing run needs to see.
     """
 
     title: str
     keys: tuple[str, ...]
     hint: str = ""
     stacked: bool = False
+    always: bool = False
 
 
 # The dashboard, in reading order: `agentrl plot`, `agentrl view` and TensorBoard's custom
-# scalars all draw these, and leave out (naming them) the panels with nothing to show.
+# scalars all draw these, and leave out (naming them) the panels with nothing to show; the first
+# three are drawn whenever they were logged, 0 or not.
 PANELS: tuple[Panel, ...] = (
     Panel("Reward", ("episodes/reward_mean", "episodes/solved_frac"),
-          "mean reward and share solved (reward >= 1) of each step's episodes"),
-    Panel("Held-out pass@k", ("eval/pass_at_*",), "held-out evaluations, the one before training included"),
+          "mean reward and share solved (reward >= 1) of each step's episodes", always=True),
+    Panel("Held-out pass@k", ("eval/pass_at_*",), "held-out evaluations, the one before training included",
+          always=True),
     Panel("Infrastructure failures", ("tools/error_rate_infra", "episodes/infra_failed_frac", "episodes/infra_rate"),
-          "tool calls / episodes that failed for infrastructure reasons: masked, never trained"),
+          "tool calls / episodes that failed for infrastructure reasons: masked, never trained", always=True),
     Panel("Tool use", ("tools/calls_per_episode", "tools/used_frac"), "calls per episode; share of episodes with one"),
     Panel("Model's tool errors", ("tools/error_rate_model", "tools/parse_errors_per_episode"),
           "calls that failed by the model's fault; malformed calls per episode"),
@@ -157,8 +161,8 @@ def dashboard_panels(
 
     x is the number of steps done: a step's metrics (`step` s, 0-based) sit at s + 1, an evaluation
     after N steps at N (the one before training at 0). A panel none of whose keys was logged is
-    empty ("not logged"), and so is one whose every value is 0 ("always 0"); callers leave those out
-    and say so.
+    empty ("not logged"), and so is one whose every value is 0 ("always 0") unless it is an `always`
+    panel; callers leave the empty ones out and say so.
     """
     rows = [{**r, **time_split(r)} for r in records]
     eval_rows = [{f"eval/{k}": v for k, v in e.items() if k != "step"} | {"_x": float(e["step"])}
@@ -176,7 +180,7 @@ def dashboard_panels(
                     data.series[name] = ([p[0] for p in points], [p[1] for p in points])
         if not data.series:
             data.empty = "not logged"
-        elif all(v == 0 for _, ys in data.series.values() for v in ys):
+        elif not panel.always and all(v == 0 for _, ys in data.series.values() for v in ys):
             data.empty = "always 0"
         out.append(data)
     return out

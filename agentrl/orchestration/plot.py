@@ -5,7 +5,9 @@ The pictures are the dashboard's panels (`agentrl.orchestration.metrics.PANELS`,
 failures, tool use and the model's tool errors, finish reasons, response length, groups without
 signal, KL, entropy, clip fraction, grad norm, the rollout/trainer mismatch, staleness and the time
 split. A panel with nothing to show (never logged, or 0 at every step) is left out, and
-`dashboard.png` names what was left out and why, so a flat line never hides among the others.
+`dashboard.png` names what was left out and why, so a flat line never hides among the others;
+reward, held-out pass@k and infrastructure failures are drawn whenever they were logged, even at
+0 throughout, since that is what a failing run shows.
 A panel of infrastructure failures above zero gets a red title: they are episodes that were never trained.
 
 Written: `dashboard.png` with every drawn panel, and one PNG per panel (`reward.png`,

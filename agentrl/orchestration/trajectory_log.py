@@ -15,7 +15,7 @@ One line (`format: "agentrl.trajectory/1"`):
 | `source` | `train` (a step's rollouts) or `eval` |
 | `step` | train: the step that used the episode; eval: null (the directory says when) |
 | `status` | what became of the episode's group: `trained`, `filtered` (not trained: e.g. equal rewards), `infra` (every episode failed for infrastructure reasons), `eval` |
-| `kept_as` | why the step's sample holds this group: `best`, `worst`, `infra`, `sample`, `all` |
+| `kept_as` | why the step's sample holds this group: `best`, `worst`, `infra`, `sample`, `all`; `stopped` in `step-N-stopped.jsonl` (the infrastructure-failed episodes the run stopped on) |
 | `trained` | true when its sampled tokens were in the loss (status `trained` and not an infra fault) |
 | `episode_id`, `group_id`, `data_source`, `ground_truth` | where it came from (`ground_truth`: the row's `reward_model.ground_truth`) |
 | `reward`, `finish_reason`, `fault`, `error` | how it ended (`fault`: `model`, `infra` or null) |
@@ -59,6 +59,7 @@ __all__ = [
     "RolloutLog",
     "TokenPieces",
     "read_trajectory_file",
+    "scan_trajectory_file",
     "select_groups",
     "trajectory_from_record",
     "trajectory_record",
@@ -157,7 +158,11 @@ def trajectory_record(
     kept_as: Sequence[str] = (),
     ground_truth: Any = None,
 ) -> dict[str, Any]:
-    """One line of a trajectory file (see the module docstring)."""
+    """One line of a trajectory file (see the module docstring).
+
+    `kept_as` is a sequence of reasons; a bare string is refused (it would be written letter by letter)."""
+    if isinstance(kept_as, str):
+        raise TypeError(f"kept_as takes a sequence of reasons, such as ({kept_as!r},), not a bare string")
     return {
         "format": FORMAT,
         "source": source,
@@ -259,18 +264,46 @@ def _ground_truth(row: dict[str, Any] | None) -> Any:
 
 def read_trajectory_file(path: str | Path) -> list[dict[str, Any]]:
     """The lines of a trajectory file, in this module's format (older files are converted, their
-    tokens without text). A line cut by a crash is skipped."""
-    out = []
+    tokens without text). A line that is not an episode (cut by a crash, or foreign) is skipped."""
+    return scan_trajectory_file(path)[0]
+
+
+def scan_trajectory_file(path: str | Path) -> tuple[list[dict[str, Any]], int]:
+    """The episodes of a trajectory file (as `read_trajectory_file`) and how many of its non-blank
+    lines are not episodes: not JSON, JSON but not an object, or an object without a usable ledger."""
+    out, skipped = [], 0
     with Path(path).open() as f:
         for line in f:
             if not line.strip():
                 continue
             try:
-                record = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            out.append(record if "segments" in record else _upgrade(record))
-    return out
+                record = json.loads(line, parse_constant=lambda _: None)  # NaN, Infinity: null, as written
+                if isinstance(record, dict) and "segments" not in record:  # the older format, or not an episode
+                    record = _upgrade(record) if isinstance(record.get("token_ids"), list) else None
+            except (ValueError, TypeError, KeyError, IndexError, AttributeError):  # JSONDecodeError: a ValueError
+                record = None
+            if _is_episode(record):
+                out.append(record)
+            else:
+                skipped += 1
+    return out, skipped
+
+
+def _is_episode(record: Any) -> bool:
+    """Whether a parsed line has the shape a reader relies on: segments with ids, messages as objects."""
+    if not isinstance(record, dict) or not isinstance(record.get("segments"), list):
+        return False
+    for seg in record["segments"]:
+        if not (isinstance(seg, dict) and seg.get("origin") in _ORIGIN_OF and isinstance(seg.get("ids"), list)
+                and type(seg.get("turn")) is int and type(seg.get("start")) is int):
+            return False
+        for key in ("pieces", "logprobs"):
+            if key in seg and not (isinstance(seg[key], list) and len(seg[key]) == len(seg["ids"])):
+                return False
+    messages = record.get("messages")
+    if messages is not None and not (isinstance(messages, list) and all(isinstance(m, dict) for m in messages)):
+        return False
+    return all(record.get(key) is None or isinstance(record[key], dict) for key in ("metrics", "info"))
 
 
 def _upgrade(old: dict[str, Any]) -> dict[str, Any]:
@@ -383,7 +416,7 @@ class RolloutLog:
         path = self.dir / f"step-{step + 1:06d}-stopped.jsonl"
         write_trajectories(path, (
             trajectory_record(t, self.pieces, source="train", step=step + 1, status="infra",
-                              kept_as="the run stopped on infrastructure failures")
+                              kept_as=("stopped",))
             for t in trajectories if not t.trainable
         ))  # fmt: skip
         return path

@@ -7,7 +7,7 @@ It binds to 127.0.0.1 by default (a port the OS picks unless one is given) and s
 | `/` | the page (`static/index.html`; its script and style are package data, nothing from the internet) |
 | `/api/run` | the run's name, kind, config highlights and its sources (training steps, evaluations) |
 | `/api/dashboard` | the dashboard panels with their curves |
-| `/api/episodes?source=ID` | a summary of each episode of a source |
+| `/api/episodes?source=ID` | `{"episodes": a summary of each episode of a source, "skipped_lines": lines of its file that are not episodes}` |
 | `/api/episode?source=ID&index=I` | one whole episode (its trajectory-file line) |
 
 Only files under the directory it was given are read, and only through `RunReader`: a request
@@ -90,7 +90,8 @@ class _Handler(BaseHTTPRequestHandler):
             elif url.path == "/api/dashboard":
                 self._json(reader.dashboard())
             elif url.path == "/api/episodes":
-                self._json(reader.episodes(query.get("source", "")))
+                source = query.get("source", "")
+                self._json({"episodes": reader.episodes(source), "skipped_lines": reader.skipped_lines(source)})
             elif url.path == "/api/episode":
                 self._json(reader.episode(query.get("source", ""), int(query.get("index", "-1"))))
             else:
@@ -101,6 +102,9 @@ class _Handler(BaseHTTPRequestHandler):
             self._error(HTTPStatus.BAD_REQUEST, str(exc))
         except (BrokenPipeError, ConnectionResetError):
             pass  # the browser went away
+        except Exception as exc:  # a file that breaks the reader: answer, never drop the connection
+            log.exception("agentrl view could not answer %s", self.path)
+            self._error(HTTPStatus.INTERNAL_SERVER_ERROR, f"{type(exc).__name__}: {exc}")
 
 
 class _Server(ThreadingHTTPServer):

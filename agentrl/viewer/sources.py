@@ -25,7 +25,7 @@ import yaml
 
 from agentrl.errors import ConfigError
 from agentrl.orchestration.metrics import dashboard_panels, read_evals, read_metrics
-from agentrl.orchestration.trajectory_log import TokenPieces, read_trajectory_file
+from agentrl.orchestration.trajectory_log import TokenPieces, scan_trajectory_file
 
 __all__ = ["RunReader", "Source"]
 
@@ -62,6 +62,11 @@ def _short(value: Any, limit: int) -> str:
     return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
+def _count(value: Any) -> float:
+    """A metric the list adds up: a number, or 0 for anything else a file may hold."""
+    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else 0.0
+
+
 class RunReader:
     """Reads one run directory, eval directory or trajectory file (see the module docstring)."""
 
@@ -83,7 +88,7 @@ class RunReader:
                 "give the directory 'agentrl run' or 'agentrl eval' wrote (it prints it at the end)."
             )
         self._lock = threading.Lock()
-        self._files: dict[Path, tuple[tuple[int, int], list[dict[str, Any]]]] = {}
+        self._files: dict[Path, tuple[tuple[int, int], list[dict[str, Any]], int]] = {}
         self._pieces: TokenPieces | None = None
         self._pieces_tried = False
 
@@ -155,6 +160,11 @@ class RunReader:
         """A short summary of each episode of a source: what the list shows and filters on."""
         return [self._summary(i, r) for i, r in enumerate(self._records(self.source(source_id).path))]
 
+    def skipped_lines(self, source_id: str) -> int:
+        """How many lines of a source's file are not episodes (cut by a crash, or foreign): left out
+        of `episodes`, and counted so that the page can say so."""
+        return self._read(self.source(source_id).path)[1]
+
     def episode(self, source_id: str, index: int) -> dict[str, Any]:
         """One whole episode (its trajectory-file line)."""
         records = self._records(self.source(source_id).path)
@@ -169,16 +179,20 @@ class RunReader:
     def _summary(index: int, r: dict[str, Any]) -> dict[str, Any]:
         metrics = r.get("metrics") or {}
         answer = ""
-        for m in reversed(r.get("messages") or []):
-            if m.get("role") == "assistant":
-                answer = str(m.get("content") or "")
-                break
+        # The messages end with the model's turns; a prompt's own assistant messages (worked
+        # examples, an earlier conversation) come before them and are never its answer.
+        if max((s["turn"] for s in r["segments"]), default=0) > 0:
+            for m in reversed(r.get("messages") or []):
+                if m.get("role") == "assistant":
+                    answer = str(m.get("content") or "")
+                    break
+        kept_as = r.get("kept_as")
         return {
             "index": index,
             "episode_id": r.get("episode_id", ""),
             "group_id": r.get("group_id", ""),
             "status": r.get("status", ""),
-            "kept_as": r.get("kept_as") or [],
+            "kept_as": [str(k) for k in kept_as] if isinstance(kept_as, list) else [],
             "trained": bool(r.get("trained")),
             "reward": r.get("reward"),
             "finish_reason": r.get("finish_reason") or "none",
@@ -190,28 +204,32 @@ class RunReader:
             "num_tokens": r.get("num_tokens", 0),
             "num_sampled": r.get("num_sampled", 0),
             "num_turns": r.get("num_turns", 0),
-            "tool_calls": metrics.get("tool_calls", 0.0) or 0.0,
-            "tool_errors_model": metrics.get("tool_errors_model", 0.0) or 0.0,
-            "tool_errors_infra": metrics.get("tool_errors_infra", 0.0) or 0.0,
-            "parse_errors": metrics.get("parse_errors", 0.0) or 0.0,
+            "tool_calls": _count(metrics.get("tool_calls")),
+            "tool_errors_model": _count(metrics.get("tool_errors_model")),
+            "tool_errors_infra": _count(metrics.get("tool_errors_infra")),
+            "parse_errors": _count(metrics.get("parse_errors")),
         }
 
     # ── files ───────────────────────────────────────────────────────────────────────────────
     def _records(self, path: Path) -> list[dict[str, Any]]:
+        return self._read(path)[0]
+
+    def _read(self, path: Path) -> tuple[list[dict[str, Any]], int]:
+        """A file's episodes and how many of its lines are not episodes, parsed once per version."""
         stat = path.stat()
         stamp = (stat.st_mtime_ns, stat.st_size)
         with self._lock:
             cached = self._files.get(path)
             if cached is not None and cached[0] == stamp:
                 self._files[path] = self._files.pop(path)
-                return cached[1]
-        records = read_trajectory_file(path)
+                return cached[1], cached[2]
+        records, skipped = scan_trajectory_file(path)
         with self._lock:
             self._files.pop(path, None)
-            self._files[path] = (stamp, records)
+            self._files[path] = (stamp, records, skipped)
             while len(self._files) > _CACHED_FILES:  # the least recently read go first
                 del self._files[next(iter(self._files))]
-        return records
+        return records, skipped
 
     def _config(self) -> dict[str, Any]:
         """The resolved config of the run or evaluation (a file's: the nearest one above it)."""

@@ -76,7 +76,8 @@ def test_a_sandbox_that_breaks_mid_run_stops_it_in_the_first_step(tmp_path: Path
     from agentrl.orchestration.trajectory_log import read_trajectory_file
 
     stopped = read_trajectory_file(run_dir / "rollouts" / "step-000001-stopped.jsonl")
-    assert stopped and all(r["fault"] == "infra" and "injected fault" in r["error"] for r in stopped)
+    assert stopped and all(r["fault"] == "infra" and "injected fault" in r["error"] and r["kept_as"] == ["stopped"]
+                           for r in stopped)
     # every prompt taken is in the ledger with its final state, none of them trained
     ledger = [json.loads(line) for line in (run_dir / "ledger.jsonl").read_text().splitlines() if line.strip()]
     assert ledger and not any(e["status"] == "trained" for e in ledger)

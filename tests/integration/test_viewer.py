@@ -4,7 +4,11 @@ The run directory is made of real ledgers (tests/viewer_runs.py: the Qwen2.5 tem
 delta-tokenises tool-calling episodes, the real `RolloutLog` keeps each step's sample); Debian's
 headless Chromium loads the page over loopback (tests/browser.py). Checked: the JSON API and its
 refusals, the episode list and its filters, tool calls and their results, the reward and why,
-token colours and masks against the ledger, the curves and the panels left out.
+token colours and masks against the ledger, the curves and the panels left out. A run that went
+wrong (tests/viewer_runs.py `make_failing_run`): tool calls and results under the model's own turns
+when the prompt holds assistant messages (the retool preset's worked examples, a chat-history
+row), a bidi override that reorders nothing after its token, lines that are not episodes counted,
+the stopped-run file, and reward, pass@k and infrastructure failures drawn at 0.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from browser import (
     screenshot,
     wait_ready,
 )
-from viewer_runs import QWEN25, make_run_dir
+from viewer_runs import NOT_EPISODES, QWEN25, make_failing_run, make_run_dir
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(not QWEN25.is_dir(), reason=f"tokenizer assets not found under {QWEN25}")]
@@ -36,6 +40,13 @@ def calc_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from agentrl.chat import ChatTemplate
 
     return make_run_dir(tmp_path_factory.mktemp("viewer") / "calc-run", ChatTemplate.from_pretrained(QWEN25))
+
+
+@pytest.fixture(scope="module")
+def failing_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from agentrl.chat import ChatTemplate
+
+    return make_failing_run(tmp_path_factory.mktemp("viewer") / "failing-run", ChatTemplate.from_pretrained(QWEN25))
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +66,9 @@ def test_the_server_answers_json_and_refuses_what_is_not_the_run(calc_run: Path)
         assert "static/viewer.js" in page.text and "http" not in page.text.replace(url, "")  # nothing from the internet
         js = httpx.get(url + "static/viewer.js")
         assert js.status_code == 200 and "javascript" in js.headers["content-type"]
-        episodes = httpx.get(url + "api/episodes", params={"source": "rollouts/step-000003"}).json()
+        listed = httpx.get(url + "api/episodes", params={"source": "rollouts/step-000003"}).json()
+        assert listed["skipped_lines"] == 0
+        episodes = listed["episodes"]
         assert len(episodes) == 6
         one = httpx.get(url + "api/episode", params={"source": "rollouts/step-000003", "index": 4}).json()
         assert one["episode_id"] == episodes[4]["episode_id"] and one["segments"]
@@ -145,3 +158,121 @@ def test_an_eval_directory_opens_on_its_episodes(browser, calc_run: Path) -> Non
         shown = check_tokens_match_ledger(browser, record)
         assert {t["origin"] for t in shown if t["mask"] == "1"} == set(), "nothing of an evaluation is trained"
         assert "never trained on" in browser.find_element(By.ID, "why").text
+
+
+def test_the_api_skips_lines_that_are_not_episodes_and_serves_the_stopped_run_file(failing_run: Path) -> None:
+    with agentrl_view(failing_run) as url:
+        listed = httpx.get(url + "api/episodes", params={"source": "rollouts/step-000001"})
+        assert listed.status_code == 200  # `null` and `[1, 2]` lines no longer drop the connection
+        assert listed.json()["skipped_lines"] == len(NOT_EPISODES) == 6
+        assert [e["episode_id"] for e in listed.json()["episodes"]] == ["fs-0", "fs-1", "ch-0", "ch-1", "bidi"]
+        stopped = httpx.get(url + "api/episodes", params={"source": "rollouts/step-000003-stopped"}).json()
+        assert [(e["episode_id"], e["kept_as"]) for e in stopped["episodes"]] == [
+            ("stopped", ["stopped"]), ("stopped-tool", ["stopped"])]
+        one = httpx.get(url + "api/episode", params={"source": "rollouts/step-000003-stopped", "index": 0}).json()
+        assert one["kept_as"] == ["stopped"] and one["num_turns"] == 0
+
+
+def _section(browser, side: str, turn: int):
+    from selenium.webdriver.common.by import By
+
+    [section] = browser.find_elements(By.CSS_SELECTOR, f"#episode .turn[data-side='{side}'][data-turn='{turn}']")
+    return section
+
+
+def _open(browser, index: int) -> None:
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    browser.find_element(By.CSS_SELECTOR, f"#episodes tr.row[data-index='{index}']").click()
+    WebDriverWait(browser, 30).until(lambda d: d.find_elements(By.CSS_SELECTOR, "#episode .tok")
+                                     and d.execute_script("return location.hash").endswith(f"episode={index}"))
+
+
+def test_tool_calls_and_results_sit_under_the_models_own_turns(browser, failing_run: Path) -> None:
+    from selenium.webdriver.common.by import By
+
+    from agentrl.orchestration.trajectory_log import read_trajectory_file
+
+    records = read_trajectory_file(failing_run / "rollouts" / "step-000001.jsonl")
+    with agentrl_view(failing_run) as url:
+        browser.get(url + "#source=rollouts/step-000001")
+        wait_ready(browser)
+        assert browser.find_element(By.ID, "episode-count").text == "5 of 5 episodes"
+        assert browser.find_element(By.ID, "skipped-lines").text.startswith("6 lines of this file are not an episode")
+
+        # The retool preset's prompt: two worked examples, four assistant messages before the model's.
+        _open(browser, 0)
+        sides = [(s.get_attribute("data-side"), s.get_attribute("data-turn"))
+                 for s in browser.find_elements(By.CSS_SELECTOR, "#episode .turn")]
+        assert sides == [("prompt", "0"), ("assistant", "1"), ("env", "1"), ("assistant", "2")]
+        [call] = _section(browser, "assistant", 1).find_elements(By.CSS_SELECTOR, ".call")
+        assert call.text.startswith("tool call python") and "print(12*7)" in call.text
+        [result] = _section(browser, "env", 1).find_elements(By.CSS_SELECTOR, ".result")
+        assert result.text.startswith("result of python") and result.text.endswith("84")  # not the example's 5468
+        assert "10 messages, 4 of them the assistant's" in _section(browser, "prompt", 0).find_element(By.TAG_NAME, "h3").text
+        assert _section(browser, "assistant", 2).find_elements(By.CSS_SELECTOR, ".call, .result") == []
+        assert "final answer\nThe answer is \\boxed{85}." in browser.find_element(By.ID, "why").text
+        check_tokens_match_ledger(browser, records[0])
+        screenshot(browser, "viewer-few-shot-episode")
+
+        # A chat-history row: the user's earlier exchange is prompt, not the model's turn 1.
+        _open(browser, 2)
+        [call] = _section(browser, "assistant", 1).find_elements(By.CSS_SELECTOR, ".call")
+        assert "calculator" in call.text and '"expression": "12*7"' in call.text
+        [result] = _section(browser, "env", 1).find_elements(By.CSS_SELECTOR, ".result")
+        assert result.text.startswith("result of calculator") and result.text.endswith("84")
+        assert "3 messages, 1 of them the assistant's" in _section(browser, "prompt", 0).find_element(By.TAG_NAME, "h3").text
+        assert "Ada" not in browser.find_element(By.CSS_SELECTOR, "#episode .turn.env").text
+        check_tokens_match_ledger(browser, records[2])
+        assert page_errors(browser) == []
+
+
+def test_a_bidi_override_reorders_nothing_drawn_after_it(browser, failing_run: Path) -> None:
+    from selenium.webdriver.common.by import By
+
+    from agentrl.orchestration.trajectory_log import read_trajectory_file
+
+    record = read_trajectory_file(failing_run / "rollouts" / "step-000001.jsonl")[4]
+    with agentrl_view(failing_run) as url:
+        browser.get(url + "#source=rollouts/step-000001&episode=4")
+        wait_ready(browser)
+        spans = _section(browser, "assistant", 2).find_elements(By.CSS_SELECTOR, ".tok")
+        texts = [s.get_attribute("textContent") for s in spans]
+        at = next(i for i, t in enumerate(texts) if "\u202e" in t or "⟨U+202E⟩" in t)
+        boxes = browser.execute_script(
+            "return arguments[0].map((s) => { const b = s.getBoundingClientRect(); return [b.left, b.top]; });",
+            spans[at:at + 8])
+        assert texts[at + 1:at + 4] == ["The", " answer", " is"]
+        # Drawn left to right, on one line, in ledger order: nothing after the override was reversed.
+        assert len({round(top) for _, top in boxes}) == 1
+        lefts = [left for left, _ in boxes]
+        assert lefts == sorted(lefts) and len(set(lefts)) == len(lefts), lefts
+        assert {s.value_of_css_property("unicode-bidi") for s in spans} == {"isolate"}
+        check_tokens_match_ledger(browser, record)  # every token, the override drawn as ⟨U+202E⟩
+        assert "⟨U+202E⟩" in browser.find_element(By.ID, "why").text  # the final answer, too
+        assert page_errors(browser) == []
+
+
+def test_the_stopped_run_and_a_failing_runs_curves(browser, failing_run: Path) -> None:
+    from selenium.webdriver.common.by import By
+
+    with agentrl_view(failing_run) as url:
+        browser.get(url + "#source=rollouts/step-000003-stopped&episode=0")
+        wait_ready(browser)
+        chips = browser.find_element(By.CSS_SELECTOR, "#episode .chips").text
+        assert "kept as stopped" in chips and "t, h, e" not in chips
+        why = browser.find_element(By.ID, "why").text
+        assert "final answer\nnone: the model took no turn" in why and "9455" not in why  # not a worked example
+        sides = [s.get_attribute("data-side") for s in browser.find_elements(By.CSS_SELECTOR, "#episode .turn")]
+        assert sides == ["prompt"]
+
+        browser.find_element(By.ID, "show-curves").click()
+        panels = {p.get_attribute("data-title"): p for p in browser.find_elements(By.CSS_SELECTOR, "#curves .panel")}
+        assert {"Reward", "Held-out pass@k", "Infrastructure failures"} <= set(panels)
+        assert panels["Reward"].find_element(By.TAG_NAME, "h3").text == "Reward"  # two curves: no 'last'
+        assert "alarm" not in panels["Infrastructure failures"].get_attribute("class")
+        note = browser.find_element(By.CSS_SELECTOR, "#curves .nothing").text
+        assert "KL (always 0)" in note and "Reward" not in note and "pass@k" not in note
+        screenshot(browser, "viewer-failing-curves")
+        assert page_errors(browser) == []

@@ -155,3 +155,23 @@ def test_plot_draws_the_panels_and_names_those_left_out(tmp_path):
         plot_run(tmp_path, keys=["nope/x"])
     with pytest.raises(ConfigError, match="no metrics.jsonl"):
         plot_run(tmp_path / "missing")
+
+
+def test_a_failing_run_still_plots_reward_pass_at_k_and_infrastructure_failures(tmp_path):
+    pytest.importorskip("matplotlib")
+    from agentrl.orchestration.plot import plot_run
+
+    with (tmp_path / "metrics.jsonl").open("w") as f:
+        for step in range(2):
+            f.write(json.dumps({"step": step, "episodes/reward_mean": 0.0, "episodes/solved_frac": 0.0,
+                                "tools/error_rate_infra": 0.0, "actor/ppo_kl": 0.0, "finish/max_turns": 1.0}) + "\n")
+    (tmp_path / "eval.jsonl").write_text(json.dumps({"step": 0, "pass_at_1": 0.0, "pass_at_4": 0.0}) + "\n")
+    data = {d.panel.title: d for d in dashboard_panels(read_metrics(tmp_path / "metrics.jsonl"),
+                                                       read_evals(tmp_path / "eval.jsonl"))}
+    assert [t for t, d in data.items() if not d.empty] == ["Reward", "Held-out pass@k", "Infrastructure failures",
+                                                           "Finish reasons"]
+    assert data["Reward"].series["episodes/reward_mean"] == ([1.0, 2.0], [0.0, 0.0])
+    assert data["KL"].empty == "always 0"
+    names = sorted(p.name for p in plot_run(tmp_path))
+    assert names == ["dashboard.png", "finish_reasons.png", "held_out_pass_k.png", "infrastructure_failures.png",
+                     "reward.png"]

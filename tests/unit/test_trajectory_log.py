@@ -23,6 +23,7 @@ from agentrl.orchestration.trajectory_log import (
     RolloutLog,
     TokenPieces,
     read_trajectory_file,
+    scan_trajectory_file,
     select_groups,
     trajectory_from_record,
     trajectory_record,
@@ -31,7 +32,7 @@ from agentrl.orchestration.trajectory_log import (
 from agentrl.types import TokenOrigin
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from viewer_runs import tool_episode
+from viewer_runs import NOT_EPISODES, tool_episode
 
 ASSETS = Path(os.environ.get("AGENTRL_ASSETS", "/work/shared/assets"))
 QWEN25 = ASSETS / "qwen2.5-0.5b-instruct"
@@ -170,3 +171,30 @@ def test_every_origin_has_a_name() -> None:
 
     assert ORIGIN_NAMES == {int(o): o.name.lower() for o in TokenOrigin}
     assert set(ORIGIN_NAMES.values()) == {"prompt", "sampled", "template", "tool"}
+
+
+def test_kept_as_is_a_sequence_of_reasons_and_the_stopped_file_says_stopped(template: ChatTemplate,
+                                                                           tmp_path: Path) -> None:
+    t = tool_episode(template, fault="infra")
+    with pytest.raises(TypeError, match="not a bare string"):
+        trajectory_record(t, None, source="train", kept_as="best")
+    assert trajectory_record(t, None, source="train", kept_as=("best", "infra"))["kept_as"] == ["best", "infra"]
+    path = RolloutLog(tmp_path, template.tokenizer, 0).write_stopped(2, [t, tool_episode(template, episode_id="ok")])
+    assert path == tmp_path / "rollouts" / "step-000003-stopped.jsonl"
+    [record] = read_trajectory_file(path)  # the infrastructure failure only
+    assert (record["kept_as"], record["status"], record["step"], record["trained"]) == (["stopped"], "infra", 3, False)
+
+
+def test_lines_that_are_not_episodes_are_skipped_and_counted(template: ChatTemplate, tmp_path: Path) -> None:
+    path = tmp_path / "t.jsonl"
+    write_eval_trajectories(path, [[tool_episode(template, episode_id="a"), tool_episode(template, episode_id="b")]],
+                            [{}], template.tokenizer)
+    good = path.read_text().splitlines()
+    odd = [*NOT_EPISODES, '{"segments": [{"origin": "prompt", "turn": 0, "start": 0, "ids": "abc"}]}',
+           '{"segments": [], "messages": [null]}', '{"token_ids": [1, 2], "origins": [0]}']
+    assert '"reward": 1.0' in good[1]
+    path.write_text("\n".join([good[0], *odd, "", good[1], good[1].replace('"reward": 1.0', '"reward": NaN')]) + "\n")
+    records, skipped = scan_trajectory_file(path)
+    assert [r["episode_id"] for r in records] == ["a", "b", "b"] and skipped == len(odd) == 9
+    assert records[2]["reward"] is None  # NaN is read as null, as the writer writes it
+    assert read_trajectory_file(path) == records

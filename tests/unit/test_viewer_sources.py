@@ -14,7 +14,7 @@ from agentrl.errors import ConfigError
 from agentrl.viewer import RunReader
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from viewer_runs import QWEN25, make_run_dir, tool_episode
+from viewer_runs import NOT_EPISODES, QWEN25, make_failing_run, make_run_dir, tool_episode
 
 pytestmark = pytest.mark.skipif(not QWEN25.is_dir(), reason=f"tokenizer assets not found under {QWEN25}")
 
@@ -27,6 +27,11 @@ def template() -> ChatTemplate:
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory: pytest.TempPathFactory, template: ChatTemplate) -> Path:
     return make_run_dir(tmp_path_factory.mktemp("viewer") / "calc-run", template)
+
+
+@pytest.fixture(scope="module")
+def failing_run(tmp_path_factory: pytest.TempPathFactory, template: ChatTemplate) -> Path:
+    return make_failing_run(tmp_path_factory.mktemp("viewer") / "failing-run", template)
 
 
 def test_a_run_lists_its_steps_and_evaluations(run_dir: Path) -> None:
@@ -125,3 +130,50 @@ def test_a_file_being_rewritten_is_read_again(run_dir: Path, tmp_path: Path, tem
     write_eval_trajectories(path, [[tool_episode(template), tool_episode(template)]], [{}], template.tokenizer)
     os.utime(path, ns=(1, 1))  # another stamp even on a coarse clock
     assert len(reader.episodes("file")) == 2
+
+
+def test_the_stopped_run_file_says_why_its_episodes_were_kept(failing_run: Path) -> None:
+    reader = RunReader(failing_run)
+    stopped = reader.source("rollouts/step-000003-stopped")
+    assert (stopped.kind, stopped.step, stopped.label) == ("train", 3, "step 3 rollouts (the run stopped here)")
+    episodes = reader.episodes(stopped.id)
+    assert [(e["episode_id"], e["status"], e["kept_as"], e["fault"]) for e in episodes] == [
+        ("stopped", "infra", ["stopped"], "infra"), ("stopped-tool", "infra", ["stopped"], "infra")]
+    # The first failed before the model's first turn: its prompt's worked examples are no answer.
+    assert episodes[0]["answer"] == "" and episodes[0]["num_turns"] == 0
+    assert reader.episode(stopped.id, 0)["kept_as"] == ["stopped"]
+
+
+def test_lines_that_are_not_episodes_are_left_out_and_counted(failing_run: Path, tmp_path: Path) -> None:
+    reader = RunReader(failing_run)
+    episodes = reader.episodes("rollouts/step-000001")
+    assert [e["episode_id"] for e in episodes] == ["fs-0", "fs-1", "ch-0", "ch-1", "bidi"]
+    assert reader.skipped_lines("rollouts/step-000001") == len(NOT_EPISODES) == 6
+    assert reader.skipped_lines("rollouts/step-000003-stopped") == 0
+    # A line with the keys of an episode but values of other types does not break the list.
+    line = json.loads((failing_run / "rollouts" / "step-000001.jsonl").read_text().splitlines()[0])
+    line.update(kept_as="best", metrics={"tool_calls": "many", "parse_errors": True})
+    (tmp_path / "odd.jsonl").write_text(json.dumps(line) + "\nnull\n")
+    odd = RunReader(tmp_path / "odd.jsonl")
+    [summary] = odd.episodes("file")
+    assert summary["kept_as"] == [] and summary["tool_calls"] == 0.0 and summary["parse_errors"] == 0.0
+    assert odd.skipped_lines("file") == 1
+    json.dumps(summary, allow_nan=False)
+
+
+def test_a_prompts_own_assistant_messages_are_not_the_answer(failing_run: Path) -> None:
+    reader = RunReader(failing_run)
+    few_shot = reader.episode("rollouts/step-000001", 0)
+    assert sum(m["role"] == "assistant" for m in few_shot["messages"]) == 6  # 4 worked, 2 sampled
+    assert [e["answer"] for e in reader.episodes("rollouts/step-000001")][:4] == ["The answer is \\boxed{85}."] * 4
+
+
+def test_a_failing_run_still_draws_reward_pass_at_k_and_infrastructure_failures(failing_run: Path) -> None:
+    dash = RunReader(failing_run).dashboard()
+    panels = {p["title"]: p for p in dash["panels"]}
+    assert panels["Reward"]["empty"] == "" and panels["Reward"]["series"]["episodes/reward_mean"]["y"] == [0.0, 0.0]
+    assert panels["Held-out pass@k"]["empty"] == ""
+    assert panels["Held-out pass@k"]["series"]["eval/pass_at_2"] == {"x": [0.0], "y": [0.0]}
+    assert panels["Infrastructure failures"]["empty"] == ""
+    assert panels["Infrastructure failures"]["series"]["tools/error_rate_infra"]["y"] == [0.0, 0.0]
+    assert panels["KL"]["empty"] == "always 0"  # other panels at 0 throughout are still left out

@@ -1,7 +1,9 @@
 // agentrl view: the page's script. Plain JavaScript, no framework, nothing from the internet.
 // It asks the local server (agentrl/viewer/server.py) for the run, its dashboard curves, the
 // episodes of a training step or an evaluation, and one whole episode, and draws them. Model
-// output is untrusted text: it only ever reaches the page through textContent, never as HTML.
+// output is untrusted text: it only ever reaches the page through textContent, never as HTML,
+// and its bidi control characters are drawn as visible escapes (`visible`), so that a right-to-left
+// override in one token cannot reorder what is drawn after it.
 "use strict";
 
 const COLOURS = ["#1f77b4", "#ff7f0e", "#2ca02c", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#17becf"];
@@ -19,21 +21,28 @@ const STATUS = {
   eval: "an evaluation episode (never trained on)",
 };
 
-const state = {run: null, sourceId: "", episodes: [], episodeIndex: -1, dashboard: null, record: null, tokens: []};
+const state = {run: null, sourceId: "", episodes: [], skippedLines: 0, episodeIndex: -1, dashboard: null, record: null, tokens: []};
 const $ = (id) => document.getElementById(id);
+
+// Embeddings, overrides, isolates and the directional marks: invisible, yet they reorder the text
+// around them. Shown as ⟨U+202E⟩ instead.
+const BIDI = /[\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069]/g;
+function visible(text) {
+  return String(text).replace(BIDI, (c) => `⟨U+${c.codePointAt(0).toString(16).toUpperCase().padStart(4, "0")}⟩`);
+}
 
 function el(tag, attrs, ...children) {
   const node = document.createElement(tag);
   for (const [k, v] of Object.entries(attrs || {})) {
     if (v === undefined || v === null || v === false) continue;
     if (k === "class") node.className = v;
-    else if (k === "text") node.textContent = v;
+    else if (k === "text") node.textContent = visible(v);
     else if (k.startsWith("on")) node.addEventListener(k.slice(2), v);
-    else node.setAttribute(k, v === true ? "" : String(v));
+    else node.setAttribute(k, v === true ? "" : k === "title" ? visible(v) : String(v));
   }
   for (const c of children.flat(Infinity)) {
     if (c === undefined || c === null || c === false) continue;
-    node.append(c instanceof Node ? c : document.createTextNode(String(c)));
+    node.append(c instanceof Node ? c : document.createTextNode(visible(c)));
   }
   return node;
 }
@@ -89,7 +98,7 @@ async function loadRun() {
   const run = await api("api/run");
   state.run = run;
   document.title = `agentrl view: ${run.name}`;
-  $("run-name").textContent = run.name;
+  $("run-name").textContent = visible(run.name);
   const facts = $("run-facts");
   facts.replaceChildren();
   const add = (k, v) => facts.append(el("span", {}, `${k} `, el("b", {text: String(v)})));
@@ -113,7 +122,9 @@ async function loadRun() {
 async function selectSource(id, episode = -1) {
   state.sourceId = id;
   $("source").value = id;
-  state.episodes = id ? await api(`api/episodes?source=${encodeURIComponent(id)}`) : [];
+  const got = id ? await api(`api/episodes?source=${encodeURIComponent(id)}`) : {episodes: [], skipped_lines: 0};
+  state.episodes = got.episodes;
+  state.skippedLines = got.skipped_lines;
   fillFilters();
   $("filters").hidden = !id;
   $("episodes").hidden = !id;
@@ -164,6 +175,9 @@ function filtered() {
 function renderList() {
   const shown = filtered();
   $("episode-count").textContent = `${shown.length} of ${state.episodes.length} episodes`;
+  const skipped = state.skippedLines;
+  $("skipped-lines").hidden = !skipped;
+  $("skipped-lines").textContent = skipped ? `${skipped} line${skipped === 1 ? "" : "s"} of this file ${skipped === 1 ? "is" : "are"} not an episode (cut, or not agentrl's) and left out` : "";
   const body = $("episodes").tBodies[0];
   body.replaceChildren();
   let lastGroup = null;
@@ -218,18 +232,25 @@ function blocksOf(record) {
   return blocks;
 }
 
-function messagesByTurn(messages) {
-  // The k-th assistant message is turn k; the messages after it, until the next one, are the
-  // environment's answer in turn k.
-  const turns = {};
-  let k = 0;
-  for (const m of messages || []) {
-    if (m.role === "assistant") {
-      k += 1;
-      (turns[k] = turns[k] || {assistant: null, env: []}).assistant = m;
-    } else if (k > 0) {
-      (turns[k] = turns[k] || {assistant: null, env: []}).env.push(m);
-    }
+function messagesByTurn(r) {
+  // The ledger numbers the model's turns: 1..K, the turn of each sampled token and of the
+  // environment's answer after it. The messages end with those K turns, each one assistant message
+  // (what was sampled) followed by what the environment added. Everything before them is the prompt,
+  // whose own assistant messages (worked examples, an earlier conversation) were never sampled here:
+  // so the model's turn k is the k-th of the last K assistant messages, never the k-th from the start.
+  const messages = r.messages || [];
+  const K = r.segments.reduce((k, s) => Math.max(k, s.turn), 0);
+  const assistant = [];
+  messages.forEach((m, i) => { if (m.role === "assistant") assistant.push(i); });
+  const first = assistant.length - K;  // the index, in `assistant`, of the model's turn 1
+  const promptEnd = K === 0 ? messages.length : (assistant[Math.max(first, 0)] ?? messages.length);
+  const turns = {prompt: messages.slice(0, promptEnd), last: null};
+  for (let k = 1; k <= K; k++) {
+    const at = assistant[first + k - 1];
+    if (at === undefined) continue;  // fewer messages than the ledger has turns: nothing to attach
+    const next = first + k < assistant.length ? assistant[first + k] : messages.length;
+    turns[k] = {assistant: messages[at], env: messages.slice(at + 1, next)};
+    turns.last = messages[at];
   }
   return turns;
 }
@@ -254,12 +275,12 @@ function renderEpisode(r) {
     el("div", {class: `reward ${rewardClass}`, id: "ep-reward"}, infra ? "infra" : fmt(r.reward), el("small", {text: "reward"})),
     el("div", {class: "chips"}, chips.map(([k, v, bad]) => el("span", {class: "chip" + (bad ? " bad" : "")}, `${k}: `, el("b", {text: String(v)})))),
   ));
-  root.append(whyBox(r));
+  const turns = messagesByTurn(r);
+  root.append(whyBox(r, turns));
   root.append(legendBar(r));
 
-  const turns = messagesByTurn(r.messages);
   state.tokens = [];
-  for (const block of blocksOf(r)) root.append(renderBlock(r, block, turns[block.turn]));
+  for (const block of blocksOf(r)) root.append(renderBlock(r, block, block.side === "prompt" ? turns.prompt : turns[block.turn]));
   root.append(el("details", {}, el("summary", {text: "messages, metrics and info as recorded"}),
     el("pre", {text: JSON.stringify({messages: r.messages, metrics: r.metrics, info: r.info}, null, 2)})));
   if (r.text && r.segments.every((s) => s.pieces === undefined)) {
@@ -268,12 +289,7 @@ function renderEpisode(r) {
   }
 }
 
-function lastAssistant(r) {
-  for (let i = (r.messages || []).length - 1; i >= 0; i--) if (r.messages[i].role === "assistant") return r.messages[i];
-  return null;
-}
-
-function whyBox(r) {
+function whyBox(r, turns) {
   const rows = [];
   const m = r.metrics || {};
   if (r.fault === "infra") rows.push(["reward", "not scored: the episode failed for infrastructure reasons, so it is masked out of the loss and its prompt is requeued"]);
@@ -281,8 +297,8 @@ function whyBox(r) {
   rows.push(["ended", `${r.finish_reason || "none"}: ${FINISH[r.finish_reason] || "unknown"}`]);
   if (r.error) rows.push(["error", r.error]);
   if (r.ground_truth !== null && r.ground_truth !== undefined) rows.push(["ground truth", typeof r.ground_truth === "string" ? r.ground_truth : JSON.stringify(r.ground_truth)]);
-  const last = lastAssistant(r);
-  if (last) rows.push(["final answer", short(last.content, 800) || "(empty)"]);
+  if (turns.last) rows.push(["final answer", short(turns.last.content, 800) || "(empty)"]);
+  else rows.push(["final answer", "none: the model took no turn"]);
   const tools = [`${fmt(m.tool_calls || 0)} call${m.tool_calls === 1 ? "" : "s"}`];
   if (m.tool_errors_model) tools.push(`${fmt(m.tool_errors_model)} failed by the model's fault`);
   if (m.tool_errors_infra) tools.push(`${fmt(m.tool_errors_infra)} failed for infrastructure reasons`);
@@ -320,9 +336,15 @@ function legendBar(r) {
 }
 
 function renderBlock(r, block, turn) {
+  // `turn`: the prompt's messages for the prompt, else that turn's {assistant, env} messages.
   const nTokens = block.segments.reduce((n, s) => n + s.ids.length, 0);
   let title;
-  if (block.side === "prompt") title = ["Prompt", `${nTokens} tokens · context, masked`];
+  if (block.side === "prompt") {
+    const messages = turn || [];
+    const own = messages.filter((m) => m.role === "assistant").length;
+    const said = own ? `, ${own} of them the assistant's (worked examples or an earlier conversation, not sampled here)` : "";
+    title = ["Prompt", `${messages.length} message${messages.length === 1 ? "" : "s"}${said} · ${nTokens} tokens · context, masked`];
+  }
   else if (block.side === "assistant") {
     const lps = block.segments.flatMap((s) => s.logprobs || []);
     const versions = [...new Set(block.segments.map((s) => s.version))].join(", ");
@@ -351,7 +373,7 @@ function renderBlock(r, block, turn) {
         span.dataset.v = String(seg.version);
         if (seg.logprobs[j] < Math.log(0.05)) span.dataset.lowp = "";
       }
-      span.textContent = pieces[j];
+      span.textContent = visible(pieces[j]);
       state.tokens[i] = {id, origin: seg.origin, turn: seg.turn, piece: pieces[j], lp: seg.logprobs ? seg.logprobs[j] : null,
         version: seg.origin === "sampled" ? seg.version : null, trained};
       frag.append(span);
@@ -406,7 +428,7 @@ function onTokenHover(event) {
   const i = Number(span.dataset.i);
   const t = state.tokens[i];
   if (!t) { tip.hidden = true; return; }
-  tip.textContent = tokenTip(t, i);
+  tip.textContent = visible(tokenTip(t, i));
   tip.hidden = false;
   const x = Math.min(event.clientX + 14, window.innerWidth - 370);
   const y = event.clientY + 16 + 120 > window.innerHeight ? event.clientY - 120 : event.clientY + 16;
