@@ -189,7 +189,7 @@ def test_agentrl_eval_with_the_docker_sandbox(images: dict[str, str], assets: Pa
     published = tmp_path / "published.jsonl"
     published.write_text("".join(json.dumps(published_row(s)) + "\n" for s in (BATCHKIT, ARGSDOC)))
     rows = tmp_path / "rows.jsonl"
-    convert = subprocess.run([sys.executable, "-m", "agentrl.envs.swe_tasks", str(published), str(rows),
+    convert = subprocess.run([str(Path(sys.executable).parent / "agentrl"), "swe", "convert", str(published), str(rows),
                               "--image-namespace", NAMESPACE], capture_output=True, text=True, timeout=120)
     assert convert.returncode == 0, convert.stderr
     model = assets / "qwen2.5-0.5b-instruct"
@@ -228,7 +228,7 @@ def test_check_lists_the_broken_instances(images: dict[str, str], tmp_path: Path
                                                          "latest")
     path = tmp_path / "instances.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    out = subprocess.run([sys.executable, "-m", "agentrl.envs.swe_tasks", "--check", str(path), "--image-namespace",
+    out = subprocess.run([str(Path(sys.executable).parent / "agentrl"), "swe", "check", str(path), "--image-namespace",
                           NAMESPACE, "--report", str(tmp_path / "check.json"), "--concurrency", "2"],
                          capture_output=True, text=True, timeout=900)
     assert out.returncode == 1, out.stdout + out.stderr

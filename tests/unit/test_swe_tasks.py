@@ -129,3 +129,19 @@ def test_eval_report_gives_a_resolved_rate_over_valid_episodes() -> None:
     assert summarise(config, [[traj(None, "infra")]], 1.0, reports_resolved=True).resolved_rate is None
     other = AgentRLConfig.model_validate({"env": {"name": "arithmetic"}})
     assert summarise(other, [[traj(None)]], 1.0).resolved_rate is None
+
+
+def test_agentrl_swe_convert_writes_rows_and_refuses_an_unknown_format(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
+    from agentrl.cli import EXIT_USAGE, build_parser, main
+    from agentrl.envs.swe_formats import FORMATS
+
+    instances, rows = tmp_path / "instances.jsonl", tmp_path / "rows.jsonl"
+    instances.write_text(json.dumps(BASE) + "\n")
+    assert main(["swe", "convert", str(instances), str(rows)]) == 0
+    written = [row_task(json.loads(line)) for line in rows.read_text().splitlines()]
+    assert written == [SweTask.from_dict(BASE, base_dir=tmp_path)]
+    assert main(["swe", "check", str(instances), "--format", "swebench"]) == EXIT_USAGE
+    assert "none of auto, " + ", ".join(FORMATS) in capsys.readouterr().err
+    check = build_parser()._subparsers._group_actions[0].choices["swe"]._subparsers._group_actions[0].choices["check"]
+    (format_help,) = [a.help for a in check._actions if "--format" in a.option_strings]
+    assert all(f in format_help for f in FORMATS)  # the help names every format
