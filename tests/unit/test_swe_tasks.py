@@ -131,8 +131,10 @@ def test_eval_report_gives_a_resolved_rate_over_valid_episodes() -> None:
     assert summarise(other, [[traj(None)]], 1.0).resolved_rate is None
 
 
-def test_agentrl_swe_convert_writes_rows_and_refuses_an_unknown_format(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
-    from agentrl.cli import EXIT_USAGE, build_parser, main
+def test_agentrl_swe_convert_writes_rows_and_refuses_an_unknown_format(
+    tmp_path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from agentrl.cli import EXIT_USAGE, main
     from agentrl.envs.swe_formats import FORMATS
 
     instances, rows = tmp_path / "instances.jsonl", tmp_path / "rows.jsonl"
@@ -142,6 +144,13 @@ def test_agentrl_swe_convert_writes_rows_and_refuses_an_unknown_format(tmp_path,
     assert written == [SweTask.from_dict(BASE, base_dir=tmp_path)]
     assert main(["swe", "check", str(instances), "--format", "swebench"]) == EXIT_USAGE
     assert "none of auto, " + ", ".join(FORMATS) in capsys.readouterr().err
-    check = build_parser()._subparsers._group_actions[0].choices["swe"]._subparsers._group_actions[0].choices["check"]
-    (format_help,) = [a.help for a in check._actions if "--format" in a.option_strings]
-    assert all(f in format_help for f in FORMATS)  # the help names every format
+    monkeypatch.setenv("COLUMNS", "500")  # help on one line per option
+
+    def shown(*argv: str) -> str:
+        with pytest.raises(SystemExit):
+            main(list(argv))
+        return capsys.readouterr().out
+
+    assert "check     replay each instance's reference fix" in shown("swe", "--help")
+    check_help = shown("swe", "check", "--help")
+    assert "--report" in check_help and all(f in check_help for f in FORMATS)  # it names every format
