@@ -1,5 +1,5 @@
-"""The `agentrl` command line: run, eval, plot, view, serve, gateway, sandbox, envs, tools, config, validate, doctor,
-version.
+"""The `agentrl` command line: run, eval, plot, view, serve, gateway, sandbox, swe, envs, tools, config, validate,
+doctor, version.
 
 Each subcommand parses its arguments, builds what it needs from the layers below, and turns any
 `AgentRLError` into one readable message and exit status 1 (2 for a command-line usage error).
@@ -96,6 +96,31 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--max-concurrency", type=int, default=None, help="most executions at once")
     sp.add_argument("--backend", default="local",
                     help="sandbox backend behind the server: local (bubblewrap) or docker (instance images)")
+
+    p = sub.add_parser("swe", help="SWE task instances: convert published rows to verl rows, check them")
+    wsub = p.add_subparsers(dest="swe_command", metavar="SUBCOMMAND")
+    instances_help = "SWE instances: JSONL, JSON or Parquet, any supported format"
+    format_help = "the rows' published format: agentrl, swe-bench, swe-gym, swe-smith, r2e-gym (default: auto, detect)"
+    namespace_help = "registry namespace of SWE-bench images ('' for images built by its harness; default: swebench)"
+    wp = wsub.add_parser("convert", help="write SWE instances as verl dataset rows (JSONL) for data.*_files",
+                         description="Read SWE instances (SWE-bench, SWE-Gym, SWE-smith, R2E-Gym or agentrl rows) "
+                                     "and write verl dataset rows that carry them, for data.train_files/val_files.")
+    wp.add_argument("instances", help=instances_help)
+    wp.add_argument("rows", help="where to write the verl rows (JSONL)")
+    wp.add_argument("--format", default="auto", help=format_help)
+    wp.add_argument("--image-namespace", default="swebench", help=namespace_help)
+    wp = wsub.add_parser("check", help="replay each instance's reference fix and list the broken ones",
+                         description="Play every instance twice through the real SWE env: with its reference fix "
+                                     "(must resolve) and unchanged (must not). Lists the broken instances (image "
+                                     "missing, fix not applying or not resolving, tests already passing, "
+                                     "infrastructure errors); exits 1 if any is broken.")
+    wp.add_argument("instances", help=instances_help)
+    wp.add_argument("--format", default="auto", help=format_help)
+    wp.add_argument("--image-namespace", default="swebench", help=namespace_help)
+    wp.add_argument("--sandbox", default="docker", help="sandbox backend to play them on (default: docker)")
+    wp.add_argument("--limit", type=int, default=None, help="check only the first N instances")
+    wp.add_argument("--concurrency", type=int, default=2, help="instances checked at once (default: 2)")
+    wp.add_argument("--report", default=None, help="also write the results as JSON here")
 
     p = sub.add_parser("envs", help="environments")
     esub = p.add_subparsers(dest="envs_command", metavar="SUBCOMMAND")
@@ -456,6 +481,42 @@ def cmd_sandbox(ns: argparse.Namespace) -> int:
     return EXIT_USAGE
 
 
+def cmd_swe(ns: argparse.Namespace) -> int:
+    if ns.swe_command not in ("convert", "check"):
+        print("usage: agentrl swe {convert,check} ...", file=sys.stderr)
+        return EXIT_USAGE
+    import json
+    from pathlib import Path
+
+    from agentrl.envs.swe_formats import FORMATS
+    from agentrl.envs.swe_tasks import load_tasks, tasks_rows
+
+    if ns.format not in ("auto", *FORMATS):
+        print(f"agentrl swe {ns.swe_command}: --format {ns.format!r} is none of auto, {', '.join(FORMATS)}",
+              file=sys.stderr)
+        return EXIT_USAGE
+    tasks = load_tasks(ns.instances, format=ns.format, image_namespace=ns.image_namespace)
+    if ns.swe_command == "convert":
+        with Path(ns.rows).open("w") as f:
+            for row in tasks_rows(tasks):
+                f.write(json.dumps(row) + "\n")
+        print(f"{len(tasks)} instances -> {ns.rows}")
+        return 0
+    from dataclasses import asdict
+
+    from agentrl.envs.swe_check import check_tasks
+
+    results = check_tasks(tasks[: ns.limit], sandbox=ns.sandbox, concurrency=ns.concurrency)
+    for r in results:
+        line = f"ok      {r.instance_id}" if r.ok else f"BROKEN  {r.instance_id}: {r.problem}"
+        print(line + (f" ({r.detail})" if r.detail and not r.ok else "") + f"  [{r.seconds:.0f} s]")
+    broken = [r for r in results if not r.ok]
+    print(f"{len(results)} instances: {len(results) - len(broken)} ok, {len(broken)} broken")
+    if ns.report is not None:
+        Path(ns.report).write_text(json.dumps([asdict(r) for r in results], indent=2))
+    return EXIT_ERROR if broken else 0
+
+
 def cmd_envs(ns: argparse.Namespace) -> int:
     if ns.envs_command == "list":
         return _print_registry("env")
@@ -490,6 +551,7 @@ _COMMANDS = {
     "doctor": cmd_doctor,
     "config": cmd_config,
     "sandbox": cmd_sandbox,
+    "swe": cmd_swe,
     "envs": cmd_envs,
     "tools": cmd_tools,
     "version": cmd_version,

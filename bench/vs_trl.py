@@ -251,7 +251,7 @@ async def agentrl_run(variant: str, s: dict[str, Any], steps: int, placement: st
         host = ColocatedTrainerWorker(config.model_dump(mode="json"), s["model"], str(tmp / "weights"),
                                       release_weights=True)
         client: Any = ColocatedClient(_local(host), "colocated")
-        backend = host.backend
+        backend = host.trainer.backend
     else:
         from agentrl.inference import launch_server
         from agentrl.trainer.backend import make_backend

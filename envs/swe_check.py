@@ -1,4 +1,4 @@
-"""`python -m agentrl.envs.swe_tasks --check FILE`: replay each instance's reference fix and find the broken ones.
+"""`agentrl swe check FILE`: replay each instance's reference fix and find the broken ones.
 
 Every instance is played twice through the real `SweEnv` on the chosen sandbox: once with its
 reference fix applied to the repository (host-side, so any diff applies, not only those a
@@ -12,19 +12,18 @@ when the fix resolves it and the unchanged repository does not. Otherwise the re
 - `resolved without a fix`: the FAIL_TO_PASS tests already pass (the instance tests nothing);
 - `infrastructure error`: the sandbox failed (the message says how).
 
-It prints one line per instance and a summary, optionally writes the results as JSON, and exits
-1 when any instance is broken. Instances are checked `concurrency` at a time.
+Instances are checked `concurrency` at a time. `check_tasks` builds the sandbox backend by name and
+returns one `CheckResult` per instance; the command prints them, optionally writes them as JSON,
+and exits 1 when any instance is broken. The env (`agentrl.envs.swe`) is imported here and never
+imports this module back.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
-import sys
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
-from pathlib import Path
+from dataclasses import dataclass, field
 from typing import Any
 
 from agentrl.envs.patches import PatchError
@@ -33,14 +32,14 @@ from agentrl.envs.swe_tasks import SweTask, task_row
 from agentrl.errors import AgentRLError, SandboxUnavailableError
 from agentrl.types import Action, ToolCall
 
-__all__ = ["CheckResult", "check_instances", "run_check"]
+__all__ = ["CheckResult", "check_instances", "check_tasks"]
 
 _SUBMIT = Action("Submitting.", (ToolCall("submit", {"summary": "check"}, id="check"),))
 
 
 @dataclass
 class CheckResult:
-    """What `--check` found for one instance."""
+    """What the check found for one instance."""
 
     instance_id: str
     ok: bool
@@ -107,9 +106,8 @@ async def check_instances(tasks: Sequence[SweTask], sandbox: Any, *, concurrency
     return list(await asyncio.gather(*(one(t) for t in tasks)))
 
 
-def run_check(tasks: Sequence[SweTask], *, sandbox: str = "docker", concurrency: int = 2,
-              report: Path | None = None) -> int:
-    """The `--check` command: print one line per instance and a summary; 1 if any instance is broken."""
+def check_tasks(tasks: Sequence[SweTask], *, sandbox: str = "docker", concurrency: int = 2) -> list[CheckResult]:
+    """Check every instance on a fresh `sandbox` backend (by registry name), closed at the end."""
     from agentrl.registry import SANDBOXES
 
     kwargs: dict[str, Any] = {"pool_size": 0} if sandbox == "docker" else {}
@@ -121,13 +119,4 @@ def run_check(tasks: Sequence[SweTask], *, sandbox: str = "docker", concurrency:
         finally:
             await backend.close()
 
-    results = asyncio.run(go())
-    out = sys.stdout
-    for r in results:
-        line = f"ok      {r.instance_id}" if r.ok else f"BROKEN  {r.instance_id}: {r.problem}"
-        out.write(line + (f" ({r.detail})" if r.detail and not r.ok else "") + f"  [{r.seconds:.0f} s]\n")
-    broken = [r for r in results if not r.ok]
-    out.write(f"{len(results)} instances: {len(results) - len(broken)} ok, {len(broken)} broken\n")
-    if report is not None:
-        report.write_text(json.dumps([asdict(r) for r in results], indent=2))
-    return 1 if broken else 0
+    return asyncio.run(go())

@@ -32,14 +32,10 @@ Test ids are pytest node ids: `tests/test_x.py::test_name` or `tests/test_x.py::
 format; errors name the file and row); `task_row` / `row_task` convert to and from verl dataset
 rows (`extra_info["instance"]`), so the trainer's data loader and `agentrl eval` carry instances
 like any other dataset. `shipped_tasks` is the task set in `agentrl/envs/data/swe/` (see
-scripts/make_swe_tasks.py). Nothing here runs code, except the command line's `--check`:
+scripts/make_swe_tasks.py). Nothing here runs code. The command line uses these:
 
-    python -m agentrl.envs.swe_tasks IN OUT.jsonl [--format auto]     # published rows -> verl rows
-    python -m agentrl.envs.swe_tasks --check IN [--sandbox docker]     # replay the reference fixes
-
-`--check` plays every instance twice through the real env (`agentrl.envs.swe_check`): once with
-its reference fix, once with no change, and lists the broken ones (image missing, fix not
-resolving, tests already passing, infrastructure errors); it exits 1 if any is broken.
+    agentrl swe convert IN OUT.jsonl [--format auto]     # published rows -> verl rows
+    agentrl swe check IN [--sandbox docker]              # replay the reference fixes (agentrl.envs.swe_check)
 """
 
 from __future__ import annotations
@@ -54,7 +50,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 from agentrl.envs.patches import PatchError, parse_patch
-from agentrl.envs.swe_formats import FORMATS, to_instance
+from agentrl.envs.swe_formats import to_instance
 from agentrl.errors import DatasetError
 
 __all__ = ["LOG_PARSER_NAMES", "SHIPPED_TASKS", "SweTask", "load_tasks", "row_task", "shipped_tasks", "task_row",
@@ -317,37 +313,3 @@ def tasks_rows(tasks: Sequence[SweTask]) -> list[dict[str, Any]]:
             row["extra_info"]["base_dir"] = t.base_dir
         rows.append(row)
     return rows
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """The command line (see the module docstring)."""
-    import argparse
-
-    parser = argparse.ArgumentParser(prog="python -m agentrl.envs.swe_tasks",
-                                     description="Convert SWE instances to verl rows, or check them.")
-    parser.add_argument("instances", type=Path, help="SWE instances: JSONL, JSON or Parquet, any supported format")
-    parser.add_argument("rows", type=Path, nargs="?", help="where to write the verl rows (JSONL)")
-    parser.add_argument("--format", default="auto", choices=["auto", *FORMATS], help="the rows' format (default: detect)")
-    parser.add_argument("--image-namespace", default="swebench",
-                        help="registry namespace of SWE-bench images ('' for images built by its harness)")
-    parser.add_argument("--check", action="store_true", help="replay each reference fix and report broken instances")
-    parser.add_argument("--sandbox", default="docker", help="sandbox backend for --check (default: docker)")
-    parser.add_argument("--limit", type=int, default=None, help="--check only the first N instances")
-    parser.add_argument("--concurrency", type=int, default=2, help="instances checked at once")
-    parser.add_argument("--report", type=Path, default=None, help="also write the --check results as JSON")
-    args = parser.parse_args(argv)
-    tasks = load_tasks(args.instances, format=args.format, image_namespace=args.image_namespace)
-    if args.check:
-        from agentrl.envs.swe_check import run_check
-
-        return run_check(tasks[: args.limit], sandbox=args.sandbox, concurrency=args.concurrency, report=args.report)
-    if args.rows is None:
-        parser.error("give the output file (or --check)")
-    with args.rows.open("w") as f:
-        for row in tasks_rows(tasks):
-            f.write(json.dumps(row) + "\n")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -67,7 +67,7 @@ from typing import Any
 
 from agentrl.errors import SandboxClosedError, SandboxError, SandboxUnavailableError
 from agentrl.sandboxes.bwrap import sandbox_python
-from agentrl.sandboxes.docker_reaper import owner_labels, reap_orphans, start_watchdog
+from agentrl.sandboxes.docker_reaper import import_docker_sdk, owner_labels, reap_orphans, start_watchdog
 from agentrl.types import ExecResult
 
 __all__ = ["IMAGE", "DockerSandbox", "DockerSession"]
@@ -135,16 +135,6 @@ _WIPE = r"""
 for d in "$@"; do rm -rf -- "$d"/* "$d"/.[!.]* "$d"/..?* 2>/dev/null; done
 for d in "$@"; do [ -z "$(ls -A -- "$d" 2>/dev/null)" ] || exit 1; done
 """
-
-
-def _import_docker() -> Any:
-    try:
-        import docker
-    except ImportError as exc:
-        raise SandboxUnavailableError(
-            "DockerSandbox needs the Docker SDK: pip install 'agentrl[docker]' (the 'docker' package)."
-        ) from exc
-    return docker
 
 
 def _base_image_tar() -> bytes:
@@ -362,7 +352,7 @@ class DockerSandbox:
                  memory_mb: int = 512, cpus: float = 1.0, max_processes: int = 128, max_output_bytes: int = 1_000_000,
                  pool_size: int = 2, max_concurrency: int | None = None, max_starting: int = 4,
                  python: str | None = None, base_url: str | None = None) -> None:
-        docker = _import_docker()
+        docker = import_docker_sdk()
         try:
             self._client = docker.DockerClient(base_url=base_url) if base_url else docker.from_env()
             self._client.ping()

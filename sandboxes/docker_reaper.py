@@ -16,7 +16,8 @@ machine's boot id (`agentrl.host`). Two mechanisms remove them when the owner ca
 
 Containers of other machines sharing a daemon, of other pid namespaces (a sandbox server in a
 container drives the host's daemon too), and of owners still alive, are never touched.
-Neither mechanism needs anything but the Docker SDK; neither kills a process.
+Neither mechanism needs anything but the Docker SDK (`import_docker_sdk`, which the sandbox uses
+too); neither kills a process.
 """
 
 from __future__ import annotations
@@ -29,8 +30,10 @@ import subprocess
 import sys
 from typing import Any
 
+from agentrl.errors import SandboxUnavailableError
+
 __all__ = ["LABEL_HOST", "LABEL_OWNER", "LABEL_OWNER_PID", "LABEL_OWNER_START", "LABEL_PIDNS", "LABEL_SANDBOX",
-           "owner_labels", "reap_orphans", "start_watchdog"]
+           "import_docker_sdk", "owner_labels", "reap_orphans", "start_watchdog"]
 
 LABEL_SANDBOX = "agentrl.sandbox"
 LABEL_OWNER = "agentrl.owner"
@@ -38,6 +41,30 @@ LABEL_OWNER_PID = "agentrl.owner_pid"
 LABEL_OWNER_START = "agentrl.owner_start"
 LABEL_HOST = "agentrl.host"
 LABEL_PIDNS = "agentrl.pidns"
+
+_INSTALL_SDK = "pip install 'agentrl[docker]' (or: bash scripts/install.sh docker)"
+
+
+def import_docker_sdk() -> Any:
+    """The Docker SDK (the `docker` package), or SandboxUnavailableError saying how to install it.
+
+    Where the SDK is not installed, `import docker` still succeeds if a folder named `docker`
+    lies on sys.path (the current directory, say): Python imports it as an empty namespace
+    package, and the first `docker.from_env` fails with an AttributeError that names no cause.
+    """
+    try:
+        docker = importlib.import_module("docker")
+    except ImportError as exc:
+        raise SandboxUnavailableError(f"The docker sandbox needs the Docker SDK: {_INSTALL_SDK}.") from exc
+    if not hasattr(docker, "from_env"):
+        found = [*getattr(docker, "__path__", []), getattr(docker, "__file__", None)]
+        where = next((str(f) for f in found if f), "an unknown location")
+        raise SandboxUnavailableError(
+            f"'import docker' found {where}, which is not the Docker SDK (it has no docker.from_env): the "
+            f"SDK is not installed and a folder named 'docker' on sys.path stands in for it. Install the SDK: "
+            f"{_INSTALL_SDK}."
+        )
+    return docker
 
 
 def _boot_id() -> str:
@@ -119,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     with contextlib.suppress(OSError):
         while os.read(0, 65536):  # returns b"" once the owner (the pipe's only writer) is gone
             pass
-    docker: Any = importlib.import_module("docker")
+    docker = import_docker_sdk()
     client = docker.DockerClient(base_url=args.base_url) if args.base_url else docker.from_env()
     _remove(client, {"label": f"{LABEL_OWNER}={args.owner}"})
     return 0

@@ -10,7 +10,7 @@ Backends that run images (`docker`, and `remote` against a docker-backed server)
 `session(image=..., workdir=...)`: a session in that image, run as it is, whose work dir is
 `workdir` inside it (e.g. /testbed); callers check for the parameter. A remote provider
 implements the HTTP protocol written out in `agentrl.sandboxes.server` (what `RemoteSandbox`
-speaks; `agentrl sandbox serve` is its reference server, `docker/sandbox-server/` packages it).
+speaks; `agentrl sandbox serve` is its reference server, `images/sandbox-server/` packages it).
 
 Everything is async, so thousands of episodes can share one event loop. Backends (local, docker,
 remote) implement these protocols; this module only defines them. Each backend's own module

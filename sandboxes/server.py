@@ -6,7 +6,7 @@ but `/health` needs `Authorization: Bearer <token>` when a token is set; a non-l
 without a token is refused. At most `max_concurrency` jobs run at once; later requests wait
 (back-pressure, never a rejection). Sessions idle for longer than `session_idle_s` are closed, so
 a crashed client cannot leak sandboxes; at most `max_sessions` are open at once.
-`docker/sandbox-server/` holds a Dockerfile that packages this server for a fleet.
+`images/sandbox-server/` holds a Dockerfile that packages this server for a fleet.
 
 The wire protocol (what a remote provider implements to be a `RemoteSandbox`; JSON bodies, status
 codes below, an ExecResult is `{stdout, stderr, exit_code, timed_out, killed_reason, duration_s}`):

@@ -13,21 +13,32 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 SHARED_ASSETS = Path(os.environ.get("AGENTRL_ASSETS", REPO_ROOT.parent / "shared" / "assets"))
 
 
-def _cuda_available() -> bool:
+def _no_cuda() -> str | None:
+    """Why tests marked `gpu` cannot run here (None: they can)."""
     try:
         import torch
     except ImportError:
-        return False
-    return bool(torch.cuda.is_available())
+        return "needs a gpu (torch is not installed)"
+    return None if torch.cuda.is_available() else "needs a gpu (gpu not available here)"
 
 
-def _docker_available() -> bool:
+def _no_docker() -> str | None:
+    """Why tests marked `docker` cannot run here (None: they can): no daemon answers, or the Docker
+    SDK is missing (a `docker/` folder on sys.path without it would import as an empty package)."""
     if shutil.which("docker") is None:
-        return False
+        return "needs a docker daemon (no docker command here: bash scripts/install.sh docker)"
     try:
-        return subprocess.run(["docker", "info"], capture_output=True, timeout=10).returncode == 0
+        if subprocess.run(["docker", "info"], capture_output=True, timeout=10).returncode != 0:
+            return "needs a docker daemon (none answers 'docker info': start dockerd)"
     except (OSError, subprocess.TimeoutExpired):
-        return False
+        return "needs a docker daemon (none answers 'docker info': start dockerd)"
+    try:
+        import docker
+    except ImportError:
+        docker = None
+    if not hasattr(docker, "from_env"):
+        return "needs the Docker SDK: pip install 'agentrl[docker]' (or bash scripts/install.sh docker)"
+    return None
 
 
 # ── tier totals and a durations file (what .ci/run prints and keeps) ───────────────────────────
@@ -79,14 +90,16 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, exitstatu
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    needs = {"gpu": None, "docker": None}
+    probes = {"gpu": _no_cuda, "docker": _no_docker}
+    missing: dict[str, str | None] = {}
     for item in items:
-        for marker, probe in (("gpu", _cuda_available), ("docker", _docker_available)):
+        for marker, probe in probes.items():
             if marker in item.keywords:
-                if needs[marker] is None:
-                    needs[marker] = probe()
-                if not needs[marker]:
-                    item.add_marker(pytest.mark.skip(reason=f"needs a {marker} ({marker} not available here)"))
+                if marker not in missing:
+                    missing[marker] = probe()
+                reason = missing[marker]
+                if reason is not None:
+                    item.add_marker(pytest.mark.skip(reason=reason))
 
 
 @pytest.fixture(scope="session")

@@ -9,6 +9,8 @@ test sessions may ask for the same tag at once: a lock file under /tmp serialise
 Containers that need the package registries (a fresh-machine set-up test) run with
 `--network host` and `registry_access_args()`, which passes the host's CA bundle and pip
 configuration through (this machine reaches PyPI through a proxy with its own CA).
+
+`docker_sdk()` is the Docker SDK, or a skip that says how to install it.
 """
 
 from __future__ import annotations
@@ -19,11 +21,25 @@ import subprocess
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
-__all__ = ["debian_image", "image_exists", "registry_access_args"]
+import pytest
+
+__all__ = ["debian_image", "docker_sdk", "image_exists", "registry_access_args"]
 
 _MIRROR = "http://deb.debian.org/debian"
 _CA_BUNDLE = Path("/etc/ssl/certs/ca-certificates.crt")
+
+
+def docker_sdk() -> Any:
+    """The Docker SDK module; skips the test (or module) where it is not installed. Without it, a
+    folder named `docker/` on sys.path imports as an empty package: that counts as not installed."""
+    install = "pip install 'agentrl[docker]' (or bash scripts/install.sh docker)"
+    docker = pytest.importorskip("docker", reason=f"needs the Docker SDK: {install}")
+    if not hasattr(docker, "from_env"):
+        pytest.skip(f"needs the Docker SDK ('import docker' found a folder without from_env): {install}",
+                    allow_module_level=True)
+    return docker
 
 
 def image_exists(tag: str) -> bool:

@@ -27,7 +27,7 @@ import tarfile
 from dataclasses import dataclass, field
 from typing import Any
 
-from docker_images import debian_image, image_exists
+from docker_images import debian_image, docker_sdk, image_exists
 
 from agentrl.envs.patches import make_patch
 
@@ -244,8 +244,7 @@ SPECS = (BATCHKIT, ARGSDOC, SLUG)
 
 def instance_image(spec: InstanceSpec) -> str:
     """The spec's image, built once FROM its Debian base (a git checkout at /testbed)."""
-    import docker
-
+    docker = docker_sdk()
     tag, suite, packages = spec.base
     debian_image(tag, suite=suite, packages=list(packages))
     if image_exists(spec.tag):
@@ -327,8 +326,7 @@ def format_image_name(spec: InstanceSpec) -> str:
 
 def tag_for_format(spec: InstanceSpec) -> str:
     """Build the spec's image and tag it with the name its format gives it; return that name."""
-    import docker
-
+    docker = docker_sdk()
     built = instance_image(spec)
     name = format_image_name(spec)
     if name != built:

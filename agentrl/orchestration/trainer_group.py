@@ -20,8 +20,9 @@ Weights (`weights_backend` resolves `weights.backend`):
 At start the servers prove they can reach the weights (`check_servers`): they read back a nonce the
 trainer wrote into its weights directory, or asked of its endpoint.
 
-With placement `colocated` each rank is a `ColocatedTrainerWorker`: it also hosts the vLLM engine
-(`inference.colocated.ColocatedServer`) in its own process. The router reaches the engine through
+With placement `colocated` each rank is a `ColocatedTrainerWorker`: it holds the rank's `TrainerWorker`
+and hosts the vLLM engine (`inference.colocated.ColocatedServer`) in the same process, and answers the
+same calls as async methods (the blocking trainer calls run on threads, generation on its event loop). The router reaches the engine through
 `TrainerGroup.engine_clients()` (`engine_*` actor methods). Around every update the engine sleeps
 (frees its KV cache, and in `sync` mode its weights) and wakes after; `update_engines(version)`
 streams the trainer's tensors into the engine through the in-process checkpoint engine (checksummed
@@ -187,9 +188,12 @@ class TrainerWorker:
         source = "" if self.rank else (self.http.url if self.http is not None else str(self.files.path_for(version)))
         return source, time.perf_counter() - start
 
-    def save(self, path: str, data_position: dict[str, Any]) -> tuple[float, dict[str, bytes]]:
+    def save(self, path: str, data_position: dict[str, Any], *,
+             weights_version: int | None = None) -> tuple[float, dict[str, bytes]]:
         """Save the trainer's state, and keep the current version as a complete HF directory in `weights/`.
 
+        `weights_version` is the version the trainer's tensors carry now; by default the last one
+        exported (none before the first export: then no weights are kept).
         Returns (seconds, files): a rank on another node than the driver's (`ship_checkpoints`) saves
         into a directory of its own node and returns what it wrote there (relative path -> bytes),
         for the driver to write into `path`; the others write `path` directly and return no files.
@@ -207,17 +211,13 @@ class TrainerWorker:
         finally:
             if self.ship_checkpoints:
                 shutil.rmtree(target, ignore_errors=True)
-        version = self._saved_version()
+        version = self.version if weights_version is None else weights_version
         if version is not None:
             if self.weights != "files":  # http, inprocess: nothing was written per step: write this one
                 self._send(self.files, version)
             if self.rank == 0:
                 self.files.keep(version)
         return time.perf_counter() - start, shipped
-
-    def _saved_version(self) -> int | None:
-        """The version whose weights a checkpoint keeps in `weights/`: the last one exported."""
-        return self.version
 
     def load(self, path: str, files: dict[str, bytes] | None = None) -> dict[str, Any]:
         """Load a checkpoint: from `path`, or, on a rank of another node, from `files` (the checkpoint's
@@ -240,22 +240,24 @@ class TrainerWorker:
         return position
 
 
-class ColocatedTrainerWorker(TrainerWorker):
+class ColocatedTrainerWorker:
     """A trainer rank that hosts the inference engine too (placement `colocated`; see the module
-    docstring). An async Ray actor: generation requests are served on its event loop while the
-    blocking trainer calls run on threads."""
+    docstring). An async Ray actor that holds the rank's `TrainerWorker` (`trainer`) and the engine's
+    server (`server`): generation requests are served on its event loop while the blocking trainer
+    calls run on threads."""
 
     def __init__(self, config: dict[str, Any], model_path: str, weights_dir: str, *,
                  release_weights: bool = False, **kwargs: Any) -> None:
-        super().__init__(config, model_path, weights_dir, **kwargs)
+        self.trainer = TrainerWorker(config, model_path, weights_dir, **kwargs)
         from agentrl.inference.colocated import ColocatedServer, InProcessVLLM
 
-        inf = self.config.inference
+        cfg = self.trainer.config
+        inf = cfg.inference
         engine = InProcessVLLM(
-            model_path, max_model_len=inf.max_model_len, kv_cache_bytes=int(inf.cpu_kv_cache_gb * 2**30),
-            prefix_caching=inf.prefix_caching, enforce_eager=inf.enforce_eager, dtype=self.config.model.dtype,
-            seed=self.config.run.seed, gpu_memory_utilization=inf.gpu_memory_utilization,
-            trust_remote_code=self.config.model.trust_remote_code,
+            cfg.model.path, max_model_len=inf.max_model_len, kv_cache_bytes=int(inf.cpu_kv_cache_gb * 2**30),
+            prefix_caching=inf.prefix_caching, enforce_eager=inf.enforce_eager, dtype=cfg.model.dtype,
+            seed=cfg.run.seed, gpu_memory_utilization=inf.gpu_memory_utilization,
+            trust_remote_code=cfg.model.trust_remote_code,
         )  # fmt: skip
         engine.start_blocking()  # the engine loads while the driver sets up; calls queue behind it
         self.server = ColocatedServer(engine)
@@ -263,10 +265,13 @@ class ColocatedTrainerWorker(TrainerWorker):
         self.trainer_version = 0  # the version of the trainer's tensors (set by a push, +1 per update)
         self._pushed: asyncio.Event | None = None
 
-    async def ready(self) -> int:  # type: ignore[override]
-        return self.rank
+    async def ready(self) -> int:
+        return self.trainer.rank
 
-    async def train(self, trajectories: list[Trajectory]) -> dict[str, float]:  # type: ignore[override]
+    async def weight_endpoint(self) -> dict[str, Any]:
+        return self.trainer.weight_endpoint()
+
+    async def train(self, trajectories: list[Trajectory]) -> dict[str, float]:
         from agentrl.inference.colocated import trim_heap
 
         start = time.perf_counter()
@@ -277,7 +282,7 @@ class ColocatedTrainerWorker(TrainerWorker):
         waited = time.perf_counter() - start
         await self.server.sleep(weights=self.release_weights)
         try:
-            metrics = await asyncio.to_thread(TrainerWorker.train, self, trajectories)
+            metrics = await asyncio.to_thread(self.trainer.train, trajectories)
         finally:
             trim_heap()  # the activations' pages go back before the engine takes its KV cache again
             if not self.release_weights:
@@ -295,12 +300,12 @@ class ColocatedTrainerWorker(TrainerWorker):
         from agentrl.weights import make_checkpoint_engine
 
         start = time.perf_counter()
-        sender = make_checkpoint_engine("inprocess", bucket_bytes=self.config.weights.bucket_mb << 20)
+        sender = make_checkpoint_engine("inprocess", bucket_bytes=self.trainer.config.weights.bucket_mb << 20)
         async with self.server.weight_update(version):
             # Sender and receiver run at once on two threads; buckets are copied out as they land
             # (vLLM holds a layer's tensors until the layer is complete).
             await asyncio.gather(
-                asyncio.to_thread(sender.send, self.backend.export_weights(), version),
+                asyncio.to_thread(sender.send, self.trainer.backend.export_weights(), version),
                 self.server.engine.load_tensors(lambda: sender.receive(copy=True)),
             )
         self.trainer_version = version
@@ -308,20 +313,17 @@ class ColocatedTrainerWorker(TrainerWorker):
             self._pushed.set()
         return time.perf_counter() - start
 
-    async def export(self, version: int) -> tuple[str, float]:  # type: ignore[override]
-        return await asyncio.to_thread(TrainerWorker.export, self, version)
+    async def export(self, version: int) -> tuple[str, float]:
+        return await asyncio.to_thread(self.trainer.export, version)
 
-    def _saved_version(self) -> int | None:
+    async def save(self, path: str, data_position: dict[str, Any]) -> tuple[float, dict[str, bytes]]:
         # Weights reach the engine in memory, so a checkpoint is the only place they are written:
         # the trainer's tensors as they are now (version `trainer_version`), a complete HF directory
         # `agentrl eval model.path=runs/NAME/weights/version-N` loads.
-        return self.trainer_version
+        return await asyncio.to_thread(self.trainer.save, path, data_position, weights_version=self.trainer_version)
 
-    async def save(self, path: str, data_position: dict[str, Any]) -> tuple[float, dict[str, bytes]]:  # type: ignore[override]
-        return await asyncio.to_thread(TrainerWorker.save, self, path, data_position)
-
-    async def load(self, path: str) -> dict[str, Any]:  # type: ignore[override]
-        return await asyncio.to_thread(TrainerWorker.load, self, path)
+    async def load(self, path: str, files: dict[str, bytes] | None = None) -> dict[str, Any]:
+        return await asyncio.to_thread(self.trainer.load, path, files)
 
     # ── the engine's server contract, for `ColocatedClient` ──
     async def engine_generate(self, request: Any) -> Any:

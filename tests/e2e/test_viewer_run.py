@@ -73,13 +73,13 @@ def test_plot_draws_the_real_runs_dashboard(short_run: Path) -> None:
 
 
 def test_the_viewer_shows_what_was_sampled_and_trained(short_run: Path) -> None:
+    need_browser()  # before selenium is imported: it skips, naming what to install
     from selenium.webdriver.common.action_chains import ActionChains
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support.ui import WebDriverWait
 
     from agentrl.orchestration.trajectory_log import read_trajectory_file
 
-    need_browser()
     records = read_trajectory_file(short_run / "rollouts" / "step-000002.jsonl")
     # An episode with every origin, trained on, if the step has one (two turns with the env between).
     pick = next((i for i, r in enumerate(records) if r["trained"] and r["num_turns"] == 2), 0)

@@ -15,6 +15,7 @@ import sys
 import uuid
 
 import pytest
+from docker_images import docker_sdk
 
 pytestmark = pytest.mark.docker
 
@@ -23,9 +24,8 @@ os.environ["AGENTRL_FAKE_DOCKER_SECRET"] = SECRET
 
 
 def _daemon_answers() -> bool:
+    docker = docker_sdk()  # skips the module where the SDK is not installed
     try:
-        import docker
-
         docker.from_env(timeout=5).ping()
         return True
     except Exception:
@@ -51,9 +51,7 @@ async def with_docker(fn, **kwargs):
 
 
 def _labelled_containers() -> list:
-    import docker
-
-    return docker.from_env().containers.list(all=True, filters={"label": f"agentrl.owner_pid={os.getpid()}"})
+    return docker_sdk().from_env().containers.list(all=True, filters={"label": f"agentrl.owner_pid={os.getpid()}"})
 
 
 def test_docker_runs_code_with_stdin_files_and_exit_codes():
@@ -219,8 +217,7 @@ def test_a_killed_owner_leaves_no_container_behind(debian, tmp_path):
     import sys
     import time
 
-    import docker
-
+    docker = docker_sdk()
     script = tmp_path / "owner.py"
     script.write_text(
         "import asyncio, sys\n"
@@ -265,9 +262,9 @@ def test_the_reaper_removes_containers_of_dead_owners_only(debian):
     import subprocess
     import sys
 
-    import docker
     from agentrl.sandboxes.docker_reaper import owner_labels, reap_orphans
 
+    docker = docker_sdk()
     client = docker.from_env()
     gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     dead = {**owner_labels("dead-owner"), "agentrl.owner_pid": gone.stdout.strip()}

@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import openai
 import pytest
 
 from agentrl.chat import ChatTemplate
@@ -27,6 +26,8 @@ from agentrl.gateway.standalone import serve_gateway
 from agentrl.rollout import AgentLoop, AgentLoopConfig, RolloutWorker
 from agentrl.tools.parsers import HermesParser
 from agentrl.types import FinishReason, Generation, TokenOrigin, Trajectory
+
+openai = pytest.importorskip("openai", reason="needs the openai client, a dev extra: pip install -e '.[dev]'")
 
 TOOLS = [{"type": "function", "function": {
     "name": "add", "description": "Add two integers.",

@@ -22,7 +22,6 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import openai
 import pytest
 
 from agentrl.chat import ChatTemplate
@@ -31,6 +30,8 @@ from agentrl.inference import HTTPServerClient, Router
 from agentrl.rollout import AgentLoop, AgentLoopConfig, RolloutWorker
 from agentrl.tools.parsers import HermesParser
 from agentrl.types import FinishReason, TokenOrigin, Trajectory
+
+openai = pytest.importorskip("openai", reason="needs the openai client, a dev extra: pip install -e '.[dev]'")
 
 pytestmark = pytest.mark.slow
 
@@ -79,6 +80,7 @@ async def sdk_agent(task: AgentTask) -> str:
 
 
 def _agents_sdk(responses_api: bool) -> Any:
+    pytest.importorskip("agents", reason="needs the OpenAI Agents SDK, a dev extra: pip install -e '.[dev]'")
     from agents import (
         Agent,
         OpenAIChatCompletionsModel,

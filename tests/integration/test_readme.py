@@ -79,9 +79,9 @@ COMMANDS: dict[str, How] = {
     'agentrl run  env=agent env.kwargs.command="python my_agent.py"': How("SHARED", RUN_SIZE),
     "python examples/openai_agent.py": How(
         "ELSEWHERE", where="tests/integration/test_examples.py runs it with size overrides against the session's vLLM"),
-    "python -m agentrl.envs.swe_tasks verified.parquet rows.jsonl": How(
+    "agentrl swe convert verified.parquet rows.jsonl": How(
         "ELSEWHERE", where="tests/integration/test_swe_images.py converts published rows of locally built instances"),
-    "python -m agentrl.envs.swe_tasks --check verified.parquet": How(
+    "agentrl swe check verified.parquet": How(
         "ELSEWHERE", where="tests/integration/test_swe_images.py::test_check_lists_the_broken_instances"),
     "agentrl eval env=swe sandbox=docker data.val_files=[rows.jsonl]": How(
         "ELSEWHERE", where="tests/integration/test_swe_images.py::test_agentrl_eval_with_the_docker_sandbox"),

@@ -1,4 +1,4 @@
-"""The sandbox-server image recipe (docker/sandbox-server/) builds and serves, with nothing pulled.
+"""The sandbox-server image recipe (images/sandbox-server/) builds and serves, with nothing pulled.
 
 The image is built by the shipped `build.sh` FROM a Debian bookworm made with debootstrap
 (tests/docker_images.py), offline: the server's wheels are downloaded on the host first (from
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from docker_images import debian_image, image_exists
+from docker_images import debian_image, docker_sdk, image_exists
 from swe_images import BATCHKIT, NAMESPACE, published_row, tag_for_format
 
 from agentrl.envs.swe import SweEnv, reference_fix_actions
@@ -41,12 +41,12 @@ def server_image(tmp_path_factory: pytest.TempPathFactory) -> str:
     debian_image(BASE, suite="bookworm", packages=["python3", "python3-venv", "bubblewrap"])
     wheels = tmp_path_factory.mktemp("wheels")
     got = subprocess.run([sys.executable, "-m", "pip", "download", "-q", "-d", str(wheels), "-r",
-                          str(REPO / "docker/sandbox-server/requirements.txt")], capture_output=True, text=True)
+                          str(REPO / "images/sandbox-server/requirements.txt")], capture_output=True, text=True)
     if got.returncode != 0:
         pytest.skip(f"PyPI is not reachable for the server's wheels: {got.stderr[-300:]}")
     tag = f"{NAMESPACE}/sandbox-server:{uuid.uuid4().hex[:8]}"
     built = subprocess.run(
-        ["sh", str(REPO / "docker/sandbox-server/build.sh"), tag, "--network", "none", "--build-arg", f"BASE={BASE}",
+        ["sh", str(REPO / "images/sandbox-server/build.sh"), tag, "--network", "none", "--build-arg", f"BASE={BASE}",
          "--build-arg", "PIP_ARGS=--no-index --find-links /src/wheels"],
         capture_output=True, text=True, env={"PATH": "/usr/bin:/bin", "AGENTRL_WHEELS": str(wheels)}, timeout=900)
     assert built.returncode == 0, built.stdout[-3000:] + built.stderr[-3000:]
@@ -110,7 +110,6 @@ def test_the_server_image_serves_swe_sessions_in_instance_images(server_image: s
         subprocess.run(["docker", "stop", "-t", "20", cid], capture_output=True)  # SIGTERM: the server closes its sandbox
         logs = subprocess.run(["docker", "logs", cid], capture_output=True, text=True)
         subprocess.run(["docker", "rm", "-f", cid], capture_output=True)
-    import docker
-
+    docker = docker_sdk()
     left = docker.from_env().containers.list(all=True, filters={"ancestor": image, "label": "agentrl.sandbox=1"})
     assert left == [], logs.stderr[-2000:]

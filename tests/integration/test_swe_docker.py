@@ -10,6 +10,7 @@ import asyncio
 import os
 
 import pytest
+from docker_images import docker_sdk
 
 from agentrl.envs.swe import SweEnv, reference_fix_actions
 from agentrl.envs.swe_tasks import SweTask, shipped_tasks, task_row
@@ -25,9 +26,8 @@ SAMPLE = ["casing__acronyms", "envconf__bool-case", "notes__shared-default-tags"
 
 
 def _daemon() -> object:
+    docker = docker_sdk()
     try:
-        import docker
-
         client = docker.from_env(timeout=10)
         client.ping()
         return client

@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from docker_images import docker_sdk
 from swe_images import ARGSDOC, BATCHKIT, NAMESPACE, SLUG, SPECS, InstanceSpec, published_row, tag_for_format
 
 from agentrl.envs.swe import SweEnv, reference_fix_actions
@@ -33,9 +34,7 @@ docker_only = pytest.mark.docker
 
 def leftovers() -> list:
     """Containers still there from the test images (of this process or of a CLI it ran)."""
-    import docker
-
-    client = docker.from_env()
+    client = docker_sdk().from_env()
     return [c for tag in {*(s.tag for s in SPECS)} for c in
             client.containers.list(all=True, filters={"ancestor": tag, "label": "agentrl.sandbox=1"})]
 
@@ -189,7 +188,7 @@ def test_agentrl_eval_with_the_docker_sandbox(images: dict[str, str], assets: Pa
     published = tmp_path / "published.jsonl"
     published.write_text("".join(json.dumps(published_row(s)) + "\n" for s in (BATCHKIT, ARGSDOC)))
     rows = tmp_path / "rows.jsonl"
-    convert = subprocess.run([sys.executable, "-m", "agentrl.envs.swe_tasks", str(published), str(rows),
+    convert = subprocess.run([str(Path(sys.executable).parent / "agentrl"), "swe", "convert", str(published), str(rows),
                               "--image-namespace", NAMESPACE], capture_output=True, text=True, timeout=120)
     assert convert.returncode == 0, convert.stderr
     model = assets / "qwen2.5-0.5b-instruct"
@@ -222,13 +221,11 @@ def test_check_lists_the_broken_instances(images: dict[str, str], tmp_path: Path
     no_bug = {**published_row(SLUG), "instance_id": "slug__already", "FAIL_TO_PASS": ["test_words (slug.tests)"],
               "PASS_TO_PASS": []}
     rows = [published_row(s) for s in SPECS] + [broken_fix, no_image, no_bug]
-    import docker
-
-    docker.from_env().images.get(images["batchkit"]).tag(f"{NAMESPACE}/sweb.eval.x86_64.batchkit_1776_batchkit-2",
+    docker_sdk().from_env().images.get(images["batchkit"]).tag(f"{NAMESPACE}/sweb.eval.x86_64.batchkit_1776_batchkit-2",
                                                          "latest")
     path = tmp_path / "instances.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    out = subprocess.run([sys.executable, "-m", "agentrl.envs.swe_tasks", "--check", str(path), "--image-namespace",
+    out = subprocess.run([str(Path(sys.executable).parent / "agentrl"), "swe", "check", str(path), "--image-namespace",
                           NAMESPACE, "--report", str(tmp_path / "check.json"), "--concurrency", "2"],
                          capture_output=True, text=True, timeout=900)
     assert out.returncode == 1, out.stdout + out.stderr

@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import openai
 import pytest
 
 from agentrl.chat import ChatTemplate
@@ -27,6 +26,8 @@ from agentrl.rollout import AgentLoop, AgentLoopConfig
 from agentrl.tools import ToolContext, tool
 from agentrl.tools.parsers import HermesParser
 from agentrl.types import FinishReason, Generation, TokenOrigin, Trajectory
+
+openai = pytest.importorskip("openai", reason="needs the openai client, a dev extra: pip install -e '.[dev]'")
 
 TOOLS = [{"type": "function", "function": {
     "name": "add", "description": "Add two integers.",

@@ -74,7 +74,7 @@ def test_a_tensor_parallel_size_that_does_not_split_the_model_is_refused_before_
 
     from agentrl.errors import ConfigError
 
-    pytest.importorskip("megatron.core")
+    pytest.importorskip("megatron.core", reason="needs megatron-core: pip install 'agentrl[megatron]'")
     model = tmp_path / "model"
     shutil.copytree(assets / "tiny-random-qwen2", model)
     config = json.loads((model / "config.json").read_text())

@@ -130,6 +130,23 @@ def test_registries_name_the_sandboxes_and_tools():
         assert name in TOOLS
 
 
+def test_a_missing_or_shadowed_docker_sdk_is_named_with_its_install_command(tmp_path, monkeypatch):
+    import sys
+
+    from agentrl.sandboxes.docker_reaper import import_docker_sdk
+
+    monkeypatch.setitem(sys.modules, "docker", None)  # not installed
+    with pytest.raises(SandboxUnavailableError, match=r"needs the Docker SDK: pip install 'agentrl\[docker\]'"):
+        import_docker_sdk()
+    # Not installed, but a folder named docker/ on sys.path: Python imports it as a namespace package.
+    del sys.modules["docker"]  # (monkeypatch puts back what was there)
+    (tmp_path / "docker").mkdir()
+    monkeypatch.setattr(sys, "path", [str(tmp_path)])
+    with pytest.raises(SandboxUnavailableError, match="not the Docker SDK") as info:
+        import_docker_sdk()
+    assert str(tmp_path / "docker") in str(info.value) and "pip install 'agentrl[docker]'" in str(info.value)
+
+
 # ── tool output ─────────────────────────────────────────────────────────────────────────────
 def test_truncate_middle_keeps_head_and_tail_and_says_what_it_cut():
     text = "".join(f"{i:04d}\n" for i in range(1000))

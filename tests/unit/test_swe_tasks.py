@@ -129,3 +129,28 @@ def test_eval_report_gives_a_resolved_rate_over_valid_episodes() -> None:
     assert summarise(config, [[traj(None, "infra")]], 1.0, reports_resolved=True).resolved_rate is None
     other = AgentRLConfig.model_validate({"env": {"name": "arithmetic"}})
     assert summarise(other, [[traj(None)]], 1.0).resolved_rate is None
+
+
+def test_agentrl_swe_convert_writes_rows_and_refuses_an_unknown_format(
+    tmp_path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from agentrl.cli import EXIT_USAGE, main
+    from agentrl.envs.swe_formats import FORMATS
+
+    instances, rows = tmp_path / "instances.jsonl", tmp_path / "rows.jsonl"
+    instances.write_text(json.dumps(BASE) + "\n")
+    assert main(["swe", "convert", str(instances), str(rows)]) == 0
+    written = [row_task(json.loads(line)) for line in rows.read_text().splitlines()]
+    assert written == [SweTask.from_dict(BASE, base_dir=tmp_path)]
+    assert main(["swe", "check", str(instances), "--format", "swebench"]) == EXIT_USAGE
+    assert "none of auto, " + ", ".join(FORMATS) in capsys.readouterr().err
+    monkeypatch.setenv("COLUMNS", "500")  # help on one line per option
+
+    def shown(*argv: str) -> str:
+        with pytest.raises(SystemExit):
+            main(list(argv))
+        return capsys.readouterr().out
+
+    assert "check     replay each instance's reference fix" in shown("swe", "--help")
+    check_help = shown("swe", "check", "--help")
+    assert "--report" in check_help and all(f in check_help for f in FORMATS)  # it names every format

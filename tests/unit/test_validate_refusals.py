@@ -26,12 +26,13 @@ def refusal(capsys: pytest.CaptureFixture[str], *args: str) -> str:
 
 def test_a_weight_engine_runs_cannot_use_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
     err = refusal(
-        capsys, "env=retool", "sandbox=docker", "weights.backend=broadcast", "rollout.tool_timeout_s=1"
+        capsys, "env=retool", "weights.backend=broadcast", "rollout.tool_timeout_s=1"
     )
     assert "agentrl validate: weights.backend: 'broadcast' is not wired into runs yet" in err
     assert "use 'http'" in err
 
 
+@pytest.mark.docker  # the run builds a real DockerSandbox: the SDK and a daemon
 def test_sandbox_and_tool_deadline_reach_the_env_the_run_builds() -> None:
     job = build_job(load_config(None, ["env=retool", "sandbox=docker", "rollout.tool_timeout_s=1"]), "run")
     try:

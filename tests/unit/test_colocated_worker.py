@@ -1,0 +1,110 @@
+"""`ColocatedTrainerWorker` holds a trainer rank and the engine's server and delegates to them: the
+blocking trainer calls run on a thread (the event loop stays free for generation), an update waits
+for the previous push, and a checkpoint keeps the trainer's current version. Fakes stand in for the
+trainer and the engine; tests/integration/test_colocated.py runs the real ones."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from typing import Any
+
+from agentrl.orchestration.trainer_group import ColocatedTrainerWorker
+
+
+class FakeTrainer:
+    rank = 0
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, Any, str]] = []
+
+    def _note(self, name: str, detail: Any) -> None:
+        self.calls.append((name, detail, threading.current_thread().name))
+
+    def train(self, trajectories: list[Any]) -> dict[str, float]:
+        self._note("train", len(trajectories))
+        return {"loss": 1.0}
+
+    def save(self, path: str, data_position: dict[str, Any], *, weights_version: int | None = None) -> tuple[float, dict]:
+        self._note("save", weights_version)
+        return 0.5, {}
+
+    def load(self, path: str, files: dict[str, bytes] | None = None) -> dict[str, Any]:
+        self._note("load", files)
+        return {"steps_done": 3}
+
+    def export(self, version: int) -> tuple[str, float]:
+        self._note("export", version)
+        return "", 0.1
+
+    def weight_endpoint(self) -> dict[str, Any]:
+        return {"backend": "files", "location": "/w", "token": None, "nonce": "n"}
+
+
+class FakeEngine:
+    def __init__(self) -> None:
+        self.phase_s = {"sleep_s": 0.25, "wake_s": 0.5}
+
+
+class FakeServer:
+    def __init__(self) -> None:
+        self.weight_version = 0
+        self.engine = FakeEngine()
+        self.events: list[str] = []
+
+    async def sleep(self, *, weights: bool) -> None:
+        self.events.append(f"sleep weights={weights}")
+
+    async def wake(self) -> None:
+        self.events.append("wake")
+
+
+def make_worker(release_weights: bool = False) -> tuple[ColocatedTrainerWorker, FakeTrainer, FakeServer]:
+    worker = ColocatedTrainerWorker.__new__(ColocatedTrainerWorker)  # no engine, no model
+    trainer, server = FakeTrainer(), FakeServer()
+    worker.trainer, worker.server = trainer, server  # type: ignore[assignment]
+    worker.release_weights, worker.trainer_version, worker._pushed = release_weights, 0, None
+    return worker, trainer, server
+
+
+def test_train_runs_the_trainer_on_a_thread_between_sleep_and_wake() -> None:
+    worker, trainer, server = make_worker()
+    metrics = asyncio.run(worker.train([object(), object()]))
+    assert trainer.calls[0][:2] == ("train", 2)
+    assert trainer.calls[0][2] != threading.main_thread().name
+    assert server.events == ["sleep weights=False", "wake"]
+    assert worker.trainer_version == 1
+    assert metrics == {"loss": 1.0, "time/engine_sleep_s": 0.25, "time/wait_push_s": metrics["time/wait_push_s"],
+                       "time/engine_wake_s": 0.5}
+
+
+def test_train_waits_for_the_previous_push() -> None:
+    worker, trainer, server = make_worker(release_weights=True)
+    worker.trainer_version = 1  # an update the engine has not received yet
+
+    async def go() -> dict[str, float]:
+        task = asyncio.create_task(worker.train([object()]))
+        await asyncio.sleep(0.05)
+        assert trainer.calls == []  # still waiting
+        server.weight_version = 1
+        assert worker._pushed is not None
+        worker._pushed.set()
+        return await task
+
+    metrics = asyncio.run(go())
+    assert [c[0] for c in trainer.calls] == ["train"]
+    assert server.events == ["sleep weights=True"]  # released weights come back with the next push
+    assert "time/engine_wake_s" not in metrics
+    assert worker.trainer_version == 2
+
+
+def test_save_keeps_the_trainer_version_and_the_rest_delegates() -> None:
+    worker, trainer, _ = make_worker()
+    worker.trainer_version = 4
+    assert asyncio.run(worker.save("/ckpt", {"steps_done": 4})) == (0.5, {})
+    assert asyncio.run(worker.load("/ckpt", {"a": b"x"})) == {"steps_done": 3}
+    assert asyncio.run(worker.export(5)) == ("", 0.1)
+    assert asyncio.run(worker.ready()) == 0
+    assert asyncio.run(worker.weight_endpoint())["location"] == "/w"
+    assert [c[:2] for c in trainer.calls] == [("save", 4), ("load", {"a": b"x"}), ("export", 5)]
+    assert all(c[2] != threading.main_thread().name for c in trainer.calls)
