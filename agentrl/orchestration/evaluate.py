@@ -30,12 +30,11 @@ from typing import Any
 
 from agentrl.config import AgentRLConfig, save_config
 from agentrl.errors import InfraFailureError
-from agentrl.gateway.session import final_segments
 from agentrl.orchestration.build import Job, build_job
 from agentrl.orchestration.infra import describe_infra_failures, fix_for
 from agentrl.orchestration.trajectory_log import write_eval_trajectories
 from agentrl.rollout import GenerateClient, RolloutWorker
-from agentrl.types import Trajectory
+from agentrl.types import Trajectory, final_segments
 
 __all__ = ["EvalProgress", "EvalReport", "evaluate", "pass_at_k", "run_eval"]
 
