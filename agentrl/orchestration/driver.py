@@ -53,10 +53,10 @@ from agentrl.orchestration.checkpoints import Checkpoint, CheckpointStore, move_
 from agentrl.orchestration.evaluate import check_infra_failures, evaluate
 from agentrl.orchestration.infra import InfraMonitor
 from agentrl.orchestration.ledger import PromptLedger, PromptRef, PromptSampler, close_orphans, next_session
-from agentrl.orchestration.metrics import MetricsLogger, episode_metrics, segment_metrics
 from agentrl.orchestration.preflight import preflight
 from agentrl.orchestration.schedule import GroupResult, Scheduler, StepRecord, Verdict, default_classify
-from agentrl.orchestration.trajectory_log import RolloutLog
+from agentrl.records.metrics import MetricsLogger, episode_metrics, segment_metrics
+from agentrl.records.trajectory_log import RolloutLog
 from agentrl.rollout import RolloutWorker
 from agentrl.rollout.worker import group_seed
 from agentrl.types import final_segments, is_first_segment

@@ -72,7 +72,7 @@ def test_the_page_shows_turns_tool_calls_and_what_was_trained(browser, calc_run:
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support.ui import Select, WebDriverWait
 
-    from agentrl.orchestration.trajectory_log import read_trajectory_file
+    from agentrl.records.trajectory_log import read_trajectory_file
 
     records = read_trajectory_file(calc_run / "rollouts" / "step-000002.jsonl")
     with agentrl_view(calc_run) as url:
@@ -139,7 +139,7 @@ def test_an_eval_directory_opens_on_its_episodes(browser, calc_run: Path) -> Non
         from selenium.webdriver.support.ui import WebDriverWait
 
         WebDriverWait(browser, 30).until(lambda d: d.find_elements(By.CSS_SELECTOR, "#episode .tok"))
-        from agentrl.orchestration.trajectory_log import read_trajectory_file
+        from agentrl.records.trajectory_log import read_trajectory_file
 
         record = read_trajectory_file(calc_run / "eval" / "step-000003" / "trajectories.jsonl")[1]
         shown = check_tokens_match_ledger(browser, record)

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from agentrl.config import AlgorithmConfig, TrainerConfig
-from agentrl.orchestration.metrics import segment_metrics
+from agentrl.records.metrics import segment_metrics
 from agentrl.trainer.backend import PolicyBatch, TrainerBackend, UpdateResult
 from agentrl.trainer.step import train_step
 from agentrl.types import Segment, TokenOrigin, Trajectory, final_segments

@@ -18,7 +18,7 @@ import pytest
 from agentrl.chat import ChatTemplate
 from agentrl.orchestration.ledger import PromptRef
 from agentrl.orchestration.schedule import GroupResult
-from agentrl.orchestration.trajectory_log import (
+from agentrl.records.trajectory_log import (
     FORMAT,
     RolloutLog,
     TokenPieces,
@@ -183,7 +183,7 @@ def test_rollout_log_writes_each_steps_sample(template: ChatTemplate, tmp_path: 
 
 
 def test_every_origin_has_a_name() -> None:
-    from agentrl.orchestration.trajectory_log import ORIGIN_NAMES
+    from agentrl.records.trajectory_log import ORIGIN_NAMES
 
     assert ORIGIN_NAMES == {int(o): o.name.lower() for o in TokenOrigin}
     assert set(ORIGIN_NAMES.values()) == {"prompt", "sampled", "template", "tool"}
