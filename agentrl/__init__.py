@@ -21,6 +21,7 @@ _EXPORTS: dict[str, str] = {
     "SamplingParams": "agentrl.types",
     "Sandbox": "agentrl.sandboxes.protocol",
     "SandboxSession": "agentrl.sandboxes.protocol",
+    "Segment": "agentrl.types",
     "TokenOrigin": "agentrl.types",
     "Tool": "agentrl.tools.core",
     "ToolCall": "agentrl.types",

@@ -278,7 +278,7 @@ def cmd_run(ns: argparse.Namespace) -> int:
 
 
 def cmd_plot(ns: argparse.Namespace) -> int:
-    from agentrl.orchestration.plot import plot_run
+    from agentrl.records.plot import plot_run
 
     written = plot_run(ns.run_dir, ns.out, keys=ns.keys or None)
     for path in written:

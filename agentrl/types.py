@@ -2,8 +2,10 @@
 
 These are plain dataclasses and TypedDicts, cheap to build in hot loops and easy to serialise to
 JSON. The centre is `Trajectory`, the token ledger of one episode (DESIGN.md §4): for every token
-its origin, its turn, its rollout logprob and the policy version that sampled it. Nothing here
-talks to a model, an environment or a sandbox; that is what the layers above do.
+its origin, its turn, its rollout logprob and the policy version that sampled it. An episode that
+an external agent recorded as several trajectories gives each its `Segment`, and `final_segments`
+counts such an episode once. Nothing here talks to a model, an environment or a sandbox; that is
+what the layers above do.
 """
 
 from __future__ import annotations
@@ -22,11 +24,15 @@ __all__ = [
     "Generation",
     "Message",
     "SamplingParams",
+    "Segment",
     "TokenOrigin",
     "ToolCall",
     "ToolResult",
     "ToolSchema",
     "Trajectory",
+    "final_segments",
+    "is_final_segment",
+    "is_first_segment",
 ]
 
 Role = Literal["system", "user", "assistant", "tool"]
@@ -199,6 +205,43 @@ class FinishReason(StrEnum):
     ERROR = "error"
 
 
+@dataclass(frozen=True, slots=True)
+class Segment:
+    """Where a trajectory sits in an episode recorded as several: segment `index` (0-based) of `of`.
+
+    An external agent that rewrites its history mid-episode (the gateway, `agentrl.gateway.session`)
+    produces one trajectory per conversation it held; they share the episode's `episode_id`,
+    `group_id` and reward, and each carries its `Segment`. An episode played in one piece has none.
+    """
+
+    index: int
+    of: int
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.index < self.of:
+            raise ValueError(f"segment index must be in [0, {self.of}), got {self.index}")
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any] | None) -> Segment | None:
+        """The segment a `{"index": k, "of": n}` mapping describes (None stays None)."""
+        return None if d is None else cls(index=int(d["index"]), of=int(d["of"]))
+
+
+def is_final_segment(t: Trajectory) -> bool:
+    """True for the last segment of an episode (and for every trajectory that has no segments)."""
+    return t.segment is None or t.segment.index == t.segment.of - 1
+
+
+def is_first_segment(t: Trajectory) -> bool:
+    """True for the first segment of an episode (the one whose prompt is the dataset row's)."""
+    return t.segment is None or t.segment.index == 0
+
+
+def final_segments(trajectories: Sequence[Trajectory]) -> list[Trajectory]:
+    """One trajectory per episode: the last segment of each (for per-episode counts and pass rates)."""
+    return [t for t in trajectories if is_final_segment(t)]
+
+
 @dataclass
 class Trajectory:
     """The token ledger of one episode.
@@ -213,6 +256,8 @@ class Trajectory:
     were refused by the server (a prompt longer than its context, bad parameters): they are not
     trained on either, and their prompt is filtered with the reason instead of being retried;
     "model" errors are the policy's own and are trained on.
+
+    `segment` is set when the episode was recorded as several trajectories (`Segment`), else None.
     """
 
     token_ids: list[int] = field(default_factory=list)
@@ -230,6 +275,7 @@ class Trajectory:
     data_source: str = ""
     metrics: dict[str, float] = field(default_factory=dict)
     info: dict[str, Any] = field(default_factory=dict)
+    segment: Segment | None = None
 
     # ── building ────────────────────────────────────────────────────────────────────────────
     def extend(
@@ -332,7 +378,12 @@ class Trajectory:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Trajectory:
+        """The trajectory `to_dict` wrote; also reads dicts written before `segment` was a field
+        (they kept it as a `segment` entry of `info`)."""
         d = dict(d)
         if d.get("finish_reason") is not None:
             d["finish_reason"] = FinishReason(d["finish_reason"])
+        info = dict(d.get("info") or {})
+        legacy = info.pop("segment") if isinstance(info.get("segment"), dict) else None
+        d["info"], d["segment"] = info, Segment.from_dict(d.get("segment") or legacy)
         return cls(**d)

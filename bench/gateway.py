@@ -247,6 +247,7 @@ async def _bench(url: str, agents_url: str | None, agents: int, service_s: float
     from agentrl.inference import HTTPServerClient, Router
     from agentrl.rollout import AgentLoop, AgentLoopConfig, RolloutWorker
     from agentrl.tools.parsers import HermesParser
+    from agentrl.types import final_segments
 
     template = ChatTemplate.from_pretrained(TOKENIZER)
     # The one server behind several small clients: httpcore scans every connection of a pool on each
@@ -296,7 +297,7 @@ async def _bench(url: str, agents_url: str | None, agents: int, service_s: float
     fields = ("token_ids", "origins", "turns", "logprobs", "versions")
     equal = sum(all(getattr(t, f) == getattr(by_id[t.episode_id[1:]], f) for f in fields) for t in b)
     loop_ms, agent_ms = 1000 * statistics.fmean(loop_latencies), 1000 * statistics.fmean(agent_latencies)
-    finals = [t for t in b if t.info["segment"]["index"] == t.info["segment"]["of"] - 1]
+    finals = final_segments(b)
     server_ms = 1000 * sum(t.metrics["handling_s"] - t.metrics["generate_s"] for t in finals) / len(agent_latencies)
     return {
         "agents": agents, "service_s": service_s, "turns": turns, "ramp_s": ramp_s, "rounds": rounds,

@@ -63,8 +63,8 @@ def main() -> int:
         parser.error("give a run directory or --run")
     run_dir = make_run(ns.run) if ns.run is not None else Path(ns.run_dir)
 
-    from agentrl.orchestration.metrics import read_metrics
-    from agentrl.orchestration.trajectory_log import RolloutLog, read_trajectory_file, trajectory_from_record
+    from agentrl.records.metrics import read_metrics
+    from agentrl.records.trajectory_log import RolloutLog, read_trajectory_file, trajectory_from_record
 
     records = read_metrics(run_dir / "metrics.jsonl")
     config = yaml.safe_load((run_dir / "config.yaml").read_text())

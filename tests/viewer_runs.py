@@ -66,7 +66,7 @@ def make_run_dir(root: Path, template: ChatTemplate, steps: int = 3) -> Path:
     """A run directory as `agentrl run` leaves it after `steps` steps (see the module docstring)."""
     from agentrl.orchestration.ledger import PromptRef
     from agentrl.orchestration.schedule import GroupResult
-    from agentrl.orchestration.trajectory_log import RolloutLog, write_eval_trajectories
+    from agentrl.records.trajectory_log import RolloutLog, write_eval_trajectories
 
     root.mkdir(parents=True, exist_ok=True)
     rows = [{"reward_model": {"ground_truth": "84"}, "data_source": "calc"} for _ in range(4)]
@@ -134,7 +134,7 @@ def make_failing_run(root: Path, template: ChatTemplate) -> Path:
     six lines that are not episodes after them, and step 3's stopped-run file."""
     from agentrl.orchestration.ledger import PromptRef
     from agentrl.orchestration.schedule import GroupResult
-    from agentrl.orchestration.trajectory_log import RolloutLog
+    from agentrl.records.trajectory_log import RolloutLog
 
     root.mkdir(parents=True, exist_ok=True)
     rows = [{"reward_model": {"ground_truth": "84"}, "data_source": "calc"} for _ in range(3)]

@@ -21,13 +21,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from agentrl.gateway.agent_env import AgentEnv, AgentTask
     from agentrl.gateway.server import Gateway, shared_gateway
-    from agentrl.gateway.session import (
-        GatewaySession,
-        final_segments,
-        is_final_segment,
-        is_first_segment,
-        segment_metrics,
-    )
+    from agentrl.gateway.session import GatewaySession
     from agentrl.gateway.standalone import serve_gateway
 
 _EXPORTS: dict[str, str] = {
@@ -35,10 +29,6 @@ _EXPORTS: dict[str, str] = {
     "AgentTask": "agentrl.gateway.agent_env",
     "Gateway": "agentrl.gateway.server",
     "GatewaySession": "agentrl.gateway.session",
-    "final_segments": "agentrl.gateway.session",
-    "is_final_segment": "agentrl.gateway.session",
-    "is_first_segment": "agentrl.gateway.session",
-    "segment_metrics": "agentrl.gateway.session",
     "serve_gateway": "agentrl.gateway.standalone",
     "shared_gateway": "agentrl.gateway.server",
 }
@@ -48,10 +38,6 @@ __all__ = [
     "AgentTask",
     "Gateway",
     "GatewaySession",
-    "final_segments",
-    "is_final_segment",
-    "is_first_segment",
-    "segment_metrics",
     "serve_gateway",
     "shared_gateway",
 ]

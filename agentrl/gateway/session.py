@@ -37,8 +37,8 @@ stop string and the sampled tokens are kept up to the one that completed it (the
 text stops), so the ledger holds exactly what the model sampled and saw.
 
 `trajectories()` ends the session: one `Trajectory` per segment, all sharing the episode's reward,
-finish reason and fault, each with `info["segment"] = {"index": k, "of": n}` (and `info["tools"]`,
-the tool schemas its prompt rendered); the episode's
+finish reason and fault, each with its `segment` (`agentrl.types.Segment(index=k, of=n)`) and
+`info["tools"]`, the tool schemas its prompt rendered; the episode's
 metrics (calls, segments, rewrites, tool calls, parse errors, refusals) are on the last segment.
 This module knows nothing of HTTP (`server.py`) or of how the agent is run (`agent_env.py`).
 """
@@ -54,16 +54,18 @@ from agentrl.chat import ChatTemplate, TokenDelta
 from agentrl.config import RolloutConfig
 from agentrl.errors import ChatTemplateError, InferenceError, ServerUnavailableError
 from agentrl.gateway.wire import ChatRequest, Completion, WireError, assistant_message, message_key
-from agentrl.types import Action, FinishReason, Generation, Message, SamplingParams, TokenOrigin, Trajectory
+from agentrl.types import (
+    Action,
+    FinishReason,
+    Generation,
+    Message,
+    SamplingParams,
+    Segment,
+    TokenOrigin,
+    Trajectory,
+)
 
-__all__ = [
-    "GatewayBackend",
-    "GatewaySession",
-    "final_segments",
-    "is_final_segment",
-    "is_first_segment",
-    "segment_metrics",
-]
+__all__ = ["GatewayBackend", "GatewaySession"]
 
 log = logging.getLogger(__name__)
 
@@ -89,35 +91,6 @@ class GatewayBackend(Protocol):
     parser: _Parser
     config: RolloutConfig
     stop_token_ids: tuple[int, ...]
-
-
-def is_final_segment(t: Trajectory) -> bool:
-    """True for the last segment of an episode (and for every trajectory that has no segments)."""
-    seg = t.info.get("segment")
-    return not isinstance(seg, dict) or seg.get("index") == seg.get("of", 1) - 1
-
-
-def is_first_segment(t: Trajectory) -> bool:
-    """True for the first segment of an episode (the one whose prompt is the dataset row's)."""
-    seg = t.info.get("segment")
-    return not isinstance(seg, dict) or seg.get("index") == 0
-
-
-def final_segments(trajectories: list[Trajectory]) -> list[Trajectory]:
-    """One trajectory per episode: the last segment of each (for per-episode counts and pass rates)."""
-    return [t for t in trajectories if is_final_segment(t)]
-
-
-def segment_metrics(trajectories: list[Trajectory]) -> dict[str, float]:
-    """Dashboard numbers of gateway episodes: segments, rewrites and model calls per episode ({} if none)."""
-    episodes = [t for t in final_segments(trajectories) if "llm_calls" in t.metrics]
-    if not episodes:
-        return {}
-    n = len(episodes)
-    out = {f"gateway/{k}_per_episode": sum(t.metrics.get(k, 0.0) for t in episodes) / n
-           for k in ("segments", "rewrites", "new_conversations", "llm_calls", "parse_errors", "server_errors")}
-    out["gateway/rewritten_frac"] = sum(t.metrics.get("rewrites", 0.0) > 0 for t in episodes) / n
-    return out
 
 
 @dataclass
@@ -343,7 +316,7 @@ class GatewaySession:
         for k, seg in enumerate(self.segments):
             t = seg.trajectory
             t.reward, t.finish_reason, t.fault, t.error = reward, finish_reason, fault, error  # type: ignore[assignment]
-            t.info["segment"] = {"index": k, "of": n}
+            t.segment = Segment(index=k, of=n)
             if seg.tools:
                 t.info["tools"] = seg.tools  # what the prompt rendered: a re-render needs them
             t.metrics.update({"turns": float(seg.turn), "sampled_tokens": float(t.num_sampled),

@@ -48,18 +48,18 @@ from typing import Any
 
 from agentrl.config import AgentRLConfig, save_config
 from agentrl.errors import AgentRLError, ConfigError, InfraFailureError, PreflightError
-from agentrl.gateway.session import final_segments, is_first_segment, segment_metrics
 from agentrl.orchestration.build import Job, build_job
 from agentrl.orchestration.checkpoints import Checkpoint, CheckpointStore, move_aside_earlier_attempt
 from agentrl.orchestration.evaluate import check_infra_failures, evaluate
 from agentrl.orchestration.infra import InfraMonitor
 from agentrl.orchestration.ledger import PromptLedger, PromptRef, PromptSampler, close_orphans, next_session
-from agentrl.orchestration.metrics import MetricsLogger, episode_metrics
 from agentrl.orchestration.preflight import preflight
 from agentrl.orchestration.schedule import GroupResult, Scheduler, StepRecord, Verdict, default_classify
-from agentrl.orchestration.trajectory_log import RolloutLog
+from agentrl.records.metrics import MetricsLogger, episode_metrics, segment_metrics
+from agentrl.records.trajectory_log import RolloutLog
 from agentrl.rollout import RolloutWorker
 from agentrl.rollout.worker import group_seed
+from agentrl.types import final_segments, is_first_segment
 
 __all__ = ["RunResult", "resolve_run_dir", "run_training"]
 

@@ -12,7 +12,7 @@ resolved rate: resolved valid episodes over all valid episodes (an episode the A
 before the env graded it counts as not resolved).
 
 Written to the output directory: `report.json`, and `trajectories.jsonl` with every episode's
-ledger and decoded text (the format of `agentrl.orchestration.trajectory_log`; `agentrl view DIR`
+ledger and decoded text (the format of `agentrl.records.trajectory_log`; `agentrl view DIR`
 shows it). Training is not this module's business.
 """
 
@@ -30,12 +30,11 @@ from typing import Any
 
 from agentrl.config import AgentRLConfig, save_config
 from agentrl.errors import InfraFailureError
-from agentrl.gateway.session import final_segments
 from agentrl.orchestration.build import Job, build_job
 from agentrl.orchestration.infra import describe_infra_failures, fix_for
-from agentrl.orchestration.trajectory_log import write_eval_trajectories
+from agentrl.records.trajectory_log import write_eval_trajectories
 from agentrl.rollout import GenerateClient, RolloutWorker
-from agentrl.types import Trajectory
+from agentrl.types import Trajectory, final_segments
 
 __all__ = ["EvalProgress", "EvalReport", "evaluate", "pass_at_k", "run_eval"]
 

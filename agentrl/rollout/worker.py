@@ -12,7 +12,7 @@ An environment whose episodes are driven by an external agent rather than by the
 (`ExternalAgentEnv`: `agentrl.gateway.AgentEnv` runs a user's OpenAI-API agent through the gateway)
 plays its episode itself with the worker's AgentLoop as its inference backend, and may return
 several trajectories for one episode (segments, when the agent rewrote its history; they share
-the episode's reward and `episode_id`, and `info["segment"]` numbers them). A group's list then
+the episode's reward and `episode_id`, and `Trajectory.segment` numbers them). A group's list then
 holds every segment of its episodes, in sample order.
 Placement on Ray, weight pushes and staleness belong to the orchestration layer, not here.
 

@@ -12,7 +12,7 @@ controller (`make_kl_controller`) that the caller keeps across steps: fixed, or 
 `algorithm.kl_target` is set, updated after each step with the batch's KL to the reference.
 
 An episode an external agent played through the gateway may arrive as several trajectory segments
-(`info["segment"]`, same `group_id` and `episode_id`, same reward). The group-relative estimators
+(`Trajectory.segment`, same `group_id` and `episode_id`, same reward). The group-relative estimators
 (grpo, dr_grpo, rloo, reinforce_pp_baseline) then count each episode once: the group statistics use
 one reward per episode and every segment's tokens get its episode's advantage (the step-wise
 "broadcast" of rLLM and SkyRL), so an agent that rewrites its history more often does not weigh
@@ -211,7 +211,7 @@ def _episode_index(trajs: Sequence[Trajectory]) -> list[int] | None:
     seen: dict[Any, int] = {}
     index = []
     for i, t in enumerate(trajs):
-        segmented = isinstance(t.info.get("segment"), dict) and t.episode_id
+        segmented = t.segment is not None and t.episode_id
         key = (t.group_id, t.episode_id) if segmented else i
         index.append(seen.setdefault(key, len(seen)))
     return index if len(seen) < len(trajs) else None

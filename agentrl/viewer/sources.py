@@ -8,7 +8,7 @@ curves (`metrics.jsonl`, `eval.jsonl`, drawn as `agentrl plot` draws them), a sh
 each episode of a source for the list and its filters, and whole episodes. Files are parsed once
 and kept until they change. Everything is read-only: nothing here writes, starts a process or
 loads a model; a tokenizer is loaded only to give text to the tokens of a file written before
-tokens carried their text (`agentrl.orchestration.trajectory_log`).
+tokens carried their text (`agentrl.records.trajectory_log`).
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ from typing import Any, Literal
 import yaml
 
 from agentrl.errors import ConfigError
-from agentrl.orchestration.metrics import dashboard_panels, read_evals, read_metrics
-from agentrl.orchestration.trajectory_log import TokenPieces, scan_trajectory_file
+from agentrl.records.metrics import dashboard_panels, read_evals, read_metrics
+from agentrl.records.trajectory_log import TokenPieces, scan_trajectory_file
 
 __all__ = ["RunReader", "Source"]
 

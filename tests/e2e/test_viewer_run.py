@@ -35,7 +35,7 @@ def lines(path: Path) -> list[dict]:
 
 
 def test_each_step_keeps_its_best_and_worst_groups(short_run: Path) -> None:
-    from agentrl.orchestration.trajectory_log import FORMAT, read_trajectory_file, trajectory_from_record
+    from agentrl.records.trajectory_log import FORMAT, read_trajectory_file, trajectory_from_record
 
     trained = {(e["step"], e["uid"]) for e in lines(short_run / "ledger.jsonl") if e["status"] == "trained"}
     files = sorted((short_run / "rollouts").glob("step-*.jsonl"))
@@ -65,7 +65,7 @@ def test_each_step_keeps_its_best_and_worst_groups(short_run: Path) -> None:
 
 
 def test_plot_draws_the_real_runs_dashboard(short_run: Path) -> None:
-    from agentrl.orchestration.plot import plot_run
+    from agentrl.records.plot import plot_run
 
     written = {p.name for p in plot_run(short_run)}
     assert {"dashboard.png", "reward.png", "finish_reasons.png", "time_split.png", "held_out_pass_k.png"} <= written
@@ -78,7 +78,7 @@ def test_the_viewer_shows_what_was_sampled_and_trained(short_run: Path) -> None:
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support.ui import WebDriverWait
 
-    from agentrl.orchestration.trajectory_log import read_trajectory_file
+    from agentrl.records.trajectory_log import read_trajectory_file
 
     records = read_trajectory_file(short_run / "rollouts" / "step-000002.jsonl")
     # An episode with every origin, trained on, if the step has one (two turns with the env between).

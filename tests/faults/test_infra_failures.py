@@ -73,7 +73,7 @@ def test_a_sandbox_that_breaks_mid_run_stops_it_in_the_first_step(tmp_path: Path
     assert [e["step"] for e in evals] == [0] and evals[0]["infra_failed"] == 0
     assert "failed for infrastructure reasons" in (run_dir / "driver.log").read_text()
     # the failed episodes are kept for `agentrl view`, each with its error
-    from agentrl.orchestration.trajectory_log import read_trajectory_file
+    from agentrl.records.trajectory_log import read_trajectory_file
 
     stopped = read_trajectory_file(run_dir / "rollouts" / "step-000001-stopped.jsonl")
     assert stopped and all(r["fault"] == "infra" and "injected fault" in r["error"] and r["kept_as"] == ["stopped"]

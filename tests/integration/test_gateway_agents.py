@@ -25,7 +25,7 @@ from agentrl.gateway import AgentEnv, AgentTask
 from agentrl.gateway.standalone import serve_gateway
 from agentrl.rollout import AgentLoop, AgentLoopConfig, RolloutWorker
 from agentrl.tools.parsers import HermesParser
-from agentrl.types import FinishReason, Generation, TokenOrigin, Trajectory
+from agentrl.types import FinishReason, Generation, Segment, TokenOrigin, Trajectory
 
 openai = pytest.importorskip("openai", reason="needs the openai client, a dev extra: pip install -e '.[dev]'")
 
@@ -92,7 +92,7 @@ def test_a_function_agent_is_trained_on_its_exact_calls_and_scored_by_the_row(te
     assert len(trajs) == 2 and {t.episode_id for t in trajs} == {"g0-0", "g0-1"}
     for t in trajs:
         assert (t.reward, t.finish_reason, t.fault) == (1.0, FinishReason.DONE, None), t.error
-        assert t.info["segment"] == {"index": 0, "of": 1} and t.info["answer"] == "So it is \\boxed{42}."
+        assert t.segment == Segment(index=0, of=1) and t.info["answer"] == "So it is \\boxed{42}."
         assert t.metrics["reward/source_ok"] == 1.0 and t.metrics["llm_calls"] == 2 and t.metrics["agent_s"] > 0
         t.validate()
         sent = model.sent[t.episode_id]
@@ -110,7 +110,7 @@ def test_a_blocking_agent_and_a_history_rewrite(template: ChatTemplate) -> None:
         return client.chat.completions.create(model="x", messages=summary, tools=TOOLS).choices[0].message.content
 
     trajs, model = _run(template, lambda: AgentEnv(rewriting_agent), samples=1)
-    assert [t.info["segment"] for t in trajs] == [{"index": 0, "of": 2}, {"index": 1, "of": 2}]
+    assert [t.segment for t in trajs] == [Segment(index=0, of=2), Segment(index=1, of=2)]
     assert all(t.reward == 1.0 and t.finish_reason == FinishReason.DONE for t in trajs)
     assert trajs[1].metrics["rewrites"] == 1 and "rewrites" not in trajs[0].metrics
     for t, prompt in zip(trajs, model.sent["g0-0"], strict=True):

@@ -85,7 +85,7 @@ def test_the_page_shows_turns_tool_calls_and_what_was_trained(browser, calc_run:
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support.ui import Select, WebDriverWait
 
-    from agentrl.orchestration.trajectory_log import read_trajectory_file
+    from agentrl.records.trajectory_log import read_trajectory_file
 
     records = read_trajectory_file(calc_run / "rollouts" / "step-000002.jsonl")
     with agentrl_view(calc_run) as url:
@@ -152,7 +152,7 @@ def test_an_eval_directory_opens_on_its_episodes(browser, calc_run: Path) -> Non
         from selenium.webdriver.support.ui import WebDriverWait
 
         WebDriverWait(browser, 30).until(lambda d: d.find_elements(By.CSS_SELECTOR, "#episode .tok"))
-        from agentrl.orchestration.trajectory_log import read_trajectory_file
+        from agentrl.records.trajectory_log import read_trajectory_file
 
         record = read_trajectory_file(calc_run / "eval" / "step-000003" / "trajectories.jsonl")[1]
         shown = check_tokens_match_ledger(browser, record)
@@ -192,7 +192,7 @@ def _open(browser, index: int) -> None:
 def test_tool_calls_and_results_sit_under_the_models_own_turns(browser, failing_run: Path) -> None:
     from selenium.webdriver.common.by import By
 
-    from agentrl.orchestration.trajectory_log import read_trajectory_file
+    from agentrl.records.trajectory_log import read_trajectory_file
 
     records = read_trajectory_file(failing_run / "rollouts" / "step-000001.jsonl")
     with agentrl_view(failing_run) as url:
@@ -231,7 +231,7 @@ def test_tool_calls_and_results_sit_under_the_models_own_turns(browser, failing_
 def test_a_bidi_override_reorders_nothing_drawn_after_it(browser, failing_run: Path) -> None:
     from selenium.webdriver.common.by import By
 
-    from agentrl.orchestration.trajectory_log import read_trajectory_file
+    from agentrl.records.trajectory_log import read_trajectory_file
 
     record = read_trajectory_file(failing_run / "rollouts" / "step-000001.jsonl")[4]
     with agentrl_view(failing_run) as url:

@@ -25,7 +25,7 @@ from agentrl.gateway.wire import WireError, message_key, parse_chat_request
 from agentrl.rollout import AgentLoop, AgentLoopConfig
 from agentrl.tools import ToolContext, tool
 from agentrl.tools.parsers import HermesParser
-from agentrl.types import FinishReason, Generation, TokenOrigin, Trajectory
+from agentrl.types import FinishReason, Generation, Segment, TokenOrigin, Trajectory
 
 openai = pytest.importorskip("openai", reason="needs the openai client, a dev extra: pip install -e '.[dev]'")
 
@@ -147,7 +147,7 @@ def test_parallel_tool_calls_and_a_final_answer_make_one_exact_segment(template:
     assert len(segments) == 1
     t = segments[0]
     _check(t, model.sent["ep"])
-    assert t.info["segment"] == {"index": 0, "of": 1} and t.reward == 1.0
+    assert t.segment == Segment(index=0, of=1) and t.reward == 1.0
     assert t.metrics["llm_calls"] == 2 and t.metrics["tool_calls"] == 2 and t.metrics["segments"] == 1
     assert template.tokenizer.decode(t.tokens_of(TokenOrigin.SAMPLED)) == CALLS + ANSWER
     assert template.tokenizer.decode(t.tokens_of(TokenOrigin.TOOL)) == "334"
@@ -263,7 +263,7 @@ def test_a_rewritten_history_starts_a_new_exact_segment(template: ChatTemplate) 
         return session.trajectories(reward=1.0, finish_reason=FinishReason.DONE)
 
     segments = asyncio.run(run())
-    assert [t.info["segment"] for t in segments] == [{"index": 0, "of": 2}, {"index": 1, "of": 2}]
+    assert [t.segment for t in segments] == [Segment(index=0, of=2), Segment(index=1, of=2)]
     first, second = segments
     sent = model.sent["ep"]
     _check(first, sent[:2])

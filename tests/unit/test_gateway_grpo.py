@@ -10,10 +10,10 @@ from typing import Any
 import torch
 
 from agentrl.config import AlgorithmConfig, TrainerConfig
-from agentrl.gateway import final_segments, segment_metrics
+from agentrl.records.metrics import segment_metrics
 from agentrl.trainer.backend import PolicyBatch, TrainerBackend, UpdateResult
 from agentrl.trainer.step import train_step
-from agentrl.types import TokenOrigin, Trajectory
+from agentrl.types import Segment, TokenOrigin, Trajectory, final_segments
 
 
 def _traj(episode: str, reward: float, response: list[int], *, segment: tuple[int, int] | None = None) -> Trajectory:
@@ -21,7 +21,7 @@ def _traj(episode: str, reward: float, response: list[int], *, segment: tuple[in
     t.extend([1, 2], TokenOrigin.PROMPT, 0)
     t.extend(response, TokenOrigin.SAMPLED, 1, logprobs=[-1.0] * len(response), version=0)
     if segment is not None:
-        t.info["segment"] = {"index": segment[0], "of": segment[1]}
+        t.segment = Segment(index=segment[0], of=segment[1])
         if segment[0] == segment[1] - 1:
             t.metrics.update({"llm_calls": 3.0, "segments": float(segment[1]), "rewrites": segment[1] - 1.0})
     return t

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from agentrl.orchestration.metrics import (
+from agentrl.records.metrics import (
     PANELS,
     MetricsLogger,
     dashboard_panels,
@@ -141,7 +141,7 @@ def test_tensorboard_gets_the_same_panels(tmp_path):
 def test_plot_draws_the_panels_and_names_those_left_out(tmp_path):
     pytest.importorskip("matplotlib")
     from agentrl.errors import ConfigError
-    from agentrl.orchestration.plot import plot_run
+    from agentrl.records.plot import plot_run
 
     write_run(tmp_path)
     written = plot_run(tmp_path)
@@ -159,7 +159,7 @@ def test_plot_draws_the_panels_and_names_those_left_out(tmp_path):
 
 def test_a_failing_run_still_plots_reward_pass_at_k_and_infrastructure_failures(tmp_path):
     pytest.importorskip("matplotlib")
-    from agentrl.orchestration.plot import plot_run
+    from agentrl.records.plot import plot_run
 
     with (tmp_path / "metrics.jsonl").open("w") as f:
         for step in range(2):

@@ -18,7 +18,7 @@ import pytest
 from agentrl.chat import ChatTemplate
 from agentrl.orchestration.ledger import PromptRef
 from agentrl.orchestration.schedule import GroupResult
-from agentrl.orchestration.trajectory_log import (
+from agentrl.records.trajectory_log import (
     FORMAT,
     RolloutLog,
     TokenPieces,
@@ -29,7 +29,7 @@ from agentrl.orchestration.trajectory_log import (
     trajectory_record,
     write_eval_trajectories,
 )
-from agentrl.types import TokenOrigin
+from agentrl.types import Segment, TokenOrigin
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from viewer_runs import NOT_EPISODES, tool_episode
@@ -102,6 +102,23 @@ def test_eval_file_and_legacy_file_are_read_the_same_way(template: ChatTemplate,
     assert trajectory_from_record(upgraded) == groups[0][0]
 
 
+def test_segment_has_its_own_key_and_old_files_with_it_in_info_are_read(template: ChatTemplate,
+                                                                          tmp_path: Path) -> None:
+    t = tool_episode(template, episode_id="a")
+    t.segment = Segment(index=1, of=3)
+    record = trajectory_record(t, None, source="eval")
+    assert record["segment"] == {"index": 1, "of": 3} and "segment" not in record["info"]
+    assert trajectory_from_record(record) == t
+    assert trajectory_record(tool_episode(template), None, source="eval")["segment"] is None
+    # A line written when the segment was an entry of info: read with it under its own key.
+    old = record | {"info": {**record["info"], "segment": {"index": 1, "of": 3}}}
+    del old["segment"]
+    (tmp_path / "old.jsonl").write_text(json.dumps(old) + "\n")
+    [read] = read_trajectory_file(tmp_path / "old.jsonl")
+    assert read["segment"] == {"index": 1, "of": 3} and "segment" not in read["info"]
+    assert trajectory_from_record(old) == t
+
+
 def test_non_finite_numbers_become_null_so_browsers_can_parse_the_file(template: ChatTemplate, tmp_path: Path) -> None:
     t = tool_episode(template)
     t.metrics["ratio"] = math.nan
@@ -167,7 +184,7 @@ def test_rollout_log_writes_each_steps_sample(template: ChatTemplate, tmp_path: 
 
 
 def test_every_origin_has_a_name() -> None:
-    from agentrl.orchestration.trajectory_log import ORIGIN_NAMES
+    from agentrl.records.trajectory_log import ORIGIN_NAMES
 
     assert ORIGIN_NAMES == {int(o): o.name.lower() for o in TokenOrigin}
     assert set(ORIGIN_NAMES.values()) == {"prompt", "sampled", "template", "tool"}

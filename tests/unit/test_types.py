@@ -10,9 +10,13 @@ from agentrl.types import (
     FinishReason,
     Generation,
     SamplingParams,
+    Segment,
     TokenOrigin,
     ToolCall,
     Trajectory,
+    final_segments,
+    is_final_segment,
+    is_first_segment,
 )
 
 
@@ -75,6 +79,23 @@ def test_infra_failures_are_not_trainable_and_round_trip_through_dict() -> None:
     assert back.finish_reason is FinishReason.ERROR
     t.fault = "model"
     assert t.trainable
+
+
+def test_segment_is_a_typed_field_that_round_trips_and_reads_the_old_info_entry() -> None:
+    first, last, whole = _two_turn_ledger(), _two_turn_ledger(), _two_turn_ledger()
+    first.segment, last.segment = Segment(index=0, of=2), Segment(index=1, of=2)
+    assert [is_first_segment(t) for t in (first, last, whole)] == [True, False, True]
+    assert [is_final_segment(t) for t in (first, last, whole)] == [False, True, True]
+    assert final_segments([first, last, whole]) == [last, whole]
+    d = last.to_dict()
+    assert d["segment"] == {"index": 1, "of": 2}
+    assert Trajectory.from_dict(d) == last
+    # A dict written before the field existed kept the segment in info.
+    old = d | {"segment": None, "info": {"segment": {"index": 1, "of": 2}, "tools": []}}
+    back = Trajectory.from_dict(old)
+    assert back.segment == Segment(index=1, of=2) and back.info == {"tools": []}
+    with pytest.raises(ValueError, match="segment index"):
+        Segment(index=2, of=2)
 
 
 def test_value_types_check_their_input() -> None:

@@ -121,7 +121,7 @@ def test_what_is_not_a_run_is_refused_with_what_to_give(tmp_path: Path) -> None:
 
 
 def test_a_file_being_rewritten_is_read_again(run_dir: Path, tmp_path: Path, template: ChatTemplate) -> None:
-    from agentrl.orchestration.trajectory_log import write_eval_trajectories
+    from agentrl.records.trajectory_log import write_eval_trajectories
 
     path = tmp_path / "t.jsonl"
     write_eval_trajectories(path, [[tool_episode(template)]], [{}], template.tokenizer)

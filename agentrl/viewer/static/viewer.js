@@ -270,6 +270,7 @@ function renderEpisode(r) {
     ["turns", r.num_turns, false],
     ["episode", r.episode_id, false],
   ];
+  if (r.segment) chips.push(["segment", `${r.segment.index + 1} of ${r.segment.of}`, false]);
   if (r.step !== null && r.step !== undefined) chips.unshift(["step", r.step, false]);
   root.append(el("div", {class: "ep-head"},
     el("div", {class: `reward ${rewardClass}`, id: "ep-reward"}, infra ? "infra" : fmt(r.reward), el("small", {text: "reward"})),

@@ -20,6 +20,7 @@ One line (`format: "agentrl.trajectory/1"`):
 | `episode_id`, `group_id`, `data_source`, `ground_truth` | where it came from (`ground_truth`: the row's `reward_model.ground_truth`) |
 | `reward`, `finish_reason`, `fault`, `error` | how it ended (`fault`: `model`, `infra` or null) |
 | `num_tokens`, `num_sampled`, `num_turns` | sizes |
+| `segment` | `{"index": k, "of": n}` when the episode was recorded as n trajectories (an external agent that rewrote its history, `Trajectory.segment`), else null |
 | `metrics`, `info` | the episode's numbers (tool calls, tool errors by class, timings, env metrics) and env details |
 | `messages` | the conversation as chat messages, tool calls parsed |
 | `segments` | the token ledger, below |
@@ -35,8 +36,9 @@ texts joined are the tokenizer's decoding of the whole ledger. `trajectory_from_
 line back into the exact `Trajectory`.
 
 Files written before this format (`Trajectory.to_dict()` plus `text`, origins as integers) are
-read too (`read_trajectory_file`); without a tokenizer their tokens carry no text. This module
-only writes and reads files; it does not run episodes.
+read too (`read_trajectory_file`); without a tokenizer their tokens carry no text. Files that kept
+the segment as an entry of `info` (before it had its own key) are read with it moved to `segment`.
+This module only writes and reads files; it does not run episodes.
 """
 
 from __future__ import annotations
@@ -51,7 +53,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from agentrl.types import FinishReason, TokenOrigin, Trajectory
+from agentrl.types import FinishReason, Segment, TokenOrigin, Trajectory
 
 __all__ = [
     "FORMAT",
@@ -181,6 +183,7 @@ def trajectory_record(
         "num_tokens": len(t.token_ids),
         "num_sampled": t.num_sampled,
         "num_turns": t.num_turns,
+        "segment": {"index": t.segment.index, "of": t.segment.of} if t.segment is not None else None,
         "metrics": t.metrics,
         "info": t.info,
         "messages": t.messages,
@@ -193,12 +196,14 @@ def trajectory_from_record(record: dict[str, Any]) -> Trajectory:
     if "segments" not in record:  # the format before this one: Trajectory.to_dict() plus text
         known = set(Trajectory.__dataclass_fields__)
         return Trajectory.from_dict({k: v for k, v in record.items() if k in known})
+    record = _segment_lifted(record)
     t = Trajectory(
         messages=list(record.get("messages") or []), reward=record.get("reward"),
         finish_reason=FinishReason(record["finish_reason"]) if record.get("finish_reason") else None,
         fault=record.get("fault"), error=record.get("error"), episode_id=record.get("episode_id", ""),
         group_id=record.get("group_id", ""), data_source=record.get("data_source", ""),
         metrics=dict(record.get("metrics") or {}), info=dict(record.get("info") or {}),
+        segment=Segment.from_dict(record.get("segment")),
     )  # fmt: skip
     for seg in record["segments"]:
         ids = seg["ids"]
@@ -280,6 +285,8 @@ def scan_trajectory_file(path: str | Path) -> tuple[list[dict[str, Any]], int]:
                 record = json.loads(line, parse_constant=lambda _: None)  # NaN, Infinity: null, as written
                 if isinstance(record, dict) and "segments" not in record:  # the older format, or not an episode
                     record = _upgrade(record) if isinstance(record.get("token_ids"), list) else None
+                elif isinstance(record, dict):
+                    record = _segment_lifted(record)
             except (ValueError, TypeError, KeyError, IndexError, AttributeError):  # JSONDecodeError: a ValueError
                 record = None
             if _is_episode(record):
@@ -304,6 +311,14 @@ def _is_episode(record: Any) -> bool:
     if messages is not None and not (isinstance(messages, list) and all(isinstance(m, dict) for m in messages)):
         return False
     return all(record.get(key) is None or isinstance(record[key], dict) for key in ("metrics", "info"))
+
+
+def _segment_lifted(record: dict[str, Any]) -> dict[str, Any]:
+    """`record` with a segment that an older file kept in `info` moved to its own key."""
+    info = dict(record.get("info") or {})
+    if record.get("segment") is not None or not isinstance(info.get("segment"), dict):
+        return record
+    return record | {"segment": info.pop("segment"), "info": info}
 
 
 def _upgrade(old: dict[str, Any]) -> dict[str, Any]:

@@ -4,7 +4,8 @@
 reward mean/std and solve rate, the fraction of groups with zero reward variance (they teach
 GRPO nothing), response length, truncation rate and finish reasons, tool calls per episode and
 tool error rates by class (model / infrastructure), staleness in policy versions, and the time
-episodes spent generating and in the environment. The trainer's own numbers (KL, entropy, clip
+episodes spent generating and in the environment. `segment_metrics` adds, for episodes an external
+agent played through the gateway, its segments, rewrites and model calls per episode. The trainer's own numbers (KL, entropy, clip
 fraction, grad norm, rollout/trainer mismatch) come from `train_step` and are merged in as they are.
 
 `MetricsLogger` writes each step to its sinks: the console (a progress bar on a terminal, one log
@@ -27,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from agentrl.errors import ConfigError
-from agentrl.types import FinishReason, Trajectory
+from agentrl.types import FinishReason, Trajectory, final_segments
 
 __all__ = [
     "CONSOLE_KEYS",
@@ -39,6 +40,7 @@ __all__ = [
     "episode_metrics",
     "read_evals",
     "read_metrics",
+    "segment_metrics",
     "tensorboard_layout",
     "time_split",
 ]
@@ -266,6 +268,18 @@ def episode_metrics(
         if token_lags:
             out["staleness/token_mean"] = _mean([float(x) for x in token_lags])
             out["staleness/token_max"] = float(max(token_lags))
+    return out
+
+
+def segment_metrics(trajectories: Sequence[Trajectory]) -> dict[str, float]:
+    """Dashboard numbers of gateway episodes: segments, rewrites and model calls per episode ({} if none)."""
+    episodes = [t for t in final_segments(trajectories) if "llm_calls" in t.metrics]
+    if not episodes:
+        return {}
+    n = len(episodes)
+    out = {f"gateway/{k}_per_episode": sum(t.metrics.get(k, 0.0) for t in episodes) / n
+           for k in ("segments", "rewrites", "new_conversations", "llm_calls", "parse_errors", "server_errors")}
+    out["gateway/rewritten_frac"] = sum(t.metrics.get("rewrites", 0.0) > 0 for t in episodes) / n
     return out
 
 

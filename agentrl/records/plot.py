@@ -1,6 +1,6 @@
 """`agentrl plot RUN_DIR`: draw a run's dashboard (from `metrics.jsonl` and `eval.jsonl`) to PNG files.
 
-The pictures are the dashboard's panels (`agentrl.orchestration.metrics.PANELS`, the same ones
+The pictures are the dashboard's panels (`agentrl.records.metrics.PANELS`, the same ones
 `agentrl view` and TensorBoard's custom scalars show): reward, held-out pass@k, infrastructure
 failures, tool use and the model's tool errors, finish reasons, response length, groups without
 signal, KL, entropy, clip fraction, grad norm, the rollout/trainer mismatch, staleness and the time
@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from agentrl.errors import ConfigError
-from agentrl.orchestration.metrics import Panel, PanelData, dashboard_panels, read_evals, read_metrics
+from agentrl.records.metrics import Panel, PanelData, dashboard_panels, read_evals, read_metrics
 
 __all__ = ["plot_run"]
 
