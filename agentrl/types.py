@@ -4,8 +4,13 @@ These are plain dataclasses and TypedDicts, cheap to build in hot loops and easy
 JSON. The centre is `Trajectory`, the token ledger of one episode (DESIGN.md §4): for every token
 its origin, its turn, its rollout logprob and the policy version that sampled it. An episode that
 an external agent recorded as several trajectories gives each its `Segment`, and `final_segments`
-counts such an episode once. Nothing here talks to a model, an environment or a sandbox; that is
-what the layers above do.
+counts such an episode once.
+
+The two protocols every layer that plays episodes meets at are here too, once: `GenerateClient`
+(token in, token out; the inference clients and the router implement it, the AgentLoop and the
+gateway call it) and `ActionParser` (assistant text to an `Action`; the tool-call parsers
+implement it). Nothing here talks to a model, an environment or a sandbox; that is what the layers
+above do.
 """
 
 from __future__ import annotations
@@ -14,15 +19,18 @@ import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from enum import IntEnum, StrEnum
-from typing import Any, Literal, TypedDict
+from typing import Any, Literal, Protocol, TypedDict, runtime_checkable
 
 __all__ = [
     "Action",
+    "ActionParser",
     "ExecResult",
     "Fault",
     "FinishReason",
+    "GenerateClient",
     "Generation",
     "Message",
+    "Role",
     "SamplingParams",
     "Segment",
     "TokenOrigin",
@@ -184,6 +192,37 @@ class Generation:
             raise ValueError(
                 f"Generation has {len(self.token_ids)} tokens but {len(self.logprobs)} logprobs"
             )
+
+
+@runtime_checkable
+class GenerateClient(Protocol):
+    """Token in, token out: the one call the AgentLoop and the gateway make to inference.
+
+    `generate` samples a continuation of `prompt_ids` (never re-tokenised text) and returns the
+    sampled ids with their logprobs and the weight version that sampled them. `session_id` keeps
+    the turns of one episode on one server (prefix cache); `timeout_s` is the call's deadline (None:
+    the client's default). A server that cannot answer raises `ServerUnavailableError`, a request
+    it refuses `InferenceRequestError`. `agentrl.inference` implements it (`HTTPServerClient`,
+    `Router`, the engine adapters) and adds what owners of a client need (`InferenceClient`).
+    """
+
+    async def generate(
+        self,
+        prompt_ids: list[int],
+        sampling: SamplingParams,
+        *,
+        session_id: str,
+        timeout_s: float | None = None,
+    ) -> Generation: ...
+
+
+@runtime_checkable
+class ActionParser(Protocol):
+    """Reads an assistant turn's text into an `Action`: the tool calls in it, and the malformed ones
+    as `parse_errors` (never raises for model text). The tool-call parsers of `agentrl.tools`
+    (`ToolCallParser`: hermes, llama3, mistral, retool) implement it."""
+
+    def parse(self, text: str) -> Action: ...
 
 
 class TokenOrigin(IntEnum):

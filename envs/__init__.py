@@ -1,8 +1,9 @@
 """Built-in environments and the environment contract (installed as `agentrl.envs`).
 
 `Env` is the base class (a `gymnasium.Env` whose observations are chat messages), `ToolEnv` the
-base of tool-using environments, `check_env` the conformance checker, and `make_env` builds an
-environment by registry name (`"arithmetic"`) or import path (`"my_pkg.envs:MyEnv"`).
+base of tool-using environments, `ExternalAgentEnv` the hook of envs that play their own episodes
+(given the rollout's loop, an `EpisodeLoop`), `check_env` the conformance checker, and `make_env`
+builds an environment by registry name (`"arithmetic"`) or import path (`"my_pkg.envs:MyEnv"`).
 """
 
 if __name__ != "agentrl.envs":
@@ -15,12 +16,22 @@ if __name__ != "agentrl.envs":
 from typing import Any
 
 from agentrl.envs.checker import check_env
-from agentrl.envs.core import ActionSpace, ChatSpace, Env
+from agentrl.envs.core import ActionSpace, ChatSpace, Env, EpisodeLoop, ExternalAgentEnv, TurnBackend
 from agentrl.envs.tool_env import ToolEnv
 from agentrl.errors import ConfigError
 from agentrl.registry import ENVS
 
-__all__ = ["ActionSpace", "ChatSpace", "Env", "ToolEnv", "check_env", "make_env"]
+__all__ = [
+    "ActionSpace",
+    "ChatSpace",
+    "Env",
+    "EpisodeLoop",
+    "ExternalAgentEnv",
+    "ToolEnv",
+    "TurnBackend",
+    "check_env",
+    "make_env",
+]
 
 
 def make_env(name: str, **kwargs: Any) -> Env:

@@ -14,19 +14,28 @@ private loop. Environments know nothing of the trainer or of tokens.
 `atruncate(reason)` is the AgentLoop telling the env that one of the loop's own budgets (turns,
 tokens, wall time) ended an episode the env had not ended; it returns the episode's last reward
 and info. By default that is a reward of 0; envs that judge the work done (SWE) grade it there.
+
+`arun_episode(loop, ...)` (`ExternalAgentEnv`) is the one hook an env may add to play its episodes
+itself instead of being played by the AgentLoop: the rollout then hands it the loop (an
+`EpisodeLoop`: its generate client, chat template, parser, stop ids and budgets) and takes the
+trajectories it returns. `agentrl.gateway.AgentEnv` runs an external OpenAI-API agent this way.
 """
 
 from __future__ import annotations
 
 import asyncio
-from typing import Any, ClassVar, SupportsFloat
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, SupportsFloat, runtime_checkable
 
 import gymnasium
 import numpy as np
 
-from agentrl.types import Action, Message
+from agentrl.types import Action, ActionParser, GenerateClient, Message, Trajectory
 
-__all__ = ["ActionSpace", "ChatSpace", "Env"]
+if TYPE_CHECKING:
+    from agentrl.chat import ChatTemplate
+    from agentrl.config import RolloutConfig
+
+__all__ = ["ActionSpace", "ChatSpace", "Env", "EpisodeLoop", "ExternalAgentEnv", "TurnBackend"]
 
 _ROLES = ("system", "user", "assistant", "tool")
 
@@ -95,7 +104,8 @@ class Env(gymnasium.Env[list, Action]):
     Subclasses implement `reset` and `step` (sync), or `areset` and `astep` (async) and inherit
     sync versions that drive them. `reset(options={"row": row})` starts an episode on a dataset
     row in verl's format; without a row an environment may generate a task from `seed`.
-    `info["tools"]` from `reset` lists the OpenAI tool schemas the agent may call.
+    `info["tools"]` from `reset` lists the OpenAI tool schemas the agent may call. An env that plays
+    its episodes itself (an external agent) also has `arun_episode`, the `ExternalAgentEnv` hook.
     """
 
     observation_space = ChatSpace()
@@ -154,7 +164,7 @@ class Env(gymnasium.Env[list, Action]):
         if type(self).areset is Env.areset:
             # A subclass implementing `reset` calls super().reset(seed=seed) to seed `np_random`,
             # the gymnasium idiom; that is all the base class does then.
-            return super().reset(seed=seed, options=options)  # type: ignore[return-value]
+            return super().reset(seed=seed, options=options)
         return self._drive(self.areset(seed=seed, options=options))
 
     def step(self, action: Action) -> tuple[list[Message], SupportsFloat, bool, bool, dict[str, Any]]:
@@ -191,3 +201,51 @@ class Env(gymnasium.Env[list, Action]):
             loop = asyncio.new_event_loop()
             self.__dict__["_private_loop"] = loop
         return loop.run_until_complete(coro)
+
+
+# ── the hook of envs that play their own episodes ───────────────────────────────────────────
+class TurnBackend(Protocol):
+    """What generates an agent's turns: a generate client, the chat template that renders the
+    conversation, the action parser, the ids that end a turn, and the budgets and sampling of the
+    run's `rollout` section. The rollout's `AgentLoop` is one; `agentrl.gateway` generates every call
+    of an external agent with one."""
+
+    client: GenerateClient
+    template: ChatTemplate
+    parser: ActionParser
+    config: RolloutConfig
+    stop_token_ids: tuple[int, ...]
+
+
+class EpisodeLoop(TurnBackend, Protocol):
+    """The rollout's `AgentLoop` as `ExternalAgentEnv.arun_episode` is given it: a `TurnBackend`
+    that can also play an episode the usual way (`run_episode`, for an env that hands one back)."""
+
+    async def run_episode(
+        self,
+        env: Env,
+        *,
+        row: dict[str, Any] | None = None,
+        seed: int | None = None,
+        episode_id: str | None = None,
+        group_id: str = "",
+    ) -> Trajectory: ...
+
+
+@runtime_checkable
+class ExternalAgentEnv(Protocol):
+    """An env that plays its own episodes, generating through the rollout's loop.
+
+    When the env the rollout builds for an episode has this method, the rollout (`RolloutWorker`) calls
+    `await env.arun_episode(loop, row=..., seed=..., episode_id=..., group_id=...)` once, in place
+    of `loop.run_episode(env, ...)`, and the env's `areset`/`astep`/`atruncate` are then its own
+    business. It returns the episode's trajectories: one, or one per segment when the agent
+    rewrote its history (they share the episode's reward, finish reason and `episode_id`). Like
+    `AgentLoop.run_episode` it never raises for an episode failure (it records the failure in the
+    trajectories, as a fault when the machinery failed) and it closes the env. An env may hand an
+    episode back to the loop with `return [await loop.run_episode(self, ...)]`.
+    """
+
+    async def arun_episode(
+        self, loop: EpisodeLoop, *, row: dict[str, Any] | None, seed: int | None, episode_id: str, group_id: str
+    ) -> list[Trajectory]: ...

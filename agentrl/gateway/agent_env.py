@@ -53,18 +53,18 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import gymnasium
 
 from agentrl.envs.arithmetic import ArithmeticEnv, make_arithmetic_row
-from agentrl.envs.core import Env
+from agentrl.envs.core import Env, EpisodeLoop, ExternalAgentEnv
 from agentrl.envs.rewards import RewardFn, compute_score, score_row
 from agentrl.errors import ConfigError, EnvError
 from agentrl.gateway.server import Gateway, shared_gateway
 from agentrl.gateway.session import GatewaySession
 from agentrl.registry import import_object
-from agentrl.types import Action, FinishReason, Message, Trajectory
+from agentrl.types import Action, Fault, FinishReason, Message, Trajectory
 
 __all__ = ["AgentEnv", "AgentTask", "load_callable"]
 
@@ -139,10 +139,11 @@ def load_callable(spec: str | Callable[..., Any], what: str) -> Callable[..., An
         obj = import_object(spec)
     if not callable(obj):
         raise ConfigError(f"{what}: {spec!r} is a {type(obj).__name__}, not a function.")
-    return obj
+    fn: Callable[..., Any] = obj
+    return fn
 
 
-class AgentEnv(Env):
+class AgentEnv(Env, ExternalAgentEnv):
     """Runs a user's OpenAI-API agent as an environment (see the module docstring)."""
 
     def __init__(
@@ -193,7 +194,8 @@ class AgentEnv(Env):
         if isinstance(prompt, str):
             return [{"role": "user", "content": prompt}]
         if isinstance(prompt, list) and prompt:
-            return [dict(m) for m in prompt]  # type: ignore[misc]
+            # copies of the row's messages, each checked to be one when the rows were loaded (agentrl.datasets)
+            return [cast(Message, dict(m)) for m in prompt]
         raise EnvError(f"Dataset row has no usable 'prompt' (got {type(prompt).__name__}); a row needs 'prompt' "
                        "as a list of chat messages or a string.")
 
@@ -225,9 +227,11 @@ class AgentEnv(Env):
         return [], reward, True, False, {"metrics": extra}
 
     # ── with an agent: the agent drives the episode through the gateway ────────────────────
-    async def arun_episode(self, loop: Any, *, row: dict[str, Any] | None, seed: int | None, episode_id: str,
-                           group_id: str) -> list[Trajectory]:
-        """Play one episode (module docstring); never raises for an episode failure."""
+    async def arun_episode(self, loop: EpisodeLoop, *, row: dict[str, Any] | None, seed: int | None,
+                           episode_id: str, group_id: str) -> list[Trajectory]:
+        """Play one episode (module docstring; the `ExternalAgentEnv` hook of the Env contract, which the
+        rollout calls in place of `loop.run_episode`); never raises for an episode failure. Without an
+        agent the episode is handed back to the loop."""
         if not self.runs_agent:
             return [await loop.run_episode(self, row=row, seed=seed, episode_id=episode_id, group_id=group_id)]
         started = time.perf_counter()
@@ -246,7 +250,9 @@ class AgentEnv(Env):
     async def _play(self, gateway: Gateway, session: GatewaySession, row: dict[str, Any], seed: int | None,
                     timeout: float, started: float) -> list[Trajectory]:
         answer: str | None = None
-        reason, fault, error = FinishReason.DONE, None, None
+        reason: FinishReason = FinishReason.DONE
+        fault: Fault | None = None
+        error: str | None = None
         info: dict[str, Any] = {}
         reward: float | None = None
         extra: dict[str, float] = {}
@@ -291,7 +297,7 @@ class AgentEnv(Env):
                                         metrics=extra, info=info)
         if not segments:  # nothing the model sampled: one empty, masked trajectory keeps the episode counted
             t = Trajectory(episode_id=session.episode_id, group_id=session.group_id,
-                           data_source=session.data_source, reward=reward, finish_reason=reason, fault=fault,  # type: ignore[arg-type]
+                           data_source=session.data_source, reward=reward, finish_reason=reason, fault=fault,
                            error=error, info=info)
             t.metrics.update({k: float(v) for k, v in session.counters.items()})
             t.metrics.update(extra)

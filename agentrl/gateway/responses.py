@@ -69,7 +69,7 @@ def parse_responses_request(body: Any, previous: dict[str, list[Message]] | None
         if previous is None or prev_id not in previous:
             raise WireError(f"No response {prev_id!r} in this session.", status=404, param="previous_response_id",
                             code="previous_response_not_found")
-        history = [dict(m) for m in previous[prev_id]]  # type: ignore[misc]
+        history = [m.copy() for m in previous[prev_id]]
     conversation = history + _input_messages(body.get("input"))
     if not conversation:
         raise WireError("'input' must be a string or a non-empty list of items.", param="input")

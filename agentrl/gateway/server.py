@@ -33,9 +33,9 @@ import socket
 import time
 import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from agentrl.gateway.session import GatewayBackend, GatewaySession
+from agentrl.gateway.session import GatewaySession
 from agentrl.gateway.wire import (
     WireError,
     completion_body,
@@ -43,6 +43,9 @@ from agentrl.gateway.wire import (
     error_body,
     parse_chat_request,
 )
+
+if TYPE_CHECKING:
+    from agentrl.envs import TurnBackend
 
 __all__ = ["Gateway", "shared_gateway"]
 
@@ -66,7 +69,7 @@ class Gateway:
         host: str = "127.0.0.1",
         port: int = 0,
         model_name: str = "agentrl",
-        default_backend: GatewayBackend | None = None,
+        default_backend: TurnBackend | None = None,
         on_session_end: Callable[[GatewaySession], Awaitable[None] | None] | None = None,
         idle_timeout_s: float | None = None,
     ) -> None:
@@ -146,7 +149,7 @@ class Gateway:
 
     # ── sessions ────────────────────────────────────────────────────────────────────────────
     def open_session(
-        self, backend: GatewayBackend, *, episode_id: str, group_id: str = "", data_source: str = "",
+        self, backend: TurnBackend, *, episode_id: str, group_id: str = "", data_source: str = "",
         deadline: float | None = None, key: str | None = None,
     ) -> GatewaySession:
         """A new session for one episode, under a fresh key unless `key` is given."""

@@ -48,14 +48,14 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 from agentrl.chat import ChatTemplate, TokenDelta
-from agentrl.config import RolloutConfig
 from agentrl.errors import ChatTemplateError, InferenceError, ServerUnavailableError
 from agentrl.gateway.wire import ChatRequest, Completion, WireError, assistant_message, message_key
 from agentrl.types import (
     Action,
+    Fault,
     FinishReason,
     Generation,
     Message,
@@ -65,32 +65,16 @@ from agentrl.types import (
     Trajectory,
 )
 
-__all__ = ["GatewayBackend", "GatewaySession"]
+if TYPE_CHECKING:
+    from agentrl.envs import TurnBackend
+
+__all__ = ["GatewaySession"]
 
 log = logging.getLogger(__name__)
 
 _STORED_RESPONSES = 64
 
 
-class _Parser(Protocol):
-    def parse(self, text: str) -> Action: ...
-
-
-class _Client(Protocol):
-    async def generate(
-        self, prompt_ids: list[int], sampling: SamplingParams, *, session_id: str, timeout_s: float | None = None
-    ) -> Generation: ...
-
-
-class GatewayBackend(Protocol):
-    """What a session generates with; an `agentrl.rollout.AgentLoop` is one (the gateway does not
-    import the rollout package: the two are siblings in DESIGN.md's layers)."""
-
-    client: _Client
-    template: ChatTemplate
-    parser: _Parser
-    config: RolloutConfig
-    stop_token_ids: tuple[int, ...]
 
 
 @dataclass
@@ -108,7 +92,7 @@ class GatewaySession:
     """One episode's calls (see the module docstring). `complete` serves one chat request."""
 
     def __init__(
-        self, backend: GatewayBackend, *, key: str, episode_id: str, group_id: str = "", data_source: str = "",
+        self, backend: TurnBackend, *, key: str, episode_id: str, group_id: str = "", data_source: str = "",
         deadline: float | None = None,
     ) -> None:
         self.backend = backend
@@ -306,7 +290,7 @@ class GatewaySession:
         self.closed = True
 
     def trajectories(
-        self, *, reward: float | None, finish_reason: FinishReason, fault: str | None = None,
+        self, *, reward: float | None, finish_reason: FinishReason, fault: Fault | None = None,
         error: str | None = None, metrics: dict[str, float] | None = None, info: dict[str, Any] | None = None,
     ) -> list[Trajectory]:
         """The episode's segments, closed and labelled (module docstring); empty if no call succeeded."""
@@ -315,7 +299,7 @@ class GatewaySession:
         n = len(self.segments)
         for k, seg in enumerate(self.segments):
             t = seg.trajectory
-            t.reward, t.finish_reason, t.fault, t.error = reward, finish_reason, fault, error  # type: ignore[assignment]
+            t.reward, t.finish_reason, t.fault, t.error = reward, finish_reason, fault, error
             t.segment = Segment(index=k, of=n)
             if seg.tools:
                 t.info["tools"] = seg.tools  # what the prompt rendered: a re-render needs them
@@ -350,7 +334,7 @@ def _cut_at_stop(template: ChatTemplate, ids: list[int], stops: tuple[str, ...])
     return lo, text[:at]
 
 
-def _token_logprobs(backend: GatewayBackend, ids: list[int], logprobs: list[float]) -> list[tuple[str, float]]:
+def _token_logprobs(backend: TurnBackend, ids: list[int], logprobs: list[float]) -> list[tuple[str, float]]:
     tok = backend.template.tokenizer
     stop = set(backend.stop_token_ids)
     n = len(ids)

@@ -23,11 +23,14 @@ import logging
 import signal
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from agentrl.gateway.server import Gateway
-from agentrl.gateway.session import GatewayBackend, GatewaySession
+from agentrl.gateway.session import GatewaySession
 from agentrl.types import FinishReason
+
+if TYPE_CHECKING:
+    from agentrl.envs import TurnBackend
 
 __all__ = ["TrajectoryWriter", "serve_gateway"]
 
@@ -59,7 +62,7 @@ class TrajectoryWriter:
 
 
 async def serve_gateway(
-    backend: GatewayBackend,
+    backend: TurnBackend,
     *,
     output_dir: str | Path,
     host: str = "127.0.0.1",

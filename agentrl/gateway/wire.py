@@ -24,7 +24,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from agentrl.types import Message, ToolCall, ToolSchema
+from agentrl.types import Message, Role, ToolCall, ToolSchema
 
 __all__ = [
     "ChatRequest",
@@ -39,7 +39,7 @@ __all__ = [
     "to_template_message",
 ]
 
-_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
+_ROLES: dict[str, Role] = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 _TEXT_PARTS = ("text", "input_text", "output_text")
 # Sampling options an agent may send that the gateway does not apply: during training every token
 # is sampled with the run's settings, or the trainer's logprobs would not match the rollout's.
@@ -212,7 +212,7 @@ def to_template_message(m: Any, index: int = 0) -> Message:
     if role is None:
         raise WireError(f"{where}.role {m.get('role')!r} is not one of system, developer, user, assistant, "
                         "tool.", param=f"{where}.role")
-    out: Message = {"role": role, "content": _text(m.get("content"), where)}  # type: ignore[typeddict-item]
+    out: Message = {"role": role, "content": _text(m.get("content"), where)}
     if role == "assistant":
         calls = m.get("tool_calls")
         if calls:

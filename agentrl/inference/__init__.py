@@ -1,6 +1,7 @@
 """agentrl.inference: token-in/token-out LLM servers, their clients, the launcher and the router.
 
-    InferenceClient     the protocol the agent loop awaits: generate(prompt_ids, sampling, session_id)
+    InferenceClient     agentrl.types.GenerateClient (what the agent loop awaits: generate(prompt_ids,
+                        sampling, session_id)) plus aclose; ControllableClient adds server_id, health
     HTTPServerClient    one agentrl server over HTTP (hf, vllm), plus its control calls
     Router              many servers behind one InferenceClient: sticky sessions, load, failover
     ServerProcess       a server child process: start, wait for /health, stop

@@ -1,7 +1,9 @@
-"""Clients: the `InferenceClient` protocol the agent loop codes against, and `HTTPServerClient`.
+"""Clients: the `InferenceClient` and `ControllableClient` protocols, and `HTTPServerClient`.
 
-`InferenceClient` is the whole surface the rollout layer needs: `generate(prompt_ids, sampling,
-session_id=...) -> Generation`, plus `aclose`. `HTTPServerClient` speaks the agentrl HTTP API
+The generate call itself is `agentrl.types.GenerateClient` (L0, what the agent loop and the gateway
+code against: `generate(prompt_ids, sampling, session_id=...) -> Generation`). `InferenceClient`
+is that plus `aclose`, what the owner of a client holds; `ControllableClient` adds what the router
+needs of one server (`server_id`, `health`). `HTTPServerClient` speaks the agentrl HTTP API
 (`protocol.py`) to one server and adds the control calls (`health`, `pause`, `resume`,
 `update_weights`, `probe_weights`, `metrics`) that the router, the launcher and the weight sync use. The router
 (`router.py`) implements the same protocol over many servers; `sglang.SGLangClient` and
@@ -33,23 +35,15 @@ from agentrl.inference.protocol import (
     UpdateWeightsRequest,
     UpdateWeightsResponse,
 )
-from agentrl.types import Generation, SamplingParams
+from agentrl.types import GenerateClient, Generation, SamplingParams
 
 __all__ = ["ControllableClient", "HTTPServerClient", "InferenceClient"]
 
 
 @runtime_checkable
-class InferenceClient(Protocol):
-    """Token in, token out. Implemented by `HTTPServerClient`, `Router` and the engine adapters."""
-
-    async def generate(
-        self,
-        prompt_ids: list[int],
-        sampling: SamplingParams,
-        *,
-        session_id: str,
-        timeout_s: float | None = None,
-    ) -> Generation: ...
+class InferenceClient(GenerateClient, Protocol):
+    """A `GenerateClient` its owner closes. Implemented by `HTTPServerClient`, `Router` and the
+    engine adapters."""
 
     async def aclose(self) -> None: ...
 
@@ -122,7 +116,7 @@ class HTTPServerClient:
             raise rejected
         return resp.json()
 
-    # ── InferenceClient ─────────────────────────────────────────────────────────────────────
+    # ── GenerateClient ──────────────────────────────────────────────────────────────────────
     async def generate(
         self,
         prompt_ids: list[int],

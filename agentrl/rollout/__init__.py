@@ -2,16 +2,19 @@
 
 `AgentLoop.run_episode(env, row=...)` plays one episode against an inference client and returns
 its `Trajectory` (the token ledger); `RolloutWorker` runs groups of episodes concurrently.
+`GenerateClient` (what the loop generates with) lives in `agentrl.types` and `ExternalAgentEnv`
+(the hook of envs that play their own episodes) in `agentrl.envs`; both are re-exported here.
 """
 
+from agentrl.envs import ExternalAgentEnv
 from agentrl.rollout.agent_loop import (
     AgentLoop,
     AgentLoopConfig,
     EpisodeState,
-    GenerateClient,
     end_of_turn_ids,
 )
-from agentrl.rollout.worker import ExternalAgentEnv, RolloutWorker, group_seed
+from agentrl.rollout.worker import RolloutWorker, group_seed
+from agentrl.types import GenerateClient
 
 __all__ = [
     "AgentLoop",

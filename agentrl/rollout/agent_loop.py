@@ -40,31 +40,29 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 from agentrl.chat import ChatTemplate, ConversationTokenizer
 from agentrl.config import RolloutConfig
 from agentrl.errors import AgentRLError, InferenceRequestError
 from agentrl.rollout.pacing import CpuGate
-from agentrl.types import Action, FinishReason, Generation, Message, SamplingParams, Trajectory
+from agentrl.types import (
+    Action,
+    ActionParser,
+    Fault,
+    FinishReason,
+    GenerateClient,
+    Generation,
+    Message,
+    SamplingParams,
+    Trajectory,
+)
 
-__all__ = ["AgentLoop", "AgentLoopConfig", "EpisodeState", "GenerateClient", "end_of_turn_ids"]
+__all__ = ["AgentLoop", "AgentLoopConfig", "EpisodeState", "end_of_turn_ids"]
 
 log = logging.getLogger(__name__)
 
 _END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "</s>", "<|endoftext|>")
-
-
-class GenerateClient(Protocol):
-    """What the loop needs from inference: `agentrl.inference.InferenceClient` satisfies it."""
-
-    async def generate(
-        self, prompt_ids: list[int], sampling: SamplingParams, *, session_id: str, timeout_s: float | None = None
-    ) -> Generation: ...
-
-
-class ActionParser(Protocol):
-    def parse(self, text: str) -> Action: ...
 
 
 class EpisodeState(enum.Enum):
@@ -121,7 +119,7 @@ class _Episode:
 class _EpisodeOver(Exception):
     """Raised inside a handler to end the episode with a reason (and maybe a fault)."""
 
-    def __init__(self, reason: FinishReason, fault: str | None = None, error: str | None = None,
+    def __init__(self, reason: FinishReason, fault: Fault | None = None, error: str | None = None,
                  budget: str | None = None) -> None:
         super().__init__(reason.value)
         self.reason, self.fault, self.error = reason, fault, error
@@ -336,10 +334,10 @@ class AgentLoop:
             ep.last_info = {**ep.last_info, **info, "metrics": metrics}
         return over
 
-    def _finish(self, ep: _Episode, reason: FinishReason, fault: str | None, error: str | None) -> None:
+    def _finish(self, ep: _Episode, reason: FinishReason, fault: Fault | None, error: str | None) -> None:
         t = ep.trajectory
         t.finish_reason = reason
-        t.fault = fault  # type: ignore[assignment]
+        t.fault = fault
         t.error = error
         t.reward = ep.reward
         env_metrics = ep.last_info.get("metrics", {}) if isinstance(ep.last_info, dict) else {}

@@ -8,12 +8,13 @@ wait, rather than fail, when the cap is reached. Every episode returns a traject
 included (marked with their fault), so nothing is silently dropped.
 
 Each episode gets a fresh environment from `env_factory`, closed by the AgentLoop at its end.
-An environment whose episodes are driven by an external agent rather than by the AgentLoop
-(`ExternalAgentEnv`: `agentrl.gateway.AgentEnv` runs a user's OpenAI-API agent through the gateway)
-plays its episode itself with the worker's AgentLoop as its inference backend, and may return
-several trajectories for one episode (segments, when the agent rewrote its history; they share
-the episode's reward and `episode_id`, and `Trajectory.segment` numbers them). A group's list then
-holds every segment of its episodes, in sample order.
+An environment whose episodes are driven by an external agent rather than by the AgentLoop has
+the Env contract's `arun_episode` hook (`agentrl.envs.ExternalAgentEnv`; `agentrl.gateway.AgentEnv`
+runs a user's OpenAI-API agent through the gateway): the worker calls it in place of
+`loop.run_episode`, and the env plays its episode itself with the worker's AgentLoop as its
+inference backend. It may return several trajectories for one episode (segments, when the agent
+rewrote its history; they share the episode's reward and `episode_id`, and `Trajectory.segment`
+numbers them). A group's list then holds every segment of its episodes, in sample order.
 Placement on Ray, weight pushes and staleness belong to the orchestration layer, not here.
 
 Garbage collection. A rollout process holds a large, long-lived heap (transformers, the tokenizer,
@@ -52,25 +53,13 @@ import asyncio
 import gc
 import hashlib
 from collections.abc import AsyncIterator, Callable, Sequence
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
 
+from agentrl.envs import ExternalAgentEnv
 from agentrl.rollout.agent_loop import AgentLoop
 from agentrl.types import Trajectory
 
-__all__ = ["ExternalAgentEnv", "RolloutWorker", "group_seed"]
-
-
-@runtime_checkable
-class ExternalAgentEnv(Protocol):
-    """An env that plays its own episodes, generating through `loop` (its client, template, budgets).
-
-    `arun_episode` returns the episode's trajectories (one, or one per segment), never raises for
-    an episode failure (it records it, like `AgentLoop.run_episode`), and closes the env.
-    """
-
-    async def arun_episode(
-        self, loop: AgentLoop, *, row: dict[str, Any] | None, seed: int | None, episode_id: str, group_id: str
-    ) -> list[Trajectory]: ...
+__all__ = ["RolloutWorker", "group_seed"]
 
 _gc_frozen = False
 _GC_GEN2_THRESHOLD = 1_000
