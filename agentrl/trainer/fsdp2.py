@@ -53,6 +53,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
+from agentrl.config import AlgorithmConfig, TrainerConfig
 from agentrl.errors import ConfigError, FeatureUnavailableError, TrainerError
 from agentrl.trainer.backend import MicroBatches, TrainerBackend
 from agentrl.trainer.distributed import balanced_shares, init_distributed, resolve_device
@@ -113,8 +114,8 @@ class FSDP2Backend(TrainerBackend):
     def __init__(
         self,
         model_path: str | Path,
-        trainer: Any,
-        algorithm: Any = None,
+        trainer: TrainerConfig,
+        algorithm: AlgorithmConfig | None = None,
         *,
         with_reference: bool | None = None,
         with_critic: bool | None = None,

@@ -41,6 +41,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from agentrl.config import AlgorithmConfig, TrainerConfig
 from agentrl.errors import ConfigError, FeatureUnavailableError, TrainerError
 from agentrl.trainer.backend import MicroBatches, TrainerBackend
 from agentrl.trainer.distributed import balanced_shares, init_distributed, resolve_device
@@ -178,8 +179,8 @@ class MegatronBackend(TrainerBackend):
     def __init__(
         self,
         model_path: str | Path,
-        trainer: Any,
-        algorithm: Any = None,
+        trainer: TrainerConfig,
+        algorithm: AlgorithmConfig | None = None,
         *,
         with_reference: bool | None = None,
         with_critic: bool | None = None,
