@@ -363,9 +363,7 @@ class TrainerBackend(abc.ABC):
 
     def update_critic(self, batch: CriticBatch, algorithm: AlgorithmConfig) -> dict[str, float]:
         """One optimizer step of the critic on `batch`; metrics prefixed `critic/`."""
-        critic = self._critic()
-        if self.critic_optimizer is None or self.critic_scheduler is None:
-            raise TrainerError(f"{type(self).__name__} built a critic without its optimizer; build both.")
+        critic, critic_optimizer, critic_scheduler = self._critic_parts()
         loss_mask = batch.loss_mask * _trainable_rows(batch.trajectories)
         denominator = loss_denominator(loss_mask, algorithm.loss_agg)
         if denominator == 0:
@@ -381,7 +379,7 @@ class TrainerBackend(abc.ABC):
 
         plan = [(p, real, True) for p, real in self._micro_batches(batch.trajectories)]
         sums = self._accumulate(plan, tensors, forward)
-        out = self._optimizer_step(critic, self.critic_optimizer, self.critic_scheduler)
+        out = self._optimizer_step(critic, critic_optimizer, critic_scheduler)
         out.update(sums.reduce(self._all_reduce))
         return {f"critic/{k}": v for k, v in out.items()}
 
@@ -391,6 +389,13 @@ class TrainerBackend(abc.ABC):
                 "this backend has no critic (GAE needs one); build the FSDP2 backend with with_critic=True."
             )
         return self.critic
+
+    def _critic_parts(self) -> tuple[nn.Module, Optimizer, LRScheduler]:
+        """The critic with its optimizer and LR schedule."""
+        critic = self._critic()
+        if self.critic_optimizer is None or self.critic_scheduler is None:
+            raise TrainerError(f"{type(self).__name__} built a critic without its optimizer; build both.")
+        return critic, self.critic_optimizer, self.critic_scheduler
 
     def _accumulate(
         self,
@@ -423,7 +428,7 @@ class TrainerBackend(abc.ABC):
         finite) and advance the LR schedule either way."""
         norm = self._grad_norm(model)
         grad_norm = float(norm)
-        lr = scheduler.get_last_lr()[0]
+        lr = float(scheduler.get_last_lr()[0])
         if math.isfinite(grad_norm):
             params = [p for p in model.parameters() if p.grad is not None]
             torch.nn.utils.clip_grads_with_norm_(params, self.config.grad_clip, norm)

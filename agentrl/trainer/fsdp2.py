@@ -339,8 +339,9 @@ class FSDP2Backend(TrainerBackend):
             "policy_optim": get_optimizer_state_dict(self.policy, self.optimizer),
         }
         if self.critic is not None:
-            state["critic"] = get_model_state_dict(self.critic)
-            state["critic_optim"] = get_optimizer_state_dict(self.critic, self.critic_optimizer)
+            critic, optimizer, _ = self._critic_parts()
+            state["critic"] = get_model_state_dict(critic)
+            state["critic_optim"] = get_optimizer_state_dict(critic, optimizer)
         return state
 
     def save(self, path: str | Path, data_position: dict[str, Any] | None = None) -> None:
@@ -349,12 +350,14 @@ class FSDP2Backend(TrainerBackend):
         # DCP fills an empty optimizer state with a zero-gradient step (Adam step 1); remember
         # which were empty and empty them again, so saving never changes what training does.
         fresh = {"policy": not self.optimizer.state}
+        critic_scheduler = None
         if self.critic is not None:
-            fresh["critic"] = not self.critic_optimizer.state
+            _, optimizer, scheduler = self._critic_parts()
+            fresh["critic"] = not optimizer.state
+            critic_scheduler = scheduler.state_dict()
         dcp.save(self._app_state(), checkpoint_id=str(path / "dcp"))
         self._clear_fresh(fresh)
         save_rng(path, self.rank)
-        critic_scheduler = self.critic_scheduler.state_dict() if self.critic is not None else None
         self._write_state(path, data_position, critic_scheduler=critic_scheduler, fresh_optimizers=fresh)
         dist.barrier()
 
@@ -362,7 +365,7 @@ class FSDP2Backend(TrainerBackend):
         if fresh.get("policy"):
             self.optimizer.state.clear()
         if fresh.get("critic") and self.critic is not None:
-            self.critic_optimizer.state.clear()
+            self._critic_parts()[1].state.clear()
 
     def load(self, path: str | Path) -> dict[str, Any]:
         path = Path(path)
@@ -375,9 +378,10 @@ class FSDP2Backend(TrainerBackend):
         set_optimizer_state_dict(self.policy, self.optimizer, state["policy_optim"])
         self.scheduler.load_state_dict(meta["scheduler"])
         if self.critic is not None:
-            set_model_state_dict(self.critic, state["critic"])
-            set_optimizer_state_dict(self.critic, self.critic_optimizer, state["critic_optim"])
-            self.critic_scheduler.load_state_dict(meta["critic_scheduler"])
+            critic, optimizer, scheduler = self._critic_parts()
+            set_model_state_dict(critic, state["critic"])
+            set_optimizer_state_dict(critic, optimizer, state["critic_optim"])
+            scheduler.load_state_dict(meta["critic_scheduler"])
         self._clear_fresh(meta["fresh_optimizers"])
         self._step = int(meta["global_step"])
         load_rng(path, self.rank)

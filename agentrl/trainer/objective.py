@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TypedDict
 
 import torch
 
@@ -41,6 +42,16 @@ __all__ = [
 
 AllReduce = Callable[[torch.Tensor, str], None]
 """`all_reduce(tensor, op)`: combine `tensor` in place over ranks, `op` "sum" or "max"."""
+
+
+class _Aggregation(TypedDict):
+    """How the `algos` losses aggregate one micro-batch (their shared keyword arguments)."""
+
+    loss_agg_mode: str
+    max_len: int | None
+    segment_ids: torch.Tensor
+    denominator: float
+
 
 # Metrics combined by max / min instead of a token-weighted mean.
 _MAX_METRICS = ("ratio_max",)
@@ -103,12 +114,7 @@ def policy_objective(
             )
             tokens["is_weights"] = weights
     seg = tokens["segment_ids"]
-    agg = {
-        "loss_agg_mode": algorithm.loss_agg,
-        "max_len": max_len,
-        "segment_ids": seg,
-        "denominator": denominator,
-    }
+    agg = _Aggregation(loss_agg_mode=algorithm.loss_agg, max_len=max_len, segment_ids=seg, denominator=denominator)
     if algorithm.policy_loss == "gspo":
         loss, metrics = algos.gspo_policy_loss(
             logprobs, tokens["old_logprobs"], tokens["advantages"], mask,
