@@ -154,7 +154,7 @@ class Env(gymnasium.Env[list, Action]):
         if type(self).areset is Env.areset:
             # A subclass implementing `reset` calls super().reset(seed=seed) to seed `np_random`,
             # the gymnasium idiom; that is all the base class does then.
-            return super().reset(seed=seed, options=options)  # type: ignore[return-value]
+            return super().reset(seed=seed, options=options)
         return self._drive(self.areset(seed=seed, options=options))
 
     def step(self, action: Action) -> tuple[list[Message], SupportsFloat, bool, bool, dict[str, Any]]:
