@@ -476,7 +476,7 @@ class TrainerBackend(abc.ABC):
 
     def _backward(self, loss: torch.Tensor) -> None:
         """Back-propagate one micro-batch's share of the loss (already normalised globally)."""
-        loss.backward()
+        torch.autograd.backward(loss)
 
     def _grad_norm(self, model: nn.Module) -> torch.Tensor:
         """Sum the accumulated gradients over data-parallel ranks (unless the framework did) and

@@ -96,7 +96,8 @@ class ValueModel(nn.Module):
             input_ids=input_ids, position_ids=position_ids, use_cache=use_cache, attention_mask=attention_mask
         )
         # A fresh tensor, not a squeeze view: FSDP2 hooks its backward on the module's output.
-        return self.value_head(hidden.last_hidden_state).float().sum(-1)
+        values: torch.Tensor = self.value_head(hidden.last_hidden_state).float().sum(-1)
+        return values
 
 
 class FSDP2Backend(TrainerBackend):
@@ -279,7 +280,8 @@ class FSDP2Backend(TrainerBackend):
         return plan
 
     def _values(self, model: nn.Module, batch: PackedBatch) -> torch.Tensor:
-        return model(**batch.model_inputs())
+        values: torch.Tensor = model(**batch.model_inputs())
+        return values
 
     def _token_scores(
         self, model: nn.Module, batch: PackedBatch, temperature: float, *, with_entropy: bool,
@@ -299,7 +301,7 @@ class FSDP2Backend(TrainerBackend):
     def _backward(self, loss: torch.Tensor) -> None:
         # FSDP averages gradients over ranks; the loss is already normalised by the global count,
         # so undo the average to get the sum over ranks.
-        (loss * self.world_size).backward()
+        torch.autograd.backward(loss * self.world_size)
 
     def _grad_norm(self, model: nn.Module) -> torch.Tensor:
         grads = [p.grad for p in model.parameters() if p.grad is not None]

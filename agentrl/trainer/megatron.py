@@ -130,7 +130,8 @@ def vocab_parallel_scores(
     group = parallel_state.get_tensor_model_parallel_group()
 
     def reduce(t: torch.Tensor) -> torch.Tensor:
-        return reduce_from_tensor_model_parallel_region(t, group=group)
+        reduced: torch.Tensor = reduce_from_tensor_model_parallel_region(t, group=group)
+        return reduced
 
     x = copy_to_tensor_model_parallel_region(hidden, group=group)
     z = F.linear(x, weight).float() / temperature
@@ -290,7 +291,7 @@ class MegatronBackend(TrainerBackend):
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
         lay = self.layout
-        model = GPTModel(
+        model: nn.Module = GPTModel(
             self._transformer_config(),
             get_gpt_layer_local_spec(normalization="RMSNorm"),
             vocab_size=lay.vocab_size,
