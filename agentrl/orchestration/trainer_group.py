@@ -97,6 +97,8 @@ class TrainerWorker:
         master: tuple[str, int] | None = None, threads: int | None = None, weights: str = "files",
         local_rank: int | None = None, ship_checkpoints: bool = False,
     ) -> None:
+        # Ray carries the config as a dict: validated here, once; the backend and train_step take the model.
+        self.config = AgentRLConfig.model_validate(config)
         if world_size > 1:
             assert master is not None  # TrainerGroup always passes it for several ranks
             os.environ.update({
@@ -115,7 +117,7 @@ class TrainerWorker:
         if not Path(model_path).is_dir():  # a rank on another node: the model resolved there
             from agentrl.models import resolve_model_path
 
-            model_path = resolve_model_path(config["model"]["path"])
+            model_path = resolve_model_path(self.config.model.path)
         self.ship_checkpoints = ship_checkpoints
         import torch
 
@@ -123,7 +125,6 @@ class TrainerWorker:
             torch.set_num_threads(threads)
         from agentrl.trainer.backend import make_backend
 
-        self.config = AgentRLConfig.model_validate(config)
         self.config.model.path = model_path
         self.rank = rank
         self.backend = make_backend(self.config)
