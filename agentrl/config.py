@@ -330,7 +330,7 @@ class TrainerConfig(_Section):
     """Recompute activations in the backward pass to save memory."""
     lora_rank: int = Field(0, ge=0)
     """Train LoRA adapters of this rank instead of all weights (0: full fine-tuning)."""
-    lora_alpha: float = Field(16.0, gt=0.0)
+    lora_alpha: int = Field(16, gt=0)
     """LoRA scaling numerator: the adapter update is multiplied by lora_alpha / lora_rank."""
     lora_target_modules: list[str] = Field(default_factory=lambda: ["all-linear"])
     """Modules that get LoRA adapters (peft names; `all-linear`: every linear layer but the LM head)."""

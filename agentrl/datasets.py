@@ -156,7 +156,7 @@ def _read_parquet(path: Path) -> list[Any]:
     except ImportError as exc:
         raise DatasetError(f"Reading '{path}' needs pyarrow: pip install pyarrow.") from exc
     try:
-        return pq.read_table(path).to_pylist()  # type: ignore[no-any-return]
+        return pq.read_table(path).to_pylist()
     except Exception as exc:  # pyarrow raises ArrowInvalid, OSError and others for a broken file
         raise DatasetError(
             f"'{path}' is not a readable parquet file ({type(exc).__name__}: {exc}); check that it was "

@@ -90,8 +90,8 @@ def answers_match(given: str | None, truth: str) -> bool:
     # signal.alarm (math-verify's own timeout) exists only in the main thread; see the module docstring.
     timeout = 5 if threading.current_thread() is threading.main_thread() else None
     try:
-        gold = parse(f"${truth}$", parsing_timeout=timeout)  # type: ignore[arg-type]
-        pred = parse(f"${given}$", parsing_timeout=timeout)  # type: ignore[arg-type]
+        gold = parse(f"${truth}$", parsing_timeout=timeout)
+        pred = parse(f"${given}$", parsing_timeout=timeout)
         return bool(verify(gold, pred, timeout_seconds=timeout))
     except Exception:  # math-verify can fail on odd input; that is a wrong answer, not a crash
         return False

@@ -297,7 +297,7 @@ def _resolve(spec: str) -> RewardFn:
         )
     if not callable(fn):
         raise ConfigError(f"reward.function: '{spec}' is a {type(fn).__name__}, not a function.")
-    return fn  # type: ignore[no-any-return]
+    return fn
 
 
 def _check_signature(fn: RewardFn, spec: str, kwargs: dict[str, Any]) -> None:

@@ -314,7 +314,7 @@ def _arguments_model(
             )
         default = ... if param.default is inspect.Parameter.empty else param.default
         fields[pname] = (annotation, pydantic.Field(default, description=arg_docs.get(pname)))
-    model = pydantic.create_model(  # type: ignore[call-overload]
+    model = pydantic.create_model(
         f"{tool_name}_arguments",
         __config__=pydantic.ConfigDict(extra="forbid"),
         **fields,

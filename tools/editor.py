@@ -43,7 +43,7 @@ class EditorTool(Tool):
         super().__init__()
         self.max_output_chars = max_output_chars
 
-    async def run(  # type: ignore[override]  # the schema is this signature
+    async def run(  # the schema is this signature
         self,
         ctx: ToolContext,
         command: Literal["view", "create", "str_replace", "insert", "undo_edit"],

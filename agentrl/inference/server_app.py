@@ -41,6 +41,7 @@ import argparse
 import asyncio
 import logging
 import os
+from collections.abc import AsyncIterator
 from typing import Any, Literal
 
 from agentrl.inference.protocol import (
@@ -249,7 +250,7 @@ def build_app(engine: ServerEngine, weight_version: int = 0, *, token: str | Non
     state_box: dict[str, ServerState] = {}
 
     @contextlib.asynccontextmanager
-    async def lifespan(_app: FastAPI):  # type: ignore[no-untyped-def]
+    async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
         await engine.start()
         state_box["s"] = ServerState(engine, weight_version)
         log.info("%s server ready: model=%s", engine.engine_name, engine.model_name)

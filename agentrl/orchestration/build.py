@@ -275,7 +275,7 @@ def _parser(config: AgentRLConfig) -> Callable[[], Any]:
         parser_cls()
     except AgentRLError as exc:
         raise ConfigError(f"model.tool_parser: {exc}") from exc
-    return parser_cls  # type: ignore[no-any-return]
+    return parser_cls
 
 
 def env_arguments(config: AgentRLConfig) -> tuple[type[Env], dict[str, Any]]:

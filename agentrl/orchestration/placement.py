@@ -284,7 +284,7 @@ def start_inference(plan: PlacementPlan, config: AgentRLConfig, trainer: Any, *,
     if reservation is not None:
         from agentrl.orchestration.server_actor import start_placed_servers
 
-        return start_placed_servers(config, reservation, log_dir=log_dir)  # type: ignore[no-any-return]
+        return start_placed_servers(config, reservation, log_dir=log_dir)
     if not plan.colocated:
         return serve_from_config(config, log_dir=log_dir)
     from agentrl.inference.router import Router

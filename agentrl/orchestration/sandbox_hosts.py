@@ -133,7 +133,7 @@ def start_sandbox_hosts(config: AgentRLConfig, reservation: Any, *, timeout_s: f
     actor_cls = ray.remote(SandboxHostActor)
     n = config.cluster.sandbox_hosts
     actors: list[Any] = [
-        actor_cls.options(**reservation.options("sandbox", i)).remote(  # type: ignore[attr-defined]
+        actor_cls.options(**reservation.options("sandbox", i)).remote(
             config.sandbox.name, dict(config.sandbox.kwargs), token
         )
         for i in range(n)

@@ -98,6 +98,8 @@ class TrainerWorker:
         master: tuple[str, int] | None = None, threads: int | None = None, weights: str = "files",
         local_rank: int | None = None, ship_checkpoints: bool = False,
     ) -> None:
+        # Ray carries the config as a dict: validated here, once; the backend and train_step take the model.
+        self.config = AgentRLConfig.model_validate(config)
         if world_size > 1:
             assert master is not None  # TrainerGroup always passes it for several ranks
             os.environ.update({
@@ -116,7 +118,7 @@ class TrainerWorker:
         if not Path(model_path).is_dir():  # a rank on another node: the model resolved there
             from agentrl.models import resolve_model_path
 
-            model_path = resolve_model_path(config["model"]["path"])
+            model_path = resolve_model_path(self.config.model.path)
         self.ship_checkpoints = ship_checkpoints
         import torch
 
@@ -124,7 +126,6 @@ class TrainerWorker:
             torch.set_num_threads(threads)
         from agentrl.trainer.backend import make_backend
 
-        self.config = AgentRLConfig.model_validate(config)
         self.config.model.path = model_path
         self.rank = rank
         self.backend = make_backend(self.config)
@@ -431,9 +432,9 @@ class TrainerGroup:
 
             here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
             master = ("127.0.0.1", _free_port("127.0.0.1")) if n > 1 else None
-            # ray types `ray.remote(...)(cls)` as a union of the class and an actor handle; these are handles
+            # Ray actor handles: their methods are called as `.remote(...)`, which ray leaves untyped
             self.actors: list[Any] = [
-                actor_cls.options(scheduling_strategy=here).remote(  # type: ignore[attr-defined]
+                actor_cls.options(scheduling_strategy=here).remote(
                     payload, model_path, str(weights_dir), rank=r, world_size=n, master=master,
                     # Ray shows an actor with num_gpus=1 only its own GPU (CUDA_VISIBLE_DEVICES): cuda:0
                     threads=max(1, cpus // n), local_rank=0 if use_gpu else r, **extra,
@@ -448,7 +449,7 @@ class TrainerGroup:
             slot_cpus = int(config.cluster.trainer.cpus) or 1
             self.ships = [node != head for node in nodes]
             self.actors = [
-                actor_cls.options(**reservation.options("trainer", r)).remote(  # type: ignore[attr-defined]
+                actor_cls.options(**reservation.options("trainer", r)).remote(
                     payload, model_path, str(weights_dir), rank=r, world_size=n, master=master,
                     threads=slot_cpus, local_rank=0 if use_gpu else nodes[:r].count(nodes[r]),
                     ship_checkpoints=self.ships[r], **extra,
@@ -563,7 +564,7 @@ class TrainerGroup:
         root = Path(path)
         files = ray.put({str(f.relative_to(root)): f.read_bytes() for f in sorted(root.rglob("*")) if f.is_file()})
         refs = [a.load.remote(path, files if ship else None) for a, ship in zip(self.actors, self.ships, strict=True)]
-        return (await self._gather("load", refs))[0]  # type: ignore[no-any-return]
+        return (await self._gather("load", refs))[0]
 
     def shutdown(self) -> None:
         import ray

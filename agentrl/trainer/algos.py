@@ -180,7 +180,8 @@ def _group_index(index: torch.Tensor | Sequence[Hashable], n: int, device: torch
         ids = index.reshape(-1).to(device)
         if ids.numel() != n:
             raise ValueError(f"index has {ids.numel()} group ids for a batch of {n} sequences.")
-        return torch.unique(ids, return_inverse=True)[1].long()
+        inverse: torch.Tensor = torch.unique(ids, return_inverse=True)[1]
+        return inverse.long()
     ids_list = list(index)
     if len(ids_list) != n:
         raise ValueError(f"index has {len(ids_list)} group ids for a batch of {n} sequences.")

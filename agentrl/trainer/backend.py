@@ -31,28 +31,40 @@ from __future__ import annotations
 import abc
 import itertools
 import math
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import torch
 from torch import nn
+from torch.optim import Optimizer
+from torch.optim.lr_scheduler import LRScheduler
 
-from agentrl.errors import FeatureUnavailableError, TrainerError
+from agentrl.config import AgentRLConfig, AlgorithmConfig, TrainerConfig
+from agentrl.errors import TrainerError, UnknownNameError
+from agentrl.registry import closest_names, import_object
 from agentrl.trainer.objective import (
     MetricSums,
     ScoredRows,
     critic_objective,
     loss_denominator,
-    policy_inputs,
     policy_objective,
     zero_loss_rows,
 )
 from agentrl.trainer.packing import PackedBatch
 from agentrl.types import Trajectory
 
-__all__ = ["CriticBatch", "PolicyBatch", "TrainerBackend", "UpdateResult", "make_backend", "mini_batch_indices"]
+__all__ = [
+    "BACKENDS",
+    "BackendFactory",
+    "CriticBatch",
+    "PolicyBatch",
+    "TrainerBackend",
+    "UpdateResult",
+    "make_backend",
+    "mini_batch_indices",
+]
 
 _STATE_FILE = "trainer_state.pt"
 _Batch = TypeVar("_Batch", "PolicyBatch", "CriticBatch")
@@ -114,6 +126,21 @@ class PolicyBatch:
     def select(self, idx: Sequence[int]) -> PolicyBatch:
         return _select(self, idx)
 
+    def objective_inputs(self, loss_mask: torch.Tensor) -> dict[str, torch.Tensor | None]:
+        """The `(batch, max_len)` tensors `objective.policy_objective` reads, for the update loop to
+        gather per micro-batch; `loss_mask` is the batch's mask with untrainable rows zeroed.
+        On-policy (`old_logprobs` None) the rollout logprobs come along for the TIS weights."""
+        tensors = {
+            "loss_mask": loss_mask,
+            "advantages": self.advantages,
+            "old_logprobs": self.old_logprobs,
+            "ref_logprobs": self.ref_logprobs,
+            "is_weights": self.is_weights,
+        }
+        if self.old_logprobs is None:
+            tensors["rollout_logprobs"] = self.rollout_logprobs
+        return tensors
+
     def rows_to_train(self) -> list[int]:
         """The rows the step runs forward and backward: all but `skip_rows`."""
         if self.skip_rows is None:
@@ -169,16 +196,16 @@ class TrainerBackend(abc.ABC):
     rank: int = 0
     world_size: int = 1
     device: torch.device = torch.device("cpu")
-    config: Any = None
+    config: TrainerConfig
     scores_in_update: bool = False
     """Whether the update loop may take `old_logprobs=None` (the on-policy shortcut)."""
     policy: nn.Module
-    optimizer: Any
-    scheduler: Any
+    optimizer: Optimizer
+    scheduler: LRScheduler
     reference: nn.Module | None = None
     critic: nn.Module | None = None
-    critic_optimizer: Any = None
-    critic_scheduler: Any = None
+    critic_optimizer: Optimizer | None = None
+    critic_scheduler: LRScheduler | None = None
     _step: int = 0
 
     @property
@@ -234,7 +261,7 @@ class TrainerBackend(abc.ABC):
         return out.result(self._all_reduce)
 
     # ── updates ─────────────────────────────────────────────────────────────────────────────
-    def scores_old_logprobs(self, trainer: Any) -> bool:
+    def scores_old_logprobs(self, trainer: TrainerConfig) -> bool:
         """Whether `update` can score the old logprobs itself under `trainer`'s schedule (the
         on-policy shortcut): the backend can, `trainer.score_in_update` allows it, and the batch
         gets exactly one optimizer step."""
@@ -242,7 +269,11 @@ class TrainerBackend(abc.ABC):
         return bool(self.scores_in_update and trainer.score_in_update and one_step)
 
     def update(
-        self, batch: PolicyBatch, algorithm: Any, trainer: Any, critic_batch: CriticBatch | None = None
+        self,
+        batch: PolicyBatch,
+        algorithm: AlgorithmConfig,
+        trainer: TrainerConfig,
+        critic_batch: CriticBatch | None = None,
     ) -> UpdateResult:
         """Train on one batch: `trainer.ppo_epochs` passes of `trainer.mini_batches` optimizer
         steps on contiguous mini-batches, of the policy and (given `critic_batch`) the critic.
@@ -282,7 +313,7 @@ class TrainerBackend(abc.ABC):
         metrics["actor/updates"] = float(len(steps))
         return replace(result, metrics=metrics)
 
-    def update_policy(self, batch: PolicyBatch, algorithm: Any) -> UpdateResult:
+    def update_policy(self, batch: PolicyBatch, algorithm: AlgorithmConfig) -> UpdateResult:
         """One optimizer step of the policy on `batch` (an `AlgorithmConfig` picks the loss).
 
         This rank's share of the rows is cut into token-budget micro-batches whose gradients
@@ -306,7 +337,9 @@ class TrainerBackend(abc.ABC):
         trained = self._micro_batches(batch.trajectories, batch.rows_to_train(), at_least_one=True)
         plan += [(p, real, True) for p, real in trained]
 
-        def forward(packed: PackedBatch, real: bool, tokens: dict[str, Any]) -> tuple[torch.Tensor, dict]:
+        def forward(
+            packed: PackedBatch, real: bool, tokens: dict[str, torch.Tensor]
+        ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
             logprobs, entropy = self._token_scores(
                 self.policy, packed, batch.temperature, with_entropy=True, entropy_grad=bool(algorithm.entropy_coef)
             )
@@ -318,7 +351,7 @@ class TrainerBackend(abc.ABC):
                 logprobs, tokens, algorithm, denominator=denominator, entropy=entropy, max_len=batch.max_len
             )
 
-        sums = self._accumulate(plan, policy_inputs(batch, loss_mask), forward)
+        sums = self._accumulate(plan, batch.objective_inputs(loss_mask), forward)
         metrics = self._optimizer_step(self.policy, self.optimizer, self.scheduler)
         self._step += 1
         metrics.update(sums.reduce(self._all_reduce))
@@ -328,9 +361,9 @@ class TrainerBackend(abc.ABC):
         scored_rows = ~skipped if skipped is not None and not batch.score_skipped else None
         return UpdateResult(metrics, scored.result(self._all_reduce), scored_rows)
 
-    def update_critic(self, batch: CriticBatch, algorithm: Any) -> dict[str, float]:
+    def update_critic(self, batch: CriticBatch, algorithm: AlgorithmConfig) -> dict[str, float]:
         """One optimizer step of the critic on `batch`; metrics prefixed `critic/`."""
-        critic = self._critic()
+        critic, critic_optimizer, critic_scheduler = self._critic_parts()
         loss_mask = batch.loss_mask * _trainable_rows(batch.trajectories)
         denominator = loss_denominator(loss_mask, algorithm.loss_agg)
         if denominator == 0:
@@ -338,13 +371,15 @@ class TrainerBackend(abc.ABC):
         critic.train()
         tensors = {"loss_mask": loss_mask, "returns": batch.returns, "old_values": batch.old_values}
 
-        def forward(packed: PackedBatch, real: bool, tokens: dict[str, Any]) -> tuple[torch.Tensor, dict]:
+        def forward(
+            packed: PackedBatch, real: bool, tokens: dict[str, torch.Tensor]
+        ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
             values = self._values(critic, packed)
             return critic_objective(values, tokens, algorithm, denominator=denominator, max_len=batch.max_len)
 
         plan = [(p, real, True) for p, real in self._micro_batches(batch.trajectories)]
         sums = self._accumulate(plan, tensors, forward)
-        out = self._optimizer_step(critic, self.critic_optimizer, self.critic_scheduler)
+        out = self._optimizer_step(critic, critic_optimizer, critic_scheduler)
         out.update(sums.reduce(self._all_reduce))
         return {f"critic/{k}": v for k, v in out.items()}
 
@@ -355,18 +390,25 @@ class TrainerBackend(abc.ABC):
             )
         return self.critic
 
+    def _critic_parts(self) -> tuple[nn.Module, Optimizer, LRScheduler]:
+        """The critic with its optimizer and LR schedule."""
+        critic = self._critic()
+        if self.critic_optimizer is None or self.critic_scheduler is None:
+            raise TrainerError(f"{type(self).__name__} built a critic without its optimizer; build both.")
+        return critic, self.critic_optimizer, self.critic_scheduler
+
     def _accumulate(
         self,
         plan: Sequence[tuple[PackedBatch, bool, bool]],
         tensors: Mapping[str, torch.Tensor | None],
-        forward: Callable[[PackedBatch, bool, dict[str, Any]], tuple[torch.Tensor, dict[str, torch.Tensor]]],
+        forward: Callable[[PackedBatch, bool, dict[str, torch.Tensor]], tuple[torch.Tensor, dict[str, torch.Tensor]]],
     ) -> MetricSums:
         """Run `forward(micro_batch, real, tokens) -> (loss, metrics)` over `plan`'s (micro-batch,
         real, backward) entries, back-propagating where `backward` (gradients accumulate), with
         `tokens` the rows of `tensors` laid out like the micro-batch; combine the metrics."""
         sums = MetricSums()
         for packed, real, backward in plan:
-            tokens: dict[str, Any] = {"segment_ids": packed.segment_ids.to(self.device)}
+            tokens: dict[str, torch.Tensor] = {"segment_ids": packed.segment_ids.to(self.device)}
             for name, value in tensors.items():
                 if value is not None:
                     tokens[name] = (
@@ -381,12 +423,12 @@ class TrainerBackend(abc.ABC):
             sums.add(metrics, float(tokens["loss_mask"].sum()))
         return sums
 
-    def _optimizer_step(self, model: nn.Module, optimizer: Any, scheduler: Any) -> dict[str, float]:
+    def _optimizer_step(self, model: nn.Module, optimizer: Optimizer, scheduler: LRScheduler) -> dict[str, float]:
         """Clip the accumulated gradient by its global norm, step (skipped when the norm is not
         finite) and advance the LR schedule either way."""
         norm = self._grad_norm(model)
         grad_norm = float(norm)
-        lr = scheduler.get_last_lr()[0]
+        lr = float(scheduler.get_last_lr()[0])
         if math.isfinite(grad_norm):
             params = [p for p in model.parameters() if p.grad is not None]
             torch.nn.utils.clip_grads_with_norm_(params, self.config.grad_clip, norm)
@@ -395,7 +437,7 @@ class TrainerBackend(abc.ABC):
         optimizer.zero_grad(set_to_none=True)
         return {"grad_norm": grad_norm, "lr": lr, "grad_nonfinite": float(not math.isfinite(grad_norm))}
 
-    def _optimizer(self, params: Any, lr: float) -> tuple[torch.optim.Optimizer, Any]:
+    def _optimizer(self, params: Iterable[torch.Tensor], lr: float) -> tuple[Optimizer, LRScheduler]:
         """AdamW (`trainer.weight_decay`) and its linear warm-up (`trainer.warmup_steps`)."""
         # The fused AdamW kernel (CPU and CUDA) updates each tensor in one pass: on SmolLM2's CPU
         # step 5x faster than the foreach one, without its whole-model temporaries.
@@ -434,7 +476,7 @@ class TrainerBackend(abc.ABC):
 
     def _backward(self, loss: torch.Tensor) -> None:
         """Back-propagate one micro-batch's share of the loss (already normalised globally)."""
-        loss.backward()
+        torch.autograd.backward(loss)
 
     def _grad_norm(self, model: nn.Module) -> torch.Tensor:
         """Sum the accumulated gradients over data-parallel ranks (unless the framework did) and
@@ -480,21 +522,45 @@ def _trainable_rows(trajectories: Sequence[Trajectory]) -> torch.Tensor:
     return torch.tensor([[1.0 if t.trainable else 0.0] for t in trajectories])
 
 
-def make_backend(config: Any) -> TrainerBackend:
-    """The backend an `AgentRLConfig` names (`trainer.backend`), built on this rank.
+class BackendFactory(Protocol):
+    """How every backend class is built: what `make_backend` passes it."""
+
+    def __call__(
+        self,
+        model_path: str | Path,
+        trainer: TrainerConfig,
+        algorithm: AlgorithmConfig | None = None,
+        *,
+        dtype: str = "auto",
+        seed: int = 0,
+        trust_remote_code: bool = False,
+    ) -> TrainerBackend: ...
+
+
+BACKENDS: dict[str, str] = {
+    "fsdp2": "agentrl.trainer.fsdp2:FSDP2Backend",
+    "megatron": "agentrl.trainer.megatron:MegatronBackend",
+}
+"""`trainer.backend` -> the backend class, as `"module:Class"` imported when first built: each
+backend module imports this one, and megatron-core is an optional extra."""
+
+
+def make_backend(config: AgentRLConfig) -> TrainerBackend:
+    """The backend an `AgentRLConfig` names (`trainer.backend`, a key of `BACKENDS`), built on this rank.
 
     The policy comes from `model.path` in `model.dtype` (running the repository's model code only
     with `model.trust_remote_code`), initial weights are seeded with `run.seed`, and the reference
     model and critic are loaded when the algorithm needs them.
     """
-    if config.trainer.backend == "fsdp2":
-        from agentrl.trainer.fsdp2 import FSDP2Backend as backend_cls
-    elif config.trainer.backend == "megatron":
-        from agentrl.trainer.megatron import MegatronBackend as backend_cls  # type: ignore[assignment]
-    else:
-        raise FeatureUnavailableError(
-            f"trainer.backend '{config.trainer.backend}' is not built; use trainer.backend=fsdp2 or megatron."
+    name = config.trainer.backend
+    if name not in BACKENDS:
+        close = closest_names(name, list(BACKENDS))
+        hint = f" Did you mean '{close[0]}'?" if close else ""
+        raise UnknownNameError(
+            f"Unknown trainer.backend '{name}'.{hint} Known backends: {', '.join(sorted(BACKENDS))}.",
+            suggestions=close,
         )
+    backend_cls: BackendFactory = import_object(BACKENDS[name])
     return backend_cls(
         config.model.path, config.trainer, config.algorithm, dtype=config.model.dtype, seed=config.run.seed,
         trust_remote_code=config.model.trust_remote_code,

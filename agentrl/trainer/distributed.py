@@ -81,7 +81,7 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _rank_main(rank: int, fn: Callable[..., Any], args: tuple, world: int, port: int, queue: Any) -> None:
+def _rank_main(rank: int, fn: Callable[..., Any], args: tuple[Any, ...], world: int, port: int, queue: Any) -> None:
     os.environ.update(
         {
             "RANK": str(rank),

@@ -53,6 +53,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
+from agentrl.config import AlgorithmConfig, TrainerConfig
 from agentrl.errors import ConfigError, FeatureUnavailableError, TrainerError
 from agentrl.trainer.backend import MicroBatches, TrainerBackend
 from agentrl.trainer.distributed import balanced_shares, init_distributed, resolve_device
@@ -95,7 +96,8 @@ class ValueModel(nn.Module):
             input_ids=input_ids, position_ids=position_ids, use_cache=use_cache, attention_mask=attention_mask
         )
         # A fresh tensor, not a squeeze view: FSDP2 hooks its backward on the module's output.
-        return self.value_head(hidden.last_hidden_state).float().sum(-1)
+        values: torch.Tensor = self.value_head(hidden.last_hidden_state).float().sum(-1)
+        return values
 
 
 class FSDP2Backend(TrainerBackend):
@@ -113,8 +115,8 @@ class FSDP2Backend(TrainerBackend):
     def __init__(
         self,
         model_path: str | Path,
-        trainer: Any,
-        algorithm: Any = None,
+        trainer: TrainerConfig,
+        algorithm: AlgorithmConfig | None = None,
         *,
         with_reference: bool | None = None,
         with_critic: bool | None = None,
@@ -278,7 +280,8 @@ class FSDP2Backend(TrainerBackend):
         return plan
 
     def _values(self, model: nn.Module, batch: PackedBatch) -> torch.Tensor:
-        return model(**batch.model_inputs())
+        values: torch.Tensor = model(**batch.model_inputs())
+        return values
 
     def _token_scores(
         self, model: nn.Module, batch: PackedBatch, temperature: float, *, with_entropy: bool,
@@ -298,7 +301,7 @@ class FSDP2Backend(TrainerBackend):
     def _backward(self, loss: torch.Tensor) -> None:
         # FSDP averages gradients over ranks; the loss is already normalised by the global count,
         # so undo the average to get the sum over ranks.
-        (loss * self.world_size).backward()
+        torch.autograd.backward(loss * self.world_size)
 
     def _grad_norm(self, model: nn.Module) -> torch.Tensor:
         grads = [p.grad for p in model.parameters() if p.grad is not None]
@@ -338,8 +341,9 @@ class FSDP2Backend(TrainerBackend):
             "policy_optim": get_optimizer_state_dict(self.policy, self.optimizer),
         }
         if self.critic is not None:
-            state["critic"] = get_model_state_dict(self.critic)
-            state["critic_optim"] = get_optimizer_state_dict(self.critic, self.critic_optimizer)
+            critic, optimizer, _ = self._critic_parts()
+            state["critic"] = get_model_state_dict(critic)
+            state["critic_optim"] = get_optimizer_state_dict(critic, optimizer)
         return state
 
     def save(self, path: str | Path, data_position: dict[str, Any] | None = None) -> None:
@@ -348,12 +352,14 @@ class FSDP2Backend(TrainerBackend):
         # DCP fills an empty optimizer state with a zero-gradient step (Adam step 1); remember
         # which were empty and empty them again, so saving never changes what training does.
         fresh = {"policy": not self.optimizer.state}
+        critic_scheduler = None
         if self.critic is not None:
-            fresh["critic"] = not self.critic_optimizer.state
+            _, optimizer, scheduler = self._critic_parts()
+            fresh["critic"] = not optimizer.state
+            critic_scheduler = scheduler.state_dict()
         dcp.save(self._app_state(), checkpoint_id=str(path / "dcp"))
         self._clear_fresh(fresh)
         save_rng(path, self.rank)
-        critic_scheduler = self.critic_scheduler.state_dict() if self.critic is not None else None
         self._write_state(path, data_position, critic_scheduler=critic_scheduler, fresh_optimizers=fresh)
         dist.barrier()
 
@@ -361,7 +367,7 @@ class FSDP2Backend(TrainerBackend):
         if fresh.get("policy"):
             self.optimizer.state.clear()
         if fresh.get("critic") and self.critic is not None:
-            self.critic_optimizer.state.clear()
+            self._critic_parts()[1].state.clear()
 
     def load(self, path: str | Path) -> dict[str, Any]:
         path = Path(path)
@@ -374,9 +380,10 @@ class FSDP2Backend(TrainerBackend):
         set_optimizer_state_dict(self.policy, self.optimizer, state["policy_optim"])
         self.scheduler.load_state_dict(meta["scheduler"])
         if self.critic is not None:
-            set_model_state_dict(self.critic, state["critic"])
-            set_optimizer_state_dict(self.critic, self.critic_optimizer, state["critic_optim"])
-            self.critic_scheduler.load_state_dict(meta["critic_scheduler"])
+            critic, optimizer, scheduler = self._critic_parts()
+            set_model_state_dict(critic, state["critic"])
+            set_optimizer_state_dict(critic, optimizer, state["critic_optim"])
+            scheduler.load_state_dict(meta["critic_scheduler"])
         self._clear_fresh(meta["fresh_optimizers"])
         self._step = int(meta["global_step"])
         load_rng(path, self.rank)

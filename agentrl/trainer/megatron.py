@@ -41,6 +41,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from agentrl.config import AlgorithmConfig, TrainerConfig
 from agentrl.errors import ConfigError, FeatureUnavailableError, TrainerError
 from agentrl.trainer.backend import MicroBatches, TrainerBackend
 from agentrl.trainer.distributed import balanced_shares, init_distributed, resolve_device
@@ -129,7 +130,8 @@ def vocab_parallel_scores(
     group = parallel_state.get_tensor_model_parallel_group()
 
     def reduce(t: torch.Tensor) -> torch.Tensor:
-        return reduce_from_tensor_model_parallel_region(t, group=group)
+        reduced: torch.Tensor = reduce_from_tensor_model_parallel_region(t, group=group)
+        return reduced
 
     x = copy_to_tensor_model_parallel_region(hidden, group=group)
     z = F.linear(x, weight).float() / temperature
@@ -178,8 +180,8 @@ class MegatronBackend(TrainerBackend):
     def __init__(
         self,
         model_path: str | Path,
-        trainer: Any,
-        algorithm: Any = None,
+        trainer: TrainerConfig,
+        algorithm: AlgorithmConfig | None = None,
         *,
         with_reference: bool | None = None,
         with_critic: bool | None = None,
@@ -289,7 +291,7 @@ class MegatronBackend(TrainerBackend):
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
         lay = self.layout
-        model = GPTModel(
+        model: nn.Module = GPTModel(
             self._transformer_config(),
             get_gpt_layer_local_spec(normalization="RMSNorm"),
             vocab_size=lay.vocab_size,

@@ -46,7 +46,9 @@ _applied = False
 class CpuMemoryBuffer(GlobalMemoryBuffer):
     """`GlobalMemoryBuffer` that hands out fresh CPU tensors."""
 
-    def get_tensor(self, tensor_shape: Any, dtype: torch.dtype, name: str, mem_alloc_context: Any = None):
+    def get_tensor(
+        self, tensor_shape: Any, dtype: torch.dtype, name: str, mem_alloc_context: Any = None
+    ) -> torch.Tensor:
         return torch.empty(tuple(tensor_shape), dtype=dtype, device="cpu")
 
 
@@ -100,7 +102,8 @@ def apply_cpu_shim() -> None:
     def get_emb(self: Any, max_seq_len: int, offset: int = 0) -> torch.Tensor:
         if self.inv_freq.device.type == "cpu":
             return _cpu_get_emb(self, max_seq_len, offset)
-        return original(self, max_seq_len, offset)
+        emb: torch.Tensor = original(self, max_seq_len, offset)
+        return emb
 
     rotary_pos_embedding.RotaryEmbedding.get_emb = get_emb
     _applied = True

@@ -19,22 +19,39 @@ That saves one forward over the whole batch.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TypedDict
 
 import torch
 
+from agentrl.config import AlgorithmConfig
 from agentrl.trainer import algos
+from agentrl.trainer.packing import PackedBatch
+from agentrl.types import Trajectory
 
 __all__ = [
+    "AllReduce",
     "MetricSums",
     "ScoredRows",
     "critic_objective",
     "loss_denominator",
-    "policy_inputs",
     "policy_objective",
     "zero_loss_rows",
 ]
+
+AllReduce = Callable[[torch.Tensor, str], None]
+"""`all_reduce(tensor, op)`: combine `tensor` in place over ranks, `op` "sum" or "max"."""
+
+
+class _Aggregation(TypedDict):
+    """How the `algos` losses aggregate one micro-batch (their shared keyword arguments)."""
+
+    loss_agg_mode: str
+    max_len: int | None
+    segment_ids: torch.Tensor
+    denominator: float
+
 
 # Metrics combined by max / min instead of a token-weighted mean.
 _MAX_METRICS = ("ratio_max",)
@@ -51,23 +68,7 @@ def loss_denominator(loss_mask: torch.Tensor, mode: str) -> float:
     return float((loss_mask.sum(-1) > 0).sum().item())
 
 
-def policy_inputs(batch: Any, loss_mask: torch.Tensor) -> dict[str, torch.Tensor | None]:
-    """The `(batch, max_len)` tensors of a `PolicyBatch` that `policy_objective` reads, for a
-    backend to gather per micro-batch; `loss_mask` is the batch's mask with untrainable rows
-    zeroed. On-policy (`old_logprobs` None) the rollout logprobs come along for the TIS weights."""
-    tensors = {
-        "loss_mask": loss_mask,
-        "advantages": batch.advantages,
-        "old_logprobs": batch.old_logprobs,
-        "ref_logprobs": batch.ref_logprobs,
-        "is_weights": batch.is_weights,
-    }
-    if batch.old_logprobs is None:
-        tensors["rollout_logprobs"] = batch.rollout_logprobs
-    return tensors
-
-
-def zero_loss_rows(advantages: torch.Tensor, loss_mask: torch.Tensor, algorithm: Any) -> torch.Tensor | None:
+def zero_loss_rows(advantages: torch.Tensor, loss_mask: torch.Tensor, algorithm: AlgorithmConfig) -> torch.Tensor | None:
     """(batch,) bool: the trajectories whose policy loss and gradient are exactly zero, because
     every loss token has advantage 0 (a GRPO group whose rewards are all equal); None when the
     loss has another term that still moves them (an entropy bonus, a KL loss)."""
@@ -79,7 +80,7 @@ def zero_loss_rows(advantages: torch.Tensor, loss_mask: torch.Tensor, algorithm:
 def policy_objective(
     logprobs: torch.Tensor,
     tokens: dict[str, torch.Tensor],
-    algorithm: Any,
+    algorithm: AlgorithmConfig,
     *,
     denominator: float,
     entropy: torch.Tensor | None = None,
@@ -113,12 +114,7 @@ def policy_objective(
             )
             tokens["is_weights"] = weights
     seg = tokens["segment_ids"]
-    agg = {
-        "loss_agg_mode": algorithm.loss_agg,
-        "max_len": max_len,
-        "segment_ids": seg,
-        "denominator": denominator,
-    }
+    agg = _Aggregation(loss_agg_mode=algorithm.loss_agg, max_len=max_len, segment_ids=seg, denominator=denominator)
     if algorithm.policy_loss == "gspo":
         loss, metrics = algos.gspo_policy_loss(
             logprobs, tokens["old_logprobs"], tokens["advantages"], mask,
@@ -163,7 +159,7 @@ def policy_objective(
 def critic_objective(
     values: torch.Tensor,
     tokens: dict[str, torch.Tensor],
-    algorithm: Any,
+    algorithm: AlgorithmConfig,
     *,
     denominator: float,
     max_len: int | None = None,
@@ -190,14 +186,14 @@ class ScoredRows:
     sums over ranks with `all_reduce(tensor, op)` when given (each row is written by one rank).
     """
 
-    def __init__(self, trajectories: Any) -> None:
+    def __init__(self, trajectories: Sequence[Trajectory]) -> None:
         width = max((len(t.token_ids) for t in trajectories), default=0)
         self.rows = torch.zeros((len(trajectories), width), dtype=torch.float32)
 
-    def add(self, packed: Any, values: torch.Tensor) -> None:
+    def add(self, packed: PackedBatch, values: torch.Tensor) -> None:
         packed.scatter(values, self.rows)
 
-    def result(self, all_reduce: Any = None) -> torch.Tensor:
+    def result(self, all_reduce: AllReduce | None = None) -> torch.Tensor:
         if all_reduce is not None:
             all_reduce(self.rows, "sum")
         return self.rows
@@ -225,7 +221,7 @@ class MetricSums:
                 self.weighted[name] = self.weighted.get(name, 0.0) + v * tokens
                 self.weights[name] = self.weights.get(name, 0.0) + tokens
 
-    def reduce(self, all_reduce: Any = None) -> dict[str, float]:
+    def reduce(self, all_reduce: AllReduce | None = None) -> dict[str, float]:
         """The combined metrics; `all_reduce(tensor, op)` (if given) combines ranks in place.
 
         Every rank must hold the same metric names (they run the same objective)."""

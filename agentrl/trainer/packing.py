@@ -253,7 +253,7 @@ def pack_trajectories(
                 shared.append((members[0], i, n))
     cu = [*starts, len(ids)]
 
-    def row(values: list, dtype: torch.dtype) -> torch.Tensor:
+    def row(values: Sequence[float], dtype: torch.dtype) -> torch.Tensor:
         return torch.tensor(values, dtype=dtype, device=device).unsqueeze(0)
 
     attention_mask = None

@@ -53,6 +53,6 @@ def load_rng(path: Path, rank: int) -> dict[str, Any]:
     """Restore what `save_rng` wrote for `rank` (rank 0's streams when a run resumes on more ranks
     than saved) and return it, `extra` streams included."""
     file = path / f"rng_rank{rank}.pt"
-    state = torch.load(file if file.is_file() else path / "rng_rank0.pt", weights_only=True)
+    state: dict[str, Any] = torch.load(file if file.is_file() else path / "rng_rank0.pt", weights_only=True)
     set_rng_state(state)
     return state

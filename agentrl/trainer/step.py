@@ -28,11 +28,12 @@ those as the groups arrive, so that the batch is refilled with groups that teach
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
+from agentrl.config import AlgorithmConfig, TrainerConfig
 from agentrl.errors import ConfigError
 from agentrl.registry import ADVANTAGE_ESTIMATORS
 from agentrl.trainer import algos
@@ -43,9 +44,11 @@ from agentrl.types import FinishReason, Trajectory
 __all__ = ["make_kl_controller", "train_step"]
 
 KLController = algos.FixedKLController | algos.AdaptiveKLController
+# An entry of ADVANTAGE_ESTIMATORS: (rewards, mask, group ids, **options) -> (advantages, returns).
+Estimator = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
 
-def make_kl_controller(algorithm: Any) -> KLController:
+def make_kl_controller(algorithm: AlgorithmConfig) -> KLController:
     """The KL coefficient controller an `AlgorithmConfig` asks for, starting at `kl_coef`."""
     if algorithm.kl_target is None:
         return algos.FixedKLController(algorithm.kl_coef)
@@ -55,8 +58,8 @@ def make_kl_controller(algorithm: Any) -> KLController:
 def train_step(
     backend: TrainerBackend,
     trajectories: Sequence[Trajectory],
-    algorithm: Any,
-    trainer: Any,
+    algorithm: AlgorithmConfig,
+    trainer: TrainerConfig,
     *,
     temperature: float = 1.0,
     max_response_tokens: int | None = None,
@@ -115,7 +118,7 @@ def train_step(
 
 
 # ── stages ──────────────────────────────────────────────────────────────────────────────────────
-def _kl_coefficient(algorithm: Any, kl_controller: KLController | None) -> float:
+def _kl_coefficient(algorithm: AlgorithmConfig, kl_controller: KLController | None) -> float:
     if algorithm.kl_target is not None and (kl_controller is None or algorithm.kl_coef <= 0):
         raise ConfigError(
             "algorithm.kl_target needs algorithm.kl_coef > 0 (the starting coefficient) and a "
@@ -125,7 +128,7 @@ def _kl_coefficient(algorithm: Any, kl_controller: KLController | None) -> float
 
 
 def _shaped_scores(
-    trajs: list[Trajectory], algorithm: Any, max_response_tokens: int | None, metrics: dict[str, float]
+    trajs: list[Trajectory], algorithm: AlgorithmConfig, max_response_tokens: int | None, metrics: dict[str, float]
 ) -> torch.Tensor:
     """(B,) sequence scores: the rewards (reported as they came), then the length shaping."""
     scores = torch.tensor([float(t.reward or 0.0) for t in trajs])
@@ -149,7 +152,7 @@ def _shaped_scores(
     return scores
 
 
-def _needs_old_logprobs_first(algorithm: Any) -> bool:
+def _needs_old_logprobs_first(algorithm: AlgorithmConfig) -> bool:
     """Whether the old logprobs are needed before the update: a masking rollout correction
     (ICEPOP, seq-mask-TIS) or a KL penalty in the reward. Otherwise the update may score them."""
     return algorithm.rollout_is not in ("none", "tis") or (algorithm.kl_coef > 0 and algorithm.kl_in_reward)
@@ -157,7 +160,7 @@ def _needs_old_logprobs_first(algorithm: Any) -> bool:
 
 def _kl_in_reward(
     scores: torch.Tensor, old_logprobs: torch.Tensor | None, ref_logprobs: torch.Tensor | None,
-    mask: torch.Tensor, algorithm: Any, kl_coef: float, metrics: dict[str, float],
+    mask: torch.Tensor, algorithm: AlgorithmConfig, kl_coef: float, metrics: dict[str, float],
 ) -> tuple[torch.Tensor, float | None]:  # fmt: skip
     """(rewards for the estimator, the batch's KL to the reference or None if not measured yet):
     the scores, or with `kl_in_reward` token rewards with the KL penalty subtracted."""
@@ -177,11 +180,11 @@ def _kl_in_reward(
 
 
 def _advantages(
-    backend: TrainerBackend, trajs: list[Trajectory], rewards: torch.Tensor, mask: torch.Tensor, algorithm: Any,
+    backend: TrainerBackend, trajs: list[Trajectory], rewards: torch.Tensor, mask: torch.Tensor, algorithm: AlgorithmConfig,
     metrics: dict[str, float],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:  # fmt: skip
     """(advantages, returns, critic values or None) from the configured estimator."""
-    estimator = ADVANTAGE_ESTIMATORS.resolve(algorithm.advantage)
+    estimator: Estimator = ADVANTAGE_ESTIMATORS.resolve(algorithm.advantage)
     kwargs: dict[str, Any] = {}
     values = None
     if algorithm.advantage == "gae":
@@ -208,7 +211,7 @@ _PER_EPISODE_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_pp_baseline")
 
 def _episode_index(trajs: Sequence[Trajectory]) -> list[int] | None:
     """Each trajectory's episode number when some episodes come in segments (module docstring), else None."""
-    seen: dict[Any, int] = {}
+    seen: dict[tuple[str, str] | int, int] = {}
     index = []
     for i, t in enumerate(trajs):
         segmented = t.segment is not None and t.episode_id
@@ -218,7 +221,7 @@ def _episode_index(trajs: Sequence[Trajectory]) -> list[int] | None:
 
 
 def _per_episode_advantages(
-    estimator: Any, rewards: torch.Tensor, mask: torch.Tensor, groups: list[str], episode_of: list[int]
+    estimator: Estimator, rewards: torch.Tensor, mask: torch.Tensor, groups: list[str], episode_of: list[int]
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """A group estimator over one score per episode, each segment given its episode's advantage."""
     n_episodes = max(episode_of) + 1
@@ -239,7 +242,7 @@ def _per_episode_advantages(
 
 def _rollout_mismatch(
     metrics: dict[str, float], old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, mask: torch.Tensor,
-    algorithm: Any,
+    algorithm: AlgorithmConfig,
 ) -> tuple[torch.Tensor | None, torch.Tensor]:  # fmt: skip
     """Record the rollout/trainer mismatch metrics; return (importance weights or None, loss mask)."""
     mode = "tis" if algorithm.rollout_is == "none" else algorithm.rollout_is.replace("_", "-")
@@ -257,7 +260,7 @@ def _rollout_mismatch(
 def _update_batches(
     trajs: list[Trajectory], layout: PaddedBatch, advantages: torch.Tensor, returns: torch.Tensor,
     values: torch.Tensor | None, old_logprobs: torch.Tensor | None, ref_logprobs: torch.Tensor | None,
-    algorithm: Any, metrics: dict[str, float], *, temperature: float, max_len: int | None,
+    algorithm: AlgorithmConfig, metrics: dict[str, float], *, temperature: float, max_len: int | None,
 ) -> tuple[PolicyBatch, CriticBatch | None]:  # fmt: skip
     """The policy batch (with the rollout correction when the old logprobs are known) and, for
     GAE, the critic batch. `max_len` None: the batch's longest response."""
@@ -281,7 +284,7 @@ def _update_batches(
 
 def _measured_in_update(
     metrics: dict[str, float], result: UpdateResult, rollout_logprobs: torch.Tensor,
-    ref_logprobs: torch.Tensor | None, mask: torch.Tensor, algorithm: Any,
+    ref_logprobs: torch.Tensor | None, mask: torch.Tensor, algorithm: AlgorithmConfig,
 ) -> float | None:  # fmt: skip
     """The on-policy shortcut: the update scored the old logprobs (zeros if it skipped an
     all-masked batch), so the mismatch and the KL to the reference are measured after it, over

@@ -265,7 +265,7 @@ class HTTPCheckpointEngine(CheckpointEngine):
                 self._published.popitem(last=False)
 
     # ---------------------------------------------------------------- receiving
-    def receive(self, version: int | None = None, *, copy: bool = False, owned: bool = False) -> WeightStream:  # type: ignore[override]
+    def receive(self, version: int | None = None, *, copy: bool = False, owned: bool = False) -> WeightStream:
         """Pull `version` (the newest published one when None) from the endpoint at `url`.
 
         `owned=True` receives each bucket into memory of its own, so the yielded tensors stay valid

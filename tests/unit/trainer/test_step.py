@@ -597,3 +597,21 @@ def test_make_backend_builds_what_the_config_names():
         assert (
             type(backend).__name__ == "MegatronBackend" and backend.has_reference and not backend.has_critic
         )
+
+
+def test_the_backend_table_matches_the_config_and_an_unknown_name_lists_the_known_ones():
+    import typing
+
+    from agentrl.config import AgentRLConfig
+    from agentrl.errors import UnknownNameError
+    from agentrl.registry import import_object
+    from agentrl.trainer.backend import BACKENDS, make_backend
+
+    assert set(BACKENDS) == set(typing.get_args(TrainerConfig.model_fields["backend"].annotation))
+    for target in BACKENDS.values():
+        assert issubclass(import_object(target), TrainerBackend)
+    # The config refuses an unknown name first; a config built without validation reaches the table.
+    config = AgentRLConfig.model_construct(trainer=TrainerConfig.model_construct(backend="fsdp3"))
+    with pytest.raises(UnknownNameError, match=r"Did you mean 'fsdp2'\? Known backends: fsdp2, megatron\.") as info:
+        make_backend(config)
+    assert info.value.suggestions == ["fsdp2"]
