@@ -480,10 +480,11 @@ def _trainable_rows(trajectories: Sequence[Trajectory]) -> torch.Tensor:
     return torch.tensor([[1.0 if t.trainable else 0.0] for t in trajectories])
 
 
-def make_backend(config: Any) -> TrainerBackend:
+def make_backend(config: Any, model_path: str | None = None) -> TrainerBackend:
     """The backend an `AgentRLConfig` names (`trainer.backend`), built on this rank.
 
-    The policy comes from `model.path` in `model.dtype` (running the repository's model code only
+    The policy comes from `model_path` (the resolved model directory; `model.path` when not given)
+    in `model.dtype` (running the repository's model code only
     with `model.trust_remote_code`), initial weights are seeded with `run.seed`, and the reference
     model and critic are loaded when the algorithm needs them.
     """
@@ -496,6 +497,6 @@ def make_backend(config: Any) -> TrainerBackend:
             f"trainer.backend '{config.trainer.backend}' is not built; use trainer.backend=fsdp2 or megatron."
         )
     return backend_cls(
-        config.model.path, config.trainer, config.algorithm, dtype=config.model.dtype, seed=config.run.seed,
+        model_path or config.model.path, config.trainer, config.algorithm, dtype=config.model.dtype, seed=config.run.seed,
         trust_remote_code=config.model.trust_remote_code,
     )
