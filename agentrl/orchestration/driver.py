@@ -26,6 +26,13 @@ group before anything starts: `cluster.py`):
    `run.keep_checkpoints` (`CheckpointStore`). `resume=true` continues from it with the same next
    batch.
 
+`Run` is the one owner of all of it: built from the `Job`, it runs on one event loop (one
+`asyncio.run`) and opens everything it starts (the cluster's reservation and sandbox hosts, the
+trainer group, the servers and their router, the gateway, the sandbox) through one `AsyncExitStack`,
+which closes it all in reverse order however the run ends: its last step, an error, Ctrl-C (exit
+130, with the command that continues it). Ray itself stays up for later runs of the process (the
+reaper ends it, and all it started, with the process). The books and the steps it drives are `training.py`.
+
 The prompt ledger (`ledger.jsonl`) accounts for every prompt taken: trained, filtered, requeued
 after infrastructure failures, failed, or unfinished when the run stopped, whatever stopped it
 (the scheduler closes its in-flight prompts on an exception or Ctrl-C; a resumed run closes those

@@ -94,7 +94,8 @@ class TrainerWorker:
         local_rank: int | None = None, ship_checkpoints: bool = False, assets: dict[str, bytes] | None = None,
     ) -> None:
         if world_size > 1:
-            assert master is not None  # TrainerGroup always passes it for several ranks
+            if master is None:
+                raise TrainerError(f"trainer rank {rank} of {world_size} was given no rendezvous address.")
             os.environ.update({
                 "RANK": str(rank), "WORLD_SIZE": str(world_size),
                 "LOCAL_RANK": str(rank if local_rank is None else local_rank),

@@ -233,3 +233,26 @@ def test_episodes_share_the_owners_gateway_until_the_owner_closes_it() -> None:
         return first is second, up, closed, third is not first
 
     assert asyncio.run(go()) == (True, True, True, True)
+
+
+def test_the_job_owns_the_gateway_its_envs_share(assets: Path) -> None:
+    from agentrl.config import load_config
+    from agentrl.gateway import SharedGateway
+    from agentrl.orchestration.build import build_job
+
+    config = load_config(None, ["env=agent", f"model.path={assets / 'tiny-random-qwen2'}",
+                                "model.chat_template=chatml-tools"])
+    job = build_job(config, "eval", own_client=True)
+    first, second = job.make_env(), job.make_env()
+    assert isinstance(job.gateway, SharedGateway)
+    assert isinstance(first, AgentEnv) and isinstance(second, AgentEnv)
+    assert first.gateway is second.gateway is job.gateway
+
+    async def go() -> tuple[int, bool]:
+        gateway = await job.gateway.get()  # type: ignore[union-attr]
+        async with httpx.AsyncClient() as http:
+            status = (await http.get(f"{gateway.url}/health")).status_code
+        await job.aclose()
+        return status, job.gateway.started  # type: ignore[union-attr]
+
+    assert asyncio.run(go()) == (200, False)
