@@ -400,9 +400,7 @@ def cmd_gateway(ns: argparse.Namespace) -> int:
     save_config(cfg, out)
     print(f"starting {cfg.inference.num_servers} {cfg.inference.engine} server(s) for {cfg.model.path} ...",
           flush=True)
-    served = cfg.model_copy(deep=True)
-    served.model.path = job.model_path
-    service = serve_from_config(served, log_dir=out / "logs")
+    service = serve_from_config(cfg, log_dir=out / "logs", model_path=job.model_path)
 
     def ready(gateway: Any) -> None:
         print(f"OpenAI-compatible gateway at {gateway.url}/v1 (any model name; one API key per agent run)", flush=True)

@@ -243,7 +243,7 @@ async def _bench(url: str, agents_url: str | None, agents: int, service_s: float
 
     from agentrl.chat import ChatTemplate
     from agentrl.envs.arithmetic import ArithmeticEnv, make_arithmetic_row
-    from agentrl.gateway import AgentEnv, shared_gateway
+    from agentrl.gateway import AgentEnv, SharedGateway
     from agentrl.inference import HTTPServerClient, Router
     from agentrl.rollout import AgentLoop, AgentLoopConfig, RolloutWorker
     from agentrl.tools.parsers import HermesParser
@@ -262,11 +262,11 @@ async def _bench(url: str, agents_url: str | None, agents: int, service_s: float
     rows = [make_arithmetic_row(i) for i in range(agents + 8)]
     warm, rows = rows[agents:], rows[:agents]
     agent_latencies: list[float] = []
-    async with shared_gateway():  # one gateway for every gateway episode of the run
+    async with SharedGateway() as shared:  # one gateway for every gateway episode of the run
         agent = _make_agent(agents_url, agents, agent_latencies, [s.schema for s in ArithmeticEnv().tools.values()],
                             sdk)
         direct = RolloutWorker(loop, lambda: ArithmeticEnv(max_turns=turns), max_concurrent=4 * agents)
-        gated = RolloutWorker(loop, lambda: AgentEnv(agent), max_concurrent=4 * agents)
+        gated = RolloutWorker(loop, lambda: AgentEnv(agent, gateway=shared), max_concurrent=4 * agents)
         # Untimed warm-up of both paths (template caches, connection pools), on rows of their own.
         await _play(direct, warm, 0.0, "w", agents)
         await _play(gated, warm, 0.0, "v", agents)

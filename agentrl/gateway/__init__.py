@@ -6,7 +6,7 @@
     AgentEnv         `env=agent`: runs your agent (a function or a command) on a dataset row, scores
                      its answer; `agentrl run` and `agentrl eval` take it like any env
     AgentTask        what an agent function is given (base_url, api_key, the row's messages, ...)
-    shared_gateway   the gateway the episodes of one event loop share
+    SharedGateway    one gateway for the episodes of a run, started on first use, closed by its owner
     serve_gateway    the standalone gateway of `agentrl gateway` (offline evaluation of any agent)
 
 Layer L3, beside `agentrl.rollout`: it generates through an AgentLoop's client, template, parser
@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from agentrl.gateway.agent_env import AgentEnv, AgentTask
-    from agentrl.gateway.server import Gateway, shared_gateway
+    from agentrl.gateway.server import Gateway, SharedGateway
     from agentrl.gateway.session import GatewaySession
     from agentrl.gateway.standalone import serve_gateway
 
@@ -29,8 +29,8 @@ _EXPORTS: dict[str, str] = {
     "AgentTask": "agentrl.gateway.agent_env",
     "Gateway": "agentrl.gateway.server",
     "GatewaySession": "agentrl.gateway.session",
+    "SharedGateway": "agentrl.gateway.server",
     "serve_gateway": "agentrl.gateway.standalone",
-    "shared_gateway": "agentrl.gateway.server",
 }
 
 __all__ = [
@@ -38,8 +38,8 @@ __all__ = [
     "AgentTask",
     "Gateway",
     "GatewaySession",
+    "SharedGateway",
     "serve_gateway",
-    "shared_gateway",
 ]
 
 

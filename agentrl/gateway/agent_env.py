@@ -11,7 +11,9 @@ episode the env opens a gateway session and runs the agent once on the row:
   `AGENTRL_MODEL`, and `AGENTRL_TASK_FILE`, a JSON file with the messages and the row), reads the
   prompt on stdin, and prints its final answer on stdout.
 
-Its calls become the episode's trajectory (or several segments, `session.py`), and its answer is
+The sessions live on the gateway the env is given (`gateway`): in `agentrl run` and `agentrl eval`
+the job's `SharedGateway`, one for all episodes, which the job closes; an env made without one
+starts a gateway for each episode. Its calls become the episode's trajectory (or several segments, `session.py`), and its answer is
 scored with the run's reward function (`reward_fn`: `reward.function`, verl's `compute_score(
 data_source, solution_str, ground_truth, extra_info)`; by default `agentrl.envs.rewards.compute_score`,
 which reads the answer in the format of the row's `data_source`). The episode has the loop's deadline (`rollout.episode_timeout_s`, or `timeout_s`
@@ -61,7 +63,7 @@ from agentrl.envs.arithmetic import ArithmeticEnv, make_arithmetic_row
 from agentrl.envs.core import Env, EpisodeLoop, ExternalAgentEnv
 from agentrl.envs.rewards import RewardFn, compute_score, score_row
 from agentrl.errors import ConfigError, EnvError
-from agentrl.gateway.server import Gateway, shared_gateway
+from agentrl.gateway.server import Gateway, SharedGateway
 from agentrl.gateway.session import GatewaySession
 from agentrl.registry import import_object
 from agentrl.types import Action, Fault, FinishReason, Message, Trajectory
@@ -156,7 +158,7 @@ class AgentEnv(Env, ExternalAgentEnv):
         model: str = "agentrl-policy",
         environment: dict[str, str] | None = None,
         cwd: str | None = None,
-        gateway: Gateway | None = None,
+        gateway: Gateway | SharedGateway | None = None,
     ) -> None:
         if agent is not None and command is not None:
             raise ConfigError("Give the agent as `agent` (a Python function) or `command` (a program), not both.")
@@ -238,8 +240,12 @@ class AgentEnv(Env, ExternalAgentEnv):
         row = row if row is not None else self.generate_row(seed)
         timeout = min(loop.config.episode_timeout_s, self.timeout_s or math.inf)
         async with contextlib.AsyncExitStack() as stack:
-            gateway: Gateway = (self.gateway if self.gateway is not None
-                                else await stack.enter_async_context(shared_gateway()))
+            if isinstance(self.gateway, SharedGateway):
+                gateway = await self.gateway.get()
+            elif self.gateway is not None:
+                gateway = self.gateway
+            else:  # an env made outside a job: a gateway of this episode's own
+                gateway = await stack.enter_async_context(Gateway())
             session = gateway.open_session(loop, episode_id=episode_id, group_id=group_id,
                                            data_source=str(row.get("data_source", "")),
                                            deadline=time.monotonic() + timeout)

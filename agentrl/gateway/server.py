@@ -31,8 +31,7 @@ import logging
 import secrets
 import socket
 import time
-import weakref
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 from agentrl.gateway.session import GatewaySession
@@ -47,7 +46,7 @@ from agentrl.gateway.wire import (
 if TYPE_CHECKING:
     from agentrl.envs import TurnBackend
 
-__all__ = ["Gateway", "shared_gateway"]
+__all__ = ["Gateway", "SharedGateway"]
 
 log = logging.getLogger(__name__)
 
@@ -309,34 +308,41 @@ class Gateway:
         return Starlette(routes=routes)
 
 
-class _Lease:
-    def __init__(self) -> None:
-        self.users = 0
-        self.gateway: Gateway | None = None
-        self.lock = asyncio.Lock()
+class SharedGateway:
+    """One gateway for every episode of a run or an evaluation, owned by whoever made it.
 
+    The gateway starts when the first episode asks for it (`get`), on that episode's event loop,
+    and stays up until its owner closes it (`aclose`, or `async with`); the owner (the job that
+    built it) passes it to each env, so nothing is found through a module-level table. Closing
+    ends its open sessions; a later `get` starts a fresh gateway.
+    """
 
-_leases: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Lease] = weakref.WeakKeyDictionary()
+    def __init__(self, **gateway_kwargs: Any) -> None:
+        self._kwargs = gateway_kwargs
+        self._gateway: Gateway | None = None
+        self._lock: asyncio.Lock | None = None
 
+    @property
+    def started(self) -> bool:
+        return self._gateway is not None
 
-@contextlib.asynccontextmanager
-async def shared_gateway() -> AsyncIterator[Gateway]:
-    """A gateway shared by everyone on this event loop who holds it; started by the first holder and
-    closed when the last one lets go (episodes of an env built without a gateway of its own)."""
-    loop = asyncio.get_running_loop()
-    lease = _leases.get(loop)
-    if lease is None:
-        lease = _leases[loop] = _Lease()
-    lease.users += 1
-    try:
-        async with lease.lock:
-            if lease.gateway is None:
-                lease.gateway = await Gateway().start()
-        yield lease.gateway
-    finally:
-        lease.users -= 1
-        if lease.users == 0:
-            if _leases.get(loop) is lease:
-                del _leases[loop]
-            if lease.gateway is not None:
-                await lease.gateway.aclose()
+    async def get(self) -> Gateway:
+        """The running gateway, started now if no episode has asked for it yet."""
+        if self._lock is None:
+            self._lock = asyncio.Lock()
+        async with self._lock:
+            if self._gateway is None:
+                self._gateway = await Gateway(**self._kwargs).start()
+        return self._gateway
+
+    async def aclose(self) -> None:
+        """Stop the gateway if it started. Closing twice is harmless."""
+        gateway, self._gateway, self._lock = self._gateway, None, None
+        if gateway is not None:
+            await gateway.aclose()
+
+    async def __aenter__(self) -> SharedGateway:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()

@@ -365,7 +365,7 @@ def engine_kwargs_from_config(config: AgentRLConfig) -> dict[str, Any]:
 
 
 def serve_from_config(config: AgentRLConfig, *, log_dir: str | Path | None = None,
-                      token: str | None = "per-run") -> InferenceService:
+                      token: str | None = "per-run", model_path: str | None = None) -> InferenceService:
     """Start `inference.num_servers` servers of `inference.engine` and a router in front of them.
 
     For `engine: external` nothing is started: the router spans the OpenAI-compatible servers at
@@ -374,6 +374,8 @@ def serve_from_config(config: AgentRLConfig, *, log_dir: str | Path | None = Non
     server answers /health (or raises, stopping the ones that did start). The servers it starts
     take `token` as their bearer token: by default a fresh one only this service's clients hold;
     `None` for none (`agentrl serve` without `AGENTRL_SERVER_TOKEN`: anyone who reaches the port).
+    `model_path`: the model directory already resolved from `model.path` (by `build_job`); without
+    it, `model.path` is resolved here.
     """
     inf = config.inference
 
@@ -399,7 +401,8 @@ def serve_from_config(config: AgentRLConfig, *, log_dir: str | Path | None = Non
         check_context(config, inf.urls)
         return InferenceService(make_router([HTTPServerClient(u) for u in inf.urls]))
     kwargs = engine_kwargs_from_config(config)
-    model_path = resolve_model_path(config.model.path)  # built-in names are converted once, here
+    if model_path is None:
+        model_path = resolve_model_path(config.model.path)  # built-in names are converted once, here
     if token == "per-run":
         token = secrets.token_urlsafe(32)  # the servers of this run answer only its own clients
     servers: list[ServerProcess] = []

@@ -6,14 +6,17 @@ anything `validate` accepts, `run` can build, and every error surfaces in second
 It builds, in this order: the model directory (`model.path`, converting the built-in default once;
 it must hold weights when the trainer or a server agentrl starts will load them),
 the chat template and tokenizer, the tool-call parser and the end-of-turn ids, the env class and its
-constructor arguments (one env is built to check them), the sandbox, the reward function
+constructor arguments (one env is built to check them), the sandbox (or, on a cluster with
+`cluster.sandbox_hosts`, the plan of the hosts the run starts: `Job.sandbox_hosts`), the gateway
+for envs that run agents through one (`Job.gateway`), the reward function
 (`reward.function`), the dataset rows (each checked; `data.skip_bad_rows` keeps the bad ones' numbers), and checks the names the later stages resolve (inference engine, advantage
 estimator, trainer backend) and the budgets against each other; the placement plan (`Job.plan`:
 who runs where, how weights move) is built and checked by `placement.build_plan`.
 
 Run-level resources reach an env through its constructor, by parameter name (`ENV_RESOURCES`): an
 env whose `__init__` takes `sandbox` gets the one sandbox built from `config.sandbox` (the job
-closes it: `Job.aclose`), `tool_timeout_s` gets `rollout.tool_timeout_s`, `max_turns` gets
+closes it: `Job.aclose`), `gateway` gets the one `SharedGateway` of the job (started by the first
+episode that needs it, closed by `Job.aclose`), `tool_timeout_s` gets `rollout.tool_timeout_s`, `max_turns` gets
 `rollout.max_turns`, `reward_fn` gets the run's reward function (`reward.function` with
 `reward.kwargs`; verl's `compute_score` by default). Setting one of those again in `env.kwargs` is refused (one knob per budget),
 and so is a `sandbox` section for an env that runs no code. Nothing here starts a process, a
@@ -36,8 +39,10 @@ from agentrl.datasets import LoadedRows, SkippedRow, check_row, load_rows
 from agentrl.envs import Env
 from agentrl.envs.rewards import RewardFunction
 from agentrl.errors import AgentRLError, ConfigError, DatasetError, SandboxUnavailableError
+from agentrl.gateway.server import SharedGateway
 from agentrl.models import TOOL_CHATML_TEMPLATE, resolve_model_path
 from agentrl.orchestration.placement import PlacementPlan, build_plan
+from agentrl.orchestration.sandbox_hosts import SandboxHostsPlan, plan_sandbox_hosts
 from agentrl.registry import ADVANTAGE_ESTIMATORS, ENVS, INFERENCE_ENGINES, SANDBOXES, TOOL_PARSERS
 from agentrl.rollout import AgentLoop, GenerateClient
 from agentrl.rollout.agent_loop import end_of_turn_ids
@@ -84,10 +89,16 @@ class Job:
     notes: list[str] = field(default_factory=list)
     plan: PlacementPlan | None = None
     """Who runs where (`placement.build_plan`), checked with the rest of the job."""
+    sandbox_hosts: SandboxHostsPlan | None = None
+    """On a cluster with `cluster.sandbox_hosts`: the hosts the run starts, whose client replaces
+    `sandbox` for the run's envs (`make_env(sandbox=...)`); None otherwise."""
+    gateway: SharedGateway | None = None
+    """The gateway the envs that take one share (`AgentEnv`); None for envs that take none."""
 
-    def make_env(self) -> Env:
-        """A new env for one episode, with the run's resources."""
-        return self.env_cls(**self.env_kwargs)
+    def make_env(self, **resources: Any) -> Env:
+        """A new env for one episode, with the run's resources; `resources` stand in for some of them
+        (the client of the sandbox hosts a cluster run started)."""
+        return self.env_cls(**{**self.env_kwargs, **resources})
 
     def agent_loop(self, client: GenerateClient, *, evaluation: bool = False) -> AgentLoop:
         """The AgentLoop over `client` (the router or a server client); `evaluation` samples at
@@ -98,7 +109,9 @@ class Job:
         return AgentLoop(client, self.template, self.parser_factory(), rollout, stop_token_ids=self.stop_token_ids)
 
     async def aclose(self) -> None:
-        """Close the run's sandbox (its warm workers and sessions). Closing twice is harmless."""
+        """Close the run's gateway and sandbox (its warm workers and sessions). Closing twice is harmless."""
+        if self.gateway is not None:
+            await self.gateway.aclose()
         sandbox, self.sandbox = self.sandbox, None
         if sandbox is not None:
             await sandbox.close()
@@ -154,8 +167,11 @@ def build_job(config: AgentRLConfig, purpose: Purpose, *, own_client: bool = Fal
             f"sandbox: env '{config.env.name}' runs no code in a sandbox (its constructor takes no "
             "'sandbox'), so these settings would do nothing; remove them."
         )
+    gateway = None
+    if env_takes(env_cls, "gateway"):
+        gateway = env_kwargs["gateway"] = SharedGateway()
     job = Job(config, purpose, model_path, template, parser_factory, tuple(sorted(stop_ids)), env_cls,
-              env_kwargs, sandbox, reward_fn)
+              env_kwargs, sandbox, reward_fn, gateway=gateway)
     try:
         _check_env_builds(job)
         _check_names(config, purpose)
@@ -167,6 +183,7 @@ def build_job(config: AgentRLConfig, purpose: Purpose, *, own_client: bool = Fal
             if config.sandbox.name not in ("local", "docker"):
                 raise ConfigError(f"cluster.sandbox_hosts: each host serves the sandbox.name backend; "
                                   f"'{config.sandbox.name}' is not one a host can serve (use local or docker).")
+            job.sandbox_hosts = plan_sandbox_hosts(config)
         if purpose == "run":
             _check_tensor_parallel(config, model_path)
         if purpose == "run":
@@ -288,6 +305,9 @@ def env_arguments(config: AgentRLConfig) -> tuple[type[Env], dict[str, Any]]:
     if not (isinstance(env_cls, type) and issubclass(env_cls, Env)):
         raise ConfigError(f"env.name '{config.env.name}' names {env_cls!r}, not an agentrl.Env subclass.")
     kwargs = dict(config.env.kwargs)
+    if "gateway" in kwargs:
+        raise ConfigError("env.kwargs.gateway: the job gives every env that takes one its gateway (one for all "
+                          "episodes); remove it.")
     for name, key in ENV_RESOURCES.items():
         if name in kwargs:
             raise ConfigError(

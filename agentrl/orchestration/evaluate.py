@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from agentrl.config import AgentRLConfig, save_config
+from agentrl.envs import Env
 from agentrl.errors import InfraFailureError
 from agentrl.orchestration.build import Job, build_job
 from agentrl.orchestration.infra import describe_infra_failures, fix_for
@@ -165,17 +166,19 @@ async def evaluate(
     out_dir: str | Path,
     *,
     progress: EvalProgress | None = None,
+    make_env: Callable[[], Env] | None = None,
 ) -> EvalReport:
     """Play `rows` with `eval.k` samples each through `client`; write and return the report.
 
     The job's sandbox stays open: whoever built the job closes it (`Job.aclose`). `progress` hears of
-    every finished problem.
+    every finished problem. `make_env`: the run's env factory when it is not `job.make_env` (a
+    cluster run's envs use its sandbox hosts).
     """
     config = job.config
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     loop = job.agent_loop(client, evaluation=True)
-    worker = RolloutWorker(loop, job.make_env, max_concurrent=config.rollout.max_concurrent_episodes)
+    worker = RolloutWorker(loop, make_env or job.make_env, max_concurrent=config.rollout.max_concurrent_episodes)
     start = time.perf_counter()
     if progress is None:
         groups = await worker.run_batch(rows, config.eval.k, seed=config.run.seed)
@@ -245,9 +248,7 @@ def run_eval(
         save_config(config, out)
         service = None
         if client is None:
-            served = config.model_copy(deep=True)
-            served.model.path = job.model_path
-            service = serve_from_config(served, log_dir=out / "logs")
+            service = serve_from_config(config, log_dir=out / "logs", model_path=job.model_path)
             client = service.client
         try:
             report = asyncio.run(_evaluate_and_close(job, client, out, progress))

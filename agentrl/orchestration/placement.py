@@ -274,19 +274,20 @@ def weights_backend(config: AgentRLConfig) -> Literal["files", "http"]:
     return backend
 
 
-def start_inference(plan: PlacementPlan, config: AgentRLConfig, trainer: Any, *,
-                    log_dir: str | Path | None = None, reservation: Any | None = None) -> InferenceService:
-    """The inference side of a run, behind one router: the split plan's server processes (started
-    now, `serve_from_config`; on a cluster, each by an actor in its bundle of `reservation`,
-    `server_actor.start_placed_servers`), or the colocated plan's engines inside `trainer`."""
+async def start_inference(plan: PlacementPlan, config: AgentRLConfig, model_path: str, trainer: Any, *,
+                          log_dir: str | Path | None = None, reservation: Any | None = None) -> InferenceService:
+    """The inference side of a run, behind one router: the split plan's server processes of
+    `model_path` (the model directory `build_job` resolved), started now (`serve_from_config`; on a
+    cluster, each by an actor in its bundle of `reservation`, `server_actor.start_placed_servers`),
+    or the colocated plan's engines inside `trainer`."""
     from agentrl.inference.serve import InferenceService, serve_from_config
 
     if reservation is not None:
         from agentrl.orchestration.server_actor import start_placed_servers
 
-        return start_placed_servers(config, reservation, log_dir=log_dir)
+        return await start_placed_servers(config, reservation, model_path, log_dir=log_dir)
     if not plan.colocated:
-        return serve_from_config(config, log_dir=log_dir)
+        return serve_from_config(config, log_dir=log_dir, model_path=model_path)
     from agentrl.inference.router import Router
 
     return InferenceService(Router(trainer.engine_clients(), overload_threshold=config.inference.overload_threshold,

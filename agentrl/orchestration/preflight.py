@@ -94,7 +94,7 @@ def _check_sandbox(job: Job) -> Check | None:
     if job.sandbox is None:
         return None
     config = job.config
-    if job.plan is not None and job.plan.cluster is not None and job.plan.cluster.count("sandbox"):
+    if job.sandbox_hosts is not None:
         return Check(f"sandbox ({config.sandbox.name})", True, f"runs on {config.cluster.sandbox_hosts} cluster "
                      "host(s); each runs a snippet when it starts")
     env = job.make_env()

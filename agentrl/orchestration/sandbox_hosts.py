@@ -1,7 +1,8 @@
 """Sandboxes on other hosts of a Ray cluster: `agentrl sandbox serve` placed like the servers.
 
-With `cluster.sandbox_hosts=N`, `start_sandbox_hosts` starts one `SandboxHostActor` in each sandbox
-bundle of the run's placement group. On its node the actor runs the sandbox server (the process
+With `cluster.sandbox_hosts=N`, `build_job` plans the hosts (`SandboxHostsPlan`) and the run starts
+them (`SandboxHostsPlan.start`): one `SandboxHostActor` in each sandbox bundle of the run's placement
+group, each checked to run a shell command before the run goes on. On its node the actor runs the sandbox server (the process
 `agentrl sandbox serve` runs: `agentrl.sandboxes.server.serve`, with the backend `sandbox.name`
 and its `sandbox.kwargs`) bound to the node's address on a free port there, under a lifeline, and
 with a bearer token the driver drew for this run (handed over in the process's environment, never
@@ -25,12 +26,13 @@ import secrets
 import subprocess
 import sys
 import tempfile
+from dataclasses import dataclass, field
 from typing import Any
 
 from agentrl.config import AgentRLConfig
-from agentrl.errors import SandboxError
+from agentrl.errors import PreflightError, SandboxError
 
-__all__ = ["SandboxHostActor", "SandboxHosts", "start_sandbox_hosts"]
+__all__ = ["SandboxHostActor", "SandboxHosts", "SandboxHostsPlan", "plan_sandbox_hosts"]
 
 log = logging.getLogger(__name__)
 
@@ -100,6 +102,54 @@ class SandboxHostActor:
                 os.killpg(self.proc.pid, signal.SIGKILL)
 
 
+@dataclass(frozen=True)
+class SandboxHostsPlan:
+    """The sandbox hosts a cluster run starts (`cluster.sandbox_hosts`): planned by `build_job`,
+    started by the run once its placement group is reserved (their addresses are known only then)."""
+
+    count: int
+    backend: str
+    """`sandbox.name`: the backend each host serves (local or docker)."""
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    """`sandbox.kwargs`, given to the backend on each host."""
+    timeout_s: float = 120.0
+    """How long a host may take to answer /health."""
+
+    async def start(self, reservation: Any) -> SandboxHosts:
+        """Start one host in each sandbox bundle of `reservation`; wait until each answers, and
+        check each runs a shell command. On any failure the hosts started are stopped."""
+        import ray
+
+        token = secrets.token_urlsafe(32)
+        actor_cls = ray.remote(SandboxHostActor)
+        actors: list[Any] = [
+            actor_cls.options(**reservation.options("sandbox", i)).remote(
+                self.backend, dict(self.kwargs), token
+            )
+            for i in range(self.count)
+        ]
+        try:
+            urls = list(await asyncio.gather(*(a.wait_healthy.remote(self.timeout_s) for a in actors)))
+        except Exception as exc:
+            for actor in actors:
+                ray.kill(actor)
+            cause = getattr(exc, "cause", None)
+            raise (
+                cause
+                if isinstance(cause, SandboxError)
+                else SandboxError(f"cluster.sandbox_hosts: a sandbox host did not start: {exc}")
+            ) from None
+        hosts = SandboxHosts(actors, urls, token)
+        try:
+            await hosts.check()
+        except BaseException:
+            hosts.stop()
+            raise
+        for i, url in enumerate(urls):
+            log.info("sandbox host %d serving at %s (%s backend, token auth)", i, url, self.backend)
+        return hosts
+
+
 class SandboxHosts:
     """The sandbox host actors of a run, their URLs and token; `sandbox()` is the run's client."""
 
@@ -114,6 +164,21 @@ class SandboxHosts:
         clients = [RemoteSandbox(u, token=self.token) for u in self.urls]
         return clients[0] if len(clients) == 1 else SpreadSandbox(clients)
 
+    async def check(self) -> None:
+        """Raise PreflightError naming the host that cannot run a shell command."""
+        from agentrl.sandboxes.remote import RemoteSandbox
+
+        for url in self.urls:
+            client = RemoteSandbox(url, token=self.token)
+            try:
+                res = await client.exec("echo $((6 * 7))", timeout_s=60)
+            finally:
+                await client.close()
+            if res.exit_code != 0 or res.stdout.strip() != "42":
+                raise PreflightError(f"cluster.sandbox_hosts: the sandbox host at {url} cannot run a shell command "
+                                     f"(exit {res.exit_code}, {res.stderr[-300:]!r}); run 'agentrl doctor' on "
+                                     "that node with the same sandbox settings.")
+
     def stop(self) -> None:
         import ray
 
@@ -125,34 +190,6 @@ class SandboxHosts:
             ray.kill(actor)
 
 
-def start_sandbox_hosts(config: AgentRLConfig, reservation: Any, *, timeout_s: float = 120.0) -> SandboxHosts:
-    """Start `cluster.sandbox_hosts` sandbox servers in their bundles; wait until each answers."""
-    import ray
-
-    token = secrets.token_urlsafe(32)
-    actor_cls = ray.remote(SandboxHostActor)
-    n = config.cluster.sandbox_hosts
-    actors: list[Any] = [
-        actor_cls.options(**reservation.options("sandbox", i)).remote(
-            config.sandbox.name, dict(config.sandbox.kwargs), token
-        )
-        for i in range(n)
-    ]
-
-    async def wait() -> list[str]:
-        return list(await asyncio.gather(*(a.wait_healthy.remote(timeout_s) for a in actors)))
-
-    try:
-        urls = asyncio.run(wait())
-    except Exception as exc:
-        for actor in actors:
-            ray.kill(actor)
-        cause = getattr(exc, "cause", None)
-        raise (
-            cause
-            if isinstance(cause, SandboxError)
-            else SandboxError(f"cluster.sandbox_hosts: a sandbox host did not start: {exc}")
-        ) from None
-    for i, url in enumerate(urls):
-        log.info("sandbox host %d serving at %s (%s backend, token auth)", i, url, config.sandbox.name)
-    return SandboxHosts(actors, urls, token)
+def plan_sandbox_hosts(config: AgentRLConfig) -> SandboxHostsPlan:
+    """The plan of `cluster.sandbox_hosts` hosts serving `sandbox.name` with `sandbox.kwargs`."""
+    return SandboxHostsPlan(config.cluster.sandbox_hosts, config.sandbox.name, dict(config.sandbox.kwargs))

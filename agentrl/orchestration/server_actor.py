@@ -221,12 +221,13 @@ class PlacedServer:
             ray.kill(self.actor)
 
 
-def start_placed_servers(
-    config: AgentRLConfig, reservation: Any, *, log_dir: str | Path | None = None
+async def start_placed_servers(
+    config: AgentRLConfig, reservation: Any, model_path: str, *, log_dir: str | Path | None = None
 ) -> Any:
-    """Start `inference.num_servers` servers, each by a `ServerActor` in its bundle of `reservation`;
-    return the `InferenceService` (router over their node addresses, supervised). Blocks until every
-    server answers /health, or raises (stopping the ones that did start)."""
+    """Start `inference.num_servers` servers of `model_path` (the model directory `build_job`
+    resolved, which every server's node must hold at that path), each by a `ServerActor` in its
+    bundle of `reservation`; return the `InferenceService` (router over their node addresses,
+    supervised) once every server answers /health, or raise (stopping the ones that did start)."""
     import ray
 
     from agentrl.inference.router import Router
@@ -242,18 +243,15 @@ def start_placed_servers(
     def maker(i: int, log_path: str) -> Any:
         opts = reservation.options("server", i)
         return lambda port: actor_cls.options(**opts).remote(
-            inf.engine, config.model.path, kwargs, log_path, port, token
+            inf.engine, model_path, kwargs, log_path, port, token
         )
 
-    async def start_all() -> None:
+    try:
         for i in range(inf.num_servers):
             # The log lives on the server's node: the driver's run directory is not there.
             log_path = str(Path(log_dir or "/tmp") / f"{inf.engine}-{i}.log")
             servers.append(PlacedServer(maker(i, log_path), i, reservation.node_ip("server", i), log_path, token))
         await asyncio.gather(*(s.started(inf.startup_timeout_s) for s in servers))
-
-    try:
-        asyncio.run(start_all())
     except BaseException:
         for server in servers:
             server.stop()

@@ -52,6 +52,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from agentrl.chat import ChatTemplate
 from agentrl.config import AgentRLConfig
 from agentrl.errors import AgentRLError, ServerUnavailableError, TrainerError, WeightSyncError
 from agentrl.orchestration.placement import PlacementPlan, weights_backend
@@ -63,21 +64,16 @@ FILES_KEEP_LAST = 3
 """Versions the files engine keeps in `weights/` (besides those a checkpoint was taken at)."""
 
 
-def export_assets(config: AgentRLConfig, model_path: str) -> dict[str, bytes]:
+def export_assets(template: ChatTemplate, model_path: str) -> dict[str, bytes]:
     """The files besides the weights that make an export a complete Hugging Face model directory:
-    config.json and generation_config.json of `model_path`, and the tokenizer (`model.tokenizer`, else
-    the model's) saved with the chat template the run renders with (`model.chat_template`, else its own)."""
-    from transformers import AutoTokenizer
+    config.json and generation_config.json of `model_path`, and the run's tokenizer saved with the
+    chat template it renders with (`template`, as `build_job` loaded it)."""
+    import copy
 
-    from agentrl.models import resolve_model_path
-    from agentrl.orchestration.build import BUILTIN_TEMPLATES
-
-    tokenizer_path = resolve_model_path(config.model.tokenizer) if config.model.tokenizer else model_path
-    remote = config.model.trust_remote_code
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_path, trust_remote_code=remote)
-    choice = config.model.chat_template
-    if choice is not None:
-        tokenizer.chat_template = BUILTIN_TEMPLATES[choice] if choice in BUILTIN_TEMPLATES else Path(choice).read_text()
+    tokenizer = template.tokenizer
+    if template.template is not None:  # a copy carries it: the run's own tokenizer stays as it is
+        tokenizer = copy.copy(tokenizer)
+        tokenizer.chat_template = template.template
     assets: dict[str, bytes] = {}
     with tempfile.TemporaryDirectory(prefix="agentrl-assets-") as tmp:
         tokenizer.save_pretrained(tmp)
@@ -96,12 +92,13 @@ class TrainerWorker:
     def __init__(
         self, config: dict[str, Any], model_path: str, weights_dir: str, *, rank: int = 0, world_size: int = 1,
         master: tuple[str, int] | None = None, threads: int | None = None, weights: str = "files",
-        local_rank: int | None = None, ship_checkpoints: bool = False,
+        local_rank: int | None = None, ship_checkpoints: bool = False, assets: dict[str, bytes] | None = None,
     ) -> None:
         # Ray carries the config as a dict: validated here, once; the backend and train_step take the model.
         self.config = AgentRLConfig.model_validate(config)
         if world_size > 1:
-            assert master is not None  # TrainerGroup always passes it for several ranks
+            if master is None:
+                raise TrainerError(f"trainer rank {rank} of {world_size} was given no rendezvous address.")
             os.environ.update({
                 "RANK": str(rank), "WORLD_SIZE": str(world_size),
                 "LOCAL_RANK": str(rank if local_rank is None else local_rank),
@@ -115,7 +112,7 @@ class TrainerWorker:
             if iface:
                 os.environ.setdefault("GLOO_SOCKET_IFNAME", iface)
                 os.environ.setdefault("NCCL_SOCKET_IFNAME", iface)
-        if not Path(model_path).is_dir():  # a rank on another node: the model resolved there
+        if not Path(model_path).is_dir():  # a rank on another node: the built-in model is converted there
             from agentrl.models import resolve_model_path
 
             model_path = resolve_model_path(self.config.model.path)
@@ -126,9 +123,9 @@ class TrainerWorker:
             torch.set_num_threads(threads)
         from agentrl.trainer.backend import make_backend
 
-        self.config.model.path = model_path
+        self.model_path = model_path
         self.rank = rank
-        self.backend = make_backend(self.config)
+        self.backend = make_backend(self.config, model_path)
         self.weights = weights
         self.version: int | None = None  # the version of the last export
         self.files: Any = None  # rank 0: weights/version-N directories
@@ -139,7 +136,7 @@ class TrainerWorker:
 
             bucket_bytes = self.config.weights.bucket_mb << 20
             self.files = FilesCheckpointEngine(directory=weights_dir, keep_last=FILES_KEEP_LAST,
-                                               bucket_bytes=bucket_bytes, assets=export_assets(self.config, model_path))
+                                               bucket_bytes=bucket_bytes, assets=assets or {})
             if weights == "http":
                 import ray.util
 
@@ -401,8 +398,10 @@ def _free_port(host: str) -> int:
 class TrainerGroup:
     """`trainer.num_processes` TrainerWorker actors called as one (see the module docstring)."""
 
-    def __init__(self, config: AgentRLConfig, model_path: str, weights_dir: str | Path, *,
+    def __init__(self, config: AgentRLConfig, model_path: str, template: ChatTemplate, weights_dir: str | Path, *,
                  plan: PlacementPlan | None = None, reservation: Any | None = None) -> None:
+        """`model_path`, `template`: the model directory and chat template `build_job` resolved (the
+        exports carry that tokenizer and template)."""
         import ray
         import ray.util
 
@@ -424,6 +423,7 @@ class TrainerGroup:
         )
         actor_cls = ray.remote(num_cpus=0 if not use_gpu else 1, num_gpus=1 if use_gpu else 0)(worker_cls)
         payload = config.model_dump(mode="json")
+        assets = export_assets(template, model_path)  # rank 0 writes them beside every export
         self.ships = [False] * n  # which ranks run on another node than the driver's
         if reservation is None:
             # One machine: the ranks stay on the driver's node (Ray may be a cluster through RAY_ADDRESS
@@ -437,7 +437,8 @@ class TrainerGroup:
                 actor_cls.options(scheduling_strategy=here).remote(
                     payload, model_path, str(weights_dir), rank=r, world_size=n, master=master,
                     # Ray shows an actor with num_gpus=1 only its own GPU (CUDA_VISIBLE_DEVICES): cuda:0
-                    threads=max(1, cpus // n), local_rank=0 if use_gpu else r, **extra,
+                    threads=max(1, cpus // n), local_rank=0 if use_gpu else r, assets=assets if r == 0 else None,
+                    **extra,
                 )
                 for r in range(n)
             ]
@@ -452,7 +453,7 @@ class TrainerGroup:
                 actor_cls.options(**reservation.options("trainer", r)).remote(
                     payload, model_path, str(weights_dir), rank=r, world_size=n, master=master,
                     threads=slot_cpus, local_rank=0 if use_gpu else nodes[:r].count(nodes[r]),
-                    ship_checkpoints=self.ships[r], **extra,
+                    ship_checkpoints=self.ships[r], assets=assets if r == 0 else None, **extra,
                 )
                 for r in range(n)
             ]  # fmt: skip

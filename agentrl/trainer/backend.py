@@ -545,10 +545,11 @@ BACKENDS: dict[str, str] = {
 backend module imports this one, and megatron-core is an optional extra."""
 
 
-def make_backend(config: AgentRLConfig) -> TrainerBackend:
+def make_backend(config: AgentRLConfig, model_path: str | None = None) -> TrainerBackend:
     """The backend an `AgentRLConfig` names (`trainer.backend`, a key of `BACKENDS`), built on this rank.
 
-    The policy comes from `model.path` in `model.dtype` (running the repository's model code only
+    The policy comes from `model_path` (the resolved model directory; `model.path` when not given)
+    in `model.dtype` (running the repository's model code only
     with `model.trust_remote_code`), initial weights are seeded with `run.seed`, and the reference
     model and critic are loaded when the algorithm needs them.
     """
@@ -562,6 +563,6 @@ def make_backend(config: AgentRLConfig) -> TrainerBackend:
         )
     backend_cls: BackendFactory = import_object(BACKENDS[name])
     return backend_cls(
-        config.model.path, config.trainer, config.algorithm, dtype=config.model.dtype, seed=config.run.seed,
+        model_path or config.model.path, config.trainer, config.algorithm, dtype=config.model.dtype, seed=config.run.seed,
         trust_remote_code=config.model.trust_remote_code,
     )

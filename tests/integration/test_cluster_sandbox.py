@@ -17,7 +17,7 @@ import ray
 from agentrl.config import load_config
 from agentrl.errors import SandboxError
 from agentrl.orchestration.cluster import build_cluster_plan, reserve
-from agentrl.orchestration.sandbox_hosts import start_sandbox_hosts
+from agentrl.orchestration.sandbox_hosts import plan_sandbox_hosts
 from agentrl.sandboxes.remote import RemoteSandbox
 
 config = load_config(None, ["env=arithmetic", "inference.engine=hf", "trainer.device=cpu",
@@ -25,7 +25,7 @@ config = load_config(None, ["env=arithmetic", "inference.engine=hf", "trainer.de
     "cluster.sandbox_hosts=1", "cluster.sandbox_cpus=1"])
 ray.init(address=config.cluster.address, logging_level="ERROR")
 reservation = reserve(build_cluster_plan(config))
-hosts = start_sandbox_hosts(config, reservation)
+hosts = asyncio.run(plan_sandbox_hosts(config).start(reservation))
 out = {{"nodes": reservation.nodes, "urls": hosts.urls}}
 
 async def main():

@@ -219,16 +219,41 @@ def test_the_standalone_gateway_records_each_api_key_as_an_episode(template: Cha
         Trajectory.from_dict({k: v for k, v in r.items() if k not in ("session", "text")}).validate()
 
 
-def test_episodes_share_one_gateway_that_closes_with_the_last_of_them() -> None:
-    from agentrl.gateway import shared_gateway
+def test_episodes_share_the_owners_gateway_until_the_owner_closes_it() -> None:
+    from agentrl.gateway import SharedGateway
 
-    async def go() -> tuple[bool, bool, bool]:
-        async with shared_gateway() as first:
-            async with shared_gateway() as second:
-                same = first is second
-            still_up = (await httpx.AsyncClient().get(f"{first.url}/health")).status_code == 200
-        async with shared_gateway() as third:
-            fresh = third is not first
-        return same, still_up, fresh
+    async def go() -> tuple[bool, bool, bool, bool]:
+        shared = SharedGateway()
+        async with shared:
+            first, second = await asyncio.gather(shared.get(), shared.get())
+            async with httpx.AsyncClient() as http:
+                up = (await http.get(f"{first.url}/health")).status_code == 200
+        closed = not shared.started
+        third = await shared.get()  # a later episode after the close: a fresh gateway
+        await shared.aclose()
+        return first is second, up, closed, third is not first
 
-    assert asyncio.run(go()) == (True, True, True)
+    assert asyncio.run(go()) == (True, True, True, True)
+
+
+def test_the_job_owns_the_gateway_its_envs_share(assets: Path) -> None:
+    from agentrl.config import load_config
+    from agentrl.gateway import SharedGateway
+    from agentrl.orchestration.build import build_job
+
+    config = load_config(None, ["env=agent", f"model.path={assets / 'tiny-random-qwen2'}",
+                                "model.chat_template=chatml-tools"])
+    job = build_job(config, "eval", own_client=True)
+    first, second = job.make_env(), job.make_env()
+    assert isinstance(job.gateway, SharedGateway)
+    assert isinstance(first, AgentEnv) and isinstance(second, AgentEnv)
+    assert first.gateway is second.gateway is job.gateway
+
+    async def go() -> tuple[int, bool]:
+        gateway = await job.gateway.get()  # type: ignore[union-attr]
+        async with httpx.AsyncClient() as http:
+            status = (await http.get(f"{gateway.url}/health")).status_code
+        await job.aclose()
+        return status, job.gateway.started  # type: ignore[union-attr]
+
+    assert asyncio.run(go()) == (200, False)

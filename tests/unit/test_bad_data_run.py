@@ -12,8 +12,8 @@ from agentrl.cli import main
 from agentrl.config import load_config
 from agentrl.orchestration.build import build_job
 from agentrl.orchestration.checkpoints import CheckpointStore
-from agentrl.orchestration.driver import _Run
 from agentrl.orchestration.ledger import LedgerError, PromptLedger, PromptRef, PromptSampler
+from agentrl.orchestration.training import RunBooks
 
 GOOD = {"prompt": [{"role": "user", "content": "Compute 2 * 21."}], "data_source": "agentrl/arithmetic",
         "reward_model": {"style": "rule", "ground_truth": "42"}}
@@ -55,7 +55,7 @@ def test_skipped_rows_keep_their_numbers_in_the_ledger_and_are_never_sampled(
     run_dir = tmp_path / "runs" / "skip"
     run_dir.mkdir(parents=True)
     with caplog.at_level("WARNING", logger="agentrl.orchestration.build"):
-        run = _Run(build_job(config, "run"), run_dir, CheckpointStore(run_dir / "checkpoints"), None)
+        run = RunBooks(build_job(config, "run"), run_dir, CheckpointStore(run_dir / "checkpoints"), None)
     assert [r is None for r in run.train_rows] == [False, True, True, False, True, False]
     logged = [r.getMessage() for r in caplog.records]
     assert len(logged) == 3 and f"skipping {second} row 0 (dataset row 4)" in logged[2]

@@ -56,6 +56,11 @@ def test_a_budget_set_twice_is_refused(capsys: pytest.CaptureFixture[str]) -> No
     assert "env.kwargs.tool_timeout_s: the run sets this for every env through rollout.tool_timeout_s" in err
 
 
+def test_the_gateway_is_the_jobs_and_not_an_env_argument(capsys: pytest.CaptureFixture[str]) -> None:
+    err = refusal(capsys, "env=agent", "env.kwargs.gateway=http://elsewhere")
+    assert "env.kwargs.gateway: the job gives every env that takes one its gateway" in err
+
+
 def test_an_env_argument_the_env_rejects_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
     err = refusal(capsys, "env=retool", "env.kwargs.split=dev")
     assert "agentrl validate: env.kwargs: env 'retool' rejected its arguments" in err
@@ -129,6 +134,30 @@ def test_trust_remote_code_reaches_the_trainer(monkeypatch: pytest.MonkeyPatch) 
     config.model.trust_remote_code = True
     make_backend(config)
     assert given["trust_remote_code"] is True
+
+
+def test_the_trainer_loads_the_model_directory_it_is_given(monkeypatch: pytest.MonkeyPatch) -> None:
+    from agentrl.trainer import fsdp2
+    from agentrl.trainer.backend import make_backend
+
+    given: list[object] = []
+    monkeypatch.setattr(fsdp2, "FSDP2Backend", lambda *args, **kwargs: given.extend(args))
+    make_backend(AgentRLConfig(), "/resolved/model")
+    assert given[0] == "/resolved/model"
+
+
+def test_exports_carry_the_tokenizer_and_template_the_job_built(assets: Path) -> None:
+    from agentrl.orchestration.build import BUILTIN_TEMPLATES
+    from agentrl.orchestration.trainer_group import export_assets
+
+    tiny = str(assets / "tiny-random-qwen2")
+    job = build_job(load_config(None, ["env=arithmetic", f"model.path={tiny}", "model.chat_template=chatml-tools"]),
+                    "eval")
+    own = job.template.tokenizer.chat_template
+    files = export_assets(job.template, job.model_path)
+    assert files["chat_template.jinja"].decode() == BUILTIN_TEMPLATES["chatml-tools"]
+    assert "tokenizer.json" in files and "config.json" in files
+    assert job.template.tokenizer.chat_template == own  # the run's own tokenizer is left as it was
 
 
 def test_model_dtype_reaches_the_hf_engine(assets: Path) -> None:

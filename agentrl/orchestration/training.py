@@ -1,0 +1,274 @@
+"""A run's books and its steps: what the scheduler calls once everything the run needs is up.
+
+`RunBooks` is made from the `Job` and the run directory before anything starts: the prompt ledger
+(closing the prompts a killed session left in flight), the sampler (its data position restored
+from the checkpoint by `restore`), the infrastructure-failure monitor and the rollout log.
+`TrainingSteps` is made by the `Run` (`driver.py`) from the books and the pieces it started (the
+trainer group, the router, the rollout worker, the metrics logger); it holds the `Scheduler` and
+the hooks it calls: a group's rollout and its verdict, the update, the push of new weights, and
+after each step the metrics, the held-out evaluation and the checkpoint. It starts and closes
+nothing: the `Run` owns every process and connection these hooks use.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from agentrl.envs import Env
+from agentrl.errors import InfraFailureError
+from agentrl.inference.router import Router
+from agentrl.orchestration.build import Job
+from agentrl.orchestration.checkpoints import Checkpoint, CheckpointStore
+from agentrl.orchestration.evaluate import check_infra_failures, evaluate
+from agentrl.orchestration.infra import InfraMonitor
+from agentrl.orchestration.ledger import (
+    LedgerError,
+    PromptLedger,
+    PromptRef,
+    PromptSampler,
+    close_orphans,
+    next_session,
+)
+from agentrl.orchestration.schedule import GroupResult, Scheduler, StepRecord, Verdict, default_classify
+from agentrl.records.metrics import MetricsLogger, episode_metrics, segment_metrics
+from agentrl.records.trajectory_log import RolloutLog
+from agentrl.rollout import RolloutWorker
+from agentrl.rollout.worker import group_seed
+from agentrl.types import final_segments, is_first_segment
+
+__all__ = ["RunBooks", "TrainingSteps", "score_text"]
+
+log = logging.getLogger("agentrl.run")
+
+
+def score_text(result: dict[str, float | None]) -> str:
+    """pass@1 of an evaluation, or why there is none (never a 0 that was not measured)."""
+    value = result.get("pass_at_1")
+    if value is None:
+        return f"not measured ({int(result.get('infra_failed') or 0)} infra-failed episodes)"
+    return f"{value:.3f}"
+
+
+class RunBooks:
+    """What a run accounts for, made before anything starts (see the module docstring)."""
+
+    def __init__(self, job: Job, run_dir: Path, store: CheckpointStore, checkpoint: Checkpoint | None) -> None:
+        config = job.config
+        self.run_dir = run_dir
+        self.store = store
+        self.checkpoint = checkpoint
+        # Indexed by dataset row number (the ledger's indices); None where a malformed row was skipped.
+        self.train_rows = job.train_rows
+        self.val_rows: list[dict[str, Any]] = job.val_rows
+        for note in job.notes:
+            log.warning("%s", note)
+        self.infra = InfraMonitor(config.run.max_infra_failure_rate, config.run.infra_failure_window,
+                                  min_episodes=config.data.prompts_per_step * config.rollout.samples_per_prompt)
+        self.sampler = PromptSampler(len(self.train_rows), seed=config.run.seed, shuffle=config.data.shuffle,
+                                     skip=[s.index for s in job.train_skipped])
+        journal = run_dir / "ledger.jsonl"
+        self.session = next_session(journal)
+        # A session killed outright (SIGKILL, a power cut) left prompts taken and never closed.
+        orphans = close_orphans(journal, f"the run was killed while it was in flight; closed when session "
+                                         f"{self.session} started")
+        if orphans:
+            log.warning("%d prompt(s) were in flight when an earlier session of this run was killed; they are "
+                        "closed as unfinished in ledger.jsonl", orphans)
+        self.ledger = PromptLedger(journal, session=self.session)
+        journal.touch()  # the run's books exist from its start, even if it stops before taking a prompt
+        if checkpoint is None:  # a resumed run has them in its checkpoint's ledger
+            for bad in job.train_skipped:
+                self.ledger.skipped(bad.index, str(bad))
+        self.rollouts = RolloutLog(run_dir, job.template.tokenizer, config.run.keep_rollouts, seed=config.run.seed)
+
+    def restore(self, checkpoint: Checkpoint) -> tuple[int, int, dict[str, float | None]]:
+        """Take the data position and the ledger from `checkpoint`; (steps done, trainer version, the
+        evaluation before the first step)."""
+        state = checkpoint.state  # read and checked before anything started
+        self.sampler.load_state(state["sampler"])
+        self.ledger.load_state(state["ledger"])
+        # Prompts that were in flight at the checkpoint are taken again first. The journal already
+        # holds their fate (what the earlier session did with them, or `unfinished`), so only the
+        # books change here.
+        retries = [
+            self.ledger.unfinished(PromptRef(e.epoch, e.index, e.attempt), "in flight at the checkpoint; "
+                                   "requeued on resume", journal=False)
+            for e in list(self.ledger.entries.values()) if e.status == "in_flight"
+        ]
+        self.sampler.requeue(retries, front=True)
+        return int(state["steps_done"]), int(state["trainer_version"]), state.get("eval_before", {})
+
+
+class TrainingSteps:
+    """The scheduler and its hooks over a started run (see the module docstring)."""
+
+    def __init__(self, job: Job, books: RunBooks, *, trainer: Any, router: Router, worker: RolloutWorker,
+                 logger: MetricsLogger, make_env: Callable[[], Env], start_step: int, version: int,
+                 eval_before: dict[str, float | None]) -> None:
+        config = job.config
+        self.job = job
+        self.config = config
+        self.books = books
+        self.trainer = trainer
+        self.router = router
+        self.worker = worker
+        self.logger = logger
+        self.make_env = make_env
+        self.start_step = start_step
+        self.colocated = job.plan is not None and job.plan.colocated
+        self.eval_before = eval_before
+        self.eval_after: dict[str, float | None] = {}
+        self.steps_done = 0  # after each step, the steps the run has done
+        self.last_saved_step = -1
+        self.last_eval_step = -1
+        self.scheduler = Scheduler(
+            mode=config.run.mode, prompts_per_step=config.data.prompts_per_step, sampler=books.sampler,
+            ledger=books.ledger, rollout=self.rollout, train=self.train, push=self.push,
+            after_step=self.after_step, classify=self.classify, max_staleness=config.run.max_staleness,
+            partial_rollout=config.run.partial_rollout, version=version,
+            max_skipped_steps=config.run.max_skipped_steps,
+        )  # fmt: skip
+
+    async def run(self) -> None:
+        """The held-out evaluation before the first step (of a fresh run), then every step."""
+        if self.books.val_rows and self.start_step == 0:
+            self.eval_before = await self.evaluate(0)
+            self.logger.log_event(0, {k: v for k, v in self.eval_before.items() if v is not None}, "eval")
+        await self.scheduler.run(self.start_step, self.config.run.total_steps)
+
+    # ── pieces the scheduler calls ──────────────────────────────────────────────────────────
+    async def rollout(self, ref: PromptRef) -> list[Any]:
+        if self.router.fatal is not None:  # every server is gone for good: say so, do not fail episodes
+            raise self.router.fatal
+        books = self.books
+        row = books.train_rows[ref.index]
+        if row is None:  # the sampler skips them: a bug in the books, not a fault of the run
+            raise LedgerError(f"the sampler handed out dataset row {ref.index}, which was skipped as malformed")
+        index = ref.epoch * len(books.train_rows) + ref.index
+        seed = group_seed(self.config.run.seed, index * 16 + ref.attempt)
+        group = await self.worker.run_group(row, self.config.rollout.samples_per_prompt, seed=seed, group_id=ref.key)
+        books.infra.record(final_segments(group))  # an agent episode in segments is one episode
+        try:
+            books.infra.check()
+        except InfraFailureError:
+            # The step never reaches after_step: keep its failed episodes for `agentrl view` here.
+            path = books.rollouts.write_stopped(self.steps_done, list(books.infra.window))
+            log.error("the infrastructure-failed episodes that stopped the run are in %s", path)
+            raise
+        return group
+
+    def classify(self, group: GroupResult) -> Verdict:
+        verdict = default_classify(group)
+        if verdict[0] != "ok":
+            return verdict
+        valid = [t for t in group.trajectories if t.trainable]
+        if max(t.prompt_length for t in valid if is_first_segment(t)) > self.config.data.max_prompt_tokens:
+            return "filtered", f"prompt longer than data.max_prompt_tokens={self.config.data.max_prompt_tokens}"
+        if self.config.algorithm.filter_groups and len({float(t.reward or 0.0) for t in valid}) <= 1:
+            return "filtered", "every sample got the same reward (dynamic group filtering)"
+        return "ok", ""
+
+    async def train(self, step: int, groups: list[GroupResult]) -> dict[str, float]:
+        self.books.infra.check()  # a run whose episodes fail for infrastructure reasons stops before training
+        # Infrastructure failures are masked out of the loss: they never reach the trainer at all.
+        trajectories = [t for g in groups for t in g.trajectories if t.trainable]
+        metrics: dict[str, float] = await self.trainer.train(trajectories)
+        if not self.colocated:  # colocated: the engine takes the trainer's tensors at the push, in memory
+            _path, export_s = await self.trainer.export(self.scheduler.trainer_version + 1)
+            metrics["time/export_s"] = export_s
+        return metrics
+
+    async def push(self, version: int) -> None:
+        if self.colocated:
+            await self.trainer.update_engines(version)
+            await self.router.check_health()
+            self.router.set_version(version)
+            return
+        source, token = self.trainer.weight_source(version)
+        reports = await self.router.update_weights(source, version, token=token)
+        done = [r for r in reports.values() if r is not None]
+        each = ", ".join(f"{sid} {r.verified_buckets}/{r.buckets}" if r is not None else f"{sid} (no report)"
+                         for sid, r in reports.items())
+        log.info("weight version %d on %d server(s) from %s: %s bucket(s) verified of %s [%s]", version, len(reports),
+                 source, sum(r.verified_buckets for r in done), sum(r.buckets for r in done), each)
+
+    async def after_step(self, record: StepRecord) -> None:
+        books = self.books
+        step = record.step
+        groups = [final_segments(g.trajectories) for g in record.groups]  # agent episodes in segments count once
+        metrics = episode_metrics(groups, trainer_version=record.trainer_version,
+                                  group_versions=[g.version for g in record.groups])
+        metrics.update(segment_metrics(record.trajectories))
+        metrics.update(record.train_metrics)
+        metrics.update({f"time/{k}": v for k, v in record.timings.items()})
+        metrics["time/weight_sync_s"] = record.timings.get("weight_sync_s", 0.0) + record.train_metrics.get(
+            "time/export_s", 0.0)
+        metrics["policy/version"] = float(self.scheduler.server_version)
+        metrics["batch/groups"] = float(len(record.groups))
+        metrics["batch/discarded_groups"] = float(len(record.discarded))
+        metrics["episodes/infra_rate"] = books.infra.rate
+        metrics["episodes/infra_failed_total"] = float(books.infra.failed)
+        metrics.update({f"ledger/{k}": float(v) for k, v in books.ledger.summary().items()})
+        books.rollouts.write_step(step, record.groups, record.discarded, books.train_rows)  # for `agentrl view`
+        metrics["time/rollout_log_s"] = books.rollouts.last_seconds
+        self.steps_done = step + 1
+        last = step + 1 >= self.config.run.total_steps
+        every = self.config.run.eval_every
+        if books.val_rows and (last or (every and (step + 1) % every == 0)):
+            result = await self.evaluate(step + 1)
+            metrics.update({f"eval/{k}": v for k, v in result.items() if v is not None})  # unmeasured: absent
+            if last:
+                self.eval_after = result
+        self.logger.log(step, metrics)
+        save_every = self.config.run.save_every
+        if last or (save_every and (step + 1) % save_every == 0):
+            await self.save(step)
+        if self.router.fatal is not None:  # every server is gone for good: stop now, the step is saved
+            raise self.router.fatal
+
+    # ── evaluation and checkpoints ──────────────────────────────────────────────────────────
+    async def evaluate(self, after_steps: int) -> dict[str, float | None]:
+        start = time.perf_counter()
+        out = self.books.run_dir / "eval" / f"step-{after_steps:06d}"
+        async with self.scheduler.push_lock:  # the weights must not change under the evaluation
+            report = await evaluate(self.job, self.router, self.books.val_rows, out, make_env=self.make_env)
+        result: dict[str, float | None] = {
+            "pass_at_1": report.pass_at_1, f"pass_at_{report.k}": report.pass_at_k,
+            "mean_reward": report.mean_reward, "tool_calls_per_episode": report.tool_calls_per_episode,
+            "problems": float(report.problems), "infra_failed": float(report.infra_failed_episodes),
+            "policy_version": float(self.scheduler.server_version), "seconds": time.perf_counter() - start,
+        }  # fmt: skip
+        with (self.books.run_dir / "eval.jsonl").open("a") as f:
+            f.write(json.dumps({"step": after_steps, **result}) + "\n")
+        log.info("held-out eval after %d step(s): pass@1 %s on %d problems, %d/%d infra-failed episodes (%.0f s)",
+                 after_steps, score_text(result), report.problems, report.infra_failed_episodes, report.episodes,
+                 result["seconds"])
+        self.last_eval_step = after_steps
+        check_infra_failures(self.config, report, out)  # an unmeasured evaluation stops the run
+        return result
+
+    async def save(self, step: int) -> None:
+        books = self.books
+        start = time.perf_counter()
+        # The data position excludes prompts still in the system; the ledger has them in flight,
+        # and a resume requeues them first.
+        state = {
+            "steps_done": step + 1,
+            "trainer_version": self.scheduler.trainer_version,
+            "sampler": books.sampler.state(),
+            "ledger": books.ledger.state(),
+            "in_system": [[r.epoch, r.index, r.attempt] for r in self.scheduler.in_system()],
+            "eval_before": self.eval_before,
+        }
+
+        async def write_trainer(folder: Path) -> None:
+            await self.trainer.save(str(folder), {"steps_done": step + 1})
+
+        path = await books.store.save(step + 1, write_trainer, state)
+        self.last_saved_step = step
+        log.info("checkpoint %s written (%.1f s)", path, time.perf_counter() - start)
