@@ -25,6 +25,9 @@ runtime-env agents outlive a SIGKILL of the driver), which is why this exists. N
 its process group (`setsid`) on purpose. It is run as a script by path, with `python -I`, and
 imports nothing but the standard library, so it starts in milliseconds under any interpreter.
 This is not `atexit`: it needs no cooperation from the parent, which may be gone.
+
+Layer L0 (DESIGN.md §2): process management only; it imports nothing of agentrl, so it runs as a
+plain script (`python lifeline.py -- command...`) in any environment.
 """
 
 from __future__ import annotations

@@ -4,6 +4,10 @@
 base of tool-using environments, `ExternalAgentEnv` the hook of envs that play their own episodes
 (given the rollout's loop, an `EpisodeLoop`), `check_env` the conformance checker, and `make_env`
 builds an environment by registry name (`"arithmetic"`) or import path (`"my_pkg.envs:MyEnv"`).
+
+Layer L2 (DESIGN.md §2), beside `agentrl.tools` and `agentrl.records`: it may import tools,
+sandboxes, inference clients and the core modules, never rollout, the gateway, the trainer,
+orchestration or the viewer, and never torch.
 """
 
 if __name__ != "agentrl.envs":

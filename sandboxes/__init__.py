@@ -4,6 +4,9 @@ The contract lives in `agentrl.sandboxes.protocol` (`Sandbox`, `SandboxSession`,
 backends register by name in `agentrl.registry.SANDBOXES` and are imported only when used:
 `local` (bubblewrap, the default), `docker`, and `remote` (HTTP; served by `agentrl sandbox serve`,
 see `agentrl.sandboxes.server`, or any SandboxFusion server).
+
+Layer L1 (DESIGN.md §2), beside `agentrl.inference`: it imports only the core modules of L0 and
+never torch.
 """
 
 if __name__ != "agentrl.sandboxes":

@@ -2,6 +2,9 @@
 
 `Tool` is the base class, `@tool` turns a typed function into one, `ToolContext` is what a call
 knows of its episode, and `make_tool` builds a tool by registry name or import path.
+
+Layer L2 (DESIGN.md §2), beside `agentrl.envs`: it may import sandboxes and the core modules,
+never rollout, the gateway, the trainer, orchestration or the viewer, and never torch.
 """
 
 if __name__ != "agentrl.tools":

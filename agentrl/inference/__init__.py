@@ -13,6 +13,10 @@
 
 Names load on first use: importing this package imports neither torch nor any engine. The server
 modules (`hf_server`, `vllm_server`) run in their own processes and are never imported here.
+
+Layer L1 (DESIGN.md §2): it may import `agentrl.weights` (servers receive pushed weights through
+it) and the core modules of L0, never sandboxes, envs, tools, rollout, the gateway, the trainer,
+orchestration or the viewer.
 """
 
 from __future__ import annotations

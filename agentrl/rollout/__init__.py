@@ -4,6 +4,10 @@
 its `Trajectory` (the token ledger); `RolloutWorker` runs groups of episodes concurrently.
 `GenerateClient` (what the loop generates with) lives in `agentrl.types` and `ExternalAgentEnv`
 (the hook of envs that play their own episodes) in `agentrl.envs`; both are re-exported here.
+
+Layer L3 (DESIGN.md §2), beside `agentrl.gateway`: it may import envs, tools, inference,
+sandboxes and the core modules, never the gateway, the trainer, orchestration or the viewer, and
+never torch.
 """
 
 from agentrl.envs import ExternalAgentEnv

@@ -8,6 +8,10 @@ FSDP2 backend and `megatron` the Megatron-core one (each imported on first use, 
 loop's hooks); `step.train_step` is one RL step for any backend;
 `distributed` joins or spawns ranks.
 This package imports torch, so nothing below the trainer layer may import it.
+
+Layer L4 (DESIGN.md §2): it sees `Trajectory` batches only. It may import `agentrl.weights` and
+the core modules, never rollout, the gateway, envs, tools or orchestration (an import contract
+in pyproject.toml checks it).
 """
 
 from typing import Any

@@ -5,6 +5,9 @@ Bucketing and checksums live in `buckets`, the double-buffered send/receive pipe
 and `http`, what a server calls to receive (`receive_weights(source, ...)`, a verified
 `WeightStream`) in `sources`, and `load_into_module` (apply received weights to a torch module) in
 `loading`. This package imports torch; of the layers below L4 only the server processes import it.
+
+Layer L0' (DESIGN.md §2), below inference: the trainer sends through it and the servers receive
+through it, so both ends verify the same checksums. It imports only the core modules of L0.
 """
 
 from __future__ import annotations
