@@ -98,3 +98,21 @@ def test_the_viewer_loads_no_model_server_or_trainer_code() -> None:
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
+
+
+def test_the_readme_layout_names_every_package_and_each_says_its_layer() -> None:
+    import ast
+
+    readme = (REPO / "README.md").read_text()
+    table = readme.split("\n## Layout\n", 1)[1].split("\n## ", 1)[0]
+    packages = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]
+    missing = [p for p in packages if p != "agentrl" and f"`{p}`" not in table]
+    assert not missing, f"README's layout table does not name {missing}"
+    assert "`lifeline`" in table  # a module, not a package, but its own process-management layer
+    folders = {"agentrl.envs": "envs", "agentrl.tools": "tools", "agentrl.sandboxes": "sandboxes"}
+    for package in packages:
+        if package in ("agentrl", "agentrl.configs"):
+            continue
+        folder = folders.get(package, package.replace(".", "/"))
+        doc = ast.get_docstring(ast.parse((REPO / folder / "__init__.py").read_text())) or ""
+        assert "Layer L" in doc, f"{folder}/__init__.py's docstring does not say which layer it sits in"
