@@ -252,7 +252,7 @@ class ColocatedTrainerWorker:
         cfg = self.trainer.config
         inf = cfg.inference
         engine = InProcessVLLM(
-            cfg.model.path, max_model_len=inf.max_model_len, kv_cache_bytes=int(inf.cpu_kv_cache_gb * 2**30),
+            self.trainer.model_path, max_model_len=inf.max_model_len, kv_cache_bytes=int(inf.cpu_kv_cache_gb * 2**30),
             prefix_caching=inf.prefix_caching, enforce_eager=inf.enforce_eager, dtype=cfg.model.dtype,
             seed=cfg.run.seed, gpu_memory_utilization=inf.gpu_memory_utilization,
             trust_remote_code=cfg.model.trust_remote_code,

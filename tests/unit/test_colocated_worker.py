@@ -108,3 +108,31 @@ def test_save_keeps_the_trainer_version_and_the_rest_delegates() -> None:
     assert asyncio.run(worker.weight_endpoint())["location"] == "/w"
     assert [c[:2] for c in trainer.calls] == [("save", 4), ("load", {"a": b"x"}), ("export", 5)]
     assert all(c[2] != threading.main_thread().name for c in trainer.calls)
+
+
+def test_the_engine_loads_the_resolved_model_the_trainer_loads(monkeypatch) -> None:
+    """The config keeps the name the user gave (`smollm2-135m-instruct`); the engine must get the
+    directory it was resolved to, as the trainer does, or it looks the name up on a model hub."""
+    import agentrl.inference.colocated as colocated
+    import agentrl.orchestration.trainer_group as trainer_group
+    from agentrl.config import load_config
+
+    config = load_config(None, ["model.path=smollm2-135m-instruct", "inference.max_model_len=256"])
+    built: dict[str, Any] = {}
+
+    class Trainer:
+        def __init__(self, cfg: dict[str, Any], model_path: str, weights_dir: str, **kwargs: Any) -> None:
+            self.config, self.model_path, self.rank = config, model_path, 0
+
+    class Engine:
+        def __init__(self, model_path: str, **kwargs: Any) -> None:
+            built["model_path"], built["max_model_len"] = model_path, kwargs["max_model_len"]
+
+        def start_blocking(self) -> None:
+            built["started"] = True
+
+    monkeypatch.setattr(trainer_group, "TrainerWorker", Trainer)
+    monkeypatch.setattr(colocated, "InProcessVLLM", Engine)
+    monkeypatch.setattr(colocated, "ColocatedServer", lambda engine: FakeServer())
+    ColocatedTrainerWorker(config.model_dump(), "/models/smollm2-resolved", "/w")
+    assert built == {"model_path": "/models/smollm2-resolved", "max_model_len": 256, "started": True}
