@@ -318,6 +318,7 @@ class Run:
             await steps.push(version)
         return steps
 
+
 def run_training(config: AgentRLConfig) -> RunResult:
     """`agentrl run`: train `config` end to end (see the module docstring); return what happened.
 
