@@ -179,6 +179,30 @@ def test_the_agent_loop_masks_an_infra_failed_episode(assets: Path) -> None:
     assert "died before grading" in (traj.error or "")
 
 
+def test_a_test_command_that_cannot_start_is_infra_and_swe_check_names_it() -> None:
+    import dataclasses
+
+    from agentrl.envs.swe_check import check_instances
+    from agentrl.errors import GradingError
+    from agentrl.sandboxes.local import LocalSandbox
+
+    broken = dataclasses.replace(SLUG, test_cmd="no-such-test-runner -rA {tests}")
+    env = SweEnv()
+
+    async def body():  # type: ignore[no-untyped-def]
+        with pytest.raises(GradingError, match="could not start") as info:
+            await play(env, broken, reference_fix_actions(broken))
+        sandbox = LocalSandbox()
+        try:
+            return info.value.cause, await check_instances([broken], sandbox)
+        finally:
+            await sandbox.close()
+
+    cause, (checked,) = run(body, env)
+    assert cause == checked.problem == "the test command could not start"
+    assert "no-such-test-runner" in checked.detail and not checked.ok
+
+
 def test_budgets_end_the_episode_and_grade_it() -> None:
     fix = reference_fix_actions(TASKS["pager__page-count-remainder"])[0]
     look = call("bash", command="cat pager/pages.py")
