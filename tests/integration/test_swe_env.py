@@ -317,6 +317,34 @@ def test_agentrl_eval_reports_the_resolved_rate(assets: Path, tmp_path: Path, fi
     assert json.loads((tmp_path / "report.json").read_text())["resolved_rate"] == report.resolved_rate
 
 
+@pytest.mark.parametrize("fix", [True, False])
+def test_agentrl_eval_keeps_each_verdict_and_writes_swe_bench_predictions(assets: Path, tmp_path: Path,
+                                                                         fix: bool) -> None:
+    from agentrl.chat import ChatTemplate
+    from agentrl.config import load_config
+    from agentrl.orchestration.evaluate import run_eval
+    from agentrl.records.trajectory_log import read_trajectory_file
+
+    model = assets / "qwen2.5-0.5b-instruct"
+    config = load_config(overrides=["env=swe", f"model.path={model}", "eval.max_rows=3",
+                                    f"eval.output_dir={tmp_path}", "rollout.max_tokens_per_turn=1024"])
+    run_eval(config, client=_ScriptedModel(ChatTemplate.from_pretrained(model).tokenizer, fix))
+    records = read_trajectory_file(tmp_path / "trajectories.jsonl")
+    verdicts = {r["info"]["swe"]["instance_id"]: r["info"]["swe"] for r in records}
+    assert len(records) == len(verdicts) == 3
+    for iid, verdict in verdicts.items():
+        task = TASKS[iid]
+        assert set(verdict["statuses"]) == set(task.tests)
+        failing = {t for t, s in verdict["statuses"].items() if s != "PASSED"}
+        assert failing == (set() if fix else set(task.fail_to_pass))
+        assert verdict["resolved"] is fix and verdict["model_patch"].startswith("diff --git") is fix
+    predictions = [json.loads(line) for line in (tmp_path / "predictions.jsonl").read_text().splitlines()]
+    assert {p["instance_id"] for p in predictions} == set(verdicts)
+    for p in predictions:
+        assert set(p) == {"instance_id", "model_name_or_path", "model_patch"}
+        assert p["model_name_or_path"] == str(model) and p["model_patch"] == verdicts[p["instance_id"]]["model_patch"]
+
+
 def test_the_runs_one_sandbox_reaches_every_env_it_builds(assets: Path) -> None:
     from agentrl.config import load_config
     from agentrl.orchestration.build import build_job
