@@ -299,29 +299,30 @@ async def _check_run(session: Any, task: SweTask, result: ExecResult, reported: 
     """
     iid = task.instance_id
     if result.killed_reason == "closed":
-        raise GradingError(f"The sandbox session of {iid} was closed while its hidden tests ran; the episode "
-                           "is not scored.", SANDBOX_KILLED)
+        raise GradingError(f"The sandbox was killed during grading: the session of {iid} was closed while its "
+                           "hidden tests ran; the episode is not scored.", SANDBOX_KILLED)
     troubled = (result.timed_out or result.killed_reason is not None or result.exit_code is None
                 or not 0 <= result.exit_code < 126 or reported < len(task.tests))
     if troubled and not await _answers(session):
         raise GradingError(
-            f"The sandbox of {iid} was killed or stopped answering while its hidden tests ran ({_how(result)}); "
-            "the episode is not scored. Check the sandbox backend (for docker: the daemon's log, OOM kills, "
-            "`docker kill`).", SANDBOX_KILLED)
+            f"The sandbox was killed during grading: the sandbox of {iid} stopped answering after its hidden tests "
+            f"ran ({_how(result)}); the episode is not scored. Check the sandbox backend (for docker: the daemon's "
+            "log, OOM kills, `docker kill`).", SANDBOX_KILLED)
     if result.exit_code is None and not result.timed_out and result.killed_reason is None:
-        raise GradingError(f"The sandbox gave no exit status for the hidden tests of {iid}; the episode is not "
-                           "scored.", SANDBOX_KILLED)
+        raise GradingError(f"The sandbox was killed during grading: it gave no exit status for the hidden tests "
+                           f"of {iid}; the episode is not scored.", SANDBOX_KILLED)
     if reported:
         return
     if _sigkilled(result):
         raise GradingError(
-            f"The {what} of {iid} was {_how(result)} before any of its tests reported; the episode is not scored. "
-            "If the tests need more memory, raise the sandbox's memory limit.", TEST_RUN_KILLED)
+            f"The test run was killed during grading: the {what} of {iid} was {_how(result)} before any of its "
+            "tests reported; the episode is not scored. If the tests need more memory, raise the sandbox's memory "
+            "limit.", TEST_RUN_KILLED)
     if not _STARTED.search(log) and (result.exit_code in (126, 127) or _NOT_FOUND.search(log)):
         tail = log.strip()[-300:]
         raise GradingError(
-            f"The {what} of {iid} could not start in its sandbox (exit {result.exit_code}): {tail!r}. "
-            "Check the instance's test_cmd and env_setup against its image (`agentrl swe check`).",
+            f"The test command could not start: the {what} of {iid} exited {result.exit_code} in its sandbox: "
+            f"{tail!r}. Check the instance's test_cmd and env_setup against its image (`agentrl swe check`).",
             TEST_CMD_NOT_STARTED)
 
 
@@ -391,11 +392,12 @@ async def grade(
                                 timeout_s=timeout_s)
     if (result.timed_out or result.killed_reason is not None) and not await _answers(session):
         raise GradingError(
-            f"The sandbox of {task.instance_id} was killed or stopped answering while its hidden tests ran "
-            f"({_how(result)}); the episode is not scored.", SANDBOX_KILLED)
+            f"The sandbox was killed during grading: the sandbox of {task.instance_id} stopped answering after its "
+            f"hidden tests ran ({_how(result)}); the episode is not scored.", SANDBOX_KILLED)
     if result.timed_out:
         raise GradingError(
-            f"The hidden tests of {task.instance_id} did not finish within {timeout_s:g} s although each test "
+            f"The hidden tests ran past their deadline: those of {task.instance_id} did not finish within "
+            f"{timeout_s:g} s although each test "
             f"stops at {per_test_timeout_s:g} s: the sandbox is too slow or wedged. Raise test_timeout_s "
             "or give the sandbox more CPU.", TESTS_TIMED_OUT)
     try:
@@ -413,8 +415,8 @@ async def grade(
             continue  # a torn last line when the runner was killed mid-write
     if not statuses and result.exit_code in (126, 127):
         raise GradingError(
-            f"The test runner of {task.instance_id} could not start in the sandbox (exit {result.exit_code}): "
-            f"{result.stderr.strip()[-300:]!r}. The sandbox needs a `python3` or `python` on PATH.",
+            f"The test command could not start: agentrl's test runner for {task.instance_id} exited "
+            f"{result.exit_code}: {result.stderr.strip()[-300:]!r}. The sandbox needs a `python3` or `python` on PATH.",
             TEST_CMD_NOT_STARTED)
     await _check_run(session, task, result, sum(t in statuses for t in task.tests),
                      result.stdout + "\n" + result.stderr, "test runner")

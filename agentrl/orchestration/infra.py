@@ -23,10 +23,10 @@ __all__ = ["InfraMonitor", "describe_infra_failures", "fix_for"]
 
 # What to do about the commonest causes, found by what their error text says.
 _FIXES: tuple[tuple[str, str], ...] = (
-    (r"test command of .* could not start|test runner of .* could not start",
+    (r"test command could not start",
      "an SWE instance's test command does not run in its sandbox (a missing runner or conda env): run "
      "'agentrl swe check' on the instances to list the broken ones"),
-    (r"killed or stopped answering while its hidden tests ran|before any of its tests reported",
+    (r"killed during grading",
      "the sandbox or the test run was killed while grading (docker kill, a daemon restart, the memory "
      "limit): see the daemon's log, or raise the sandbox's memory limit"),
     (r"bubblewrap|bwrap", "install bubblewrap ('bash scripts/install.sh' does, or 'apt-get install "

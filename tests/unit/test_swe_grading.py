@@ -21,6 +21,7 @@ from agentrl.envs.swe_grading import (
 )
 from agentrl.envs.swe_tasks import SweTask
 from agentrl.errors import GradingError, SandboxError
+from agentrl.orchestration.infra import fix_for
 from agentrl.types import ExecResult
 
 F2P, P2P = "tests/test_a.py::test_fixed", "tests/test_a.py::test_kept"
@@ -69,6 +70,7 @@ def raises_cause(cause: str, match: str) -> Callable[[Callable[[], object]], Gra
         with pytest.raises(GradingError, match=match) as info:
             fn()
         assert info.value.cause == cause
+        assert str(info.value).lower().startswith(cause + ":")  # the trajectory's error names the cause first
         assert isinstance(info.value, SandboxError)  # what the AgentLoop records as fault "infra"
         return info.value
     return check
@@ -76,8 +78,9 @@ def raises_cause(cause: str, match: str) -> Callable[[Callable[[], object]], Gra
 
 def test_a_sandbox_killed_during_the_tests_is_an_infrastructure_failure_not_a_zero() -> None:
     killed = ExecResult("", "", -9, killed_reason="signal")  # `docker kill`: exit 137, reported as -9
-    raises_cause(SANDBOX_KILLED, "killed or stopped answering")(lambda: run_grade(killed, dies=True))
-    raises_cause(SANDBOX_KILLED, "closed")(lambda: run_grade(ExecResult("", "", None, killed_reason="closed")))
+    err = raises_cause(SANDBOX_KILLED, "stopped answering")(lambda: run_grade(killed, dies=True))
+    assert "docker kill" in fix_for(str(err))
+    raises_cause(SANDBOX_KILLED, "was closed")(lambda: run_grade(ExecResult("", "", None, killed_reason="closed")))
 
 
 def test_a_test_run_oom_killed_before_any_test_reported_is_infra_but_after_it_is_scored() -> None:
@@ -101,6 +104,7 @@ def test_a_test_run_oom_killed_before_any_test_reported_is_infra_but_after_it_is
 def test_a_test_command_that_cannot_start_is_an_infrastructure_failure(exit_code: int, stderr: str) -> None:
     err = raises_cause(TEST_CMD_NOT_STARTED, "could not start")(lambda: run_grade(ExecResult("", stderr, exit_code)))
     assert stderr.strip()[-40:] in str(err)
+    assert "agentrl swe check" in fix_for(str(err))  # what a run that stops on it tells the user to do
 
 
 def test_genuine_test_failures_still_score_zero() -> None:
@@ -127,5 +131,5 @@ def test_a_missing_module_inside_the_tests_is_the_agents_failure() -> None:
 
 def test_agentrl_runner_in_a_killed_sandbox_is_infra() -> None:
     killed = ExecResult("", "", -9, killed_reason="signal")
-    raises_cause(SANDBOX_KILLED, "killed or stopped answering")(lambda: run_grade(killed, dies=True, test_cmd=None))
+    raises_cause(SANDBOX_KILLED, "stopped answering")(lambda: run_grade(killed, dies=True, test_cmd=None))
     raises_cause(TEST_RUN_KILLED, "SIGKILL")(lambda: run_grade(killed, test_cmd=None))
