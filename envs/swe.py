@@ -19,12 +19,14 @@ it (`agentrl.envs.swe_grading`), under a deadline of their own (`test_timeout_s`
 for copying files in and reading the diff): the reward is 1.0 when every FAIL_TO_PASS and
 PASS_TO_PASS test passes, else 0.0; with `partial_credit` the fraction of FAIL_TO_PASS tests that
 pass, as long as no PASS_TO_PASS test broke. The final step's `info["swe"]` holds every test's
-status and the agent's diff; `info["metrics"]["resolved"]` feeds `agentrl eval`'s resolved rate.
+status and the agent's diff (`model_patch`); the class names it in `recorded_info`, so it reaches
+`trajectory.info["swe"]` and trajectory files, and `agentrl eval` turns the diffs into a SWE-bench
+`predictions.jsonl` (`swe_predictions`). `info["metrics"]["resolved"]` feeds the resolved rate.
 
-Infrastructure failures (the session died, the sandbox stopped answering, the image is missing,
-grading ran past its deadline, the tests could not run through no fault of the agent) raise
-`SandboxError` instead of scoring 0: the AgentLoop records the episode as fault "infra" and the
-trainer masks it. The session is closed when the episode ends, whatever happened. Instances come
+Infrastructure failures (the session died, the sandbox stopped answering or was killed while the
+tests ran, the image is missing, grading ran past its deadline, the test command could not start)
+raise `SandboxError` (`GradingError`, with its cause, from grading) instead of scoring 0: the
+AgentLoop records the episode as fault "infra" and the trainer masks it. The session is closed when the episode ends, whatever happened. Instances come
 from the shipped task set (`agentrl.envs.swe_tasks.shipped_tasks`), from `tasks=` (a file in any
 supported format), or from dataset rows.
 """
