@@ -365,3 +365,19 @@ def test_the_runs_one_sandbox_reaches_every_env_it_builds(assets: Path) -> None:
             await job.aclose()  # the job closes the run's sandbox, never the env
 
     assert run(body, second)[0] == 1.0
+
+
+def test_the_agent_loop_masks_an_episode_whose_test_command_cannot_start(assets: Path) -> None:
+    import dataclasses
+
+    from agentrl.chat import ChatTemplate
+    from agentrl.rollout import AgentLoop
+    from agentrl.tools.parsers import HermesParser
+
+    template = ChatTemplate.from_pretrained(assets / "qwen2.5-0.5b-instruct")
+    broken = dataclasses.replace(SLUG, test_cmd="no-such-test-runner -rA {tests}")
+    env = SweEnv()
+    loop = AgentLoop(_ScriptedModel(template.tokenizer, fix=False), template, HermesParser())
+    traj = run(lambda: loop.run_episode(env, row=task_row(broken)), env)
+    assert (traj.finish_reason, traj.fault, traj.trainable, traj.reward) == (FinishReason.ERROR, "infra", False, 0.0)
+    assert "The test command could not start" in (traj.error or "") and "swe" not in traj.info
