@@ -17,7 +17,8 @@ This module holds no logic beyond the classes; it is imported by everything and 
     ├── ChatTemplateError            a chat template cannot render the messages it was given
     ├── SandboxError                 a sandbox backend cannot do what was asked
     │   ├── SandboxUnavailableError  the isolation tools it needs are missing
-    │   └── SandboxClosedError       the session was already closed
+    │   ├── SandboxClosedError       the session was already closed
+    │   └── GradingError             hidden tests could not be run or judged; `cause` names why
     ├── InferenceError               an LLM server or the router failed
     │   ├── ServerUnavailableError   no healthy server answered in time
     │   └── InferenceRequestError    a server refused one request (HTTP 4xx: too long, bad parameters)
@@ -42,6 +43,7 @@ __all__ = [
     "EnvContractError",
     "EnvError",
     "FeatureUnavailableError",
+    "GradingError",
     "InferenceError",
     "InferenceRequestError",
     "InfraFailureError",
@@ -128,6 +130,16 @@ class SandboxUnavailableError(SandboxError):
 
 class SandboxClosedError(SandboxError):
     """An operation was attempted on a sandbox session that is already closed."""
+
+
+class GradingError(SandboxError):
+    """Hidden tests could not be run or judged through no fault of the agent (an infrastructure
+    failure: the episode is masked, not scored). `cause` is a short, fixed phrase naming why (e.g.
+    "the test command could not start"), so reports can count causes; the message adds the details."""
+
+    def __init__(self, message: str, cause: str) -> None:
+        super().__init__(message)
+        self.cause = cause
 
 
 class InferenceError(AgentRLError):

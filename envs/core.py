@@ -113,6 +113,11 @@ class Env(gymnasium.Env[list, Action]):
     reports_resolved: ClassVar[bool] = False
     """True when the env's episodes report `info["metrics"]["resolved"]` (SWE-style: the task's
     hidden tests pass); `agentrl eval` then reports a resolved rate."""
+    recorded_info: ClassVar[tuple[str, ...]] = ()
+    """Keys of the episode's last info (its final `step`'s, merged with `atruncate`'s) that the
+    AgentLoop copies into `trajectory.info`, so they reach trajectory files (`agentrl eval`'s
+    trajectories.jsonl, a run's rollouts) and the viewer. Their values must be JSON-serialisable.
+    Of other keys only `info["metrics"]` numbers and `truncated_by` reach the trajectory."""
 
     @classmethod
     def dataset_rows(cls, split: str) -> list[dict[str, Any]] | None:

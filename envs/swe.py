@@ -19,12 +19,14 @@ it (`agentrl.envs.swe_grading`), under a deadline of their own (`test_timeout_s`
 for copying files in and reading the diff): the reward is 1.0 when every FAIL_TO_PASS and
 PASS_TO_PASS test passes, else 0.0; with `partial_credit` the fraction of FAIL_TO_PASS tests that
 pass, as long as no PASS_TO_PASS test broke. The final step's `info["swe"]` holds every test's
-status and the agent's diff; `info["metrics"]["resolved"]` feeds `agentrl eval`'s resolved rate.
+status and the agent's diff (`model_patch`); the class names it in `recorded_info`, so it reaches
+`trajectory.info["swe"]` and trajectory files, and `agentrl eval` turns the diffs into a SWE-bench
+`predictions.jsonl` (`swe_predictions`). `info["metrics"]["resolved"]` feeds the resolved rate.
 
-Infrastructure failures (the session died, the sandbox stopped answering, the image is missing,
-grading ran past its deadline, the tests could not run through no fault of the agent) raise
-`SandboxError` instead of scoring 0: the AgentLoop records the episode as fault "infra" and the
-trainer masks it. The session is closed when the episode ends, whatever happened. Instances come
+Infrastructure failures (the session died, the sandbox stopped answering or was killed while the
+tests ran, the image is missing, grading ran past its deadline, the test command could not start)
+raise `SandboxError` (`GradingError`, with its cause, from grading) instead of scoring 0: the
+AgentLoop records the episode as fault "infra" and the trainer masks it. The session is closed when the episode ends, whatever happened. Instances come
 from the shipped task set (`agentrl.envs.swe_tasks.shipped_tasks`), from `tasks=` (a file in any
 supported format), or from dataset rows.
 """
@@ -36,7 +38,7 @@ import inspect
 import math
 import shlex
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from agentrl.envs.patches import apply_patch, parse_patch
@@ -47,9 +49,9 @@ from agentrl.errors import ConfigError, SandboxError
 from agentrl.tools.bash import BashTool
 from agentrl.tools.core import ToolContext, tool
 from agentrl.tools.editor import EditorTool
-from agentrl.types import Action, ExecResult, Message, ToolCall
+from agentrl.types import Action, ExecResult, Message, ToolCall, Trajectory
 
-__all__ = ["SYSTEM_PROMPT", "SweEnv", "approx_tokens", "reference_fix_actions", "submit_changes"]
+__all__ = ["SYSTEM_PROMPT", "SweEnv", "approx_tokens", "reference_fix_actions", "submit_changes", "swe_predictions"]
 
 SYSTEM_PROMPT = (
     "You are a software engineer fixing an issue in a Python repository. The repository is your "
@@ -124,6 +126,27 @@ def reference_fix_actions(task: SweTask) -> list[Action]:
     return [*turns, Action("The fix is in place.", (submit,))]
 
 
+def swe_predictions(groups: Iterable[Sequence[Trajectory]], model: str) -> list[dict[str, str]]:
+    """Predictions in the SWE-bench harness format (`instance_id`, `model_name_or_path`, `model_patch`).
+
+    One per instance, from its first graded episode that did not fail for infrastructure reasons
+    (the diff in `trajectory.info["swe"]`); an instance with no such episode is left out, which the
+    harness counts as unresolved. `agentrl eval` writes them to `predictions.jsonl`.
+    """
+    out: dict[str, dict[str, str]] = {}
+    for group in groups:
+        for t in group:
+            verdict = t.info.get("swe")
+            if not t.trainable or not isinstance(verdict, dict) or not verdict.get("instance_id"):
+                continue
+            iid = str(verdict["instance_id"])
+            if iid not in out:
+                out[iid] = {"instance_id": iid, "model_name_or_path": model,
+                            "model_patch": str(verdict.get("model_patch") or "")}
+            break
+    return list(out.values())
+
+
 class _SetupShell:
     """A session whose shell commands first run the instance's `env_setup` (e.g. activating its conda env)."""
 
@@ -189,6 +212,9 @@ class SweEnv(ToolEnv):
     score_truncated = True
     reports_resolved = True
     """`agentrl eval` reports a resolved rate for this env (episodes it never graded count as unresolved)."""
+    recorded_info = ("swe",)
+    """The verdict (`info["swe"]`: per-test statuses, counts, note, instance id, the agent's diff as
+    `model_patch`) reaches `trajectory.info["swe"]`, so trajectory files keep it."""
     no_tool_call_message = (
         "You did not call a tool. Keep working with `bash` and `str_replace_editor`, "
         "and call `submit` when the issue is fixed."

@@ -10,7 +10,11 @@ when the fix resolves it and the unchanged repository does not. Otherwise the re
 - `fix does not apply`: the reference fix does not apply to the repository in the image;
 - `fix does not resolve`: some FAIL_TO_PASS or PASS_TO_PASS test fails with the fix (listed);
 - `resolved without a fix`: the FAIL_TO_PASS tests already pass (the instance tests nothing);
-- `infrastructure error`: the sandbox failed (the message says how).
+- `the test command could not start`: the instance's test command (or its env_setup) does not run
+  in its image (`pytest: not found`, a missing conda env): the instance, not the fix, is broken;
+- `the sandbox was killed during grading` / `the test run was killed during grading`: the container
+  died, or the tests were SIGKILLed or hit the memory limit, before they reported;
+- `infrastructure error`: the sandbox failed otherwise (the message says how).
 
 Instances are checked `concurrency` at a time. `check_tasks` builds the sandbox backend by name and
 returns one `CheckResult` per instance; the command prints them, optionally writes them as JSON,
@@ -29,7 +33,7 @@ from typing import Any
 from agentrl.envs.patches import PatchError
 from agentrl.envs.swe import SweEnv
 from agentrl.envs.swe_tasks import SweTask, task_row
-from agentrl.errors import AgentRLError, SandboxUnavailableError
+from agentrl.errors import AgentRLError, GradingError, SandboxUnavailableError
 from agentrl.types import Action, ToolCall
 
 __all__ = ["CheckResult", "check_instances", "check_tasks"]
@@ -88,6 +92,8 @@ async def _check_one(sandbox: Any, task: SweTask, test_timeout_s: float) -> Chec
         result.problem, result.detail = "image missing", str(exc)
     except PatchError as exc:
         result.problem, result.detail = "fix does not apply", str(exc)
+    except GradingError as exc:
+        result.problem, result.detail = exc.cause, str(exc)
     except (AgentRLError, OSError) as exc:
         result.problem, result.detail = "infrastructure error", f"{type(exc).__name__}: {exc}"
     result.seconds = time.monotonic() - start

@@ -11,11 +11,18 @@ fails alone) or with the instance's `test_cmd`, whose log is read by the instanc
 `bin/test`, R2E-Gym's test names). A test that does not report PASSED fails.
 
 Whose fault: the agent's code failing, hanging past its per-test limit, crashing the runner or
-filling the disk is a failed test (reward 0). The session dying, the sandbox not answering, the
-test runner not starting, or the whole run passing its deadline although each test has its own
-limit, are infrastructure failures: `grade` raises `SandboxError`, which the AgentLoop records as
-fault "infra" so the trainer masks the episode. With a custom `test_cmd` (no per-test limit) a run
-past the deadline in a sandbox that still answers counts as the agent's failure, as in SWE-bench.
+filling the disk is a failed test (reward 0). These are infrastructure failures, for either runner:
+the session dying or the sandbox not answering after the run (`docker kill`, a daemon restart: "the
+sandbox was killed during grading"); the run killed by SIGKILL or the memory limit before any of
+the instance's tests reported (an OOM kill: "the test run was killed during grading"); the test
+command not starting (exit 126/127, or none of the tests reported and the log has a shell's "not
+found" / "No such file or directory", `python: No module named pytest` or a missing conda env,
+before any runner banner: "the test command could not start"); and agentrl's runner passing its
+deadline although each test has its own limit. `grade` then raises `GradingError` (a
+`SandboxError`) whose `cause` is that phrase; the AgentLoop records the episode as fault "infra"
+with the message as its error, so the trainer masks it and `agentrl eval` counts it, and `agentrl
+swe check` reports the cause. With a custom `test_cmd` (no per-test limit) a run past the deadline
+in a sandbox that still answers counts as the agent's failure, as in SWE-bench.
 
 Not a defence against reward hacking by code in the test process itself (it shares the runner's
 interpreter and could forge results); the hidden tests are kept from the agent, not from its code.
@@ -32,10 +39,29 @@ from typing import Any
 
 from agentrl.envs.patches import apply_patch, parse_patch
 from agentrl.envs.swe_tasks import SweTask
-from agentrl.errors import SandboxError
+from agentrl.errors import GradingError, SandboxError
+from agentrl.types import ExecResult
 
-__all__ = ["LOG_PARSERS", "RUNNER", "Grade", "grade", "parse_django_log", "parse_pytest_log", "parse_r2e_log",
-           "parse_sympy_log", "pristine_test_files"]
+__all__ = [
+    "LOG_PARSERS",
+    "RUNNER",
+    "SANDBOX_KILLED",
+    "TESTS_TIMED_OUT",
+    "TEST_CMD_NOT_STARTED",
+    "TEST_RUN_KILLED",
+    "Grade",
+    "grade",
+    "parse_django_log",
+    "parse_pytest_log",
+    "parse_r2e_log",
+    "parse_sympy_log",
+    "pristine_test_files",
+]
+
+SANDBOX_KILLED = "the sandbox was killed during grading"
+TEST_RUN_KILLED = "the test run was killed during grading"
+TEST_CMD_NOT_STARTED = "the test command could not start"
+TESTS_TIMED_OUT = "the hidden tests ran past their deadline"
 
 PASSED = "PASSED"
 
@@ -233,10 +259,71 @@ async def pristine_test_files(session: Any, task: SweTask) -> dict[str, str | No
 
 async def _answers(session: Any) -> bool:
     try:
+        if not await session.is_alive():
+            return False
         probe = await session.exec("true", timeout_s=15)
     except SandboxError:
         return False
     return probe.exit_code == 0 and probe.killed_reason is None
+
+
+# A shell, `python -m` or conda saying the runner itself is missing (not a test's own error text).
+_NOT_FOUND = re.compile(
+    r"^(?:\S+: )?(?:line \d+: |\d+: )?\S+: (?:command )?not found$"
+    r"|^(?:\S+: )?(?:line \d+: |\d+: )?\S+: No such file or directory$"
+    r"|^\S*python[\d.]*: (?:can't open file .*No such file or directory|No module named \S+)$"
+    r"|EnvironmentNameNotFound|Could not find conda environment|^(?:\S+: )?(?:line \d+: |\d+: )?\S+: Permission denied$",
+    re.M,
+)
+# Banners a test runner prints once it runs (pytest, unittest / Django, sympy): it started.
+_STARTED = re.compile(r"test session starts|^Ran \d+ tests? in |^Testing against Django|test process starts", re.M)
+
+
+def _sigkilled(result: ExecResult) -> bool:
+    return result.killed_reason == "memory" or (result.killed_reason in (None, "signal")
+                                                 and result.exit_code in (-9, 137))
+
+
+def _how(result: ExecResult) -> str:
+    if result.killed_reason == "memory":
+        return "killed at the sandbox's memory limit"
+    if result.exit_code in (-9, 137):
+        return "killed by SIGKILL"
+    return result.killed_reason or f"exit code {result.exit_code}"
+
+
+async def _check_run(session: Any, task: SweTask, result: ExecResult, reported: int, log: str, what: str) -> None:
+    """Raise `GradingError` when the test run failed for a reason that is not the agent's (see the module doc).
+
+    `reported`: how many of the task's tests have a status; `log`: what the run printed.
+    """
+    iid = task.instance_id
+    if result.killed_reason == "closed":
+        raise GradingError(f"The sandbox was killed during grading: the session of {iid} was closed while its "
+                           "hidden tests ran; the episode is not scored.", SANDBOX_KILLED)
+    troubled = (result.timed_out or result.killed_reason is not None or result.exit_code is None
+                or not 0 <= result.exit_code < 126 or reported < len(task.tests))
+    if troubled and not await _answers(session):
+        raise GradingError(
+            f"The sandbox was killed during grading: the sandbox of {iid} stopped answering after its hidden tests "
+            f"ran ({_how(result)}); the episode is not scored. Check the sandbox backend (for docker: the daemon's "
+            "log, OOM kills, `docker kill`).", SANDBOX_KILLED)
+    if result.exit_code is None and not result.timed_out and result.killed_reason is None:
+        raise GradingError(f"The sandbox was killed during grading: it gave no exit status for the hidden tests "
+                           f"of {iid}; the episode is not scored.", SANDBOX_KILLED)
+    if reported:
+        return
+    if _sigkilled(result):
+        raise GradingError(
+            f"The test run was killed during grading: the {what} of {iid} was {_how(result)} before any of its "
+            "tests reported; the episode is not scored. If the tests need more memory, raise the sandbox's memory "
+            "limit.", TEST_RUN_KILLED)
+    if not _STARTED.search(log) and (result.exit_code in (126, 127) or _NOT_FOUND.search(log)):
+        tail = log.strip()[-300:]
+        raise GradingError(
+            f"The test command could not start: the {what} of {iid} exited {result.exit_code} in its sandbox: "
+            f"{tail!r}. Check the instance's test_cmd and env_setup against its image (`agentrl swe check`).",
+            TEST_CMD_NOT_STARTED)
 
 
 def _verdict(task: SweTask, statuses: dict[str, str], partial: bool, note: str) -> Grade:
@@ -289,23 +376,30 @@ async def grade(
     if task.test_cmd is not None:
         command = task.test_cmd.replace("{tests}", " ".join(shlex.quote(t) for t in task.tests))
         result = await session.exec(command, timeout_s=timeout_s)
-        if result.timed_out and not await _answers(session):
-            raise SandboxError(f"The sandbox stopped answering while the tests of {task.instance_id} ran.")
-        note = f"the test command ran past {timeout_s:g} s" if result.timed_out else ""
-        parse = LOG_PARSERS[task.log_parser or "pytest"]
-        return _verdict(task, parse(result.stdout + "\n" + result.stderr), partial_credit, note)
+        log = result.stdout + "\n" + result.stderr
+        parsed = LOG_PARSERS[task.log_parser or "pytest"](log)
+        await _check_run(session, task, result, sum(t in parsed for t in task.tests), log, "test command")
+        if result.timed_out:
+            note = f"the test command ran past {timeout_s:g} s"
+        elif result.killed_reason is not None or (result.exit_code or 0) < 0:
+            note = f"the test command was stopped ({_how(result)}); tests without a result count as failed"
+        else:
+            note = ""
+        return _verdict(task, parsed, partial_credit, note)
 
     config = {"tests": list(task.tests), "out": results, "per_test_timeout_s": per_test_timeout_s}
     result = await session.exec(_RUN_RUNNER.format(runner=shlex.quote(runner)), stdin=json.dumps(config),
                                 timeout_s=timeout_s)
+    if (result.timed_out or result.killed_reason is not None) and not await _answers(session):
+        raise GradingError(
+            f"The sandbox was killed during grading: the sandbox of {task.instance_id} stopped answering after its "
+            f"hidden tests ran ({_how(result)}); the episode is not scored.", SANDBOX_KILLED)
     if result.timed_out:
-        if not await _answers(session):
-            raise SandboxError(f"The sandbox stopped answering while the tests of {task.instance_id} ran.")
-        raise SandboxError(
-            f"The hidden tests of {task.instance_id} did not finish within {timeout_s:g} s although each test "
+        raise GradingError(
+            f"The hidden tests ran past their deadline: those of {task.instance_id} did not finish within "
+            f"{timeout_s:g} s although each test "
             f"stops at {per_test_timeout_s:g} s: the sandbox is too slow or wedged. Raise test_timeout_s "
-            "or give the sandbox more CPU."
-        )
+            "or give the sandbox more CPU.", TESTS_TIMED_OUT)
     try:
         raw = (await session.read_file(results)).decode("utf-8", errors="replace")
     except FileNotFoundError:
@@ -320,10 +414,12 @@ async def grade(
         except (ValueError, KeyError, TypeError):
             continue  # a torn last line when the runner was killed mid-write
     if not statuses and result.exit_code in (126, 127):
-        raise SandboxError(
-            f"The test runner could not start in the sandbox (exit {result.exit_code}): "
-            f"{result.stderr.strip()[-300:]!r}. The sandbox needs a `python3` or `python` on PATH."
-        )
+        raise GradingError(
+            f"The test command could not start: agentrl's test runner for {task.instance_id} exited "
+            f"{result.exit_code}: {result.stderr.strip()[-300:]!r}. The sandbox needs a `python3` or `python` on PATH.",
+            TEST_CMD_NOT_STARTED)
+    await _check_run(session, task, result, sum(t in statuses for t in task.tests),
+                     result.stdout + "\n" + result.stderr, "test runner")
     note = ""
     if len(statuses) < len(task.tests):
         why = result.killed_reason or f"exit code {result.exit_code}"

@@ -13,7 +13,9 @@ before the env graded it counts as not resolved).
 
 Written to the output directory: `report.json`, and `trajectories.jsonl` with every episode's
 ledger and decoded text (the format of `agentrl.records.trajectory_log`; `agentrl view DIR`
-shows it). Training is not this module's business.
+shows it; an SWE episode's verdict, per-test statuses and diff, is its `info["swe"]`). For the SWE
+env also `predictions.jsonl`, the agent's diffs in the SWE-bench harness format, one per instance
+(`agentrl.envs.swe.swe_predictions`). Training is not this module's business.
 """
 
 from __future__ import annotations
@@ -186,9 +188,20 @@ async def evaluate(
         groups = await _run_with_progress(worker, rows, config.eval.k, config.run.seed, progress, start)
     seconds = time.perf_counter() - start
     write_eval_trajectories(out / "trajectories.jsonl", groups, rows, loop.template.tokenizer)
+    _write_predictions(job, groups, out)
     report = summarise(config, groups, seconds, str(out), reports_resolved=job.env_cls.reports_resolved)
     (out / "report.json").write_text(json.dumps(asdict(report), indent=2))
     return report
+
+
+def _write_predictions(job: Job, groups: list[list[Trajectory]], out: Path) -> None:
+    """`predictions.jsonl` for the SWE-bench harness, when the env is the SWE env (or derives from it)."""
+    from agentrl.envs.swe import SweEnv, swe_predictions
+
+    if not issubclass(job.env_cls, SweEnv):
+        return
+    lines = [json.dumps(p) + "\n" for p in swe_predictions(groups, job.config.model.path)]
+    (out / "predictions.jsonl").write_text("".join(lines))
 
 
 def check_infra_failures(config: AgentRLConfig, report: EvalReport, groups_dir: str | Path) -> None:

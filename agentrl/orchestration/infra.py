@@ -23,6 +23,12 @@ __all__ = ["InfraMonitor", "describe_infra_failures", "fix_for"]
 
 # What to do about the commonest causes, found by what their error text says.
 _FIXES: tuple[tuple[str, str], ...] = (
+    (r"test command could not start",
+     "an SWE instance's test command does not run in its sandbox (a missing runner or conda env): run "
+     "'agentrl swe check' on the instances to list the broken ones"),
+    (r"killed during grading",
+     "the sandbox or the test run was killed while grading (docker kill, a daemon restart, the memory "
+     "limit): see the daemon's log, or raise the sandbox's memory limit"),
     (r"bubblewrap|bwrap", "install bubblewrap ('bash scripts/install.sh' does, or 'apt-get install "
                           "bubblewrap'), or pick another sandbox with sandbox=docker"),
     (r"docker", "start the Docker daemon ('bash scripts/install.sh docker' does) or use sandbox=local"),

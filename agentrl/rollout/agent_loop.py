@@ -24,6 +24,10 @@ awaits `env.atruncate(that key)` under its own deadline (`truncate_timeout_s`, n
 so an env that judges work done (SWE) grades the state it was left in; its reward and metrics
 count as a last step's, and its failure is an infrastructure fault (masked), never a reward of 0.
 
+Of the env's info the trajectory keeps the numbers of `info["metrics"]`, `truncated_by`, and the
+keys the env class names in `recorded_info` (SWE's `info["swe"]`: per-test statuses and the
+agent's diff), copied from the episode's last info into `trajectory.info`.
+
 The chat-template and parsing work of a turn (a few hundred microseconds) runs on the event loop,
 not on a thread, paced by a `CpuGate`: when thousands of episodes become ready together, it runs
 in slices of `cpu_slice_s` with socket and timer polls in between, so the loop never stalls much
@@ -342,6 +346,10 @@ class AgentLoop:
         t.reward = ep.reward
         env_metrics = ep.last_info.get("metrics", {}) if isinstance(ep.last_info, dict) else {}
         t.metrics.update({k: float(v) for k, v in env_metrics.items() if isinstance(v, (int, float))})
+        if isinstance(ep.last_info, dict):
+            for key in getattr(ep.env, "recorded_info", ()):
+                if key in ep.last_info:
+                    t.info[key] = ep.last_info[key]
         t.metrics.update(ep.timings)
         t.metrics["turns"] = float(ep.turns)
         t.metrics["sampled_tokens"] = float(t.num_sampled)

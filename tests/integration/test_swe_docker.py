@@ -88,3 +88,36 @@ def test_a_removed_container_is_an_infrastructure_failure() -> None:
     assert asyncio.run(body()) is None
     assert _our_containers(client) == []
 
+
+
+def test_a_container_killed_while_the_hidden_tests_run_is_an_infrastructure_failure() -> None:
+    import dataclasses
+
+    from agentrl.envs.swe_grading import SANDBOX_KILLED
+    from agentrl.errors import GradingError
+
+    client = _daemon()
+    task = dataclasses.replace(TASKS[SAMPLE[0]], test_cmd="sleep 30; python -m pytest -rA -p no:cacheprovider {tests}")
+
+    async def body():  # type: ignore[no-untyped-def]
+        sandbox = DockerSandbox(pool_size=0)
+        env = SweEnv(sandbox=sandbox)
+        try:
+            await env.areset(options={"row": task_row(task)})
+            container = client.containers.get(env._ctx.sandbox.container_id)
+            grading = asyncio.ensure_future(env.astep(SUBMIT))
+            for _ in range(200):  # until the hidden tests are running
+                await asyncio.sleep(0.1)
+                if "sleep 30" in str(await asyncio.to_thread(container.top, ps_args="-ef")):
+                    break
+            await asyncio.to_thread(container.kill)  # as `docker kill` (or the OOM killer of the whole container)
+            with pytest.raises(GradingError) as info:
+                await grading
+            return info.value, env._ctx
+        finally:
+            await env.aclose()
+            await sandbox.close()
+
+    err, ctx = asyncio.run(body())
+    assert err.cause == SANDBOX_KILLED and task.instance_id in str(err)
+    assert ctx is None and _our_containers(client) == []

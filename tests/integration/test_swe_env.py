@@ -179,6 +179,30 @@ def test_the_agent_loop_masks_an_infra_failed_episode(assets: Path) -> None:
     assert "died before grading" in (traj.error or "")
 
 
+def test_a_test_command_that_cannot_start_is_infra_and_swe_check_names_it() -> None:
+    import dataclasses
+
+    from agentrl.envs.swe_check import check_instances
+    from agentrl.errors import GradingError
+    from agentrl.sandboxes.local import LocalSandbox
+
+    broken = dataclasses.replace(SLUG, test_cmd="no-such-test-runner -rA {tests}")
+    env = SweEnv()
+
+    async def body():  # type: ignore[no-untyped-def]
+        with pytest.raises(GradingError, match="could not start") as info:
+            await play(env, broken, reference_fix_actions(broken))
+        sandbox = LocalSandbox()
+        try:
+            return info.value.cause, await check_instances([broken], sandbox)
+        finally:
+            await sandbox.close()
+
+    cause, (checked,) = run(body, env)
+    assert cause == checked.problem == "the test command could not start"
+    assert "no-such-test-runner" in checked.detail and not checked.ok
+
+
 def test_budgets_end_the_episode_and_grade_it() -> None:
     fix = reference_fix_actions(TASKS["pager__page-count-remainder"])[0]
     look = call("bash", command="cat pager/pages.py")
@@ -293,6 +317,34 @@ def test_agentrl_eval_reports_the_resolved_rate(assets: Path, tmp_path: Path, fi
     assert json.loads((tmp_path / "report.json").read_text())["resolved_rate"] == report.resolved_rate
 
 
+@pytest.mark.parametrize("fix", [True, False])
+def test_agentrl_eval_keeps_each_verdict_and_writes_swe_bench_predictions(assets: Path, tmp_path: Path,
+                                                                         fix: bool) -> None:
+    from agentrl.chat import ChatTemplate
+    from agentrl.config import load_config
+    from agentrl.orchestration.evaluate import run_eval
+    from agentrl.records.trajectory_log import read_trajectory_file
+
+    model = assets / "qwen2.5-0.5b-instruct"
+    config = load_config(overrides=["env=swe", f"model.path={model}", "eval.max_rows=3",
+                                    f"eval.output_dir={tmp_path}", "rollout.max_tokens_per_turn=1024"])
+    run_eval(config, client=_ScriptedModel(ChatTemplate.from_pretrained(model).tokenizer, fix))
+    records = read_trajectory_file(tmp_path / "trajectories.jsonl")
+    verdicts = {r["info"]["swe"]["instance_id"]: r["info"]["swe"] for r in records}
+    assert len(records) == len(verdicts) == 3
+    for iid, verdict in verdicts.items():
+        task = TASKS[iid]
+        assert set(verdict["statuses"]) == set(task.tests)
+        failing = {t for t, s in verdict["statuses"].items() if s != "PASSED"}
+        assert failing == (set() if fix else set(task.fail_to_pass))
+        assert verdict["resolved"] is fix and verdict["model_patch"].startswith("diff --git") is fix
+    predictions = [json.loads(line) for line in (tmp_path / "predictions.jsonl").read_text().splitlines()]
+    assert {p["instance_id"] for p in predictions} == set(verdicts)
+    for p in predictions:
+        assert set(p) == {"instance_id", "model_name_or_path", "model_patch"}
+        assert p["model_name_or_path"] == str(model) and p["model_patch"] == verdicts[p["instance_id"]]["model_patch"]
+
+
 def test_the_runs_one_sandbox_reaches_every_env_it_builds(assets: Path) -> None:
     from agentrl.config import load_config
     from agentrl.orchestration.build import build_job
@@ -313,3 +365,19 @@ def test_the_runs_one_sandbox_reaches_every_env_it_builds(assets: Path) -> None:
             await job.aclose()  # the job closes the run's sandbox, never the env
 
     assert run(body, second)[0] == 1.0
+
+
+def test_the_agent_loop_masks_an_episode_whose_test_command_cannot_start(assets: Path) -> None:
+    import dataclasses
+
+    from agentrl.chat import ChatTemplate
+    from agentrl.rollout import AgentLoop
+    from agentrl.tools.parsers import HermesParser
+
+    template = ChatTemplate.from_pretrained(assets / "qwen2.5-0.5b-instruct")
+    broken = dataclasses.replace(SLUG, test_cmd="no-such-test-runner -rA {tests}")
+    env = SweEnv()
+    loop = AgentLoop(_ScriptedModel(template.tokenizer, fix=False), template, HermesParser())
+    traj = run(lambda: loop.run_episode(env, row=task_row(broken)), env)
+    assert (traj.finish_reason, traj.fault, traj.trainable, traj.reward) == (FinishReason.ERROR, "infra", False, 0.0)
+    assert "The test command could not start" in (traj.error or "") and "swe" not in traj.info

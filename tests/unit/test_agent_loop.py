@@ -249,3 +249,25 @@ def test_worker_paces_young_collections_only_while_episodes_run(
     assert len(paced) >= 10 and 1 in paced  # the youngest every pass, the middle one every fifth
     assert set(collected) <= {0, 1, 2} and collected[-1] == 2  # the full one once the last episode ended
     assert gc.get_threshold() == threshold_before  # restored once every worker is idle
+
+
+class _VerdictEnv(ArithmeticEnv):
+    """Reports a verdict in its last step's info; only the key it names in `recorded_info` is kept."""
+
+    recorded_info = ("verdict",)
+
+    async def ascore(self, final_text: str, row: dict, ctx) -> float:  # type: ignore[no-untyped-def]
+        reward = await super().ascore(final_text, row, ctx)
+        ctx.state["score_info"] = {"verdict": {"statuses": {"t1": "PASSED"}, "patch": "diff"}, "scratch": "x",
+                                   "metrics": {"resolved": 1.0}}
+        return reward
+
+
+def test_the_env_info_keys_it_names_reach_the_trajectory(template: ChatTemplate) -> None:
+    row = make_arithmetic_row(3)
+    loop = AgentLoop(ScriptedClient(template, _tool_then_answer(row)), template, HermesParser())
+    traj = asyncio.run(loop.run_episode(_VerdictEnv(), row=row))
+    assert traj.info["verdict"] == {"statuses": {"t1": "PASSED"}, "patch": "diff"}
+    assert "scratch" not in traj.info and traj.metrics["resolved"] == 1.0
+    plain = _run(AgentLoop(ScriptedClient(template, _tool_then_answer(row)), template, HermesParser()), row)
+    assert "verdict" not in plain.info
