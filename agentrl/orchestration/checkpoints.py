@@ -185,9 +185,12 @@ def _disk_full(exc: BaseException, folder: Path) -> bool:
 class CheckpointStore:
     """The `checkpoints/` folder of one run (see the module docstring)."""
 
-    def __init__(self, directory: str | Path, *, keep: int = 2) -> None:
+    def __init__(self, directory: str | Path, *, keep: int = 2, resume_command: str = "") -> None:
+        """`resume_command`: the command that continues the run (`run_commands.resume_command`),
+        named when a checkpoint cannot be written."""
         self.directory = Path(directory)
         self.keep = keep
+        self.resume_command = resume_command
 
     def complete(self) -> list[tuple[int, Path]]:
         """(step, folder) of every checkpoint folder with a final name, oldest first (not verified)."""
@@ -240,8 +243,9 @@ class CheckpointStore:
                     f"Could not write checkpoint {name}: the disk under {self.directory} is full "
                     f"({type(exc).__name__}: {str(exc).splitlines()[0][:300]}). The partial write was removed; "
                     + (f"the previous checkpoint {previous} is intact. " if previous else "no earlier checkpoint exists. ")
-                    + "Free some space (or keep fewer checkpoints: run.keep_checkpoints) and continue with "
-                    "resume=true run.name=NAME."
+                    + "Free some space (or keep fewer checkpoints: run.keep_checkpoints) and continue "
+                    + (f"with: {self.resume_command}" if self.resume_command
+                       else f"the run with resume=true run.name={self.directory.parent.name}")
                 ) from exc
             raise
         self.prune()

@@ -30,8 +30,9 @@ group before anything starts: `cluster.py`):
 `asyncio.run`) and opens everything it starts (the cluster's reservation and sandbox hosts, the
 trainer group, the servers and their router, the gateway, the sandbox) through one `AsyncExitStack`,
 which closes it all in reverse order however the run ends: its last step, an error, Ctrl-C (exit
-130, with the command that continues it). Ray itself stays up for later runs of the process (the
-reaper ends it, and all it started, with the process). The books and the steps it drives are `training.py`.
+130), each with the command that continues the run (`run_commands.py`: the real run name and output
+folder). Ray itself stays up for later runs of the process (the reaper ends it, and all it started,
+with the process). The books and the steps it drives are `training.py`.
 
 The prompt ledger (`ledger.jsonl`) accounts for every prompt taken: trained, filtered, requeued
 after infrastructure failures, failed, or unfinished when the run stopped, whatever stopped it
@@ -64,6 +65,7 @@ from agentrl.orchestration.build import Job, build_job
 from agentrl.orchestration.checkpoints import Checkpoint, CheckpointStore, move_aside_earlier_attempt
 from agentrl.orchestration.placement import PlacementPlan
 from agentrl.orchestration.preflight import preflight
+from agentrl.orchestration.run_commands import resume_command
 from agentrl.orchestration.training import RunBooks, TrainingSteps, score_text
 from agentrl.records.metrics import MetricsLogger
 from agentrl.rollout import RolloutWorker
@@ -115,23 +117,25 @@ def _prepare_run_dir(config: AgentRLConfig, plan_cluster: bool = False
     run_dir = resolve_run_dir(config)
     if plan_cluster:  # actors on the driver's node work in other directories: give them absolute paths
         run_dir = run_dir.absolute()
-    store = CheckpointStore(run_dir / "checkpoints", keep=config.run.keep_checkpoints)
+    store = CheckpointStore(run_dir / "checkpoints", keep=config.run.keep_checkpoints,
+                            resume_command=resume_command(config, run_dir))
     notes: list[str] = []
     checkpoint = None
     if config.run.resume:
         if config.run.name is None:
-            raise ConfigError("resume=true needs the run to continue: give run.name=NAME (a folder under run.output_dir).")
+            raise ConfigError("resume=true needs the run to continue: give run.name=NAME, the name of a folder "
+                              f"under run.output_dir={config.run.output_dir}{_runs_with_checkpoints(config)}.")
         checkpoint = store.resumable()  # verifies checksums and the driver state; raises if none is intact
         if checkpoint is None:
             raise ConfigError(
-                f"resume=true but '{run_dir}' holds no checkpoint; start it without resume=true (the "
+                f"resume=true but '{run_dir}' holds no checkpoint; start it again without resume=true (the "
                 "records already there are moved into previous/, not deleted; checkpoints are written "
-                "every run.save_every steps)."
+                f"every run.save_every steps): {resume_command(config, run_dir, resume=False)}"
             )
     elif store.complete():
         raise ConfigError(
-            f"'{run_dir}' already holds a run with checkpoints; continue it with resume=true, or choose "
-            "another run.name."
+            f"'{run_dir}' already holds a run with checkpoints; continue it with: "
+            f"{resume_command(config, run_dir)} (or choose another run.name)."
         )
     else:
         aside = move_aside_earlier_attempt(run_dir)
@@ -140,6 +144,17 @@ def _prepare_run_dir(config: AgentRLConfig, plan_cluster: bool = False
                          f"were moved to {aside}")
     run_dir.mkdir(parents=True, exist_ok=True)
     return run_dir, store, checkpoint, notes
+
+
+def _runs_with_checkpoints(config: AgentRLConfig, most: int = 5) -> str:
+    """`; runs there with checkpoints: a, b` (the newest `most`), or nothing when there are none."""
+    root = Path(config.run.output_dir)
+    try:
+        runs = [p for p in root.iterdir() if (p / "checkpoints" / "latest").is_file()]
+    except OSError:
+        return ""
+    runs.sort(key=lambda p: (p / "checkpoints" / "latest").stat().st_mtime, reverse=True)
+    return f"; runs there with checkpoints: {', '.join(p.name for p in runs[:most])}" if runs else ""
 
 
 def _init_ray(cluster_address: str | None) -> None:
@@ -212,6 +227,9 @@ class Run:
         self.config = job.config
         self.plan: PlacementPlan = job.plan
         self.started = time.perf_counter()
+        self.continue_command = ""
+        """What continues the run once its directory is prepared: the resume command, or the one that
+        starts it again while it has no checkpoint."""
 
     async def main(self) -> RunResult:
         """Train the job end to end (see the module docstring); what happened."""
@@ -232,11 +250,13 @@ class Run:
                 await steps.run()
             except AgentRLError as exc:
                 log.error("the run stopped: %s", exc)  # in driver.log too, with the fix
+                how = self._continue_text(run_dir, store)
+                if self.continue_command not in str(exc):  # raised where the run's name is not known
+                    log.error("%s", how)
                 raise
             except (KeyboardInterrupt, asyncio.CancelledError):
                 log.error("the run was interrupted; its in-flight prompts are closed as unfinished in "
-                          "ledger.jsonl. Continue it with resume=true run.name=%s (from %s).", run_dir.name,
-                          store.latest_name() or "the start: no checkpoint was written yet")
+                          "ledger.jsonl. %s", self._continue_text(run_dir, store))
                 raise
         result = RunResult(
             run_dir=str(run_dir), steps_done=steps.steps_done, policy_version=steps.scheduler.server_version,
@@ -246,6 +266,14 @@ class Run:
         )  # fmt: skip
         (run_dir / "result.json").write_text(json.dumps(result.__dict__, indent=2))
         return result
+
+    def _continue_text(self, run_dir: Path, store: CheckpointStore) -> str:
+        """How to continue the run as it stands (and `continue_command` set to that command)."""
+        latest = store.latest_name()
+        self.continue_command = resume_command(self.config, run_dir, resume=latest is not None)
+        if latest is None:
+            return f"No checkpoint was written yet; start it again with: {self.continue_command}"
+        return f"Continue it from {latest} with: {self.continue_command}"
 
     async def _open(self, stack: contextlib.AsyncExitStack, books: RunBooks) -> TrainingSteps:
         """Start every piece of the run, each closed by `stack`; the steps over them, ready to run."""

@@ -88,7 +88,10 @@ def test_a_full_disk_leaves_the_previous_checkpoint_intact_and_says_so(tmp_path:
         asyncio.run(store.save(2, writer(fail=full), driver_state(2)))
     message = str(caught.value)
     assert "disk under" in message and "is full" in message and "step-000001 is intact" in message
-    assert "resume=true" in message
+    assert message.endswith("continue the run with resume=true run.name=" + tmp_path.name)
+    named = CheckpointStore(tmp_path / "checkpoints", keep=0, resume_command="agentrl run x resume=true run.name=mine")
+    with pytest.raises(CheckpointError, match="continue with: agentrl run x resume=true run.name=mine$"):
+        asyncio.run(named.save(2, writer(fail=full), driver_state(2)))
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["latest", "step-000001"]
     assert store.latest_name() == "step-000001" and store.resumable().step == 1
 
