@@ -240,11 +240,11 @@ class Run:
                 log.error("the run stopped: %s", exc)  # in driver.log too, with the fix
                 how = self._continue_text(run_dir, store)
                 if self.continue_command not in str(exc):  # raised where the run's name is not known
-                    log.error("%s", how)
+                    log.error("once the cause is fixed, %s", how)
                 raise
             except (KeyboardInterrupt, asyncio.CancelledError):
                 log.error("the run was interrupted (%s); its in-flight prompts are closed as unfinished in "
-                          "ledger.jsonl. %s", signal_name(self.signals.received or signal.SIGINT),
+                          "ledger.jsonl; %s", signal_name(self.signals.received or signal.SIGINT),
                           self._continue_text(run_dir, store))
                 raise
         result = RunResult(
@@ -261,8 +261,8 @@ class Run:
         latest = store.latest_name()
         self.continue_command = resume_command(self.config, run_dir, resume=latest is not None)
         if latest is None:
-            return f"No checkpoint was written yet; start it again with: {self.continue_command}"
-        return f"Continue it from {latest} with: {self.continue_command}"
+            return f"no checkpoint was written yet: start it again with: {self.continue_command}"
+        return f"continue it from {latest} with: {self.continue_command}"
 
     async def _open(self, stack: contextlib.AsyncExitStack, books: RunBooks) -> TrainingSteps:
         """Start every piece of the run, each closed by `stack`; the steps over them, ready to run."""

@@ -107,7 +107,7 @@ def test_sigterm_is_handled_as_ctrl_c_and_exits_143_with_the_resume_command(
     started = descendants(proc.pid)
     proc.send_signal(signal.SIGTERM)
     _, stderr = proc.communicate(timeout=300)
-    assert proc.returncode == 143, stderr[-3000:]  # not Ray's exit 15, and no traceback
+    assert proc.returncode == 143, stderr[-3000:]  # not Ray's exit 15
     command = shlex.join(["agentrl", "run", f"{run_dir}/config.yaml", "resume=true", "run.name=sigterm",
                           f"run.output_dir={tmp_path}"])
     assert "the run was interrupted (SIGTERM)" in stderr and command in stderr, stderr[-3000:]
