@@ -44,10 +44,13 @@ class RunInterrupted(KeyboardInterrupt):
     """A run stopped by SIGINT, SIGTERM or SIGHUP; `exit_status` is 128 + the signal's number."""
 
     def __init__(self, signum: int, resume: str = "") -> None:
+        super().__init__(int(signum), resume)  # the arguments, so that it pickles and copies
         self.signum = int(signum)
         self.resume = resume
-        how = f"continue it with: {resume}" if resume else "nothing was started yet"
-        super().__init__(f"the run was interrupted ({signal_name(self.signum)}); {how}")
+
+    def __str__(self) -> str:
+        how = f"continue it with: {self.resume}" if self.resume else "nothing was started yet"
+        return f"the run was interrupted ({signal_name(self.signum)}); {how}"
 
     @property
     def exit_status(self) -> int:

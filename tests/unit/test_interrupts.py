@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import pickle
 import signal
 import sys
 import time
@@ -76,6 +77,8 @@ def test_the_exit_status_is_128_plus_the_signal_and_the_message_has_the_command(
     assert [RunInterrupted(s).exit_status for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)] == [130, 143, 129]
     exc = RunInterrupted(signal.SIGTERM, "agentrl run runs/mine/config.yaml resume=true run.name=mine")
     assert isinstance(exc, KeyboardInterrupt)
+    copied = pickle.loads(pickle.dumps(exc))
+    assert (copied.signum, copied.resume, str(copied)) == (exc.signum, exc.resume, str(exc))
     assert str(exc) == ("the run was interrupted (SIGTERM); continue it with: "
                         "agentrl run runs/mine/config.yaml resume=true run.name=mine")
 
