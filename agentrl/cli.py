@@ -2,7 +2,9 @@
 doctor, version.
 
 Each subcommand parses its arguments, builds what it needs from the layers below, and turns any
-`AgentRLError` into one readable message and exit status 1 (2 for a command-line usage error).
+`AgentRLError` into one readable message and exit status 1 (2 for a command-line usage error). A run
+stopped by Ctrl-C, SIGTERM or SIGHUP exits with 128 + the signal's number (130, 143, 129), saying how
+to continue it; any other command stopped by Ctrl-C exits 130.
 Imports are deferred into the subcommands, so `agentrl --help` and `agentrl envs list` stay fast and
 never import torch. Subcommands whose machinery is not built yet say so and exit with status 3.
 """
@@ -264,13 +266,18 @@ def _job_usage(command: str) -> str:
 
 def cmd_run(ns: argparse.Namespace) -> int:
     from agentrl.orchestration.driver import run_training
+    from agentrl.orchestration.interrupts import RunInterrupted
 
     if not ns.args:  # a bare `agentrl run` shows what to type instead of starting a default job
         print(_job_usage("run"), file=sys.stderr)
         return EXIT_USAGE
     cfg = _load(ns.args)
     _log_to_console()
-    result = run_training(cfg)
+    try:
+        result = run_training(cfg)
+    except RunInterrupted as exc:  # Ctrl-C, SIGTERM or SIGHUP: 128 + the signal's number, as a shell reports it
+        print(f"agentrl run: {exc}", file=sys.stderr)
+        return exc.exit_status
     print(result.summary())
     print(f"metrics: {result.run_dir}/metrics.jsonl   plots: agentrl plot {result.run_dir}   "
           f"episodes: agentrl view {result.run_dir}")

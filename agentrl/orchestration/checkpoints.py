@@ -8,8 +8,11 @@
   and only then is the folder renamed into place and the `latest` pointer moved (both atomic, the
   folder fsynced after each). A crash at any moment leaves either the old checkpoint or the new one,
   never half of one. A failed write (a full disk) removes its own temporary folder and raises
-  `CheckpointError` naming the cause and the intact checkpoint a resume would use. Afterwards the
-  oldest checkpoints beyond `keep` are deleted (0 keeps every one; the newest is never deleted).
+  `CheckpointError` naming the cause and the intact checkpoint a resume would use. A step saved
+  again (a resumed run re-saving the step it resumed at) moves the earlier folder aside as
+  `step-N.replaced-<time>/`. Afterwards `prune` keeps at most `keep` checkpoint folders (0 keeps
+  every one): the newest `step-N/` first, then the newest replaced copies in what is left; the
+  checkpoint `latest` names is never deleted.
 - `resumable()` finds the checkpoint to resume from: the newest whose files all match their
   manifest (same size, same checksum: a same-size corruption inside a shard is found) and whose
   driver state parses. Newer ones that fail are moved aside as `step-N.bad/` (kept for inspection,
@@ -58,6 +61,7 @@ DRIVER_STATE = "driver_state.json"
 MANIFEST = "MANIFEST.json"
 LATEST = "latest"
 _NAME = re.compile(r"^step-(\d+)$")
+_REPLACED = re.compile(r"^step-(\d+)\.replaced-(.+)$")
 _DRIVER_KEYS = ("steps_done", "trainer_version", "sampler", "ledger")
 _CHUNK = 8 << 20
 
@@ -185,9 +189,12 @@ def _disk_full(exc: BaseException, folder: Path) -> bool:
 class CheckpointStore:
     """The `checkpoints/` folder of one run (see the module docstring)."""
 
-    def __init__(self, directory: str | Path, *, keep: int = 2) -> None:
+    def __init__(self, directory: str | Path, *, keep: int = 2, resume_command: str = "") -> None:
+        """`resume_command`: the command that continues the run (`run_commands.resume_command`),
+        named when a checkpoint cannot be written."""
         self.directory = Path(directory)
         self.keep = keep
+        self.resume_command = resume_command
 
     def complete(self) -> list[tuple[int, Path]]:
         """(step, folder) of every checkpoint folder with a final name, oldest first (not verified)."""
@@ -223,8 +230,8 @@ class CheckpointStore:
             await write_trainer(tmp / "trainer")
             _write_durably(tmp / DRIVER_STATE, json.dumps(driver_state))
             await asyncio.to_thread(_seal, tmp)
-            if final.exists():  # a step saved again after a resume: keep the earlier one aside
-                final.rename(self.directory / f"{name}.replaced-{time.strftime('%Y%m%d-%H%M%S')}")
+            if final.exists():  # a step saved again after a resume: keep the earlier one aside (pruned)
+                final.rename(self._replaced_name(name))
             tmp.rename(final)
             _fsync_dir(self.directory)
             pointer = self.directory / f".{LATEST}.tmp"
@@ -240,20 +247,46 @@ class CheckpointStore:
                     f"Could not write checkpoint {name}: the disk under {self.directory} is full "
                     f"({type(exc).__name__}: {str(exc).splitlines()[0][:300]}). The partial write was removed; "
                     + (f"the previous checkpoint {previous} is intact. " if previous else "no earlier checkpoint exists. ")
-                    + "Free some space (or keep fewer checkpoints: run.keep_checkpoints) and continue with "
-                    "resume=true run.name=NAME."
+                    + "Free some space (or keep fewer checkpoints: run.keep_checkpoints) and continue "
+                    + (f"with: {self.resume_command}" if self.resume_command
+                       else f"the run with resume=true run.name={self.directory.parent.name}")
                 ) from exc
             raise
         self.prune()
         return final
 
+    def _replaced_name(self, name: str) -> Path:
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        aside, n = self.directory / f"{name}.replaced-{stamp}", 1
+        while aside.exists():  # saved twice within a second: never rename onto an earlier copy
+            n += 1
+            aside = self.directory / f"{name}.replaced-{stamp}-{n}"
+        return aside
+
+    def replaced(self) -> list[Path]:
+        """The `step-N.replaced-<time>` copies of re-saved steps, oldest first (by step, then time)."""
+        if not self.directory.is_dir():
+            return []
+        found = []
+        for p in self.directory.iterdir():
+            m = _REPLACED.match(p.name)
+            if m and p.is_dir():
+                found.append((int(m.group(1)), m.group(2), p))
+        return [p for *_, p in sorted(found)]
+
     def prune(self) -> list[Path]:
-        """Delete the oldest checkpoints beyond `keep` (never the one `latest` names); return them."""
+        """Keep at most `keep` checkpoint folders (0: keep every one); delete the rest, return them.
+
+        The `step-N/` folders, which a resume uses, come first, newest first; the `step-N.replaced-*`
+        copies (earlier saves of a re-saved step, which no resume uses) fill what is left of `keep`,
+        newest first. The checkpoint `latest` names is never deleted.
+        """
         if self.keep <= 0:
             return []
-        done = self.complete()
+        finals = [p for _, p in reversed(self.complete())]
+        ranked = finals + list(reversed(self.replaced()))
         latest = self.latest_name()
-        doomed = [p for _, p in done[: max(0, len(done) - self.keep)] if p.name != latest]
+        doomed = [p for p in ranked[self.keep:] if p.name != latest]
         for p in doomed:
             shutil.rmtree(p, ignore_errors=True)
             log.info("checkpoint %s deleted (run.keep_checkpoints=%d)", p, self.keep)

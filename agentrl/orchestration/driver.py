@@ -29,9 +29,11 @@ group before anything starts: `cluster.py`):
 `Run` is the one owner of all of it: built from the `Job`, it runs on one event loop (one
 `asyncio.run`) and opens everything it starts (the cluster's reservation and sandbox hosts, the
 trainer group, the servers and their router, the gateway, the sandbox) through one `AsyncExitStack`,
-which closes it all in reverse order however the run ends: its last step, an error, Ctrl-C (exit
-130, with the command that continues it). Ray itself stays up for later runs of the process (the
-reaper ends it, and all it started, with the process). The books and the steps it drives are `training.py`.
+which closes it all in reverse order however the run ends: its last step, an error, Ctrl-C, a
+scheduler's SIGTERM or a SIGHUP (all three handled alike, `interrupts.py`: exit 128 + the signal's
+number, 130, 143 or 129), each with the command that continues the run (`run_commands.py`: the real
+run name and output folder). Ray itself stays up for later runs of the process (the reaper ends it,
+and all it started, with the process). The books and the steps it drives are `training.py`.
 
 The prompt ledger (`ledger.jsonl`) accounts for every prompt taken: trained, filtered, requeued
 after infrastructure failures, failed, or unfinished when the run stopped, whatever stopped it
@@ -51,7 +53,6 @@ import json
 import logging
 import os
 import signal
-import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -62,8 +63,10 @@ from agentrl.envs import Env
 from agentrl.errors import AgentRLError, ConfigError, PreflightError
 from agentrl.orchestration.build import Job, build_job
 from agentrl.orchestration.checkpoints import Checkpoint, CheckpointStore, move_aside_earlier_attempt
+from agentrl.orchestration.interrupts import RunInterrupted, StopSignals, signal_name
 from agentrl.orchestration.placement import PlacementPlan
 from agentrl.orchestration.preflight import preflight
+from agentrl.orchestration.run_commands import resume_command
 from agentrl.orchestration.training import RunBooks, TrainingSteps, score_text
 from agentrl.records.metrics import MetricsLogger
 from agentrl.rollout import RolloutWorker
@@ -115,23 +118,25 @@ def _prepare_run_dir(config: AgentRLConfig, plan_cluster: bool = False
     run_dir = resolve_run_dir(config)
     if plan_cluster:  # actors on the driver's node work in other directories: give them absolute paths
         run_dir = run_dir.absolute()
-    store = CheckpointStore(run_dir / "checkpoints", keep=config.run.keep_checkpoints)
+    store = CheckpointStore(run_dir / "checkpoints", keep=config.run.keep_checkpoints,
+                            resume_command=resume_command(config, run_dir))
     notes: list[str] = []
     checkpoint = None
     if config.run.resume:
         if config.run.name is None:
-            raise ConfigError("resume=true needs the run to continue: give run.name=NAME (a folder under run.output_dir).")
+            raise ConfigError("resume=true needs the run to continue: give run.name=NAME, the name of a folder "
+                              f"under run.output_dir={config.run.output_dir}{_runs_with_checkpoints(config)}.")
         checkpoint = store.resumable()  # verifies checksums and the driver state; raises if none is intact
         if checkpoint is None:
             raise ConfigError(
-                f"resume=true but '{run_dir}' holds no checkpoint; start it without resume=true (the "
+                f"resume=true but '{run_dir}' holds no checkpoint; start it again without resume=true (the "
                 "records already there are moved into previous/, not deleted; checkpoints are written "
-                "every run.save_every steps)."
+                f"every run.save_every steps): {resume_command(config, run_dir, resume=False)}"
             )
     elif store.complete():
         raise ConfigError(
-            f"'{run_dir}' already holds a run with checkpoints; continue it with resume=true, or choose "
-            "another run.name."
+            f"'{run_dir}' already holds a run with checkpoints; continue it with: "
+            f"{resume_command(config, run_dir)} (or choose another run.name)."
         )
     else:
         aside = move_aside_earlier_attempt(run_dir)
@@ -140,6 +145,17 @@ def _prepare_run_dir(config: AgentRLConfig, plan_cluster: bool = False
                          f"were moved to {aside}")
     run_dir.mkdir(parents=True, exist_ok=True)
     return run_dir, store, checkpoint, notes
+
+
+def _runs_with_checkpoints(config: AgentRLConfig, most: int = 5) -> str:
+    """`; runs there with checkpoints: a, b` (the newest `most`), or nothing when there are none."""
+    root = Path(config.run.output_dir)
+    try:
+        runs = [p for p in root.iterdir() if (p / "checkpoints" / "latest").is_file()]
+    except OSError:
+        return ""
+    runs.sort(key=lambda p: (p / "checkpoints" / "latest").stat().st_mtime, reverse=True)
+    return f"; runs there with checkpoints: {', '.join(p.name for p in runs[:most])}" if runs else ""
 
 
 def _init_ray(cluster_address: str | None) -> None:
@@ -167,22 +183,6 @@ def _init_ray(cluster_address: str | None) -> None:
 
 
 @contextlib.contextmanager
-def _sigint_raises() -> Iterator[None]:
-    """While a blocking start runs on the event loop's thread (Ray joining, a placement group being
-    granted, servers loading), Ctrl-C raises KeyboardInterrupt in it at once: asyncio's own handler
-    only cancels the run's task, which would be heard after the start returned."""
-    previous = signal.getsignal(signal.SIGINT)
-    if threading.current_thread() is not threading.main_thread() or not callable(previous):
-        yield
-        return
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, previous)
-
-
-@contextlib.contextmanager
 def _driver_log(run_dir: Path) -> Iterator[None]:
     """The run's messages also go to `driver.log` in its directory, until the run is closed."""
     handler = logging.FileHandler(run_dir / "driver.log")
@@ -202,7 +202,8 @@ class Run:
     directory and the books (`RunBooks`), opens every piece the run starts through one
     `AsyncExitStack` (`_open`: Ray, the cluster's reservation and sandbox hosts, the trainer group,
     the servers and their router, the gateway), runs the steps (`TrainingSteps`), and closes all of
-    it in that one stack, in reverse order, however the run ends: its last step, an error, Ctrl-C.
+    it in that one stack, in reverse order, however the run ends: its last step, an error, Ctrl-C
+    or another stop signal (`signals`, which `run_training` installs for the run).
     """
 
     def __init__(self, job: Job) -> None:
@@ -212,10 +213,15 @@ class Run:
         self.config = job.config
         self.plan: PlacementPlan = job.plan
         self.started = time.perf_counter()
+        self.signals = StopSignals()
+        self.continue_command = ""
+        """What continues the run once its directory is prepared: the resume command, or the one that
+        starts it again while it has no checkpoint."""
 
     async def main(self) -> RunResult:
         """Train the job end to end (see the module docstring); what happened."""
         job, config = self.job, self.config
+        self.signals.watch(asyncio.current_task(), asyncio.get_running_loop())
         async with contextlib.AsyncExitStack() as stack:
             stack.push_async_callback(job.aclose)  # the sandbox's workers and the gateway live on this loop
             await asyncio.to_thread(preflight, job)  # its sandbox snippet runs on a loop of its own
@@ -232,11 +238,14 @@ class Run:
                 await steps.run()
             except AgentRLError as exc:
                 log.error("the run stopped: %s", exc)  # in driver.log too, with the fix
+                how = self._continue_text(run_dir, store)
+                if self.continue_command not in str(exc):  # raised where the run's name is not known
+                    log.error("once the cause is fixed, %s", how)
                 raise
             except (KeyboardInterrupt, asyncio.CancelledError):
-                log.error("the run was interrupted; its in-flight prompts are closed as unfinished in "
-                          "ledger.jsonl. Continue it with resume=true run.name=%s (from %s).", run_dir.name,
-                          store.latest_name() or "the start: no checkpoint was written yet")
+                log.error("the run was interrupted (%s); its in-flight prompts are closed as unfinished in "
+                          "ledger.jsonl; %s", signal_name(self.signals.received or signal.SIGINT),
+                          self._continue_text(run_dir, store))
                 raise
         result = RunResult(
             run_dir=str(run_dir), steps_done=steps.steps_done, policy_version=steps.scheduler.server_version,
@@ -247,6 +256,14 @@ class Run:
         (run_dir / "result.json").write_text(json.dumps(result.__dict__, indent=2))
         return result
 
+    def _continue_text(self, run_dir: Path, store: CheckpointStore) -> str:
+        """How to continue the run as it stands (and `continue_command` set to that command)."""
+        latest = store.latest_name()
+        self.continue_command = resume_command(self.config, run_dir, resume=latest is not None)
+        if latest is None:
+            return f"no checkpoint was written yet: start it again with: {self.continue_command}"
+        return f"continue it from {latest} with: {self.continue_command}"
+
     async def _open(self, stack: contextlib.AsyncExitStack, books: RunBooks) -> TrainingSteps:
         """Start every piece of the run, each closed by `stack`; the steps over them, ready to run."""
         from agentrl.orchestration.placement import start_inference
@@ -255,10 +272,11 @@ class Run:
         job, config, plan, run_dir = self.job, self.config, self.plan, books.run_dir
         cluster = plan.cluster
         make_env: Callable[[], Env] = job.make_env
-        with _sigint_raises():
+        with self.signals.raising():
             # Ray is left running for this process (a later run in it joins it); the reaper ends it
             # with the process.
             _init_ray(cluster.address if cluster is not None else None)
+            self.signals.install()  # ray.init took SIGTERM over (it would exit 15 and close nothing)
             reservation = None
             if cluster is not None:  # checked against the cluster's resources before anything starts
                 from agentrl.orchestration.cluster import reserve
@@ -272,7 +290,7 @@ class Run:
             hosted = hosts.sandbox()
             stack.push_async_callback(hosted.close)
             make_env = functools.partial(job.make_env, sandbox=hosted)
-        with _sigint_raises():
+        with self.signals.raising():
             # The trainer loads while the servers start (placement split), or with its engine (colocated).
             trainer = TrainerGroup(config, job.model_path, job.template, run_dir / "weights", plan=plan,
                                    reservation=reservation)
@@ -325,5 +343,16 @@ def run_training(config: AgentRLConfig) -> RunResult:
     Everything is built and checked first (`build_job`, then `preflight`): a config that cannot
     do useful work fails here, in seconds, before a server, a trainer or Ray starts. The run is
     then one `asyncio.run` of `Run.main`, which closes whatever it started however it ends.
+    SIGINT, SIGTERM and SIGHUP stop it alike; it then raises `RunInterrupted` naming the signal and
+    the command that continues the run, whatever the closing raised after it.
     """
-    return asyncio.run(Run(build_job(config, "run")).main())
+    run = Run(build_job(config, "run"))
+    with run.signals.installed():
+        try:
+            return asyncio.run(run.main())
+        except BaseException as exc:
+            if run.signals.received is None and not isinstance(exc, KeyboardInterrupt):
+                raise
+            if isinstance(exc, RunInterrupted):
+                raise
+            raise RunInterrupted(run.signals.received or signal.SIGINT, run.continue_command) from exc

@@ -45,7 +45,7 @@ def fix_for(error: str) -> str:
     for pattern, fix in _FIXES:
         if re.search(pattern, error, re.I):
             return fix
-    return "see driver.log for the full errors, fix the cause, and continue with resume=true run.name=NAME"
+    return "see the full errors in the log (a run's driver.log) and fix their cause"
 
 
 def describe_infra_failures(trajectories: Iterable[Trajectory]) -> tuple[str, int]:
@@ -64,8 +64,11 @@ def _short(error: str) -> str:
 class InfraMonitor:
     """The share of infrastructure failures over the last `window` episodes (see the module docstring)."""
 
-    def __init__(self, max_rate: float, window: int, *, min_episodes: int = 1) -> None:
+    def __init__(self, max_rate: float, window: int, *, min_episodes: int = 1, resume_command: str = "") -> None:
+        """`resume_command`: the command that continues the run once the cause is fixed
+        (`run_commands.resume_command`), the last line of the message."""
         self.max_rate = max_rate
+        self.resume_command = resume_command
         self.window: collections.deque[Trajectory] = collections.deque(maxlen=window)
         self.min_episodes = max(1, min(min_episodes, window))
         self.total = 0
@@ -100,4 +103,5 @@ class InfraMonitor:
             f"{bad} of the last {n} episodes ({bad / n:.0%}) failed for infrastructure reasons, more than "
             f"run.max_infra_failure_rate={self.max_rate:g}; they are never trained on, so the run stops "
             f"here. Commonest cause ({count} episodes): {cause}\nFix: {fix_for(cause)}."
+            + (f"\nThen continue the run with: {self.resume_command}" if self.resume_command else "")
         )

@@ -121,7 +121,10 @@ class Scheduler:
         partial_rollout: bool = False,
         version: int = 0,
         max_skipped_steps: int = 0,
+        resume_command: str = "",
     ) -> None:
+        """`resume_command`: the command that continues this run (`run_commands.resume_command`),
+        named in the message of a run that stops for lack of progress."""
         if mode not in ("sync", "one_step_off", "async"):
             raise AgentRLError(f"run.mode '{mode}' is not one of sync, one_step_off, async.")
         self.mode = mode
@@ -138,6 +141,7 @@ class Scheduler:
         self.generated_groups = 0
         self.max_staleness_seen = 0
         self.max_skipped_steps = max_skipped_steps
+        self.resume_command = resume_command
         self.skipped_in_a_row = 0
         self.steps_skipped = 0
         self.steps_trained = 0
@@ -218,7 +222,8 @@ class Scheduler:
             f"{self.skipped_in_a_row} steps in a row had nothing to train (run.max_skipped_steps="
             f"{self.max_skipped_steps}), so the run is making no progress and stops here. Why the last "
             f"step's groups were discarded: {self._discard_reasons(record)[:500]}. See ledger.jsonl for "
-            "every prompt's fate; fix the cause and continue with resume=true run.name=NAME."
+            "every prompt's fate; fix the cause and continue "
+            + (f"with: {self.resume_command}" if self.resume_command else "the run with resume=true and its run.name.")
         )
 
     async def _push_now(self, version: int) -> float:

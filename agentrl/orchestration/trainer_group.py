@@ -56,6 +56,7 @@ from agentrl.chat import ChatTemplate
 from agentrl.config import AgentRLConfig
 from agentrl.errors import AgentRLError, ServerUnavailableError, TrainerError, WeightSyncError
 from agentrl.orchestration.placement import PlacementPlan, weights_backend
+from agentrl.orchestration.run_commands import resume_command
 from agentrl.types import Trajectory
 
 __all__ = ["ColocatedTrainerWorker", "TrainerGroup", "TrainerWorker", "export_assets"]
@@ -401,7 +402,8 @@ class TrainerGroup:
     def __init__(self, config: AgentRLConfig, model_path: str, template: ChatTemplate, weights_dir: str | Path, *,
                  plan: PlacementPlan | None = None, reservation: Any | None = None) -> None:
         """`model_path`, `template`: the model directory and chat template `build_job` resolved (the
-        exports carry that tokenizer and template)."""
+        exports carry that tokenizer and template). `weights_dir` is `weights/` in the run directory,
+        whose command to continue the run (`resume_command`) the trainer's errors name."""
         import ray
         import ray.util
 
@@ -409,6 +411,7 @@ class TrainerGroup:
         self.colocated = colocated_plan is not None
         self.weights = "inprocess" if self.colocated else weights_backend(config)
         self.weights_dir = Path(weights_dir)
+        self.resume_command = resume_command(config, self.weights_dir.parent)
         self.endpoint: dict[str, Any] = {}
         n = config.trainer.num_processes
         use_gpu = config.trainer.device == "cuda" or (
@@ -475,8 +478,8 @@ class TrainerGroup:
             raise TrainerError(
                 f"A trainer process was killed for lack of memory during '{method}'. Lower "
                 "trainer.micro_batch_tokens (packed attention on CPU is quadratic in it) or turn on "
-                "trainer.gradient_checkpointing=true, then continue with resume=true run.name=... "
-                f"(Ray said: {str(exc).splitlines()[0]})"
+                "trainer.gradient_checkpointing=true (Ray said: "
+                f"{str(exc).splitlines()[0]}), then continue with: {self.resume_command}"
             ) from exc
         except ray.exceptions.RayActorError as exc:
             # Ray's message ends with the error that ended the actor (an exception in its constructor,
@@ -486,7 +489,7 @@ class TrainerGroup:
             reason = (errors or said or [""])[-1][:500]
             raise TrainerError(
                 f"A trainer process died during '{method}' ({type(exc).__name__}: {reason}). Fix the cause "
-                "and continue with resume=true run.name=..."
+                f"and continue with: {self.resume_command}"
             ) from exc
         except ray.exceptions.RayTaskError as exc:
             cause = exc.cause if getattr(exc, "cause", None) is not None else exc

@@ -34,6 +34,7 @@ from agentrl.orchestration.ledger import (
     close_orphans,
     next_session,
 )
+from agentrl.orchestration.run_commands import resume_command
 from agentrl.orchestration.schedule import GroupResult, Scheduler, StepRecord, Verdict, default_classify
 from agentrl.records.metrics import MetricsLogger, episode_metrics, segment_metrics
 from agentrl.records.trajectory_log import RolloutLog
@@ -62,13 +63,16 @@ class RunBooks:
         self.run_dir = run_dir
         self.store = store
         self.checkpoint = checkpoint
+        self.resume_command = resume_command(config, run_dir)
+        """The command that continues this run, for the messages of what stops it."""
         # Indexed by dataset row number (the ledger's indices); None where a malformed row was skipped.
         self.train_rows = job.train_rows
         self.val_rows: list[dict[str, Any]] = job.val_rows
         for note in job.notes:
             log.warning("%s", note)
         self.infra = InfraMonitor(config.run.max_infra_failure_rate, config.run.infra_failure_window,
-                                  min_episodes=config.data.prompts_per_step * config.rollout.samples_per_prompt)
+                                  min_episodes=config.data.prompts_per_step * config.rollout.samples_per_prompt,
+                                  resume_command=self.resume_command)
         self.sampler = PromptSampler(len(self.train_rows), seed=config.run.seed, shuffle=config.data.shuffle,
                                      skip=[s.index for s in job.train_skipped])
         journal = run_dir / "ledger.jsonl"
@@ -131,7 +135,7 @@ class TrainingSteps:
             ledger=books.ledger, rollout=self.rollout, train=self.train, push=self.push,
             after_step=self.after_step, classify=self.classify, max_staleness=config.run.max_staleness,
             partial_rollout=config.run.partial_rollout, version=version,
-            max_skipped_steps=config.run.max_skipped_steps,
+            max_skipped_steps=config.run.max_skipped_steps, resume_command=books.resume_command,
         )  # fmt: skip
 
     async def run(self) -> None:

@@ -3,6 +3,9 @@
 - Ctrl-C (SIGINT) of `agentrl run` in the middle of a step: it exits 130 saying how to continue,
   every prompt it took already has its final state in the ledger (the in-flight ones as
   `unfinished`), nothing it started is left running, and `resume=true` finishes the run.
+- SIGTERM (what a scheduler sends) of `agentrl run` mid-step is handled as Ctrl-C is: it exits 143
+  (128 + 15) saying it was SIGTERM and with the command that continues it, the in-flight prompts are
+  `unfinished` in the ledger, and nothing it started is left running.
 - SIGKILL of `agentrl run` (which started its own vLLM server): within seconds nothing it started
   is left (the vLLM server, its engine core, Ray's processes, the trainer actor); the resumed run
   closes the dead run's in-flight prompts as `unfinished` before it continues, and finishes.
@@ -13,6 +16,7 @@
 from __future__ import annotations
 
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -90,6 +94,27 @@ def test_ctrl_c_closes_every_prompt_leaves_nothing_running_and_resumes(
     assert resumed.steps_done == 4 and resumed.policy_version == 4
     assert check_books(run_dir)["trained"] >= 12
     assert sorted(trained_by_step(run_dir)) == [0, 1, 2, 3]
+
+
+def test_sigterm_is_handled_as_ctrl_c_and_exits_143_with_the_resume_command(
+    tmp_path: Path, shared_url: str, assets: Path
+) -> None:
+    shutdown_ray()
+    args = overrides(tmp_path, "sigterm", assets, "run.total_steps=4", url=shared_url)
+    proc = start_cli(tmp_path, args)
+    run_dir = tmp_path / "sigterm"
+    wait_for_open_attempts_after_a_checkpoint(proc, run_dir, timeout_s=1200)
+    started = descendants(proc.pid)
+    proc.send_signal(signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 143, stderr[-3000:]  # not Ray's exit 15
+    command = shlex.join(["agentrl", "run", f"{run_dir}/config.yaml", "resume=true", "run.name=sigterm",
+                          f"run.output_dir={tmp_path}"])
+    assert "the run was interrupted (SIGTERM)" in stderr and command in stderr, stderr[-3000:]
+    check_books(run_dir)  # balanced as it stands: the interrupted run closed its own books
+    unfinished = [e for e in lines(run_dir / "ledger.jsonl") if e["status"] == "unfinished"]
+    assert unfinished and all("interrupted" in e["reason"] for e in unfinished)
+    assert wait_until_gone(started) == []
 
 
 def test_sigkill_of_the_driver_leaves_nothing_behind_and_the_resume_closes_its_books(

@@ -54,6 +54,36 @@ def test_older_checkpoints_are_pruned_to_keep_checkpoints(tmp_path: Path) -> Non
     assert [p.name for _, p in store.complete()] == ["step-000003", "step-000004"]
 
 
+def replaced(store: CheckpointStore) -> list[str]:
+    return [p.name.split(".replaced-")[0] for p in store.replaced()]
+
+
+def test_copies_of_re_saved_steps_are_pruned_under_keep_checkpoints(tmp_path: Path) -> None:
+    store = CheckpointStore(tmp_path / "checkpoints", keep=3)
+    save(store, 1)
+    save(store, 2)
+    save(store, 2)  # a resumed run saves the step it resumed at again: the earlier save is kept aside
+    assert [p.name for _, p in store.complete()] == ["step-000001", "step-000002"] and replaced(store) == ["step-000002"]
+    save(store, 2)  # twice within a second: a second copy, not one renamed onto the other
+    assert replaced(store) == ["step-000002"], "keep=3 leaves room for one copy beside two checkpoints"
+    save(store, 3)
+    assert [p.name for _, p in store.complete()] == ["step-000001", "step-000002", "step-000003"]
+    assert replaced(store) == [], "the checkpoints a resume can use come first"
+    assert store.latest_name() == "step-000003" and store.resumable().step == 3
+
+
+def test_keep_one_never_deletes_the_latest_and_keep_zero_keeps_every_copy(tmp_path: Path) -> None:
+    one = CheckpointStore(tmp_path / "one" / "checkpoints", keep=1)
+    for _ in range(3):
+        save(one, 5)
+    assert [p.name for _, p in one.complete()] == ["step-000005"] and replaced(one) == []
+    assert sorted(p.name for p in one.directory.iterdir()) == ["latest", "step-000005"]
+    every = CheckpointStore(tmp_path / "every" / "checkpoints", keep=0)
+    for _ in range(3):
+        save(every, 5)
+    assert replaced(every) == ["step-000005", "step-000005"]
+
+
 def test_a_same_size_corruption_inside_a_shard_is_found_and_an_older_checkpoint_used(tmp_path: Path) -> None:
     store = CheckpointStore(tmp_path / "checkpoints", keep=0)
     save(store, 1)
@@ -88,7 +118,10 @@ def test_a_full_disk_leaves_the_previous_checkpoint_intact_and_says_so(tmp_path:
         asyncio.run(store.save(2, writer(fail=full), driver_state(2)))
     message = str(caught.value)
     assert "disk under" in message and "is full" in message and "step-000001 is intact" in message
-    assert "resume=true" in message
+    assert message.endswith("continue the run with resume=true run.name=" + tmp_path.name)
+    named = CheckpointStore(tmp_path / "checkpoints", keep=0, resume_command="agentrl run x resume=true run.name=mine")
+    with pytest.raises(CheckpointError, match="continue with: agentrl run x resume=true run.name=mine$"):
+        asyncio.run(named.save(2, writer(fail=full), driver_state(2)))
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["latest", "step-000001"]
     assert store.latest_name() == "step-000001" and store.resumable().step == 1
 

@@ -32,6 +32,16 @@ def test_the_monitor_waits_for_a_step_then_stops_above_the_rate() -> None:
     assert "5 of the last 6 episodes (83%)" in text and "run.max_infra_failure_rate=0.5" in text
     assert "Commonest cause (4 episodes): generation failed: server down" in text
     assert monitor.failed == 5 and monitor.total == 6
+    assert "continue the run" not in text  # an evaluation's monitor has no run to continue
+
+
+def test_a_run_that_stops_names_its_own_resume_command() -> None:
+    command = "agentrl run out/mine/config.yaml resume=true run.name=mine run.output_dir=out"
+    monitor = InfraMonitor(0.5, window=4, resume_command=command)
+    monitor.record([infra()] * 4)
+    with pytest.raises(InfraFailureError) as caught:
+        monitor.check()
+    assert str(caught.value).endswith(f"\nThen continue the run with: {command}")
 
 
 def test_the_window_forgets_old_failures_and_rate_one_never_stops() -> None:
@@ -50,7 +60,7 @@ def test_the_window_forgets_old_failures_and_rate_one_never_stops() -> None:
 def test_the_fix_is_chosen_by_the_error_text() -> None:
     assert "bubblewrap" in fix_for("LocalSandbox needs bubblewrap (the 'bwrap' binary)")
     assert "tool_timeout_s" in fix_for("tool 'python' failed: did not answer within 30 s")
-    assert "resume=true" in fix_for("something nobody foresaw")
+    assert "driver.log" in fix_for("something nobody foresaw")
     cause, count = describe_infra_failures([infra("a 0123456789abcdef0123 b"), infra("a fedcba98765432100000 b"), ok()])
     assert (cause, count) == ("a <id> b", 2)
 

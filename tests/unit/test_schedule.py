@@ -245,8 +245,10 @@ def test_steps_with_nothing_to_train_stop_the_run_after_max_skipped_steps():
     world = FakeWorld(equal=set(range(20)))  # every group filtered (equal rewards)
     s = make(world, "sync")
     s.max_skipped_steps = 2
-    with pytest.raises(NoProgressError, match="2 steps in a row had nothing to train.*equal rewards"):
+    s.resume_command = "agentrl run runs/mine/config.yaml resume=true run.name=mine"
+    with pytest.raises(NoProgressError, match="2 steps in a row had nothing to train.*equal rewards") as caught:
         asyncio.run(s.run(0, 5))
+    assert str(caught.value).endswith("continue with: agentrl run runs/mine/config.yaml resume=true run.name=mine")
     assert s.steps_skipped == 2 and len(world.records) == 2 and world.trained == []
     assert s.ledger.check(allow_in_flight=False)["filtered"] == 6
 
