@@ -113,12 +113,12 @@ def check_resume(config: AgentRLConfig, run_dir: Path) -> ResumeCheck:
     keys = list(identity)
     unknown = [e for e in allow if not any(_covers(e, k) for k in keys)]
     if unknown:
-        lines = []
+        named = []
         for entry in unknown:
             close = closest_names(entry, keys)
-            lines.append(f"'{entry}'" + (f" (did you mean '{close[0]}'?)" if close else ""))
+            named.append(f"'{entry}'" + (f" (did you mean '{close[0]}'?)" if close else ""))
         raise ConfigError(
-            f"run.resume_allow names keys a resume does not compare: {', '.join(lines)}. It takes the keys "
+            f"run.resume_allow names keys a resume does not compare: {', '.join(named)}. It takes the keys "
             f"a refused resume names, or the sections above them ({', '.join(sorted({k.split('.')[0] for k in keys}))})."
         )
     path = run_dir / IDENTITY_FILE
@@ -138,10 +138,10 @@ def check_resume(config: AgentRLConfig, run_dir: Path) -> ResumeCheck:
                  for k in sorted(set(recorded) | set(identity)) if recorded.get(k) != identity.get(k)}
     refused = {k: d for k, d in differing.items() if not any(_covers(e, k) for e in allow)}
     if refused:
-        lines = "\n".join(f"  {k}: {_shown(d['old'])} -> {_shown(d['new'])}" for k, d in refused.items())
+        listed = "\n".join(f"  {k}: {_shown(d['old'])} -> {_shown(d['new'])}" for k, d in refused.items())
         raise ConfigError(
             f"resume=true: this config differs from the run in '{run_dir}' (recorded in {IDENTITY_FILE}) in what "
-            f"shapes its data and model, {len(refused)} key(s), recorded -> given:\n{lines}\n"
+            f"shapes its data and model, {len(refused)} key(s), recorded -> given:\n{listed}\n"
             f"Nothing was started and nothing in the run directory was changed. Resume with the run's own config "
             f"(agentrl run {run_dir / 'config.yaml'} resume=true), start a new run under another run.name, or, "
             f"to continue with the change on purpose, list the keys: run.resume_allow=[{','.join(refused)}]."
