@@ -169,7 +169,7 @@ def cmd_validate(ns: argparse.Namespace) -> int:
     sandbox = cfg.sandbox.name if job.sandbox is not None else "none"
     asyncio.run(job.aclose())
     # A run's directory: a resume must match the run it continues (checked as `agentrl run` would).
-    run_dir_lines = check_run_dir(cfg) if purpose == "run" else []
+    run_dir_lines = [] if ns.for_eval else check_run_dir(cfg)
     if ns.show:
         sys.stdout.write(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
     else:
