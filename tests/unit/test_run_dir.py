@@ -230,3 +230,24 @@ def test_the_run_releases_its_lock_whatever_ends_it(tmp_path: Path) -> None:
     with pytest.raises(RuntimeError):
         asyncio.run(fails_after_preparing())
     RunLock.acquire(tmp_path / "runs" / "r", command="next").release()  # not refused: it was released
+
+
+def test_a_fresh_start_moves_an_earlier_attempt_aside_but_keeps_its_own_lock_in_place(tmp_path: Path) -> None:
+    run_dir = tmp_path / "runs" / "r"
+    run_dir.mkdir(parents=True)
+    (run_dir / "metrics.jsonl").write_text("{}\n")  # an attempt that saved no checkpoint
+    cfg = config(tmp_path)
+
+    async def go() -> None:
+        async with contextlib.AsyncExitStack() as stack:
+            prepared = _prepare_run_dir(cfg, stack)
+            notes = _settle_run_dir(cfg, prepared)
+            assert len(notes) == 1 and "moved to" in notes[0]
+            assert json.loads((run_dir / LOCK_FILE).read_text())["pid"] == os.getpid()
+            with pytest.raises(ConfigError, match="in use by another live run"):
+                RunLock.acquire(run_dir, command="second")  # the lock moved with nothing: still held here
+
+    asyncio.run(go())
+    [aside] = list((run_dir / "previous").iterdir())
+    assert sorted(p.name for p in aside.iterdir()) == ["metrics.jsonl"]
+    assert sorted(p.name for p in run_dir.iterdir()) == sorted(["config.yaml", IDENTITY_FILE, "previous", LOCK_FILE])
