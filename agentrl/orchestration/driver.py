@@ -129,7 +129,6 @@ class _RunDir:
     checkpoint: Checkpoint | None
     """The verified checkpoint to resume from; None for a fresh start."""
     resume: ResumeCheck
-    notes: list[str] = field(default_factory=list)
 
 
 def _prepare_run_dir(config: AgentRLConfig, stack: contextlib.AsyncExitStack, plan_cluster: bool = False) -> _RunDir:
@@ -190,7 +189,8 @@ def _settle_run_dir(config: AgentRLConfig, prepared: _RunDir) -> list[str]:
     """Write what a run that passed its checks writes first: an earlier attempt's records moved aside
     (a fresh start), the resolved `config.yaml`, and the run's identity (`run_identity.json`) or
     this resume in `resume_history.jsonl`; notes for the log."""
-    run_dir, notes = prepared.path, list(prepared.notes)
+    run_dir = prepared.path
+    notes: list[str] = []
     if prepared.checkpoint is None:
         aside = move_aside_earlier_attempt(run_dir)
         if aside is not None:
