@@ -163,12 +163,15 @@ def cmd_validate(ns: argparse.Namespace) -> int:
     import yaml
 
     from agentrl.orchestration.build import build_job
+    from agentrl.orchestration.driver import check_run_dir
 
     cfg = _load(ns.args)
     purpose = _purpose(cfg, ns.for_eval)
     job = build_job(cfg, purpose)  # type: ignore[arg-type]
     sandbox = cfg.sandbox.name if job.sandbox is not None else "none"
     asyncio.run(job.aclose())
+    # A run's directory: a resume must match the run it continues (checked as `agentrl run` would).
+    run_dir_lines = [] if ns.for_eval else check_run_dir(cfg)
     if ns.show:
         sys.stdout.write(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
     else:
@@ -183,6 +186,8 @@ def cmd_validate(ns: argparse.Namespace) -> int:
             # Where each process lands, as the cluster grants it now (it must hold the plan).
             lines = lines[: len(lines) - len(job.plan.cluster.describe())] + trial_placement(job.plan.cluster)
         for line in lines:
+            print(line)
+        for line in run_dir_lines:
             print(line)
         for note in job.notes:
             print(f"note: {note}")

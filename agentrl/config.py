@@ -428,7 +428,14 @@ class RunConfig(_Section):
     seed: int = 0
     """Seed of every random choice (data order, sampling seeds, initialisation)."""
     resume: bool = False
-    """Continue from the last checkpoint in the run directory."""
+    """Continue from the last checkpoint in the run directory. The config that shapes the run's data
+    and model (env, data files and their content, data keys, run.seed, model, algorithm) must match
+    what the run recorded when it started (`run_identity.json`); a difference is refused, naming each
+    key, before anything starts."""
+    resume_allow: list[str] = Field(default_factory=list)
+    """Keys a resume may change on purpose, from those a refused resume names (`run.seed`,
+    `data.train_files.sha256`, ...) or the sections above them (`data` allows every data key). Each
+    allowed change is recorded in the run's `resume_history.jsonl` and `driver.log`. Only with `resume`."""
     loggers: list[LoggerName] = Field(default_factory=lambda: list[LoggerName](("console", "jsonl")))
     """Where metrics go each step."""
     keep_rollouts: int | Literal["all"] = 4

@@ -22,7 +22,8 @@
   before any server or trainer starts.
 - `move_aside_earlier_attempt(run_dir)`: a fresh start in a directory holding another attempt's
   records but no checkpoint moves them into `previous/<time>/` (the `checkpoints/` folder, which
-  then holds no checkpoint, stays: it may be a mount point); nothing a run wrote is deleted.
+  then holds no checkpoint, stays: it may be a mount point, and so does the live run's `run.lock`);
+  nothing a run wrote is deleted.
 
 The trainer backends' own file formats are not this module's business; it checksums whatever
 files they write.
@@ -45,6 +46,7 @@ from pathlib import Path
 from typing import Any
 
 from agentrl.errors import CheckpointError
+from agentrl.orchestration.run_lock import LOCK_FILE
 
 __all__ = [
     "DRIVER_STATE",
@@ -318,7 +320,8 @@ class CheckpointStore:
         )
 
 
-_EARLIER_ATTEMPT_KEEP = {"previous", "checkpoints"}
+# run.lock is the live run's own lock (`run_lock.py`): it stays where that run holds it.
+_EARLIER_ATTEMPT_KEEP = {"previous", "checkpoints", LOCK_FILE}
 
 
 def move_aside_earlier_attempt(run_dir: Path) -> Path | None:

@@ -4,11 +4,15 @@ One run, on Ray (a local instance by default; the cluster when `ray start` made 
 `RAY_ADDRESS` names it; with `cluster.address`, that cluster, every role reserved in one placement
 group before anything starts: `cluster.py`):
 
-1. The run directory (`run.output_dir/run.name`) gets the resolved config. With `run.resume` it
+1. The run directory (`run.output_dir/run.name`) is owned by this run alone (`run.lock`, held
+   while it lives: `run_lock.py`; a second run on it is refused at once). With `run.resume` it
    must hold an intact checkpoint: the newest is verified against its checksums (and a damaged one
-   set aside for the newest intact one, `checkpoints.py`) before anything starts. Without it, it
+   set aside for the newest intact one, `checkpoints.py`), and the config that shapes the data and
+   the model must match what the run recorded when it started (`run_identity.py`; `run.resume_allow`
+   lets named keys change), all before pre-flight and before anything starts. Without it, it
    must hold none (a run is never silently overwritten), and the records of an earlier attempt
-   that saved no checkpoint are moved into `previous/`, never deleted.
+   that saved no checkpoint are moved into `previous/`, never deleted. Only then does it get the
+   resolved config (`config.yaml`) and the run's identity, or this resume in `resume_history.jsonl`.
 2. The LLM servers start (`serve_from_config`, behind the session-sticky router, supervised: a
    dead server is restarted and re-synced) while the trainer actors load the policy (`TrainerGroup`);
    with placement `colocated` the vLLM engine starts inside the trainer actor instead, and the
@@ -67,11 +71,19 @@ from agentrl.orchestration.interrupts import RunInterrupted, StopSignals, signal
 from agentrl.orchestration.placement import PlacementPlan
 from agentrl.orchestration.preflight import preflight
 from agentrl.orchestration.run_commands import resume_command
+from agentrl.orchestration.run_identity import (
+    ResumeCheck,
+    check_resume,
+    record_resume,
+    run_identity,
+    write_identity,
+)
+from agentrl.orchestration.run_lock import RunLock
 from agentrl.orchestration.training import RunBooks, TrainingSteps, score_text
 from agentrl.records.metrics import MetricsLogger
 from agentrl.rollout import RolloutWorker
 
-__all__ = ["Run", "RunResult", "resolve_run_dir", "run_training"]
+__all__ = ["Run", "RunResult", "check_run_dir", "resolve_run_dir", "run_training"]
 
 log = logging.getLogger("agentrl.run")
 
@@ -111,40 +123,93 @@ def resolve_run_dir(config: AgentRLConfig) -> Path:
     return Path(config.run.output_dir) / name
 
 
-def _prepare_run_dir(config: AgentRLConfig, plan_cluster: bool = False
-                     ) -> tuple[Path, CheckpointStore, Checkpoint | None, list[str]]:
-    """The run directory, its checkpoint store, the checkpoint to resume from (verified), and notes
-    for the log. Raises before anything starts when the directory does not fit `run.resume`."""
+@dataclass
+class _RunDir:
+    """The run directory, owned by this run (its `run.lock` is held), checked against `run.resume`."""
+
+    path: Path
+    store: CheckpointStore
+    checkpoint: Checkpoint | None
+    """The verified checkpoint to resume from; None for a fresh start."""
+    resume: ResumeCheck
+
+
+def _prepare_run_dir(config: AgentRLConfig, stack: contextlib.AsyncExitStack, plan_cluster: bool = False) -> _RunDir:
+    """Own the run directory (`RunLock`, released by `stack`) and check it fits `run.resume`: the
+    checkpoint to resume from (verified) and the run's recorded identity (`check_resume`). Raises
+    before anything starts and before anything in the directory is written (a damaged checkpoint
+    aside, set aside by `resumable`, is the one exception); `_settle_run_dir` writes, after pre-flight."""
     run_dir = resolve_run_dir(config)
     if plan_cluster:  # actors on the driver's node work in other directories: give them absolute paths
         run_dir = run_dir.absolute()
     store = CheckpointStore(run_dir / "checkpoints", keep=config.run.keep_checkpoints,
                             resume_command=resume_command(config, run_dir))
-    notes: list[str] = []
+    if config.run.resume:
+        _check_resumable(config, run_dir, store)  # nothing created, nothing locked
+    lock = RunLock.acquire(run_dir)  # before anything is written into the directory
+    stack.callback(lock.release)
+    resume = check_resume(config, run_dir)  # the recorded identity; resume_allow only with resume
     checkpoint = None
     if config.run.resume:
-        if config.run.name is None:
-            raise ConfigError("resume=true needs the run to continue: give run.name=NAME, the name of a folder "
-                              f"under run.output_dir={config.run.output_dir}{_runs_with_checkpoints(config)}.")
         checkpoint = store.resumable()  # verifies checksums and the driver state; raises if none is intact
         if checkpoint is None:
-            raise ConfigError(
-                f"resume=true but '{run_dir}' holds no checkpoint; start it again without resume=true (the "
-                "records already there are moved into previous/, not deleted; checkpoints are written "
-                f"every run.save_every steps): {resume_command(config, run_dir, resume=False)}"
-            )
+            _check_resumable(config, run_dir, store)
     elif store.complete():
         raise ConfigError(
             f"'{run_dir}' already holds a run with checkpoints; continue it with: "
             f"{resume_command(config, run_dir)} (or choose another run.name)."
         )
-    else:
+    return _RunDir(run_dir, store, checkpoint, resume)
+
+
+def _check_resumable(config: AgentRLConfig, run_dir: Path, store: CheckpointStore) -> None:
+    """`resume=true` needs a named run directory that holds a checkpoint (not verified here)."""
+    if config.run.name is None:
+        raise ConfigError("resume=true needs the run to continue: give run.name=NAME, the name of a folder "
+                          f"under run.output_dir={config.run.output_dir}{_runs_with_checkpoints(config)}.")
+    if not store.complete():
+        raise ConfigError(
+            f"resume=true but '{run_dir}' holds no checkpoint; start it again without resume=true (the "
+            "records already there are moved into previous/, not deleted; checkpoints are written "
+            f"every run.save_every steps): {resume_command(config, run_dir, resume=False)}"
+        )
+
+
+def check_run_dir(config: AgentRLConfig) -> list[str]:
+    """What `agentrl validate` checks of the run directory without taking it: with `run.resume`, that
+    it holds a checkpoint (not verified here) and that the config matches the run's recorded identity
+    (`check_resume`), and that `run.resume_allow` is only given with it. Raises what `agentrl run`
+    would; lines to print. Writes nothing."""
+    run_dir = resolve_run_dir(config)
+    if config.run.resume:
+        _check_resumable(config, run_dir, CheckpointStore(run_dir / "checkpoints"))
+    check = check_resume(config, run_dir)
+    if not config.run.resume:
+        return []
+    first = [] if not check.recorded else [
+        f"resume: {run_dir} matches this config in what shapes its data and model"
+        + (f", except what run.resume_allow lets change ({len(check.allowed)} key(s))" if check.allowed else "")]
+    return first + [f"note: {n}" for n in check.notes()]
+
+
+def _settle_run_dir(config: AgentRLConfig, prepared: _RunDir) -> list[str]:
+    """Write what a run that passed its checks writes first: an earlier attempt's records moved aside
+    (a fresh start), the resolved `config.yaml`, and the run's identity (`run_identity.json`) or
+    this resume in `resume_history.jsonl`; notes for the log."""
+    run_dir = prepared.path
+    notes: list[str] = []
+    if prepared.checkpoint is None:
         aside = move_aside_earlier_attempt(run_dir)
         if aside is not None:
             notes.append(f"{run_dir} held the records of an earlier attempt that saved no checkpoint; they "
                          f"were moved to {aside}")
-    run_dir.mkdir(parents=True, exist_ok=True)
-    return run_dir, store, checkpoint, notes
+    save_config(config, run_dir)
+    if prepared.checkpoint is None:
+        write_identity(run_dir, run_identity(config))
+    else:
+        record_resume(run_dir, prepared.resume, prepared.checkpoint.name)
+        notes.extend(prepared.resume.notes())
+    return notes
 
 
 def _runs_with_checkpoints(config: AgentRLConfig, most: int = 5) -> str:
@@ -224,9 +289,10 @@ class Run:
         self.signals.watch(asyncio.current_task(), asyncio.get_running_loop())
         async with contextlib.AsyncExitStack() as stack:
             stack.push_async_callback(job.aclose)  # the sandbox's workers and the gateway live on this loop
+            prepared = _prepare_run_dir(config, stack, self.plan.cluster is not None)  # refusals before anything starts
             await asyncio.to_thread(preflight, job)  # its sandbox snippet runs on a loop of its own
-            run_dir, store, checkpoint, notes = _prepare_run_dir(config, self.plan.cluster is not None)
-            save_config(config, run_dir)
+            run_dir, store, checkpoint = prepared.path, prepared.store, prepared.checkpoint
+            notes = _settle_run_dir(config, prepared)
             stack.enter_context(_driver_log(run_dir))
             for note in notes:
                 log.warning("%s", note)

@@ -164,7 +164,8 @@ def test_a_killed_trainer_stops_the_run_and_it_resumes_with_nothing_lost(
     assert [m["step"] for m in lines(run_dir / "metrics.jsonl")] == [0]
     assert wait_until_gone(procs_matching("ray::TrainerWorker"), timeout_s=30) == []
 
+    # The resume plays the plain env (no more kills): a change of env the resume must be told is on purpose.
     resumed = run_training(make_config(tmp_path, "trainer", assets, "run.total_steps=3", "resume=true",
-                                       url=shared_url))
+                                       "run.resume_allow=[env]", url=shared_url))
     assert resumed.steps_done == 3 and resumed.policy_version == 3
     assert check_books(run_dir)["trained"] == 9 and sorted(trained_by_step(run_dir)) == [0, 1, 2]

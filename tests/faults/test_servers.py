@@ -52,8 +52,9 @@ def test_sync_a_server_killed_mid_step_is_restarted_resynced_then_given_up_and_t
     assert books["trained"] == 9 and books["requeued"] == 3
     assert own_servers_left() == [], "the run's servers (and their engine cores) are gone"
 
+    # The resume's env kills nothing (other env.kwargs): a change the resume must be told is on purpose.
     resumed = run_training(make_config(tmp_path, "sync", assets, *killer([], "sync-resume"), "run.total_steps=5",
-                                       "resume=true", url=shared_url))
+                                       "resume=true", "run.resume_allow=[env.kwargs]", url=shared_url))
     assert resumed.steps_done == 5 and resumed.policy_version == 4  # step 3 had nothing to train
     books = check_books(run_dir)
     assert books["trained"] == 12 and books.get("unfinished", 0) == 0

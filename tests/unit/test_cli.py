@@ -91,3 +91,19 @@ def test_eval_progress_lines_on_a_pipe(monkeypatch: pytest.MonkeyPatch, capsys: 
     show = _EvalProgressLine(every_s=0.0)
     show(2, 8, 10.0)
     assert capsys.readouterr().err == "eval: 2/8 episodes done, 10 s elapsed, about 30 s to go\n"
+
+
+def test_validate_refuses_a_resume_that_does_not_match_its_run(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
+    from agentrl.config import load_config
+    from agentrl.orchestration.run_identity import run_identity, write_identity
+
+    run_dir = tmp_path / "r"
+    (run_dir / "checkpoints" / "step-000001").mkdir(parents=True)  # validate does not verify it
+    write_identity(run_dir, run_identity(load_config("arithmetic", [])))
+    common = ["validate", "arithmetic", "resume=true", "run.name=r", f"run.output_dir={tmp_path}"]
+    assert main([*common, "run.seed=7"]) == EXIT_ERROR
+    err = capsys.readouterr().err
+    assert "run.seed: 0 -> 7" in err and "run.resume_allow=[run.seed]" in err
+    assert main([*common, "run.seed=7", "run.resume_allow=[run.seed]"]) == 0
+    assert f"resume: {run_dir} matches this config" in capsys.readouterr().out
+    assert sorted(p.name for p in run_dir.iterdir()) == ["checkpoints", "run_identity.json"], "validate writes nothing"
