@@ -57,20 +57,31 @@ def checkpointed(run_dir: Path) -> None:
 
 
 def test_the_run_directory_checks_name_the_command(tmp_path: Path) -> None:
+    import contextlib
+
     out = tmp_path / "out"
     checkpointed(out / "mine")
+
+    def prepare(cfg):  # as the run does: a refusal releases the run lock it took
+        stack = contextlib.AsyncExitStack()
+        try:
+            return _prepare_run_dir(cfg, stack)
+        finally:
+            asyncio.run(stack.aclose())
+
     with pytest.raises(ConfigError) as caught:  # a fresh start over a run with checkpoints
-        _prepare_run_dir(config(f"run.output_dir={out}", "run.name=mine"))
+        prepare(config(f"run.output_dir={out}", "run.name=mine"))
     assert f"continue it with: agentrl run {out}/mine/config.yaml resume=true run.name=mine run.output_dir={out}" \
         in str(caught.value)
     with pytest.raises(ConfigError) as caught:  # resume without a name: the runs there are listed
-        _prepare_run_dir(config(f"run.output_dir={out}", "resume=true"))
+        prepare(config(f"run.output_dir={out}", "resume=true"))
     assert "give run.name=NAME" in str(caught.value) and "runs there with checkpoints: mine" in str(caught.value)
     with pytest.raises(ConfigError) as caught:  # resume where nothing was saved: the command that starts it again
-        _prepare_run_dir(config(f"run.output_dir={out}", "run.name=empty", "resume=true"))
+        prepare(config(f"run.output_dir={out}", "run.name=empty", "resume=true"))
     assert str(caught.value).endswith(f"agentrl run {out}/empty/config.yaml run.name=empty run.output_dir={out}")
-    _, store, checkpoint, _ = _prepare_run_dir(config(f"run.output_dir={out}", "run.name=mine", "resume=true"))
-    assert checkpoint is not None and store.resume_command.endswith("resume=true run.name=mine run.output_dir=" + str(out))
+    prepared = prepare(config(f"run.output_dir={out}", "run.name=mine", "resume=true"))
+    assert prepared.checkpoint is not None
+    assert prepared.store.resume_command.endswith("resume=true run.name=mine run.output_dir=" + str(out))
 
 
 def test_the_trainer_s_errors_name_the_command(tmp_path: Path) -> None:
