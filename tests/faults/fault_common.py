@@ -5,6 +5,8 @@ a module called `conftest` would be another directory's conftest when the whole 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -111,3 +113,12 @@ def own_servers_left() -> list[str]:
         if OWN_SERVER in line and p.status() != "zombie":
             out.append(line[:150])
     return out
+
+
+def start_cli(tmp_path: Path, args: list[str]) -> subprocess.Popen[str]:
+    """`agentrl run ARGS` as a process of its own in `tmp_path`, with the fault tests' envs importable."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), str(E2E), os.environ.get("PYTHONPATH", "")])}
+    return subprocess.Popen(
+        [sys.executable, "-c", "import sys; from agentrl.cli import main; sys.exit(main())", "run", *args],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path,
+    )

@@ -15,24 +15,21 @@
 
 from __future__ import annotations
 
-import os
 import shlex
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 from fault_common import (
-    E2E,
-    HERE,
     check_books,
     lines,
     make_config,
     overrides,
     procs_matching,
     shutdown_ray,
+    start_cli,
     trained_by_step,
     wait_until_gone,
 )
@@ -41,12 +38,6 @@ from fault_parts import descendants
 pytestmark = pytest.mark.slow
 
 
-def start_cli(tmp_path: Path, args: list[str]) -> subprocess.Popen[str]:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), str(E2E), os.environ.get("PYTHONPATH", "")])}
-    return subprocess.Popen(
-        [sys.executable, "-c", "import sys; from agentrl.cli import main; sys.exit(main())", "run", *args],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path,
-    )
 
 
 def wait_for_open_attempts_after_a_checkpoint(proc: subprocess.Popen[str], run_dir: Path, timeout_s: float) -> None:

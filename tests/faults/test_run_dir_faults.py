@@ -12,24 +12,16 @@ with another config.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
-from fault_common import E2E, HERE, check_books, lines, overrides, shutdown_ray, trained_by_step
+from fault_common import check_books, lines, overrides, shutdown_ray, start_cli, trained_by_step
 
 pytestmark = pytest.mark.slow
 
 
-def start_cli(tmp_path: Path, args: list[str]) -> subprocess.Popen[str]:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), str(E2E), os.environ.get("PYTHONPATH", "")])}
-    return subprocess.Popen(
-        [sys.executable, "-c", "import sys; from agentrl.cli import main; sys.exit(main())", "run", *args],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path,
-    )
 
 
 def wait_for_the_lock(proc: subprocess.Popen[str], run_dir: Path, timeout_s: float) -> dict:
