@@ -132,7 +132,10 @@ def test_killing_the_worker_hosts_server_mid_run_loses_no_episode(ns_cluster, as
         while killed is None and time.monotonic() < deadline and driver.poll() is None:
             metrics = head.run(["sh", "-c", f"cat {run_dir}/metrics.jsonl 2>/dev/null || true"]).stdout
             if metrics.strip():  # the first step is done: the next one is under way
-                pids = worker.run(["pgrep", "-f", "agentrl.inference.hf_server"], check=False).stdout.split()
+                # The hosts share one PID namespace: pgrep alone would find the head's server too.
+                on_worker = {str(pid) for pid in worker.pids()}
+                found = worker.run(["pgrep", "-f", "agentrl.inference.hf_server"], check=False).stdout.split()
+                pids = [pid for pid in found if pid in on_worker]
                 if pids:
                     worker.run(["kill", "-9", *pids])
                     killed = pids
@@ -145,12 +148,17 @@ def test_killing_the_worker_hosts_server_mid_run_loses_no_episode(ns_cluster, as
     log = read(head, f"{run_dir}/driver.log")
     assert code == 0, log[-8000:]
     assert re.search(rf"inference server http://{re.escape(worker.ip)}:\d+ exited", log), log[-4000:]
-    assert re.search(rf"inference server http://{re.escape(worker.ip)}:\d+ is back", log), log[-4000:]
+    back = re.search(rf"inference server http://{re.escape(worker.ip)}:\d+ is back after .*serving weights version (\d+)",
+                     log)
+    assert back, log[-4000:]
     result = json.loads(read(head, f"{run_dir}/result.json"))
     ledger = result["ledger"]
     assert result["steps_done"] == 4
     assert ledger["failed"] == 0 and ledger["unfinished"] == 0 and ledger["in_flight"] == 0
     assert ledger["trained"] + ledger["filtered"] == 16  # every prompt of the 4 steps, none lost
-    # After its restart the worker's server got the weights back, and every later version.
+    # After its restart the worker's server got the weights pushed last before it was back (re-synced),
+    # and every version pushed after that reached both servers.
     seen = pushes(log)
-    assert all(len(seen[v]) == 2 for v in seen if v >= 2), seen
+    before, after = pushes(log[: back.start()]), pushes(log[back.end():])
+    assert int(back.group(1)) == max(before), (back.group(0), sorted(before))
+    assert all(len(seen[v]) == 2 for v in after), seen
