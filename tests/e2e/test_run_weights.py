@@ -76,13 +76,17 @@ def test_a_run_verifies_every_push_and_exports_a_model_that_eval_loads(tmp_path,
     config = load_config(None, [
         "env=parity_env:ParityEnv", f"model.path={tiny}", "model.chat_template=chatml-tools",
         f"inference.urls=[{server.url}]", f"weights.backend={backend}", "weights.bucket_mb=1",
-        "data.prompts_per_step=2", "rollout.samples_per_prompt=2", "rollout.max_tokens_per_turn=8",
+        "data.prompts_per_step=2", "rollout.samples_per_prompt=4", "rollout.max_tokens_per_turn=7",
         "rollout.max_turns=1", "rollout.max_total_tokens=256", "trainer.lr=1e-2", "trainer.device=cpu",
         "run.total_steps=2", "run.save_every=1", "run.eval_every=0", "data.num_val_rows=1", "eval.k=1",
         f"run.output_dir={tmp_path}", f"run.name={backend}", f"rollout.extra_stop_token_ids={STOP_IDS}",
     ])  # fmt: skip
     result = run_training(config)
     assert result.steps_done == 2 and result.policy_version == 2
+    # Parity rewards an even-length answer: 4 samples capped at an odd length make a group with no reward
+    # spread (and so no gradient) rare; both steps' groups flat would leave nothing to export but the start.
+    grad = [m.get("actor/grad_norm", 0.0) for m in map(json.loads, (Path(result.run_dir) / "metrics.jsonl").open())]
+    assert any(g > 0 for g in grad), grad
     run_dir = Path(result.run_dir)
 
     # Every push was verified by the server, bucket by bucket.
