@@ -1,4 +1,4 @@
-"""`agentrl run` across two hosts: the namespace cluster of `tests/cluster_hosts.py` (issue 16).
+"""`agentrl run` across two hosts: the namespace cluster of `tests/cluster_hosts.py`.
 
 The driver runs on the head host; the cluster plan (`cluster.address`, strategy SPREAD) puts a
 trainer rank and an `hf` server on each host (each host has 2 Ray CPUs, each process takes 1).

@@ -1,4 +1,4 @@
-"""Faults of checkpoints on disk, in real runs (issue 21, item 5).
+"""Faults of checkpoints on disk, in real runs.
 
 - The disk fills while a checkpoint is written (a small tmpfs mounted on the run's `checkpoints/`,
   as root): the run stops saying the disk is full and which checkpoint is intact, leaves no partial

@@ -1,4 +1,4 @@
-"""Faults of the driver and the trainer, met as a user meets them (issue 21, items 2 and 3).
+"""Faults of the driver and the trainer, met as a user meets them.
 
 - Ctrl-C (SIGINT) of `agentrl run` in the middle of a step: it exits 130 saying how to continue,
   every prompt it took already has its final state in the ledger (the in-flight ones as

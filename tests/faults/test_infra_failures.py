@@ -1,4 +1,4 @@
-"""Infrastructure failures stop a run instead of training it (issue 14, item 3).
+"""Infrastructure failures stop a run instead of training it.
 
 Two ways a sandbox breaks, as a user meets them:
 - bubblewrap is not installed (hidden in a private mount namespace: the real binary is covered by

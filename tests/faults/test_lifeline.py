@@ -1,4 +1,4 @@
-"""Processes die with the process that started them (issue 21, item 3), without vLLM: the lifeline
+"""Processes die with the process that started them, without vLLM: the lifeline
 and the reaper with small real process trees. A parent here is a real Python process that starts
 the children and is then SIGKILLed, as a driver would be."""
 

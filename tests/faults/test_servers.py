@@ -1,4 +1,4 @@
-"""Faults of the inference servers, met in real runs (issue 21, items 1 and 6).
+"""Faults of the inference servers, met in real runs.
 
 - The only vLLM server is SIGKILLed in the middle of a step (sync, then async): the supervisor
   restarts it and re-syncs it to the current weights before it serves; the step's episodes wait

@@ -1,4 +1,4 @@
-"""Sandboxes on another host (issue 16): `cluster.sandbox_hosts` places `agentrl sandbox serve` on a
+"""Sandboxes on another host: `cluster.sandbox_hosts` places `agentrl sandbox serve` on a
 node of the namespace cluster (`tests/cluster_hosts.py`), with a token; code sent from the driver's
 host runs there, and a client without the token is refused (an infrastructure fault, `SandboxError`)."""
 

@@ -1,4 +1,4 @@
-"""The cluster plan against a real cluster (issue 16), the namespace cluster of `tests/cluster_hosts.py`:
+"""The cluster plan against a real cluster, the namespace cluster of `tests/cluster_hosts.py`:
 `agentrl validate` prints the node each process would run on, and a run the cluster cannot hold
 stops before anything starts, naming the role and the resource."""
 

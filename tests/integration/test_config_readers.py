@@ -1,4 +1,4 @@
-"""Every config field has a reader: a knob that does nothing is a bug (issue 15, item 1).
+"""Every config field has a reader: a knob that does nothing is a bug.
 
 Real `agentrl run` and `agentrl eval` commands run with `AGENTRL_CONFIG_TRACE` set, which makes
 every process they start (the driver, the trainer actors) record each config field it reads. The

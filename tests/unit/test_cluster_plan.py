@@ -1,4 +1,4 @@
-"""The cluster plan (issue 16): the `cluster` section as one placement group's bundles, refused where a
+"""The cluster plan: the `cluster` section as one placement group's bundles, refused where a
 cluster run is not built, and checked against a cluster's resources before anything starts."""
 
 from __future__ import annotations

@@ -335,7 +335,7 @@ def test_a_request_that_outlives_its_deadline_does_not_mark_the_server_failed():
     assert router.servers[0].healthy and router.counters["failures"] == 0
 
 
-# ── faults: request errors, dead servers, re-sync (issue 21) ──────────────────────────────────
+# ── faults: request errors, dead servers, re-sync ──────────────────────────────────
 
 
 def test_a_refused_request_does_not_mark_the_server_failed():

@@ -1,4 +1,4 @@
-"""The placement plan (issue 18): who runs where, decided and checked before anything starts, and the
+"""The placement plan: who runs where, decided and checked before anything starts, and the
 router's client of a colocated engine against a fake host."""
 
 from __future__ import annotations

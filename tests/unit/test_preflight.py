@@ -1,4 +1,4 @@
-"""Pre-flight: what building a job cannot show is checked before anything starts (issue 14, item 2)."""
+"""Pre-flight: what building a job cannot show is checked before anything starts."""
 
 from __future__ import annotations
 

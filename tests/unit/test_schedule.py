@@ -190,7 +190,7 @@ def test_ledger_refuses_impossible_transitions():
         ledger.check(allow_in_flight=False)
 
 
-# ── faults: whatever stops the run, every prompt taken gets a final state (issue 21) ─────────
+# ── faults: whatever stops the run, every prompt taken gets a final state ─────────
 
 
 @pytest.mark.parametrize("mode", ["sync", "one_step_off", "async"])

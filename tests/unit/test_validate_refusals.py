@@ -1,4 +1,4 @@
-"""What a run cannot honour, `agentrl validate` refuses, naming the key (issue 15, "every knob is real").
+"""What a run cannot honour, `agentrl validate` refuses, naming the key.
 
 Each example of the issue either changes what the run builds (checked on the `Job` that `validate`,
 `eval` and `run` all build first) or is refused by `validate` with an AgentRLError that names the key.
