@@ -121,7 +121,9 @@ class DataConfig(_Section):
     prompts_per_step: int = Field(8, ge=1)
     """Dataset rows (prompts) per training step; each is rolled out `rollout.samples_per_prompt` times."""
     max_prompt_tokens: int = Field(1024, ge=1)
-    """Rows whose rendered prompt is longer are skipped and counted as filtered."""
+    """Rows whose rendered prompt is longer are not trained: their group is `filtered` in the ledger
+    after rollout. A prompt with no room to sample under `rollout.max_total_tokens` is filtered
+    before rollout whatever this says (`data/filtered_too_long`)."""
     shuffle: bool = True
     """Shuffle the training rows each epoch (with `run.seed`)."""
     num_val_rows: int | None = Field(None, ge=1)

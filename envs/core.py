@@ -19,6 +19,10 @@ and info. By default that is a reward of 0; envs that judge the work done (SWE) 
 itself instead of being played by the AgentLoop: the rollout then hands it the loop (an
 `EpisodeLoop`: its generate client, chat template, parser, stop ids and budgets) and takes the
 trajectories it returns. `agentrl.gateway.AgentEnv` runs an external OpenAI-API agent this way.
+
+`first_prompt(row)` says, without starting an episode, which messages and tool schemas `reset`
+would start one on `row` with, so a run can measure a row's prompt before it rolls it out; an env
+that cannot tell without a reset returns None (the default).
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol, SupportsFloat, runtim
 import gymnasium
 import numpy as np
 
-from agentrl.types import Action, ActionParser, GenerateClient, Message, Trajectory
+from agentrl.types import Action, ActionParser, GenerateClient, Message, ToolSchema, Trajectory
 
 if TYPE_CHECKING:
     from agentrl.chat import ChatTemplate
@@ -128,6 +132,11 @@ class Env(gymnasium.Env[list, Action]):
     """Every dataset row must carry `reward_model.ground_truth` (the answer it is scored against);
     a row without one is refused when the data is loaded. Envs that score otherwise (by running
     tests, by a judge) set it False."""
+
+    def first_prompt(self, row: dict[str, Any]) -> tuple[list[Message], list[ToolSchema]] | None:
+        """The messages and tool schemas `reset(options={"row": row})` would return, computed without
+        starting an episode (no context, no sandbox); None when the env cannot tell without a reset."""
+        return None
 
     # ── async twins: default to running the sync methods in a thread ────────────────────────
     async def areset(

@@ -43,7 +43,7 @@ from agentrl.envs.rewards import RewardFn, answer_format, compute_score, score_r
 from agentrl.envs.tool_env import ToolEnv
 from agentrl.tools.core import ToolContext
 from agentrl.tools.python import PythonTool
-from agentrl.types import Message
+from agentrl.types import Message, ToolSchema
 
 __all__ = ["CODE_SYSTEM_PROMPT", "FEW_SHOT_EXAMPLES", "RetoolEnv", "shipped_rows"]
 
@@ -126,13 +126,10 @@ class RetoolEnv(ToolEnv):
             ]
         return out + [m for m in messages if m.get("role") != "system"]
 
-    async def areset(
-        self, *, seed: int | None = None, options: dict[str, Any] | None = None
-    ) -> tuple[list[Message], dict[str, Any]]:
-        messages, info = await super().areset(seed=seed, options=options)
+    def prompt_tools(self) -> list[ToolSchema]:
         if self.tool_format == "code":
-            info["tools"] = []  # the prompt describes the code block; no schema to render
-        return messages, info
+            return []  # the prompt describes the code block; no schema to render
+        return super().prompt_tools()
 
     def generate_row(self, seed: int | None) -> dict[str, Any]:
         rows = shipped_rows(self.split)

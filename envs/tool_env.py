@@ -37,7 +37,7 @@ from agentrl.envs.core import Env
 from agentrl.errors import EnvError, ToolInfrastructureError
 from agentrl.tools.core import Tool, ToolContext
 from agentrl.tools.session import release_episode_resources
-from agentrl.types import Action, Message, ToolCall, ToolResult
+from agentrl.types import Action, Message, ToolCall, ToolResult, ToolSchema
 
 __all__ = ["ToolEnv"]
 
@@ -99,6 +99,13 @@ class ToolEnv(Env):
             "a row needs 'prompt' as a list of chat messages or a string."
         )
 
+    def prompt_tools(self) -> list[ToolSchema]:
+        """The tool schemas rendered into the prompt (`info["tools"]` of `reset`); by default every tool's."""
+        return [t.schema for t in self.tools.values()]
+
+    def first_prompt(self, row: dict[str, Any]) -> tuple[list[Message], list[ToolSchema]]:
+        return self.initial_messages(row), self.prompt_tools()
+
     def score(self, final_text: str, row: dict[str, Any], ctx: ToolContext) -> float:
         """The reward of an episode that ended with `final_text` as the answer."""
         raise NotImplementedError(f"{type(self).__name__} must implement score().")
@@ -154,7 +161,7 @@ class ToolEnv(Env):
             raise
         self._ctx, self._row, self._turn, self._done = ctx, row, 0, False
         self._metrics = {"tool_calls": 0, "tool_errors_model": 0, "tool_errors_infra": 0, "parse_errors": 0}
-        info = {"tools": [t.schema for t in self.tools.values()], "episode_id": episode_id}
+        info = {"tools": self.prompt_tools(), "episode_id": episode_id}
         return messages, info
 
     async def astep(self, action: Action) -> tuple[list[Message], float, bool, bool, dict[str, Any]]:

@@ -91,7 +91,9 @@ class PromptSampler:
 
     def __init__(self, num_rows: int, *, seed: int = 0, shuffle: bool = True, skip: Iterable[int] = ()) -> None:
         self.skip = frozenset(skip)
-        if num_rows - len(self.skip & set(range(num_rows))) < 1:
+        self.usable_rows = num_rows - len(self.skip & set(range(num_rows)))
+        """Rows an epoch serves (the dataset less the skipped ones)."""
+        if self.usable_rows < 1:
             raise ValueError("the dataset has no rows to train on")
         self.num_rows = num_rows
         self.seed = seed

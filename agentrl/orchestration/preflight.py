@@ -12,6 +12,9 @@ cheap (seconds):
   written in their source's format) as correct: a sample of up to 64 rows, every data source
   included. A user's `reward.function` may score some of them below 1 by its own rules; it is
   refused only when it scores none of them as correct. A mis-keyed dataset or a broken `reward.function` is found here, not after training.
+- `prompt lengths`: rows whose first prompt (rendered as the AgentLoop renders it at reset) leaves
+  no room under `rollout.max_total_tokens`, on a sample of up to 512 rows: named as a warning (they
+  will be filtered, never rolled out), refused when every row checked is too long.
 - `disk`: free space under `run.output_dir` for the checkpoints and weight versions the run keeps.
 - `memory`: the planned processes (trainer, servers) fit in the memory available (on one machine;
   on a cluster the placement group's reservation checks each role against the nodes instead).
@@ -38,6 +41,7 @@ from agentrl.envs.rewards import check_ground_truths
 from agentrl.errors import AgentRLError, PreflightError
 from agentrl.orchestration.build import Job, build_sandbox
 from agentrl.orchestration.placement import VLLM_RUNTIME_GB
+from agentrl.orchestration.prompt_length import PromptMeter
 
 __all__ = ["Check", "estimate_memory_gb", "preflight", "run_checks"]
 
@@ -46,6 +50,7 @@ log = logging.getLogger(__name__)
 _GB = 1 << 30
 _SNIPPET_TIMEOUT_S = 60.0
 _REWARD_SAMPLE = 64  # rows whose own answers are scored, spread over the data sources
+_LENGTH_SAMPLE = 512  # rows whose first prompt is measured, spread over the data sources
 
 
 @dataclass
@@ -56,9 +61,11 @@ class Check:
     ok: bool
     detail: str
     fix: str = ""
+    warning: bool = False
+    """Passed, with something the user should know (the run goes on)."""
 
     def line(self) -> str:
-        mark = "ok  " if self.ok else "FAIL"
+        mark = "FAIL" if not self.ok else ("warn" if self.warning else "ok  ")
         text = f"[{mark}] {self.name}: {self.detail}"
         return text + (f"\n       fix: {self.fix}" if not self.ok and self.fix else "")
 
@@ -79,7 +86,7 @@ def preflight(job: Job) -> list[Check]:
 
 def run_checks(job: Job) -> list[Check]:
     """Every pre-flight check of `job`, passed or not (see the module docstring)."""
-    checks = [_check_sandbox(job), _check_inference(job), _check_rows(job)]
+    checks = [_check_sandbox(job), _check_inference(job), _check_rows(job), _check_prompt_lengths(job)]
     if job.purpose == "run":
         checks.append(_check_disk(job))
     if job.plan is None or job.plan.cluster is None:  # on a cluster, Ray's reservation checks memory
@@ -241,6 +248,36 @@ def _check_rows(job: Job) -> Check:
                      "check each row's data_source and reward_model.ground_truth, or name a reward "
                      "function that reads them (reward.function=module:fn)")
     return Check("dataset", True, f"{detail}; {len(picked)} rows' own answers score 1.0 with {job.reward_fn!r}")
+
+
+def _check_prompt_lengths(job: Job) -> Check | None:
+    rows = [r for r in job.train_rows if r is not None] if job.purpose == "run" else job.val_rows
+    if not rows:
+        return None  # the dataset check says so
+    budget = job.config.rollout.max_total_tokens
+    picked = _sample_by_source(rows, _LENGTH_SAMPLE)
+    meter = PromptMeter(job.template, job.make_env, budget)
+    try:
+        lengths = meter.lengths([rows[i] for i in picked])
+    finally:
+        meter.close()
+    measured = [n for n in lengths if n is not None]
+    if not measured:
+        return None  # the env cannot say its prompt without a reset: the AgentLoop masks long ones
+    over = [n for n in measured if n >= budget]
+    which = "rows" if len(picked) == len(rows) else f"sampled rows (of {len(rows)})"
+    name = "prompt lengths"
+    if not over:
+        return Check(name, True, f"the longest first prompt of {len(measured)} {which} is {max(measured)} "
+                     f"tokens, under rollout.max_total_tokens={budget}")
+    detail = (f"{len(over)} of {len(measured)} {which} have prompts over rollout.max_total_tokens={budget} tokens "
+              f"(longest: {max(over)})")
+    if len(over) == len(measured):
+        return Check(name, False, f"{detail}: no row can be rolled out",
+                     f"raise rollout.max_total_tokens (and inference.max_model_len with it) above {max(over)}, "
+                     "or shorten the prompts")
+    log.warning("pre-flight: %s; they will be filtered", detail)
+    return Check(name, True, f"{detail}; they will be filtered", warning=True)
 
 
 def _sample_by_source(rows: list[dict[str, Any]], n: int) -> list[int]:

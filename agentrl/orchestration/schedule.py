@@ -77,6 +77,8 @@ class StepRecord:
     train_metrics: dict[str, float]
     timings: dict[str, float] = field(default_factory=dict)
     discarded: list[GroupResult] = field(default_factory=list)
+    refused: int = 0
+    """Prompts filtered before rollout (`Scheduler(admit=...)`) since the previous step's record."""
 
     @property
     def staleness(self) -> list[int]:
@@ -122,9 +124,11 @@ class Scheduler:
         version: int = 0,
         max_skipped_steps: int = 0,
         resume_command: str = "",
+        admit: Callable[[PromptRef], str | None] | None = None,
     ) -> None:
         """`resume_command`: the command that continues this run (`run_commands.resume_command`),
-        named in the message of a run that stops for lack of progress."""
+        named in the message of a run that stops for lack of progress. `admit(prompt)`: why a prompt
+        must not be rolled out (it is then filtered in the ledger and replaced), or None."""
         if mode not in ("sync", "one_step_off", "async"):
             raise AgentRLError(f"run.mode '{mode}' is not one of sync, one_step_off, async.")
         self.mode = mode
@@ -155,6 +159,9 @@ class Scheduler:
         self._batches_left = 0
         self._base_version = version
         self._cond: asyncio.Condition | None = None
+        self._admit = admit
+        self._refused_since_record = 0  # prompts `admit` refused since the last step's record
+        self._refused_in_a_row = 0
         self._fatal: BaseException | None = None
 
     # ── shared pieces ───────────────────────────────────────────────────────────────────────
@@ -180,10 +187,27 @@ class Scheduler:
                         "requeued" if retry else "giving up on it")
         return False
 
-    def _take(self, n: int) -> list[PromptRef]:
-        refs = self.sampler.take(n)
-        for r in refs:
-            self.ledger.taken(r)
+    def _take(self, n: int, step: int | None = None) -> list[PromptRef]:
+        """`n` prompts to roll out (for `step`, where known). One that `admit` refuses is filtered
+        in the ledger and another taken in its place; a whole epoch's worth refused in a row means
+        no row can be rolled out, and the run stops."""
+        refs: list[PromptRef] = []
+        while len(refs) < n:
+            [ref] = self.sampler.take(1)
+            self.ledger.taken(ref)
+            reason = self._admit(ref) if self._admit is not None else None
+            if reason is None:
+                self._refused_in_a_row = 0
+                refs.append(ref)
+                continue
+            self.ledger.filtered(ref, reason, step)
+            self._refused_since_record += 1
+            self._refused_in_a_row += 1
+            if self._refused_in_a_row >= self.sampler.usable_rows:
+                raise NoProgressError(
+                    f"{self._refused_in_a_row} prompts in a row were filtered before rollout (the last: {reason}); "
+                    f"no row of the dataset can be rolled out. Shorten the prompts or raise the budget the "
+                    "reason names, then start the run again.")
         return refs
 
     async def _train_and_record(
@@ -198,7 +222,9 @@ class Scheduler:
         else:
             metrics = {"batch/skipped": 1.0}
         timings["train_s"] = time.perf_counter() - start
-        record = StepRecord(step, self.trainer_version, groups, metrics, timings, discarded)
+        record = StepRecord(step, self.trainer_version, groups, metrics, timings, discarded,
+                            refused=self._refused_since_record)
+        self._refused_since_record = 0
         if groups:
             self.trainer_version += 1
             self.steps_trained += 1
@@ -264,7 +290,7 @@ class Scheduler:
     async def _run_sync(self, start_step: int, total_steps: int) -> None:
         for step in range(start_step, total_steps):
             t0 = time.perf_counter()
-            results = await self._round(self._take(self.P))
+            results = await self._round(self._take(self.P, step))
             timings = {"rollout_s": time.perf_counter() - t0}
             usable = [g for g in results if self._settle(g, step)]
             discarded = [g for g in results if g not in usable]
@@ -275,7 +301,7 @@ class Scheduler:
 
     # ── one step off ────────────────────────────────────────────────────────────────────────
     async def _run_one_step_off(self, start_step: int, total_steps: int) -> None:
-        pending: asyncio.Task[list[GroupResult]] | None = asyncio.create_task(self._round(self._take(self.P)))
+        pending: asyncio.Task[list[GroupResult]] | None = asyncio.create_task(self._round(self._take(self.P, start_step)))
         try:
             for step in range(start_step, total_steps):
                 t0 = time.perf_counter()
@@ -285,7 +311,7 @@ class Scheduler:
                 usable = [g for g in results if self._settle(g, step)]
                 discarded = [g for g in results if g not in usable]
                 pending = (
-                    asyncio.create_task(self._round(self._take(self.P))) if step + 1 < total_steps else None
+                    asyncio.create_task(self._round(self._take(self.P, step + 1))) if step + 1 < total_steps else None
                 )
                 record = await self._train_and_record(step, usable, discarded, timings)
                 if pending is not None:
@@ -329,7 +355,12 @@ class Scheduler:
         while True:
             async with self._cond:
                 await self._cond.wait_for(self._can_admit)
-                [ref] = self._take(1)
+                try:
+                    [ref] = self._take(1)
+                except NoProgressError as exc:  # no row can be rolled out: the trainer side raises it
+                    self._fatal = exc
+                    self._cond.notify_all()
+                    return
                 self._in_system[ref.key] = (ref, self.server_version)
                 self._in_flight += 1
                 task = asyncio.create_task(self._async_group(ref))

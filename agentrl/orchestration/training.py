@@ -5,7 +5,8 @@
 from the checkpoint by `restore`), the infrastructure-failure monitor and the rollout log.
 `TrainingSteps` is made by the `Run` (`driver.py`) from the books and the pieces it started (the
 trainer group, the router, the rollout worker, the metrics logger); it holds the `Scheduler` and
-the hooks it calls: a group's rollout and its verdict, the update, the push of new weights, and
+the hooks it calls: whether a prompt may be rolled out (not when its first prompt leaves no room
+under `rollout.max_total_tokens`: `PromptMeter`), a group's rollout and its verdict, the update, the push of new weights, and
 after each step the metrics, the held-out evaluation and the checkpoint. It starts and closes
 nothing: the `Run` owns every process and connection these hooks use.
 """
@@ -34,17 +35,23 @@ from agentrl.orchestration.ledger import (
     close_orphans,
     next_session,
 )
+from agentrl.orchestration.prompt_length import PromptMeter
 from agentrl.orchestration.run_commands import resume_command
 from agentrl.orchestration.schedule import GroupResult, Scheduler, StepRecord, Verdict, default_classify
 from agentrl.records.metrics import MetricsLogger, episode_metrics, segment_metrics
 from agentrl.records.trajectory_log import RolloutLog
 from agentrl.rollout import RolloutWorker
 from agentrl.rollout.worker import group_seed
-from agentrl.types import final_segments, is_first_segment
+from agentrl.types import Trajectory, final_segments, is_first_segment
 
 __all__ = ["RunBooks", "TrainingSteps", "score_text"]
 
 log = logging.getLogger("agentrl.run")
+
+
+def _prompt_too_long(t: Trajectory) -> bool:
+    """The AgentLoop ended the episode at reset: its prompt left no room to sample a token."""
+    return t.fault == "request" and t.num_sampled == 0 and t.info.get("truncated_by") == "rollout.max_total_tokens"
 
 
 def score_text(result: dict[str, float | None]) -> str:
@@ -130,12 +137,14 @@ class TrainingSteps:
         self.steps_done = 0  # after each step, the steps the run has done
         self.last_saved_step = -1
         self.last_eval_step = -1
+        self.meter = PromptMeter(job.template, make_env, config.rollout.max_total_tokens)
         self.scheduler = Scheduler(
             mode=config.run.mode, prompts_per_step=config.data.prompts_per_step, sampler=books.sampler,
             ledger=books.ledger, rollout=self.rollout, train=self.train, push=self.push,
             after_step=self.after_step, classify=self.classify, max_staleness=config.run.max_staleness,
             partial_rollout=config.run.partial_rollout, version=version,
             max_skipped_steps=config.run.max_skipped_steps, resume_command=books.resume_command,
+            admit=self.admit,
         )  # fmt: skip
 
     async def run(self) -> None:
@@ -143,7 +152,10 @@ class TrainingSteps:
         if self.books.val_rows and self.start_step == 0:
             self.eval_before = await self.evaluate(0)
             self.logger.log_event(0, {k: v for k, v in self.eval_before.items() if v is not None}, "eval")
-        await self.scheduler.run(self.start_step, self.config.run.total_steps)
+        try:
+            await self.scheduler.run(self.start_step, self.config.run.total_steps)
+        finally:
+            await self.meter.aclose()
 
     # ── pieces the scheduler calls ──────────────────────────────────────────────────────────
     async def rollout(self, ref: PromptRef) -> list[Any]:
@@ -165,6 +177,11 @@ class TrainingSteps:
             log.error("the infrastructure-failed episodes that stopped the run are in %s", path)
             raise
         return group
+
+    def admit(self, ref: PromptRef) -> str | None:
+        """Why the prompt must not be rolled out: its first prompt leaves no room to sample a token."""
+        row = self.books.train_rows[ref.index]
+        return None if row is None else self.meter.too_long(ref.index, row)
 
     def classify(self, group: GroupResult) -> Verdict:
         verdict = default_classify(group)
@@ -215,6 +232,10 @@ class TrainingSteps:
         metrics["policy/version"] = float(self.scheduler.server_version)
         metrics["batch/groups"] = float(len(record.groups))
         metrics["batch/discarded_groups"] = float(len(record.discarded))
+        # Prompts with no room to sample: filtered before rollout, or (an env that cannot say its
+        # prompt without a reset) masked by the AgentLoop, their group discarded.
+        metrics["data/filtered_too_long"] = float(record.refused + sum(
+            all(_prompt_too_long(t) for t in g.trajectories) for g in record.discarded if g.trajectories))
         metrics["episodes/infra_rate"] = books.infra.rate
         metrics["episodes/infra_failed_total"] = float(books.infra.failed)
         metrics.update({f"ledger/{k}": float(v) for k, v in books.ledger.summary().items()})

@@ -13,7 +13,8 @@ cut by its token budget, or the episode's is spent), `timeout` (the wall-clock b
 bounded by what is left of the episode's time. Failures of the machinery (server down, env crash,
 timeout) set `fault="infra"`, so the trainer masks the episode instead of scoring it 0; a request
 the server refused (`InferenceRequestError`: too long for its context, bad parameters) sets
-`fault="request"`, masked too, and not retried as an infrastructure failure would be; nothing is
+`fault="request"`, masked too, and not retried as an infrastructure failure would be (so does a
+first prompt that leaves no room under `rollout.max_total_tokens`: nothing was sampled); nothing is
 dropped, every episode returns a trajectory. The loop closes the env when the episode ends.
 
 Which budget ended a truncated episode is in `trajectory.info["truncated_by"]`: the env's own
@@ -62,7 +63,7 @@ from agentrl.types import (
     Trajectory,
 )
 
-__all__ = ["AgentLoop", "AgentLoopConfig", "EpisodeState", "end_of_turn_ids"]
+__all__ = ["AgentLoop", "AgentLoopConfig", "EpisodeState", "end_of_turn_ids", "prompt_too_long"]
 
 log = logging.getLogger(__name__)
 
@@ -217,7 +218,12 @@ class AgentLoop:
         async with self.gate:
             ids = ep.conv.start(messages, info.get("tools") or None)
         if len(ids) >= self.config.max_total_tokens:
-            raise _EpisodeOver(FinishReason.MAX_LENGTH, budget="rollout.max_total_tokens")
+            # Nothing was sampled, so there is nothing the policy did to score: the episode is a
+            # refused request (masked, its prompt filtered), not a 0 reward, and the env has no work
+            # to grade.
+            ep.env_open = False
+            raise _EpisodeOver(FinishReason.MAX_LENGTH, "request", prompt_too_long(len(ids), self.config.max_total_tokens),
+                               budget="rollout.max_total_tokens")
         return EpisodeState.GENERATING
 
     async def _on_generating(self, ep: _Episode) -> EpisodeState:
@@ -362,6 +368,11 @@ class AgentLoop:
         except Exception as exc:  # closing must never lose the trajectory
             log.warning("closing the env of episode %s failed: %s", ep.trajectory.episode_id, exc)
             ep.trajectory.metrics["env_close_failed"] = 1.0
+
+
+def prompt_too_long(tokens: int, max_total_tokens: int) -> str:
+    """Why a prompt of `tokens` tokens is not rolled out: no room is left to sample a token."""
+    return f"prompt of {tokens} tokens over rollout.max_total_tokens={max_total_tokens}"
 
 
 def _as_messages(obs: Any) -> list[Message]:

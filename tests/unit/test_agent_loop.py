@@ -111,6 +111,20 @@ def test_token_budget_ends_as_max_length(template: ChatTemplate) -> None:
     assert len(traj) == 300 and traj.num_sampled == 300 - traj.prompt_length > 0 and traj.trainable
 
 
+def test_a_prompt_with_no_room_to_sample_is_masked_not_scored_0(template: ChatTemplate) -> None:
+    row = make_arithmetic_row(1)
+    env = ArithmeticEnv()
+    prompt = len(template.encode_prompt(*env.first_prompt(row)))
+    env.close()
+    client = ScriptedClient(template, lambda t, s: "\\boxed{0}")
+    traj = _run(AgentLoop(client, template, HermesParser(), AgentLoopConfig(max_tokens_per_turn=16,
+                                                                            max_total_tokens=prompt)), row)
+    assert client.requests == {}  # never sent to the server
+    assert (traj.finish_reason, traj.fault, traj.num_sampled, traj.trainable) == (FinishReason.MAX_LENGTH, "request", 0, False)
+    assert traj.error == f"prompt of {prompt} tokens over rollout.max_total_tokens={prompt}"
+    assert traj.info["truncated_by"] == "rollout.max_total_tokens"
+
+
 def test_malformed_call_is_answered_and_counted(template: ChatTemplate) -> None:
     def script(turn: int, s: str) -> str:
         return "<tool_call>\n{not json}\n</tool_call>" if turn == 0 else "\\boxed{0}"

@@ -25,6 +25,19 @@ def test_every_registered_env_passes_check_env(name: str) -> None:
     check_env(make_env(name))
 
 
+@pytest.mark.parametrize("kwargs", [{}, {"tool_format": "code", "few_shot": 1}])
+def test_first_prompt_is_what_reset_starts_the_episode_with(kwargs: dict[str, Any]) -> None:
+    from agentrl.envs.retool import RetoolEnv
+
+    env = RetoolEnv(**kwargs)
+    row = RetoolEnv.dataset_rows("train")[0]
+    first = env.first_prompt(row)
+    messages, info = env.reset(seed=0, options={"row": row})
+    env.close()
+    assert first == (messages, info["tools"])
+    assert (info["tools"] == []) == (kwargs.get("tool_format") == "code")
+
+
 def test_arithmetic_passes_check_env_with_tool_calls_and_scores_answers() -> None:
     row = make_arithmetic_row(5)
     truth = row["reward_model"]["ground_truth"]

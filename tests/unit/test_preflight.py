@@ -84,3 +84,36 @@ def test_a_tensor_parallel_size_that_does_not_split_the_model_is_refused_before_
     with pytest.raises(ConfigError, match=r"trainer.tensor_parallel=2 does not divide the model's attention heads \(9\)"):
         job_for(tmp_path, *megatron, "trainer.tensor_parallel=2", "trainer.num_processes=2")
     assert job_for(tmp_path, *megatron, "trainer.tensor_parallel=3", "trainer.num_processes=3").plan is not None
+
+
+def _rows_with_one_long_prompt(tmp_path: Path, repeat: int) -> Path:
+    rows = [json.loads(line) for line in (DATA / "gsm8k.jsonl").read_text().splitlines() if line.strip()]
+    rows[2]["prompt"][0]["content"] = "Count the clips again. " * repeat + rows[2]["prompt"][0]["content"]
+    path = tmp_path / "long.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_rows_whose_prompt_leaves_no_room_to_sample_are_named_before_anything_starts(tmp_path: Path) -> None:
+    path = _rows_with_one_long_prompt(tmp_path, 60)
+    job = job_for(tmp_path, f"data.train_files=[{path}]", "rollout.max_total_tokens=512")
+    env = job.make_env()
+    # The prompt as the AgentLoop's reset renders it: the env's first messages and tool schemas.
+    lengths = [len(job.template.encode_prompt(env.initial_messages(r), env.prompt_tools())) for r in job.train_rows]
+    env.close()
+    assert lengths[0] < 512 and lengths[1] < 512 and lengths[2] >= 512
+    check = checks_by_name(job)["prompt lengths"]
+    assert check.ok and check.warning
+    assert check.detail == (f"1 of 3 rows have prompts over rollout.max_total_tokens=512 tokens (longest: "
+                            f"{lengths[2]}); they will be filtered")
+    assert check.line().startswith("[warn] prompt lengths: 1 of 3 rows")
+    preflight(job)  # a warning does not stop the run
+
+    every = checks_by_name(job_for(tmp_path, f"data.train_files=[{path}]", "rollout.max_total_tokens=128"))
+    assert not every["prompt lengths"].ok
+    assert every["prompt lengths"].detail.startswith("3 of 3 rows have prompts over rollout.max_total_tokens=128")
+    assert "raise rollout.max_total_tokens" in every["prompt lengths"].fix
+
+    fits = checks_by_name(job_for(tmp_path, f"data.train_files=[{path}]", "rollout.max_total_tokens=2048"))
+    assert fits["prompt lengths"].ok and not fits["prompt lengths"].warning
+    assert fits["prompt lengths"].detail.endswith(f"is {lengths[2]} tokens, under rollout.max_total_tokens=2048")

@@ -69,11 +69,11 @@ def classify_equal(group: GroupResult):
 
 
 def make(world: FakeWorld, mode: str, *, rows: int = 20, P: int = 3, K: int = 1, partial: bool = False,
-         max_attempts: int = 3) -> Scheduler:
+         max_attempts: int = 3, admit=None) -> Scheduler:
     s = Scheduler(
         mode=mode, prompts_per_step=P, sampler=PromptSampler(rows, seed=1), ledger=PromptLedger(max_attempts=max_attempts),
         rollout=world.rollout, train=world.train, push=world.push, after_step=world.after,
-        classify=classify_equal, max_staleness=K, partial_rollout=partial,
+        classify=classify_equal, max_staleness=K, partial_rollout=partial, admit=admit,
     )  # fmt: skip
     world.scheduler = s
     return s
@@ -264,3 +264,38 @@ def test_a_group_whose_requests_the_server_refused_is_filtered_with_the_reason()
         trajs.append(t)
     verdict, reason = default_classify(GroupResult(PromptRef(0, 0), trajs, 0))
     assert verdict == "filtered" and "936 tokens" in reason
+
+
+@pytest.mark.parametrize("mode", ["sync", "one_step_off", "async"])
+def test_a_prompt_refused_before_rollout_is_filtered_replaced_and_never_rolled_out(mode):
+    world = FakeWorld()
+    rolled: list[int] = []
+    rollout = world.rollout
+
+    async def counting(ref: PromptRef) -> list[Trajectory]:
+        rolled.append(ref.index)
+        return await rollout(ref)
+
+    world.rollout = counting  # type: ignore[method-assign]
+    s = make(world, mode, rows=6, P=3,
+             admit=lambda ref: "prompt of 900 tokens over rollout.max_total_tokens=512" if ref.index == 2 else None)
+    asyncio.run(s.run(0, 4))
+    assert 2 not in rolled and all(len(batch) == 3 for batch in world.trained)  # replaced, full batches
+    filtered = [e for e in s.ledger.entries.values() if e.status == "filtered"]
+    assert filtered and {e.index for e in filtered} == {2}
+    assert {e.reason for e in filtered} == {"prompt of 900 tokens over rollout.max_total_tokens=512"}
+    assert sum(r.refused for r in world.records) == len(filtered)
+    s.ledger.check(allow_in_flight=mode == "async")
+
+
+@pytest.mark.parametrize("mode", ["sync", "one_step_off", "async"])
+def test_a_dataset_whose_every_prompt_is_refused_stops_the_run(mode):
+    from agentrl.orchestration.schedule import NoProgressError
+
+    world = FakeWorld()
+    s = make(world, mode, rows=4, P=2, admit=lambda ref: "prompt of 900 tokens over rollout.max_total_tokens=512")
+    with pytest.raises(NoProgressError, match="4 prompts in a row were filtered before rollout .the last: prompt "
+                                              "of 900 tokens.*no row of the dataset can be rolled out"):
+        asyncio.run(asyncio.wait_for(s.run(0, 3), 10))
+    assert world.calls == 0 and world.trained == []
+    assert s.ledger.check(allow_in_flight=False)["filtered"] == 4
