@@ -476,10 +476,8 @@ class TrainerGroup:
             results = await asyncio.gather(*refs)
         except ray.exceptions.OutOfMemoryError as exc:
             raise TrainerError(
-                f"A trainer process was killed for lack of memory during '{method}'. Lower "
-                "trainer.micro_batch_tokens (packed attention on CPU is quadratic in it) or turn on "
-                "trainer.gradient_checkpointing=true (Ray said: "
-                f"{str(exc).splitlines()[0]}), then continue with: {self.resume_command}"
+                f"A trainer process was killed for lack of memory during '{method}'. {_memory_advice(method)} "
+                f"(Ray said: {str(exc).splitlines()[0]}), then continue with: {self.resume_command}"
             ) from exc
         except ray.exceptions.RayActorError as exc:
             # Ray's message ends with the error that ended the actor (an exception in its constructor,
@@ -575,3 +573,14 @@ class TrainerGroup:
 
         for actor in self.actors:
             ray.kill(actor)
+
+
+def _memory_advice(method: str) -> str:
+    """What frees memory for the trainer call `method` that ran out of it."""
+    if method in ("save", "load", "export"):
+        return ("Writing or reading a checkpoint holds the model and its optimizer state in memory at once: "
+                "leave the trainer's node more memory (fewer servers or sandbox hosts on it, a smaller "
+                "inference.cpu_kv_cache_gb when the engine shares its node)")
+    return ("Lower trainer.micro_batch_tokens (packed attention on CPU is quadratic in it) or turn on "
+            "trainer.gradient_checkpointing=true")
+
