@@ -15,13 +15,18 @@ placement group and waits for it. Trainer rank 0 is pinned to the driver's node 
 resource): the run directory lives there, and rank 0 writes the weight versions and checkpoints
 into it. The returned `Reservation` tells each role's actor where to go (`options`) and which node
 address it got (`node_ip`), and releases the group at the end. `trial_placement` reserves and
-releases the plan for `agentrl validate`, which prints each process's node. Nothing here starts a
-process.
+releases the plan for `agentrl validate`, which prints each process's node, and
+`unauthenticated_join` tells it whether the cluster lets in a client that has no Ray auth token
+(a plain `ray start --head` does: anyone who reaches its port runs code on every node). Nothing
+here starts a process of the run.
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import subprocess
+import sys
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -37,6 +42,7 @@ __all__ = [
     "check_fits",
     "reserve",
     "trial_placement",
+    "unauthenticated_join",
 ]
 
 log = logging.getLogger(__name__)
@@ -305,3 +311,32 @@ def trial_placement(plan: ClusterPlan, *, timeout_s: float = 60.0) -> list[str]:
     finally:
         if joined:
             ray.shutdown()
+
+
+_JOIN_WITHOUT_TOKEN = (
+    "import sys, ray\n"
+    "ray.init(address=sys.argv[1], include_dashboard=False, logging_level='ERROR', log_to_driver=False)\n"
+    "print('JOINED', len(ray.nodes()))\n"
+)
+
+
+def unauthenticated_join(address: str, *, timeout_s: float = 90.0) -> str | None:
+    """A warning when a client with no Ray auth token can join the cluster at `address`, else None.
+
+    Tried for real: a Python process with every `RAY_AUTH_*` variable removed and a HOME without
+    `.ray/auth_token` joins the address. Token auth on (`RAY_AUTH_MODE=token` when the head was
+    started) refuses it; a cluster started without it lets it in.
+    """
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH")}
+    env["HOME"] = os.environ.get("TMPDIR", "/tmp")  # not the user's ~/.ray/auth_token
+    try:
+        done = subprocess.run([sys.executable, "-c", _JOIN_WITHOUT_TOKEN, address], capture_output=True,
+                              text=True, env=env, timeout=timeout_s, stdin=subprocess.DEVNULL)
+    except subprocess.TimeoutExpired:
+        return None  # not let in within the deadline: it did not join
+    if done.returncode != 0 or "JOINED" not in done.stdout:
+        return None
+    return (f"the Ray cluster at {address} lets in clients without an auth token: anyone who reaches "
+            "its port can run code on every node. Restart it with token auth on (RAY_AUTH_MODE=token "
+            "and the same token on every node; README, 'Run on a cluster').")
+

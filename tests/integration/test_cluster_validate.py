@@ -4,6 +4,7 @@ stops before anything starts, naming the role and the resource."""
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -67,3 +68,36 @@ def test_the_files_engine_without_a_shared_directory_stops_at_start(ns_cluster, 
     assert "weights.backend=files" in done.stderr
     assert "the files engine needs a directory that the trainer and every server share" in done.stderr
     assert "use weights.backend=http" in done.stderr
+
+
+def test_validate_warns_only_when_the_cluster_lets_in_clients_without_a_token(ns_cluster, assets: Path) -> None:
+    import subprocess
+
+    from agentrl.orchestration.cluster import unauthenticated_join
+
+    # The namespace cluster runs with Ray's token auth on: validate says nothing about it.
+    argv = base(assets, ns_cluster.address)
+    argv.insert(3, "validate")
+    out = ns_cluster.head.run(argv, timeout=300).stdout
+    assert "without an auth token" not in out
+
+    # A head without token auth, as a plain `ray start --head` on a machine with no ~/.ray/auth_token
+    # starts one: a client with no token joins it, and that is what the warning says.
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH")}
+    env["RAY_AUTH_MODE"] = "disabled"
+    head = subprocess.Popen(
+        [sys.executable, "-c", "import ray, sys, time\n"
+         "ray.init(num_cpus=1, include_dashboard=False, logging_level='ERROR')\n"
+         "print(ray.get_runtime_context().gcs_address, flush=True)\nsys.stdin.read()"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env={**env, "RAY_TMPDIR": "/tmp/ray-open-door"},
+    )  # fmt: skip
+    try:
+        assert head.stdout is not None
+        address = head.stdout.readline().strip()
+        warning = unauthenticated_join(address)
+        assert warning is not None and f"the Ray cluster at {address} lets in clients without an auth token" in warning
+        assert "RAY_AUTH_MODE=token" in warning
+    finally:
+        assert head.stdin is not None
+        head.stdin.close()
+        head.wait(timeout=120)
