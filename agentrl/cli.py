@@ -184,7 +184,8 @@ def cmd_validate(ns: argparse.Namespace) -> int:
             from agentrl.orchestration.cluster import trial_placement, unauthenticated_join
 
             # Where each process lands, as the cluster grants it now (it must hold the plan).
-            lines = lines[: len(lines) - len(job.plan.cluster.describe())] + trial_placement(job.plan.cluster)
+            lines = lines[: len(lines) - len(job.plan.cluster.describe())] + trial_placement(
+                job.plan.cluster, model=cfg.model.path)
             open_door = unauthenticated_join(job.plan.cluster.address)
             if open_door:
                 lines.append(f"warning: {open_door}")

@@ -40,6 +40,7 @@ __all__ = [
     "Slot",
     "build_cluster_plan",
     "check_fits",
+    "model_on_node",
     "reserve",
     "trial_placement",
     "unauthenticated_join",
@@ -286,10 +287,34 @@ def reserve(plan: ClusterPlan, *, timeout_s: float = 120.0) -> Reservation:
     return Reservation(plan, group, placed)
 
 
-def trial_placement(plan: ClusterPlan, *, timeout_s: float = 60.0) -> list[str]:
+def model_on_node(model: str) -> str | None:
+    """Why this node cannot load `model` (a built-in name or a directory), or None when it can.
+
+    A built-in name needs its package here (the node converts it at start); a path must be a
+    directory on this node. Run in each trainer and server bundle by `trial_placement`."""
+    from pathlib import Path
+
+    from agentrl.models import BUILTIN_MODELS, cache_dir, find_packaged_gguf
+
+    if Path(model).expanduser().is_dir():
+        return None
+    if model in BUILTIN_MODELS:
+        if (cache_dir() / model / "config.json").is_file():
+            return None
+        try:
+            find_packaged_gguf(model)
+        except Exception as exc:  # FeatureUnavailableError names the package and the install command
+            return str(exc)
+        return None
+    return (f"model.path '{model}' is not a directory here: every node that runs a server or a trainer "
+            "rank needs the model at the same path (or give a built-in model name, converted on each node)")
+
+
+def trial_placement(plan: ClusterPlan, *, model: str | None = None, timeout_s: float = 60.0) -> list[str]:
     """For `agentrl validate`: join the cluster, reserve the plan, note where each bundle landed,
-    release it; the plan's lines with each process's node. Starts no process of the run (the run
-    reserves again, and Ray may then choose other nodes under `SPREAD`)."""
+    check that each trainer and server bundle's node can load `model` (`model_on_node`), release
+    it; the plan's lines with each process's node. Starts no process of the run (the run reserves
+    again, and Ray may then choose other nodes under `SPREAD`)."""
     import ray
 
     joined = not ray.is_initialized()
@@ -306,7 +331,13 @@ def trial_placement(plan: ClusterPlan, *, timeout_s: float = 60.0) -> list[str]:
             ) from exc
     try:
         reservation = reserve(plan, timeout_s=timeout_s)
-        reservation.release()
+        try:
+            problems = _model_problems(plan, reservation, model) if model else []
+        finally:
+            reservation.release()
+        if problems:
+            raise PreflightError("The model cannot be loaded on every node; nothing was started:\n"
+                                 + "\n".join(f"  node {node} ({who}): {why}" for node, who, why in problems))
         return plan.describe(reservation.nodes)
     finally:
         if joined:
@@ -339,4 +370,16 @@ def unauthenticated_join(address: str, *, timeout_s: float = 90.0) -> str | None
     return (f"the Ray cluster at {address} lets in clients without an auth token: anyone who reaches "
             "its port can run code on every node. Restart it with token auth on (RAY_AUTH_MODE=token "
             "and the same token on every node; README, 'Run on a cluster').")
+
+
+def _model_problems(plan: ClusterPlan, reservation: Reservation, model: str) -> list[tuple[str, str, str]]:
+    """(node, role, why) for each trainer rank and server whose node cannot load `model`."""
+    import ray
+
+    check = ray.remote(model_on_node)
+    who = [(slot.role, slot.index) for slot in plan.slots if slot.role in ("trainer", "server")]
+    refs = [check.options(**reservation.options(role, i)).remote(model) for role, i in who]
+    answers = ray.get(refs, timeout=120)
+    return [(reservation.node_ip(role, i), f"{role} {i}", why)
+            for (role, i), why in zip(who, answers, strict=True) if why]
 

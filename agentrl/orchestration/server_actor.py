@@ -30,6 +30,7 @@ from typing import Any
 
 from agentrl.config import AgentRLConfig
 from agentrl.errors import AgentRLError, ConfigError, ServerUnavailableError
+from agentrl.models import BUILTIN_MODELS
 
 __all__ = ["PlacedServer", "ServerActor", "start_placed_servers"]
 
@@ -240,10 +241,14 @@ async def start_placed_servers(
     # The servers listen on their nodes' addresses: only this run's clients hold the token they take.
     token = secrets.token_urlsafe(32)
 
+    # A built-in model goes by its name: each node converts it into its own cache (the driver's
+    # converted directory is not on the other nodes). Any other model is the path build_job resolved.
+    model = config.model.path if config.model.path in BUILTIN_MODELS else model_path
+
     def maker(i: int, log_path: str) -> Any:
         opts = reservation.options("server", i)
         return lambda port: actor_cls.options(**opts).remote(
-            inf.engine, model_path, kwargs, log_path, port, token
+            inf.engine, model, kwargs, log_path, port, token
         )
 
     try:
