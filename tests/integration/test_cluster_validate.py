@@ -102,3 +102,18 @@ def test_validate_warns_only_when_the_cluster_lets_in_clients_without_a_token(ns
         assert head.stdin is not None
         head.stdin.close()
         head.wait(timeout=120)
+
+
+def test_validate_checks_the_model_on_every_node_that_loads_it(ns_cluster, assets: Path) -> None:
+    # A model directory that only the head holds (each host has its own /tmp): named with the node.
+    ns_cluster.head.run(["cp", "-r", str(assets / "tiny-random-qwen2"), "/tmp/work/head-only-model"])
+    argv = base(assets, ns_cluster.address)
+    argv.insert(3, "validate")
+    argv = [a if not a.startswith("model.path=") else "model.path=/tmp/work/head-only-model" for a in argv]
+    done = ns_cluster.head.run([*argv, "cluster.strategy=SPREAD"], timeout=300, check=False)
+    assert done.returncode != 0
+    assert "The model cannot be loaded on every node; nothing was started" in done.stderr
+    named = [ln.strip() for ln in done.stderr.split("nothing was started")[1].splitlines() if "node " in ln]
+    # SPREAD puts two of the four processes on the worker: each is named; the head's two load it
+    assert len(named) == 2 and all(ln.startswith(f"node {ns_cluster.worker.ip} (") for ln in named), named
+    assert all("model.path '/tmp/work/head-only-model' is not a directory here" in ln for ln in named)

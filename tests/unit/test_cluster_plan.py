@@ -132,3 +132,20 @@ def test_trainer_rank_0_must_fit_on_the_drivers_node() -> None:
     with pytest.raises(PreflightError, match="trainer rank 0 .* the driver's node 10.77.0.1 cannot hold it"):
         check_fits(plan, {"CPU": 4.0, "memory": 12 * GB}, nodes, "10.77.0.1")
     check_fits(plan, {"CPU": 4.0, "memory": 12 * GB}, nodes, "10.77.0.2")  # driven from the big node: fits
+
+
+def test_a_server_actor_that_died_is_reported_with_its_own_error_and_node() -> None:
+    import ray.exceptions
+
+    from agentrl.orchestration.server_actor import actor_death_reason
+
+    raised = ray.exceptions.RayActorError(None, (
+        "The actor died because of an error raised in its creation task, ray::ServerActor.__init__() "
+        "(pid=1, ip=10.0.0.2)\n  File \"server_actor.py\", line 54, in __init__\n    raise ConfigError(\n"
+        "agentrl.errors.ConfigError: model.path 'm' is not a directory on node 10.0.0.2"), True)
+    assert actor_death_reason(raised) == "agentrl.errors.ConfigError: model.path 'm' is not a directory on node 10.0.0.2"
+    killed = ray.exceptions.RayActorError(None, (
+        "The actor died unexpectedly before finishing this task.\n\tclass_name: ServerActor\n\tactor_id: ab\n"
+        "\tpid: 5\n\tip: 10.0.0.2\nThe actor's worker process was killed by SIGABRT"), False)
+    assert actor_death_reason(killed) == ("The actor died unexpectedly before finishing this task.; ip: 10.0.0.2; "
+                                          "The actor's worker process was killed by SIGABRT")
