@@ -40,6 +40,7 @@ __all__ = [
     "Slot",
     "build_cluster_plan",
     "check_fits",
+    "gpu_sharing_warnings",
     "model_on_node",
     "reserve",
     "trial_placement",
@@ -287,11 +288,36 @@ def reserve(plan: ClusterPlan, *, timeout_s: float = 120.0) -> Reservation:
     return Reservation(plan, group, placed)
 
 
-def model_on_node(model: str) -> str | None:
-    """Why this node cannot load `model` (a built-in name or a directory), or None when it can.
+def gpu_sharing_warnings(config: AgentRLConfig) -> list[str]:
+    """What `agentrl validate` warns about a cluster plan whose GPU processes reserve no GPU.
+
+    Ray hides the GPUs a process has not reserved from nothing: a trainer rank or server with
+    `cluster.*.gpus=0` on a GPU node sees every device and starts on cuda:0, the same one as its
+    neighbours, so ranks and the vLLM server share (and overfill) one device."""
+    cluster, out = config.cluster, []
+    if config.trainer.device == "cuda" and cluster.trainer.gpus <= 0:
+        out.append(f"trainer.device=cuda but cluster.trainer.gpus=0: Ray reserves no GPU for the "
+                   f"{config.trainer.num_processes} trainer rank(s), so every rank on a node uses its cuda:0; "
+                   "give cluster.trainer.gpus=1")
+    if config.inference.engine in ("vllm", "sglang") and config.trainer.device == "cuda" and cluster.server.gpus <= 0:
+        out.append(f"the {config.inference.engine} servers reserve no GPU (cluster.server.gpus=0): on a GPU node "
+                   "each starts on cuda:0 beside the trainer ranks there; give cluster.server.gpus=1 (or CPU servers "
+                   "on CPU-only nodes)")
+    return out
+
+
+def model_on_node(model: str, need_cuda: bool = False) -> str | None:
+    """Why this node cannot run its part of the run with `model` (a built-in name or a directory),
+    or None when it can.
 
     A built-in name needs its package here (the node converts it at start); a path must be a
-    directory on this node. Run in each trainer and server bundle by `trial_placement`."""
+    directory on this node; `need_cuda` (a trainer rank with `trainer.device=cuda`) needs a CUDA
+    device visible here. Run in each trainer and server bundle by `trial_placement`."""
+    if need_cuda:
+        import torch
+
+        if not torch.cuda.is_available():
+            return "trainer.device=cuda but no CUDA device is visible on this node; use auto or cpu"
     from pathlib import Path
 
     from agentrl.models import BUILTIN_MODELS, cache_dir, find_packaged_gguf
@@ -310,7 +336,8 @@ def model_on_node(model: str) -> str | None:
             "rank needs the model at the same path (or give a built-in model name, converted on each node)")
 
 
-def trial_placement(plan: ClusterPlan, *, model: str | None = None, timeout_s: float = 60.0) -> list[str]:
+def trial_placement(plan: ClusterPlan, *, model: str | None = None, trainer_cuda: bool = False,
+                    timeout_s: float = 60.0) -> list[str]:
     """For `agentrl validate`: join the cluster, reserve the plan, note where each bundle landed,
     check that each trainer and server bundle's node can load `model` (`model_on_node`), release
     it; the plan's lines with each process's node. Starts no process of the run (the run reserves
@@ -332,11 +359,11 @@ def trial_placement(plan: ClusterPlan, *, model: str | None = None, timeout_s: f
     try:
         reservation = reserve(plan, timeout_s=timeout_s)
         try:
-            problems = _model_problems(plan, reservation, model) if model else []
+            problems = _model_problems(plan, reservation, model, trainer_cuda) if model else []
         finally:
             reservation.release()
         if problems:
-            raise PreflightError("The model cannot be loaded on every node; nothing was started:\n"
+            raise PreflightError("Not every node can run its part of the run; nothing was started:\n"
                                  + "\n".join(f"  node {node} ({who}): {why}" for node, who, why in problems))
         return plan.describe(reservation.nodes)
     finally:
@@ -372,13 +399,16 @@ def unauthenticated_join(address: str, *, timeout_s: float = 90.0) -> str | None
             "and the same token on every node; README, 'Run on a cluster').")
 
 
-def _model_problems(plan: ClusterPlan, reservation: Reservation, model: str) -> list[tuple[str, str, str]]:
-    """(node, role, why) for each trainer rank and server whose node cannot load `model`."""
+def _model_problems(
+    plan: ClusterPlan, reservation: Reservation, model: str, trainer_cuda: bool
+) -> list[tuple[str, str, str]]:
+    """(node, role, why) for each trainer rank and server whose node cannot run it (`model_on_node`)."""
     import ray
 
-    check = ray.remote(model_on_node)
+    check: Any = ray.remote(model_on_node)  # Ray types remote functions by arity; this one has a default
     who = [(slot.role, slot.index) for slot in plan.slots if slot.role in ("trainer", "server")]
-    refs = [check.options(**reservation.options(role, i)).remote(model) for role, i in who]
+    refs = [check.options(**reservation.options(role, i)).remote(model, trainer_cuda and role == "trainer")
+            for role, i in who]
     answers = ray.get(refs, timeout=120)
     return [(reservation.node_ip(role, i), f"{role} {i}", why)
             for (role, i), why in zip(who, answers, strict=True) if why]

@@ -149,3 +149,23 @@ def test_a_server_actor_that_died_is_reported_with_its_own_error_and_node() -> N
         "\tpid: 5\n\tip: 10.0.0.2\nThe actor's worker process was killed by SIGABRT"), False)
     assert actor_death_reason(killed) == ("The actor died unexpectedly before finishing this task.; ip: 10.0.0.2; "
                                           "The actor's worker process was killed by SIGABRT")
+
+
+def test_gpu_processes_that_reserve_no_gpu_are_warned_about_and_cuda_is_checked_on_the_node() -> None:
+    from agentrl.config import load_config
+    from agentrl.orchestration.cluster import gpu_sharing_warnings, model_on_node
+
+    base = ["env=arithmetic", "cluster.address=10.0.0.1:6379", "trainer.device=cuda", "trainer.num_processes=2"]
+    warned = gpu_sharing_warnings(load_config(None, base))
+    assert len(warned) == 2
+    assert warned[0].startswith("trainer.device=cuda but cluster.trainer.gpus=0: Ray reserves no GPU for the 2")
+    assert "cluster.server.gpus=0" in warned[1] and "cuda:0 beside the trainer ranks" in warned[1]
+    reserved = load_config(None, [*base, "cluster.trainer.gpus=1", "cluster.server.gpus=1"])
+    assert gpu_sharing_warnings(reserved) == []
+    assert gpu_sharing_warnings(load_config(None, base[:2])) == []  # CPU trainers share no device
+    # this machine has no GPU: a cuda trainer rank placed here is refused with the reason
+    import torch
+
+    if not torch.cuda.is_available():
+        assert model_on_node("smollm2-135m-instruct", need_cuda=True) == (
+            "trainer.device=cuda but no CUDA device is visible on this node; use auto or cpu")
