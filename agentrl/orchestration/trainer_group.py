@@ -61,6 +61,10 @@ from agentrl.types import Trajectory
 
 __all__ = ["ColocatedTrainerWorker", "TrainerGroup", "TrainerWorker", "export_assets"]
 
+SHIP_PIECE_BYTES = 64 << 20
+"""Largest piece of a checkpoint file sent between the driver and a rank of another node in one
+Ray call: a shard never passes whole through the object store."""
+
 FILES_KEEP_LAST = 3
 """Versions the files engine keeps in `weights/` (besides those a checkpoint was taken at)."""
 
@@ -118,6 +122,8 @@ class TrainerWorker:
 
             model_path = resolve_model_path(self.config.model.path)
         self.ship_checkpoints = ship_checkpoints
+        self._outbox: Path | None = None  # a saved checkpoint waiting for the driver (`read_shipped`)
+        self._inbox: Path | None = None  # checkpoint files the driver sent for a load (`receive_file`)
         import torch
 
         if threads:
@@ -188,28 +194,31 @@ class TrainerWorker:
         return source, time.perf_counter() - start
 
     def save(self, path: str, data_position: dict[str, Any], *,
-             weights_version: int | None = None) -> tuple[float, dict[str, bytes]]:
+             weights_version: int | None = None) -> tuple[float, dict[str, int]]:
         """Save the trainer's state, and keep the current version as a complete HF directory in `weights/`.
 
         `weights_version` is the version the trainer's tensors carry now; by default the last one
         exported (none before the first export: then no weights are kept).
         Returns (seconds, files): a rank on another node than the driver's (`ship_checkpoints`) saves
-        into a directory of its own node and returns what it wrote there (relative path -> bytes),
-        for the driver to write into `path`; the others write `path` directly and return no files.
+        into an outbox directory of its own node and returns what it wrote there (relative path ->
+        size), which the driver reads piece by piece (`read_shipped`, then `drop_shipped`) into
+        `path`, so no shard passes whole through Ray's object store; the others write `path`
+        directly and return no files.
         """
-        import shutil
-
         start = time.perf_counter()
-        target = tempfile.mkdtemp(prefix="agentrl-shard-") if self.ship_checkpoints else path
-        shipped: dict[str, bytes] = {}
+        self.drop_shipped()
+        if self.ship_checkpoints:
+            self._outbox = Path(tempfile.mkdtemp(prefix="agentrl-shard-"))
+        target = str(self._outbox) if self._outbox is not None else path
+        shipped: dict[str, int] = {}
         try:
             self.backend.save(target, {**data_position, "kl_coef": self.kl_controller.value})
-            if self.ship_checkpoints:
-                root = Path(target)
-                shipped = {str(f.relative_to(root)): f.read_bytes() for f in sorted(root.rglob("*")) if f.is_file()}
-        finally:
-            if self.ship_checkpoints:
-                shutil.rmtree(target, ignore_errors=True)
+        except BaseException:
+            self.drop_shipped()
+            raise
+        if self._outbox is not None:
+            shipped = {str(f.relative_to(self._outbox)): f.stat().st_size
+                       for f in sorted(self._outbox.rglob("*")) if f.is_file()}
         version = self.version if weights_version is None else weights_version
         if version is not None:
             if self.weights != "files":  # http, inprocess: nothing was written per step: write this one
@@ -218,22 +227,46 @@ class TrainerWorker:
                 self.files.keep(version)
         return time.perf_counter() - start, shipped
 
-    def load(self, path: str, files: dict[str, bytes] | None = None) -> dict[str, Any]:
-        """Load a checkpoint: from `path`, or, on a rank of another node, from `files` (the checkpoint's
-        files as the driver read them), written into a directory of this node for the load."""
+    def read_shipped(self, name: str, offset: int, size: int) -> bytes:
+        """`size` bytes at `offset` of file `name` of the last checkpoint this rank saved to ship."""
+        if self._outbox is None:
+            raise TrainerError("read_shipped: this rank holds no checkpoint to ship (save first).")
+        with open(self._outbox / name, "rb") as f:
+            f.seek(offset)
+            return f.read(size)
+
+    def drop_shipped(self) -> None:
+        """Remove the outbox of a shipped checkpoint (the driver has written it)."""
         import shutil
 
-        local = None
-        if files is not None:
-            local = Path(tempfile.mkdtemp(prefix="agentrl-resume-"))
-            for name, data in files.items():
-                (local / name).parent.mkdir(parents=True, exist_ok=True)
-                (local / name).write_bytes(data)
+        if self._outbox is not None:
+            shutil.rmtree(self._outbox, ignore_errors=True)
+            self._outbox = None
+
+    def receive_file(self, name: str, offset: int, data: bytes) -> None:
+        """Write a piece of a checkpoint file the driver sends (a rank of another node resuming)."""
+        if self._inbox is None:
+            self._inbox = Path(tempfile.mkdtemp(prefix="agentrl-resume-"))
+        target = self._inbox / name
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with open(target, "r+b" if offset else "wb") as f:
+            f.seek(offset)
+            f.write(data)
+
+    def load(self, path: str, received: bool = False) -> dict[str, Any]:
+        """Load a checkpoint: from `path`, or, on a rank of another node (`received`), from the
+        files the driver sent it piece by piece (`receive_file`), removed after the load."""
+        import shutil
+
+        local = self._inbox if received else None
+        if received and local is None:
+            raise TrainerError("load: no checkpoint files were received on this rank's node.")
         try:
             position = self.backend.load(str(local) if local is not None else path)
         finally:
             if local is not None:
                 shutil.rmtree(local, ignore_errors=True)
+                self._inbox = None
         if "kl_coef" in position:
             self.kl_controller.value = float(position["kl_coef"])
         return position
@@ -315,14 +348,14 @@ class ColocatedTrainerWorker:
     async def export(self, version: int) -> tuple[str, float]:
         return await asyncio.to_thread(self.trainer.export, version)
 
-    async def save(self, path: str, data_position: dict[str, Any]) -> tuple[float, dict[str, bytes]]:
+    async def save(self, path: str, data_position: dict[str, Any]) -> tuple[float, dict[str, int]]:
         # Weights reach the engine in memory, so a checkpoint is the only place they are written:
         # the trainer's tensors as they are now (version `trainer_version`), a complete HF directory
         # `agentrl eval model.path=runs/NAME/weights/version-N` loads.
         return await asyncio.to_thread(self.trainer.save, path, data_position, weights_version=self.trainer_version)
 
-    async def load(self, path: str, files: dict[str, bytes] | None = None) -> dict[str, Any]:
-        return await asyncio.to_thread(self.trainer.load, path, files)
+    async def load(self, path: str, received: bool = False) -> dict[str, Any]:
+        return await asyncio.to_thread(self.trainer.load, path, received)
 
     # ── the engine's server contract, for `ColocatedClient` ──
     async def engine_generate(self, request: Any) -> Any:
@@ -528,13 +561,20 @@ class TrainerGroup:
         return await self._all("export", version)
 
     async def save(self, path: str, data_position: dict[str, Any]) -> float:
-        """Every rank saves; the shards of ranks on other nodes are written into `path` here."""
+        """Every rank saves; the shards of ranks on other nodes are copied into `path` here, a
+        piece of at most `SHIP_PIECE_BYTES` at a time."""
         results = await self._all_results("save", path, data_position)
-        for _seconds, files in results:
-            for name, data in files.items():
+        for actor, (_seconds, files) in zip(self.actors, results, strict=True):
+            if not files:
+                continue
+            for name, size in files.items():
                 target = Path(path) / name
                 target.parent.mkdir(parents=True, exist_ok=True)
-                target.write_bytes(data)
+                with open(target, "wb") as out:
+                    for offset in range(0, size, SHIP_PIECE_BYTES):
+                        piece = await self._gather("save", [actor.read_shipped.remote(name, offset, SHIP_PIECE_BYTES)])
+                        out.write(piece[0])
+            await self._gather("save", [actor.drop_shipped.remote()])
         return float(results[0][0])
 
     # ── placement colocated ──
@@ -559,13 +599,27 @@ class TrainerGroup:
 
     async def load(self, path: str) -> dict[str, Any]:
         """Every rank loads the checkpoint at `path`; ranks on other nodes get its files from here."""
-        import ray
-
         if not any(self.ships):
             return await self._all("load", path)
         root = Path(path)
-        files = ray.put({str(f.relative_to(root)): f.read_bytes() for f in sorted(root.rglob("*")) if f.is_file()})
-        refs = [a.load.remote(path, files if ship else None) for a, ship in zip(self.actors, self.ships, strict=True)]
+        for actor, ship in zip(self.actors, self.ships, strict=True):
+            if not ship:
+                continue
+            for f in sorted(root.rglob("*")):
+                if not f.is_file():
+                    continue
+                name = str(f.relative_to(root))
+                with open(f, "rb") as src:
+                    offset = 0
+                    while True:
+                        piece = src.read(SHIP_PIECE_BYTES)
+                        if not piece and offset:
+                            break
+                        await self._gather("load", [actor.receive_file.remote(name, offset, piece)])
+                        offset += len(piece)
+                        if len(piece) < SHIP_PIECE_BYTES:
+                            break
+        refs = [a.load.remote(path, ship) for a, ship in zip(self.actors, self.ships, strict=True)]
         return (await self._gather("load", refs))[0]
 
     def shutdown(self) -> None:
