@@ -64,7 +64,7 @@ from pathlib import Path
 
 from agentrl.config import AgentRLConfig, save_config
 from agentrl.envs import Env
-from agentrl.errors import AgentRLError, ConfigError, PreflightError
+from agentrl.errors import AgentRLError, ConfigError, PreflightError, RunWriteError
 from agentrl.orchestration.build import Job, build_job
 from agentrl.orchestration.checkpoints import Checkpoint, CheckpointStore, move_aside_earlier_attempt
 from agentrl.orchestration.interrupts import RunInterrupted, StopSignals, signal_name
@@ -81,6 +81,7 @@ from agentrl.orchestration.run_identity import (
 from agentrl.orchestration.run_lock import RunLock
 from agentrl.orchestration.training import RunBooks, TrainingSteps, score_text
 from agentrl.records.metrics import MetricsLogger
+from agentrl.records.run_files import classify_write_error, replace_text
 from agentrl.rollout import RolloutWorker
 
 __all__ = ["Run", "RunResult", "check_run_dir", "resolve_run_dir", "run_training"]
@@ -247,17 +248,41 @@ def _init_ray(cluster_address: str | None) -> None:
             "authentication is on).") from exc
 
 
+class _DriverLogHandler(logging.FileHandler):
+    """`driver.log`. A line it cannot write (the disk is full) is dropped quietly: the console has
+    the message, and logging's own report of the failure would put a traceback there."""
+
+    failed = False
+
+    def handleError(self, record: logging.LogRecord) -> None:
+        self.failed = True
+
+
 @contextlib.contextmanager
-def _driver_log(run_dir: Path) -> Iterator[None]:
+def _driver_log(run_dir: Path) -> Iterator[_DriverLogHandler]:
     """The run's messages also go to `driver.log` in its directory, until the run is closed."""
-    handler = logging.FileHandler(run_dir / "driver.log")
+    handler = _DriverLogHandler(run_dir / "driver.log")
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     logging.getLogger("agentrl").addHandler(handler)
     try:
-        yield
+        yield handler
     finally:
         logging.getLogger("agentrl").removeHandler(handler)
-        handler.close()
+        with contextlib.suppress(OSError):  # its last buffered line on a full disk
+            handler.close()
+
+
+def _as_write_error(exc: BaseException, run_dir: Path) -> RunWriteError | None:
+    """`exc` as the `RunWriteError` it means when a write under the run directory failed where it
+    writes (a full disk, a read-only filesystem, the directory gone), else None. Catches what
+    did not come through `run_files`: a file another part wrote, an error that crossed from a Ray
+    actor as text (the trainer's export on a full disk)."""
+    if isinstance(exc, RunWriteError):
+        return exc
+    if isinstance(exc, AgentRLError | KeyboardInterrupt | asyncio.CancelledError):
+        return None
+    path = Path(getattr(exc, "filename", None) or run_dir)
+    return classify_write_error(exc, path, run_dir)
 
 
 class Run:
@@ -292,16 +317,24 @@ class Run:
             prepared = _prepare_run_dir(config, stack, self.plan.cluster is not None)  # refusals before anything starts
             await asyncio.to_thread(preflight, job)  # its sandbox snippet runs on a loop of its own
             run_dir, store, checkpoint = prepared.path, prepared.store, prepared.checkpoint
-            notes = _settle_run_dir(config, prepared)
-            stack.enter_context(_driver_log(run_dir))
+            with self._writes_stop_cleanly(run_dir, store):
+                notes = _settle_run_dir(config, prepared)
+                driver_log = stack.enter_context(_driver_log(run_dir))
             for note in notes:
                 log.warning("%s", note)
             for damaged in checkpoint.set_aside if checkpoint else []:
                 log.error("%s", damaged)
-            books = RunBooks(job, run_dir, store, checkpoint)
             try:
-                steps = await self._open(stack, books)
-                await steps.run()
+                with self._writes_stop_cleanly(run_dir, store):
+                    books = RunBooks(job, run_dir, store, checkpoint)
+                    steps = await self._open(stack, books)
+                    await steps.run()
+            except RunWriteError as exc:  # the message has the cause, the fix and the command; no traceback
+                log.error("the run stopped: %s", exc)
+                if exc.__cause__ is not None or exc.__context__ is not None:
+                    driver_log.handle(log.makeRecord(log.name, logging.ERROR, __file__, 0, "the failed write:", (),
+                                                     (type(exc), exc, exc.__traceback__)))
+                raise
             except AgentRLError as exc:
                 log.error("the run stopped: %s", exc)  # in driver.log too, with the fix
                 how = self._continue_text(run_dir, store)
@@ -319,8 +352,24 @@ class Run:
             max_staleness=steps.scheduler.max_staleness_seen, seconds=time.perf_counter() - self.started,
             steps_skipped=steps.scheduler.steps_skipped,
         )  # fmt: skip
-        (run_dir / "result.json").write_text(json.dumps(result.__dict__, indent=2))
+        replace_text(run_dir / "result.json", json.dumps(result.__dict__, indent=2), run_dir)
         return result
+
+    @contextlib.contextmanager
+    def _writes_stop_cleanly(self, run_dir: Path, store: CheckpointStore) -> Iterator[None]:
+        """A write under `run_dir` that fails where it writes (`_as_write_error`) raises `RunWriteError`
+        ending with the command that continues the run as it stands."""
+        try:
+            yield
+        except Exception as exc:
+            failed = _as_write_error(exc, run_dir)
+            if failed is None:
+                raise
+            self._continue_text(run_dir, store)
+            failed.continue_with(self.continue_command, resume=store.latest_name() is not None)
+            if failed is exc:
+                raise
+            raise failed from exc
 
     def _continue_text(self, run_dir: Path, store: CheckpointStore) -> str:
         """How to continue the run as it stands (and `continue_command` set to that command)."""
