@@ -77,11 +77,11 @@ from agentrl.orchestration.run_identity import (
     run_identity,
     write_identity,
 )
-from agentrl.orchestration.run_lock import RunLock
+from agentrl.orchestration.run_lock import LOCK_FILE, RunLock
 from agentrl.orchestration.startup import init_ray, starting
 from agentrl.orchestration.training import RunBooks, TrainingSteps, score_text
 from agentrl.records.metrics import MetricsLogger
-from agentrl.records.run_files import classify_write_error, replace_text
+from agentrl.records.run_files import classify_write_error, replace_text, writing
 from agentrl.rollout import RolloutWorker
 
 __all__ = ["Run", "RunResult", "check_run_dir", "resolve_run_dir", "run_training"]
@@ -147,7 +147,12 @@ def _prepare_run_dir(config: AgentRLConfig, stack: contextlib.AsyncExitStack, pl
                             resume_command=resume_command(config, run_dir))
     if config.run.resume:
         _check_resumable(config, run_dir, store)  # nothing created, nothing locked
-    lock = RunLock.acquire(run_dir)  # before anything is written into the directory
+    try:
+        with writing(run_dir / LOCK_FILE):
+            lock = RunLock.acquire(run_dir)  # before anything is written into the directory
+    except RunWriteError as exc:  # a read-only or full disk under run.output_dir
+        exc.continue_with(resume_command(config, run_dir, resume=config.run.resume), resume=config.run.resume)
+        raise
     stack.callback(lock.release)
     resume = check_resume(config, run_dir)  # the recorded identity; resume_allow only with resume
     checkpoint = None

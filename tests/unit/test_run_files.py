@@ -180,3 +180,25 @@ def test_the_driver_turns_failed_writes_under_the_run_into_the_write_error(tmp_p
     assert _as_write_error(asyncio.CancelledError(), tmp_path) is None
     same = RunWriteError("p", "the disk is full", "d", "/", "f")
     assert _as_write_error(same, tmp_path) is same
+
+
+def test_a_run_directory_on_a_read_only_filesystem_is_refused_with_the_command_to_start_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import contextlib
+
+    from agentrl.config import load_config
+    from agentrl.orchestration import driver
+    from agentrl.orchestration.run_lock import RunLock
+
+    def read_only(run_dir: Path, command: str | None = None) -> RunLock:
+        raise OSError(errno.EROFS, "Read-only file system", str(run_dir / "run.lock"))
+
+    monkeypatch.setattr(RunLock, "acquire", read_only)
+    config = load_config(None, ["env=arithmetic", "run.name=mine", f"run.output_dir={tmp_path}"])
+    with pytest.raises(RunWriteError) as caught:
+        driver._prepare_run_dir(config, contextlib.AsyncExitStack())
+    message = str(caught.value)
+    assert message.startswith(f"Could not write {tmp_path / 'mine' / 'run.lock'}: the filesystem is read-only")
+    assert message.endswith(f"then start it again (no checkpoint was written yet) with: agentrl run "
+                            f"{tmp_path / 'mine' / 'config.yaml'} run.name=mine run.output_dir={tmp_path}.")
