@@ -122,8 +122,9 @@ def _run_for(tmp_path: Path, *overrides: str) -> Any:
 
 
 async def _open(run: Any, books: Any) -> None:
-    async with contextlib.AsyncExitStack() as stack:
-        await run._open(stack, books)
+    with run.signals.installed():  # as run_training does: the handlers `_open` installs are restored after
+        async with contextlib.AsyncExitStack() as stack:
+            await run._open(stack, books)
 
 
 def test_a_trainer_that_fails_to_start_is_named_with_why_and_what_to_do(tmp_path: Path, monkeypatch) -> None:
