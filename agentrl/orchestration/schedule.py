@@ -36,7 +36,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
-from agentrl.errors import AgentRLError
+from agentrl.errors import AgentRLError, RunWriteError
 from agentrl.orchestration.ledger import PromptLedger, PromptRef, PromptSampler
 from agentrl.types import Trajectory
 
@@ -273,9 +273,13 @@ class Scheduler:
         except BaseException as exc:
             what = "interrupted" if isinstance(exc, (KeyboardInterrupt, asyncio.CancelledError)) else type(exc).__name__
             reason = f"the run stopped ({what}) while it was in flight"
+            try:
+                self.sampler.requeue(self.ledger.close_in_flight(reason), front=True)
+            except RunWriteError as closing:  # the journal cannot take them (a full disk): the next session will
+                log.error("the prompts in flight could not be closed in the ledger (%s); the next session of the "
+                          "run closes them as unfinished before it takes any", closing.cause)
             raise
-        finally:
-            self.sampler.requeue(self.ledger.close_in_flight(reason), front=True)
+        self.sampler.requeue(self.ledger.close_in_flight(reason), front=True)
 
     # ── sync ────────────────────────────────────────────────────────────────────────────────
     async def _round(self, refs: list[PromptRef]) -> list[GroupResult]:
