@@ -82,8 +82,10 @@ def test_ctrl_c_closes_every_prompt_leaves_nothing_running_and_resumes(
     run_dir = tmp_path / "sigint"
     wait_for_open_attempts_after_a_checkpoint(proc, run_dir, timeout_s=1200)
     started = descendants(proc.pid)
+    sent = time.monotonic()
     proc.send_signal(signal.SIGINT)
     _, stderr = proc.communicate(timeout=300)
+    print(f"measured ({placement}): exited {time.monotonic() - sent:.1f} s after SIGINT")  # for the README, with -rP
     assert proc.returncode == 130, stderr[-3000:]
     assert "the run was interrupted" in stderr and "resume=true run.name=sigint" in stderr
     books = check_books(run_dir)  # balanced as it stands: the interrupted run closed its own books
@@ -140,9 +142,11 @@ def test_sigkill_of_the_driver_leaves_nothing_behind_and_the_resume_closes_its_b
         assert engine, "the vLLM engine core runs as a process of its own"
     else:  # the engine is inside the trainer actor: no server process, no engine core of its own
         assert "ray::ColocatedTrainerWorker" in names and "agentrl.inference.vllm_server" not in names
+    killed_at = time.monotonic()
     proc.kill()
     proc.communicate(timeout=60)
     assert wait_until_gone(started, timeout_s=90) == [], "nothing the killed driver started may survive it"
+    print(f"measured ({placement}): all gone {time.monotonic() - killed_at:.1f} s after SIGKILL")  # for the README
     with pytest.raises(Exception, match="never closed"):
         check_books(run_dir)  # the killed run could not close its books ...
 
@@ -171,6 +175,11 @@ def test_a_killed_trainer_stops_the_run_and_it_resumes_with_nothing_lost(
     assert books["trained"] == 3 and books["unfinished"] == 3  # step 0 trained; step 1's prompts closed
     assert [m["step"] for m in lines(run_dir / "metrics.jsonl")] == [0]
     assert wait_until_gone(procs_matching("ray::TrainerWorker"), timeout_s=30) == []
+    log = (run_dir / "driver.log").read_text().splitlines()
+    killed = [_logged_at(ln) for ln in log if "KillingParityEnv SIGKILLed ray::TrainerWorker" in ln]
+    stopped = [_logged_at(ln) for ln in log if "the run stopped: A trainer process died" in ln]
+    if killed and stopped:  # split notices at the next call to the trainer: after the step's rollout
+        print(f"measured (split): the run stopped {stopped[0] - killed[0]:.1f} s after the SIGKILL")
 
     # The resume plays the plain env (no more kills): a change of env the resume must be told is on purpose.
     resumed = run_training(make_config(tmp_path, "trainer", assets, "run.total_steps=3", "resume=true",
@@ -211,6 +220,7 @@ def test_a_killed_colocated_trainer_and_its_engine_stop_the_run_at_once_and_it_r
     assert len(killed) == 1 and len(stopped) == 1, "\n".join(log[-20:])
     noticed_s = _logged_at(stopped[0]) - _logged_at(killed[0])
     assert 0 <= noticed_s < 300, f"noticed {noticed_s:.1f} s after the kill; request_timeout_s is 600"
+    print(f"measured (colocated): the run stopped {noticed_s:.1f} s after the SIGKILL")  # for the README, with -rP
     books = check_books(run_dir)
     assert books["trained"] == 3 and books["unfinished"] == 3  # step 0 trained; step 1's prompts closed
     unfinished = [e for e in lines(run_dir / "ledger.jsonl") if e["status"] == "unfinished"]
