@@ -28,7 +28,10 @@ same calls as async methods (the blocking trainer calls run on threads, generati
 streams the trainer's tensors into the engine through the in-process checkpoint engine (checksummed
 buckets, no files). The engine's weights change only at that push, so a batch's version labels stay
 true; an update waits until the previous one has reached the engine, so a push never carries newer
-weights than its version says (async mode trains the next batch only after the last push).
+weights than its version says (async mode trains the next batch only after the last push). The
+process is the trainer and every server of the run at once, so the driver keeps a `watch` call
+outstanding on each rank, which Ray fails the moment the process dies: the run stops within seconds
+naming the trainer, its engine and Ray's cause (`actor_watch.py`), instead of waiting for a server.
 
 On a Ray cluster (`cluster.address`; `cluster.Reservation`), each rank is placed in its bundle of
 the run's placement group; rank 0 is on the driver's node, where the run directory is, and the
@@ -45,6 +48,7 @@ Nothing here decides when to train or push: that is `schedule.py`.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import socket
 import tempfile
@@ -55,6 +59,7 @@ from typing import Any
 from agentrl.chat import ChatTemplate
 from agentrl.config import AgentRLConfig
 from agentrl.errors import AgentRLError, ServerUnavailableError, TrainerError, WeightSyncError
+from agentrl.orchestration.actor_watch import death_cause
 from agentrl.orchestration.placement import PlacementPlan, weights_backend
 from agentrl.orchestration.run_commands import resume_command
 from agentrl.types import Trajectory
@@ -300,6 +305,11 @@ class ColocatedTrainerWorker:
     async def ready(self) -> int:
         return self.trainer.rank
 
+    async def watch(self) -> None:
+        """Never answers: the driver keeps this call outstanding (`TrainerGroup.watch`) so that Ray
+        fails it the moment this process, and the engine in it, dies."""
+        await asyncio.Event().wait()
+
     async def weight_endpoint(self) -> dict[str, Any]:
         return self.trainer.weight_endpoint()
 
@@ -399,6 +409,11 @@ async def _actor_call(actor: Any, server_id: str, method: str, *args: Any) -> An
         raise ServerUnavailableError(f"{server_id}: {method} failed: {type(cause).__name__}: {cause}") from exc
 
 
+async def _awaited(ref: Any) -> Any:
+    """Await a Ray object ref (a coroutine, so that `asyncio.wait` can take it as a task)."""
+    return await ref
+
+
 def _node_ip() -> str:
     import ray.util
 
@@ -431,6 +446,9 @@ def _free_port(host: str) -> int:
 
 class TrainerGroup:
     """`trainer.num_processes` TrainerWorker actors called as one (see the module docstring)."""
+
+    colocated = False
+    """Whether the ranks host the run's vLLM engines (placement colocated); set by `__init__`."""
 
     def __init__(self, config: AgentRLConfig, model_path: str, template: ChatTemplate, weights_dir: str | Path, *,
                  plan: PlacementPlan | None = None, reservation: Any | None = None) -> None:
@@ -517,10 +535,11 @@ class TrainerGroup:
             # a signal, ...): name it here, since the actor's own output reaches only the console.
             said = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
             errors = [ln for ln in said if "Error:" in ln or "Exception:" in ln]
-            reason = (errors or said or [""])[-1][:500]
+            reason = errors[-1][:500] if errors else (death_cause(exc) or (said or [""])[-1][:500])
+            hosted = " and the vLLM engine it hosted (placement colocated) with it" if self.colocated else ""
             raise TrainerError(
-                f"A trainer process died during '{method}' ({type(exc).__name__}: {reason}). Fix the cause "
-                f"and continue with: {self.resume_command}"
+                f"A trainer process died during '{method}'{hosted} ({type(exc).__name__}: {reason}). Fix the "
+                f"cause and continue with: {self.resume_command}"
             ) from exc
         except ray.exceptions.RayTaskError as exc:
             cause = exc.cause if getattr(exc, "cause", None) is not None else exc
@@ -592,6 +611,41 @@ class TrainerGroup:
             call = functools.partial(_actor_call, actor, server_id)
             clients.append(ColocatedClient(call, server_id, timeout_s=self.request_timeout_s))
         return clients
+
+    async def watch(self) -> None:
+        """Wait for a rank's process to die, then raise `TrainerError` naming the trainer and the engine
+        it hosted, Ray's cause and the command that continues the run; never returns otherwise.
+
+        Placement colocated only (`actor_watch`): one `ColocatedTrainerWorker.watch` call per rank stays
+        outstanding, and Ray fails it as soon as the rank's process is gone. A split trainer's ranks
+        answer one call at a time, so there its death shows at the next call instead."""
+        import ray
+        import ray.exceptions
+
+        if not self.colocated:
+            raise TrainerError("watch() needs placement=colocated: a split trainer rank answers one call at a "
+                               "time, so a call left outstanding would block it.")
+        refs = [a.watch.remote() for a in self.actors]
+        waits = {asyncio.ensure_future(_awaited(ref)): rank for rank, ref in enumerate(refs)}
+        try:
+            done, _ = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in waits:
+                task.cancel()
+            for ref in refs:
+                with contextlib.suppress(Exception):  # the actor may be gone already
+                    ray.cancel(ref)
+        task = next(iter(done))
+        rank, error = waits[task], task.exception()
+        if isinstance(error, ray.exceptions.RayActorError):
+            raise TrainerError(
+                f"The trainer process (rank {rank}) died, and the vLLM engine it hosted (placement colocated) "
+                f"with it ({type(error).__name__}: {death_cause(error) or 'Ray gave no cause'}); the prompts in "
+                f"flight are closed as unfinished in ledger.jsonl. If it was killed for lack of memory, lower "
+                f"trainer.micro_batch_tokens or inference.cpu_kv_cache_gb. Fix the cause and continue with: "
+                f"{self.resume_command}") from error
+        raise TrainerError(f"The watch on trainer rank {rank} ended unexpectedly ({error!r}); the trainer may still "
+                           f"run. Continue with: {self.resume_command}") from error
 
     async def update_engines(self, version: int) -> float:
         """Every rank's engine loads that rank's trainer weights as `version`, in memory."""

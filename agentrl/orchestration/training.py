@@ -23,6 +23,7 @@ from typing import Any
 from agentrl.envs import Env
 from agentrl.errors import InfraFailureError
 from agentrl.inference.router import Router
+from agentrl.orchestration.actor_watch import run_watched
 from agentrl.orchestration.build import Job
 from agentrl.orchestration.checkpoints import Checkpoint, CheckpointStore
 from agentrl.orchestration.evaluate import check_infra_failures, evaluate
@@ -150,7 +151,15 @@ class TrainingSteps:
         )  # fmt: skip
 
     async def run(self) -> None:
-        """The held-out evaluation before the first step (of a fresh run), then every step."""
+        """The held-out evaluation before the first step (of a fresh run), then every step. Colocated,
+        while the trainer's process (and the engine in it) is watched: its death stops them at once
+        (`actor_watch.run_watched`), the prompts in flight closed as `unfinished` naming it."""
+        if not self.colocated:
+            await self._run_steps()
+            return
+        await run_watched(self._run_steps(), self.trainer.watch(), on_death=self.scheduler.stop_because)
+
+    async def _run_steps(self) -> None:
         if self.books.val_rows and self.start_step == 0:
             self.eval_before = await self.evaluate(0)
             self.logger.log_event(0, {k: v for k, v in self.eval_before.items() if v is not None}, "eval")
