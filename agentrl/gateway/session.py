@@ -170,6 +170,9 @@ class GatewaySession:
                 prompt, delta = await asyncio.to_thread(self._prompt, template, seg, new, tools)
             else:
                 prompt, delta = self._prompt(template, seg, new, tools)
+            if self.closed:  # ended while the prompt was rendered in a worker thread
+                raise WireError("This agentrl session has ended (its episode is over); no more calls are served.",
+                                status=410, code="session_closed")
             room = cfg.max_total_tokens - len(prompt)
             if room < 1:
                 raise self._too_long(str(len(prompt)))
