@@ -162,6 +162,8 @@ class InProcessVLLM(ServerEngine):
         from vllm.v1.engine.llm_engine import LLMEngine
 
         kwargs = {k: v for k, v in self.engine_kwargs.items() if v is not None}
+        if "use_tqdm_on_load" in getattr(EngineArgs, "__dataclass_fields__", {}):
+            kwargs["use_tqdm_on_load"] = False  # its bar would reach the run's console through Ray
         self.on_gpu = torch.cuda.is_available()
         if self.on_gpu:
             kwargs["enable_sleep_mode"] = True

@@ -7,9 +7,11 @@ too: about forty INFO and WARNING lines per engine start. `route_worker_logs`, c
 in such a process, sends every record at INFO and above to `logs/<name>.log` in the run directory
 and keeps on stderr (so on the console) agentrl's own warnings and anyone's errors. vLLM is told
 not to install its own stdout handler (`VLLM_CONFIGURE_LOGGING=0`, read when vLLM is imported:
-later in this process), so its records reach the root logger and the file; progress bars of
-libraries (tqdm) are turned off in the worker (`TQDM_DISABLE`). This module does not touch the
-driver's logging (`agentrl.cli` configures that).
+later in this process), so its records reach the root logger and the file; Python warnings
+become log records too (`logging.captureWarnings`), and the progress bars of libraries are turned
+off in the worker (`TQDM_DISABLE`, `HF_HUB_DISABLE_PROGRESS_BARS`). What C++ code writes straight
+to the process's stderr (torch's NUMA notice) is not a log record and still reaches the console.
+This module does not touch the driver's logging (`agentrl.cli` configures that).
 """
 
 from __future__ import annotations
@@ -48,6 +50,8 @@ def route_worker_logs(log_dir: str | Path, name: str) -> Path | None:
         return None
     os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")
     os.environ.setdefault("TQDM_DISABLE", "1")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # transformers' "Loading weights" bar
+    logging.captureWarnings(True)  # libraries' FutureWarnings: to the file, as "py.warnings" records
     to_file.setLevel(logging.INFO)
     to_file.setFormatter(logging.Formatter(_FORMAT))
     to_console = logging.StreamHandler(sys.stderr)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import io
 import logging
+import warnings
 from pathlib import Path
 
 import pytest
@@ -66,6 +67,7 @@ def test_a_worker_logs_everything_to_its_file_and_only_what_needs_the_user_to_th
         tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("VLLM_CONFIGURE_LOGGING", raising=False)
     monkeypatch.delenv("TQDM_DISABLE", raising=False)
+    monkeypatch.delenv("HF_HUB_DISABLE_PROGRESS_BARS", raising=False)
     root = logging.getLogger()
     before, level = list(root.handlers), root.level
     try:
@@ -76,7 +78,9 @@ def test_a_worker_logs_everything_to_its_file_and_only_what_needs_the_user_to_th
         logging.getLogger("agentrl.trainer").info("loaded the policy")
         logging.getLogger("agentrl.trainer").warning("the trainer fell back to float32")
         logging.getLogger("vllm.engine").error("the engine failed")
+        warnings.warn("`torch.distributed.reduce_op` is deprecated", FutureWarning, stacklevel=1)
     finally:
+        logging.captureWarnings(False)
         for handler in root.handlers[:]:
             if handler not in before:
                 root.removeHandler(handler)
@@ -87,7 +91,8 @@ def test_a_worker_logs_everything_to_its_file_and_only_what_needs_the_user_to_th
     assert os.environ["VLLM_CONFIGURE_LOGGING"] == "0" and os.environ["TQDM_DISABLE"] == "1"
     assert path == tmp_path / "logs" / "trainer-0.log"
     written = path.read_text()
-    for text in ("detected platform cpu", "Pin memory", "loaded the policy", "fell back to float32", "engine failed"):
+    for text in ("detected platform cpu", "Pin memory", "loaded the policy", "fell back to float32", "engine failed",
+                 "reduce_op` is deprecated"):
         assert text in written
     console = capsys.readouterr().err.splitlines()
     assert console == ["WARNING agentrl.trainer: the trainer fell back to float32", "ERROR vllm.engine: the engine failed"]
