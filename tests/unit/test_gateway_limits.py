@@ -152,12 +152,13 @@ def test_an_oversized_body_is_413_by_its_size_while_health_keeps_answering(templ
     model = ScriptedModel(template, [ANSWER])
     eight_mb = json.dumps({"messages": [{"role": "user", "content": "word " * 1_600_000}]}).encode()
     events: list[str] = []
+    answered = asyncio.Event()
 
     async def chunked() -> AsyncIterator[bytes]:  # no Content-Length: refused once it passes the cap
         for k in range(0, len(eight_mb), 1 << 16):
             if k == 1 << 20:
                 events.append("upload half-way")
-                await asyncio.sleep(0.05)  # hand the loop to the health check while the upload is in flight
+                await asyncio.wait_for(answered.wait(), 30)  # the upload waits, in flight, for /health
             yield eight_mb[k:k + (1 << 16)]
         events.append("upload done")
 
@@ -166,6 +167,7 @@ def test_an_oversized_body_is_413_by_its_size_while_health_keeps_answering(templ
             await asyncio.sleep(0.001)
         status = (await http.get("/health")).status_code
         events.append("health answered")
+        answered.set()
         return status
 
     async def run() -> tuple[tuple[int, dict[str, Any]], tuple[int, dict[str, Any]], int]:
