@@ -402,7 +402,10 @@ def _fewest_tokens(template: ChatTemplate, messages: list[Message]) -> int:
     counted (templates may drop old thinking). No token covers more characters than the longest
     piece of the vocabulary, after the normaliser merged at most `_NORMALISER_MERGE` into one.
     """
-    longest = _longest_piece(template.tokenizer)
+    try:
+        longest = _longest_piece(template.tokenizer)
+    except TypeError:  # an unhashable tokenizer: read its vocabulary every time (milliseconds)
+        longest = _longest_piece.__wrapped__(template.tokenizer)
     if longest is None:
         return 0
     chars = sum(len(m["content"].strip()) for m in messages
