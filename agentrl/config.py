@@ -202,6 +202,10 @@ class RolloutConfig(_Section):
     cpu_slice_s: float = Field(0.002, gt=0)
     """Longest burst of chat-template and parsing work the agent loop runs before it polls sockets
     and timers again; bounds event-loop stalls when thousands of episodes are in flight."""
+    gateway_max_request_mb: float = Field(4.0, gt=0)
+    """Largest request body, in MB, the agent gateway (`env=agent`, `agentrl gateway`) reads; a larger
+    one is refused with 413 before it is read, parsed or tokenised. 4 MB holds far more than a
+    128k-token conversation; raise it only for bigger `max_total_tokens`."""
 
 
 class InferenceConfig(_Section):

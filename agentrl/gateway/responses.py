@@ -65,6 +65,9 @@ def parse_responses_request(body: Any, previous: dict[str, list[Message]] | None
         raise WireError("The request body must be a JSON object.")
     history: list[Message] = []
     prev_id = body.get("previous_response_id")
+    if prev_id is not None and not isinstance(prev_id, str):
+        raise WireError(f"'previous_response_id' must be a string (the id of an earlier response), got "
+                        f"{type(prev_id).__name__}.", param="previous_response_id")
     if prev_id:
         if previous is None or prev_id not in previous:
             raise WireError(f"No response {prev_id!r} in this session.", status=404, param="previous_response_id",

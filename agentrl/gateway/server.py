@@ -17,8 +17,11 @@ stay on one inference server (the router keys stickiness on the episode id). A g
 without one, an unknown key is refused with 401.
 
 Errors are OpenAI-style bodies (`{"error": {"message", "type", "param", "code"}}`): 400 for what the
-gateway cannot serve (bad fields, images, n > 1, context too long), 401/404/410 for sessions, 503
-for generation failures the client may retry; a bug is logged and answered 500 with the same shape.
+gateway cannot serve (bad fields, images, n > 1, context too long, bodies that are not UTF-8 JSON
+nested at most 64 deep), 413 for a body over `rollout.gateway_max_request_mb` (refused by its
+Content-Length before it is read, so one agent's huge request cannot hold up the event loop the
+other sessions share), 401/404/410 for sessions, 503 for generation failures the client may retry;
+a bug is logged and answered 500 with the same shape.
 The gateway does not run agents (`agent_env.py`) and does not decide what an episode is worth.
 """
 
@@ -26,8 +29,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
+import math
 import secrets
 import socket
 import time
@@ -39,6 +42,7 @@ from agentrl.gateway.wire import (
     WireError,
     completion_body,
     completion_chunks,
+    decode_body,
     error_body,
     parse_chat_request,
 )
@@ -185,7 +189,7 @@ class Gateway:
             await asyncio.sleep(min(self.idle_timeout_s / 4, 5.0))
             now = time.monotonic()
             for key, s in list(self.sessions.items()):
-                if now - s.last_used > self.idle_timeout_s and not any(seg.busy for seg in s.segments):
+                if now - s.last_used > self.idle_timeout_s and not s.in_flight:
                     log.info("session %s idle for %.0f s: ended", s.episode_id, now - s.last_used)
                     await self._end(key)
 
@@ -218,12 +222,8 @@ class Gateway:
             response_events,
         )
 
-        async def body_of(request: Any) -> Any:
-            raw = await request.body()
-            try:
-                return json.loads(raw)
-            except ValueError as exc:
-                raise WireError(f"The request body is not valid JSON: {exc}") from exc
+        async def body_of(request: Any, session: GatewaySession) -> Any:
+            return decode_body(await _read_capped(request, session))
 
         def guarded(handler: Callable[[Any], Awaitable[Any]]) -> Callable[[Any], Awaitable[Any]]:
             async def route(request: Any) -> Any:
@@ -241,7 +241,7 @@ class Gateway:
         async def chat(request: Any) -> Any:
             started = time.perf_counter()
             session = self._session_for(request)
-            chat_request = parse_chat_request(await body_of(request))
+            chat_request = parse_chat_request(await body_of(request, session))
             completion = await session.complete(chat_request)
             if not completion.model:
                 completion.model = self.model_name
@@ -256,7 +256,7 @@ class Gateway:
         async def responses(request: Any) -> Any:
             started = time.perf_counter()
             session = self._session_for(request)
-            parsed = parse_responses_request(await body_of(request), session.stored_responses)
+            parsed = parse_responses_request(await body_of(request, session), session.stored_responses)
             completion = await session.complete(parsed.chat)
             if not completion.model:
                 completion.model = self.model_name
@@ -286,11 +286,15 @@ class Gateway:
             session = self.sessions.get(key)
             if session is None:
                 raise WireError("No open session has this key.", status=404, code="session_not_found")
-            body = await body_of(request) if await request.body() else {}
+            raw = await _read_capped(request, session)
+            body = decode_body(raw) if raw.strip() else {}
             reward = body.get("reward") if isinstance(body, dict) else None
             if reward is not None:
                 if not isinstance(reward, (int, float)) or isinstance(reward, bool):
-                    raise WireError(f"'reward' must be a number, got {reward!r}.", param="reward")
+                    raise WireError(f"'reward' must be a number, got {type(reward).__name__}.", param="reward")
+                if not math.isfinite(reward):
+                    raise WireError(f"'reward' must be a finite number, got {reward!r}; trajectories are written "
+                                    "as strict JSON, which has no NaN or Infinity.", param="reward")
                 session.reward = float(reward)
             await self._end(key)
             return JSONResponse({"key": session.key, "segments": len(session.segments),
@@ -306,6 +310,30 @@ class Gateway:
                 Route(f"{prefix}/v1/models/{{model:path}}", guarded(model), methods=["GET"]),
             ]
         return Starlette(routes=routes)
+
+
+async def _read_capped(request: Any, session: GatewaySession) -> bytes:
+    """The request's body, refused with 413 past the session's `rollout.gateway_max_request_mb`
+    without reading it (by its Content-Length) or, when it is streamed, as soon as it passes the cap."""
+    limit_mb = session.backend.config.gateway_max_request_mb
+    cap = int(limit_mb * 1_000_000)
+
+    def too_large(size: str) -> WireError:
+        return WireError(f"The request body is {size} bytes; this gateway reads at most {limit_mb:g} MB "
+                         "(rollout.gateway_max_request_mb). Shorten the conversation, or raise the limit if "
+                         "rollout.max_total_tokens really needs it.", status=413, code="request_too_large")
+
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > cap:
+        raise too_large(declared)
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > cap:
+            raise too_large(f"more than {cap}")
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 class SharedGateway:

@@ -30,7 +30,14 @@ an agent's own `temperature` is not applied (`metrics["ignored_sampling"]` count
 A call's template and parsing work (well under a millisecond) runs inline, not through the
 AgentLoop's `CpuGate`: the HTTP handling around it is not paced either, and a gate whose slices are
 spent by that unpaced work keeps re-queuing its waiters (measured: seconds of waiting per call with
-200 agents on a loaded machine).
+200 agents on a loaded machine). Big calls are the exception: a call whose text cannot fit
+`max_total_tokens` (fewer characters per token than the vocabulary's longest piece is impossible)
+is refused before any rendering, and new messages over 32k characters are rendered and tokenised
+in a worker thread, so one agent's megabyte prompt does not stall every other session.
+
+A generation that finishes after the episode's deadline, or after the session ended, is not
+recorded: the trajectories handed over are final. The call is refused (408 / 410) and counted
+(`late_calls`, `late_tokens`; a call still in flight at the hand-over counts in `late_calls`).
 
 Text stop sequences (`stop`) are applied after generation: the answer is cut before the earliest
 stop string and the sampled tokens are kept up to the one that completed it (the token API has no
@@ -45,6 +52,8 @@ This module knows nothing of HTTP (`server.py`) or of how the agent is run (`age
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import logging
 import time
 from dataclasses import dataclass, field
@@ -73,6 +82,11 @@ __all__ = ["GatewaySession"]
 log = logging.getLogger(__name__)
 
 _STORED_RESPONSES = 64
+# New messages longer than this (in their JSON form) are rendered and tokenised in a worker thread,
+# where the tokenizer releases the GIL, so the event loop the other sessions share stays free.
+_OFF_LOOP_CHARS = 32_768
+# Normalisers may merge a few characters into one (NFC composes Hangul jamo 3 -> 1) before tokenising.
+_NORMALISER_MERGE = 3
 
 
 
@@ -103,6 +117,8 @@ class GatewaySession:
         self.deadline = deadline
         self.segments: list[_Segment] = []
         self.closed = False
+        self.handed_over = False  # trajectories() was called: the segments belong to the caller
+        self.in_flight = 0  # calls between their match and their generation's end
         self.budget_hit: FinishReason | None = None
         self.reward: float | None = None
         # a reward given from outside (the standalone gateway's end call), if any
@@ -116,6 +132,7 @@ class GatewaySession:
             "llm_calls": 0, "segments": 0, "rewrites": 0, "new_conversations": 0, "tool_calls": 0,
             "parse_errors": 0, "length_cut": 0, "refused_context": 0, "refused_turns": 0, "server_errors": 0,
             "ignored_sampling": 0, "template_mismatch": 0, "generate_s": 0.0, "handling_s": 0.0,
+            "late_calls": 0, "late_tokens": 0, "late_tokens_after_end": 0,
         }
 
     # ── serving one call ────────────────────────────────────────────────────────────────────
@@ -138,28 +155,73 @@ class GatewaySession:
         tools = template.intern_tools(request.tools)
         tools_key = template.tools_key(tools)
         seg = self._match(request.keys, tools_key)
-        delta: TokenDelta | None = None
+        start = 0 if seg is None else len(seg.keys)
+        new = request.messages[start:]
+        # A prompt that cannot fit is refused before any template work: rendering and tokenising
+        # megabytes takes seconds of CPU (module docstring).
+        least = (0 if seg is None else len(seg.trajectory.token_ids)) + _fewest_tokens(template, new)
+        if least >= cfg.max_total_tokens:
+            raise self._too_long(f"at least {least}")
+        self.in_flight += 1
+        if seg is not None:
+            seg.busy = True  # no concurrent call extends it while this one renders or generates
+        try:
+            if sum(map(len, request.keys[start:])) > _OFF_LOOP_CHARS:
+                prompt, delta = await asyncio.to_thread(self._prompt, template, seg, new, tools)
+            else:
+                prompt, delta = self._prompt(template, seg, new, tools)
+            if self.closed:  # ended while the prompt was rendered in a worker thread
+                raise WireError("This agentrl session has ended (its episode is over); no more calls are served.",
+                                status=410, code="session_closed")
+            room = cfg.max_total_tokens - len(prompt)
+            if room < 1:
+                raise self._too_long(str(len(prompt)))
+            generation = await self._generate(prompt, request, min(cfg.max_tokens_per_turn, room))
+        finally:
+            self.in_flight -= 1
+            if seg is not None:
+                seg.busy = False
+        if self.closed or self.time_left() <= 0:
+            self._drop_late(generation)
+        return self._commit(request, seg, delta, prompt, generation, tools, tools_key)
+
+    def _prompt(self, template: ChatTemplate, seg: _Segment | None, new: list[Message], tools: list[Any] | None,
+                ) -> tuple[list[int], TokenDelta | None]:
+        """The ids to send: the new conversation rendered whole, or `seg`'s ledger plus the delta of `new`."""
         try:
             if seg is None:
-                prompt = list(template.first_prompt_ids(request.messages, tools))
-            else:
-                new = request.messages[len(seg.keys):]
-                delta = template.encode_delta(new, sampled_ids=seg.trajectory.token_ids, tools=seg.tools,
-                                              system=seg.system)
-                prompt = seg.trajectory.token_ids + delta.token_ids
+                return list(template.first_prompt_ids(new, tools)), None
+            delta = template.encode_delta(new, sampled_ids=seg.trajectory.token_ids, tools=seg.tools,
+                                          system=seg.system)
         except ChatTemplateError as exc:
             raise WireError(f"The model's chat template cannot render these messages: {exc}",
                             param="messages") from exc
-        room = cfg.max_total_tokens - len(prompt)
-        if room < 1:
-            self.counters["refused_context"] += 1
-            self.budget_hit = FinishReason.MAX_LENGTH
-            raise WireError(
-                f"This model's maximum context length is {cfg.max_total_tokens} tokens "
-                f"(rollout.max_total_tokens). However, your messages resulted in {len(prompt)} tokens. "
-                "Please reduce the length of the messages.", param="messages", code="context_length_exceeded")
-        generation = await self._generate(prompt, request, min(cfg.max_tokens_per_turn, room), seg)
-        return self._commit(request, seg, delta, prompt, generation, tools, tools_key)
+        return seg.trajectory.token_ids + delta.token_ids, delta
+
+    def _too_long(self, tokens: str) -> WireError:
+        limit = self.backend.config.max_total_tokens
+        self.counters["refused_context"] += 1
+        self.budget_hit = FinishReason.MAX_LENGTH
+        return WireError(
+            f"This model's maximum context length is {limit} tokens (rollout.max_total_tokens). However, your "
+            f"messages resulted in {tokens} tokens. Please reduce the length of the messages.", param="messages",
+            code="context_length_exceeded")
+
+    def _drop_late(self, generation: Generation) -> None:
+        """A generation that finished after the episode's deadline or end: its tokens are not recorded
+        (the trajectories handed over are final) but counted, and the call is refused."""
+        if self.handed_over:  # counted in the trajectories already, as a call in flight at the end
+            self.counters["late_tokens_after_end"] += len(generation.token_ids)
+        else:
+            self.counters["late_calls"] += 1
+            self.counters["late_tokens"] += len(generation.token_ids)
+        log.warning("session %s: a generation of %d tokens finished after its episode %s; dropped",
+                    self.episode_id, len(generation.token_ids), "ended" if self.closed else "ran out of time")
+        if self.closed:
+            raise WireError("This agentrl session ended while the call was generating; its answer is dropped.",
+                            status=410, code="session_closed")
+        raise WireError("This episode ran out of time while the call was generating; its answer is dropped.",
+                        status=408, code="episode_timeout", kind="timeout_error")
 
     def _match(self, keys: list[str], tools_key: str) -> _Segment | None:
         """The longest recorded conversation that `keys` extend (ties: the latest), if any."""
@@ -172,7 +234,7 @@ class GatewaySession:
                 best = seg
         return best
 
-    async def _generate(self, prompt: list[int], request: ChatRequest, cap: int, seg: _Segment | None) -> Generation:
+    async def _generate(self, prompt: list[int], request: ChatRequest, cap: int) -> Generation:
         backend, cfg = self.backend, self.backend.config
         budget = min(cap, request.max_tokens or cap)
         sampling = SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p, max_tokens=budget,
@@ -183,8 +245,6 @@ class GatewaySession:
                             kind="timeout_error")
         if request.ignored:
             self.counters["ignored_sampling"] += 1
-        if seg is not None:
-            seg.busy = True
         t0 = time.perf_counter()
         try:
             generation = await backend.client.generate(prompt, sampling, session_id=self.episode_id, timeout_s=timeout)
@@ -197,8 +257,6 @@ class GatewaySession:
             raise WireError(f"The inference server refused the request: {exc}", code="invalid_prompt") from exc
         finally:
             self.counters["generate_s"] += time.perf_counter() - t0
-            if seg is not None:
-                seg.busy = False
         if generation.finish_reason == "abort":
             self.counters["server_errors"] += 1
             raise WireError("The inference server aborted this generation (a weight update); retry the call.",
@@ -244,7 +302,8 @@ class GatewaySession:
         c["parse_errors"] += len(action.parse_errors)
         c["length_cut"] += finish == "length"
         self.last_finish = finish
-        wire_finish = "tool_calls" if action.tool_calls else ("length" if finish == "length" else "stop")
+        # A turn cut by its budget is "length" even when calls were parsed before the cut (as the API).
+        wire_finish = "length" if finish == "length" else ("tool_calls" if action.tool_calls else "stop")
         return Completion(
             model=request.model, content=action.text if (action.text or not action.tool_calls) else None,
             tool_calls=list(action.tool_calls), finish_reason=wire_finish, prompt_tokens=len(prompt),
@@ -295,6 +354,8 @@ class GatewaySession:
     ) -> list[Trajectory]:
         """The episode's segments, closed and labelled (module docstring); empty if no call succeeded."""
         self.close()
+        self.handed_over = True
+        self.counters["late_calls"] += self.in_flight  # they can only finish late now: dropped then
         out = []
         n = len(self.segments)
         for k, seg in enumerate(self.segments):
@@ -332,6 +393,33 @@ def _cut_at_stop(template: ChatTemplate, ids: list[int], stops: tuple[str, ...])
     text = template.decode_turn(ids[:lo])
     at = min(text.find(s) for s in stops if s in text)
     return lo, text[:at]
+
+
+def _fewest_tokens(template: ChatTemplate, messages: list[Message]) -> int:
+    """A lower bound on the tokens `messages` render to, from their text alone (no rendering).
+
+    Templates render system, user and tool content whole (some trim it); assistant content is not
+    counted (templates may drop old thinking). No token covers more characters than the longest
+    piece of the vocabulary, after the normaliser merged at most `_NORMALISER_MERGE` into one.
+    """
+    try:
+        longest = _longest_piece(template.tokenizer)
+    except TypeError:  # an unhashable tokenizer: read its vocabulary every time (milliseconds)
+        longest = _longest_piece.__wrapped__(template.tokenizer)
+    if longest is None:
+        return 0
+    chars = sum(len(m["content"].strip()) for m in messages
+                if m.get("role") != "assistant" and isinstance(m.get("content"), str))
+    return chars // (longest * _NORMALISER_MERGE)
+
+
+@functools.lru_cache(maxsize=8)
+def _longest_piece(tokenizer: Any) -> int | None:
+    try:
+        vocab = tokenizer.get_vocab()
+    except Exception:  # a tokenizer without a vocabulary to read: no pre-check
+        return None
+    return max((len(piece) for piece in vocab), default=0) or None
 
 
 def _token_logprobs(backend: TurnBackend, ids: list[int], logprobs: list[float]) -> list[tuple[str, float]]:

@@ -18,6 +18,7 @@ client re-serialised the arguments. This module does no I/O and knows nothing of
 from __future__ import annotations
 
 import json
+import re
 import time
 import uuid
 from collections.abc import Iterator, Mapping, Sequence
@@ -33,6 +34,7 @@ __all__ = [
     "assistant_message",
     "completion_body",
     "completion_chunks",
+    "decode_body",
     "error_body",
     "message_key",
     "parse_chat_request",
@@ -44,6 +46,10 @@ _TEXT_PARTS = ("text", "input_text", "output_text")
 # Sampling options an agent may send that the gateway does not apply: during training every token
 # is sampled with the run's settings, or the trainer's logprobs would not match the rollout's.
 _IGNORED_SAMPLING = ("temperature", "top_p", "frequency_penalty", "presence_penalty", "logit_bias")
+# Deeper JSON than any chat request needs; the template and the cache keys recurse into what they render.
+MAX_JSON_DEPTH = 64
+_MAX_STOPS = 4  # as the OpenAI API
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 
 
 class WireError(Exception):
@@ -127,6 +133,81 @@ def _wire_call(call: ToolCall) -> dict[str, Any]:
 
 
 # ── requests ────────────────────────────────────────────────────────────────────────────────
+def decode_body(raw: bytes) -> Any:
+    """A request body as JSON the gateway can render: valid UTF-8 without lone surrogates, nested at
+    most `MAX_JSON_DEPTH` deep; anything else is a 400 `WireError` saying what is wrong."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise WireError(f"The request body is not valid UTF-8 (byte {exc.start}); send JSON encoded as UTF-8.",
+                        code="invalid_json") from exc
+    try:
+        value = json.loads(text)
+    except RecursionError as exc:
+        raise WireError(f"The request body nests JSON more than {MAX_JSON_DEPTH} levels deep; no chat request "
+                        "needs that.", code="invalid_json") from exc
+    except ValueError as exc:
+        raise WireError(f"The request body is not valid JSON: {exc}", code="invalid_json") from exc
+    if raw.count(b"[") + raw.count(b"{") > MAX_JSON_DEPTH:
+        _check_depth(value)
+    if _SURROGATE_ESCAPE.search(raw) is not None:
+        _check_strings(value)
+    return value
+
+
+def _check_depth(value: Any) -> None:
+    """Refuse nesting deeper than `MAX_JSON_DEPTH` (iteratively: the depth is what it guards)."""
+    level: list[Any] = [value]
+    for _ in range(MAX_JSON_DEPTH + 1):
+        level = [c for node in level for c in (node.values() if isinstance(node, dict) else node)
+                 if isinstance(c, (dict, list))]
+        if not level:
+            return
+    raise WireError(f"The request body nests JSON more than {MAX_JSON_DEPTH} levels deep; no chat request "
+                    "needs that.", code="invalid_json")
+
+
+def _check_strings(value: Any) -> None:
+    """Refuse strings with lone surrogates (`"\\ud800"` decodes to one), which no tokenizer can encode."""
+    stack: list[tuple[Any, str]] = [(value, "")]
+    while stack:
+        node, where = stack.pop()
+        items = node.items() if isinstance(node, dict) else enumerate(node)
+        for key, child in items:
+            path = f"{where}.{key}" if isinstance(key, str) else f"{where}[{key}]"
+            if isinstance(child, (dict, list)):
+                stack.append((child, path))
+            elif (isinstance(child, str) and not _is_utf8(child)) or (isinstance(key, str) and not _is_utf8(key)):
+                path = path.lstrip(".").encode("utf-8", "backslashreplace").decode("utf-8")
+                raise WireError(f"{path} holds a lone UTF-16 surrogate (an unpaired \\ud800-\\udfff escape), "
+                                "which is not text; send valid Unicode.", param=path, code="invalid_json")
+
+
+def _is_utf8(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _stops(stop: Any) -> tuple[str, ...]:
+    """`stop` as the API takes it: a string, a list of up to 4 strings, or null."""
+    if stop is None:
+        return ()
+    if isinstance(stop, str):
+        return (stop,) if stop else ()
+    if isinstance(stop, list) and len(stop) <= _MAX_STOPS and all(isinstance(s, str) for s in stop):
+        return tuple(s for s in stop if s)
+    raise WireError(f"'stop' must be a string or a list of up to {_MAX_STOPS} strings, got {_short(stop)}.",
+                    param="stop")
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else f"{text[:77]}..."
+
+
 def parse_chat_request(body: Any) -> ChatRequest:
     """Validate a chat completion request body; raise `WireError` naming the bad field."""
     if not isinstance(body, dict):
@@ -143,9 +224,9 @@ def parse_chat_request(body: Any) -> ChatRequest:
     tools = _tools(body.get("tools"))
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
     if max_tokens is not None and (not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1):
-        raise WireError(f"'max_tokens' must be a positive integer, got {max_tokens!r}.", param="max_tokens")
-    stop = body.get("stop")
-    stops = (stop,) if isinstance(stop, str) else tuple(s for s in (stop or ()) if isinstance(s, str) and s)
+        raise WireError(f"'max_tokens' must be a positive integer, got {_short(max_tokens)}.",
+                        param="max_tokens")
+    stops = _stops(body.get("stop"))
     seed = body.get("seed")
     options = body.get("stream_options") or {}
     return ChatRequest(

@@ -162,6 +162,8 @@ class InProcessVLLM(ServerEngine):
         from vllm.v1.engine.llm_engine import LLMEngine
 
         kwargs = {k: v for k, v in self.engine_kwargs.items() if v is not None}
+        if "use_tqdm_on_load" in getattr(EngineArgs, "__dataclass_fields__", {}):
+            kwargs["use_tqdm_on_load"] = False  # its bar would reach the run's console through Ray
         self.on_gpu = torch.cuda.is_available()
         if self.on_gpu:
             kwargs["enable_sleep_mode"] = True
@@ -253,17 +255,16 @@ class InProcessVLLM(ServerEngine):
 
     # ── generation (ServerEngine) ───────────────────────────────────────────────────────────
     async def generate(self, request: GenerateRequest, version: int) -> GenerateResponse:
-        from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
 
-        from agentrl.inference.vllm_server import generate_response, sampling_params
+        from agentrl.inference.vllm_server import engine_prompt, generate_response, sampling_params
 
         if self.broken is not None:
             raise InferenceError(f"the colocated vLLM engine failed earlier: {self.broken!r}")
         params = sampling_params(request)
         params.output_kind = RequestOutputKind.FINAL_ONLY  # no per-step outputs to build and discard
         request_id = f"{request.session_id or 'anon'}-{uuid.uuid4().hex[:12]}"
-        prompt = TokensPrompt(prompt_token_ids=request.prompt_ids)
+        prompt = engine_prompt(request.prompt_ids)
         done: Future[Any] = Future()
 
         def add() -> None:

@@ -63,7 +63,7 @@ from agentrl.inference.server_app import (
     weight_load_report,
 )
 
-__all__ = ["VLLMEngine", "generate_response", "main", "sampling_params"]
+__all__ = ["VLLMEngine", "engine_prompt", "generate_response", "main", "sampling_params"]
 
 log = logging.getLogger(__name__)
 
@@ -137,16 +137,12 @@ class VLLMEngine(ServerEngine):
 
     # ── generation ──────────────────────────────────────────────────────────────────────────
     async def generate(self, request: GenerateRequest, version: int) -> GenerateResponse:
-        from vllm.inputs import TokensPrompt
-
         params = sampling_params(request)
         request_id = f"{request.session_id or 'anon'}-{uuid.uuid4().hex[:12]}"
         self._inflight.add(request_id)
         final: Any = None
         try:
-            async for out in self.llm.generate(
-                TokensPrompt(prompt_token_ids=request.prompt_ids), params, request_id
-            ):
+            async for out in self.llm.generate(engine_prompt(request.prompt_ids), params, request_id):
                 final = out
         except asyncio.CancelledError:
             await self.llm.abort(request_id)
@@ -199,6 +195,18 @@ def _is_request_error(exc: BaseException) -> bool:
     except ImportError:  # older vLLM: validation errors were ValueErrors
         return isinstance(exc, ValueError)
     return isinstance(exc, (VLLMClientError, ValueError))
+
+
+def engine_prompt(prompt_ids: list[int]) -> Any:
+    """Token ids as the engine's own input (`tokens_input`), so vLLM does not render a raw prompt
+    again: that path is deprecated and warns on every engine start. Older vLLM: a `TokensPrompt`."""
+    try:
+        from vllm.inputs import tokens_input
+    except ImportError:
+        from vllm.inputs import TokensPrompt
+
+        return TokensPrompt(prompt_token_ids=prompt_ids)
+    return tokens_input(prompt_ids)
 
 
 def sampling_params(request: GenerateRequest) -> Any:

@@ -62,6 +62,7 @@ from agentrl.errors import AgentRLError, ServerUnavailableError, TrainerError, W
 from agentrl.orchestration.actor_watch import death_cause
 from agentrl.orchestration.placement import PlacementPlan, weights_backend
 from agentrl.orchestration.run_commands import resume_command
+from agentrl.orchestration.worker_logs import route_worker_logs
 from agentrl.types import Trajectory
 
 __all__ = ["ColocatedTrainerWorker", "TrainerGroup", "TrainerWorker", "export_assets"]
@@ -104,6 +105,8 @@ class TrainerWorker:
         master: tuple[str, int] | None = None, threads: int | None = None, weights: str = "files",
         local_rank: int | None = None, ship_checkpoints: bool = False, assets: dict[str, bytes] | None = None,
     ) -> None:
+        # Before anything imports vLLM: its start-up goes to the run's logs/, not through Ray to the console.
+        route_worker_logs(Path(weights_dir).parent / "logs", f"trainer-{rank}")
         # Ray carries the config as a dict: validated here, once; the backend and train_step take the model.
         self.config = AgentRLConfig.model_validate(config)
         if world_size > 1:

@@ -7,12 +7,15 @@ from the checkpoint by `restore`), the infrastructure-failure monitor and the ro
 trainer group, the router, the rollout worker, the metrics logger); it holds the `Scheduler` and
 the hooks it calls: whether a prompt may be rolled out (not when its first prompt leaves no room
 under `rollout.max_total_tokens`: `PromptMeter`), a group's rollout and its verdict, the update, the push of new weights, and
-after each step the metrics, the held-out evaluation and the checkpoint. It starts and closes
+after each step the metrics, the held-out evaluation and the checkpoint; while a step or an
+evaluation runs, a `ProgressTicker` says where it stands on the console. It starts and closes
 nothing: the `Run` owns every process and connection these hooks use.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import logging
 import time
@@ -36,6 +39,7 @@ from agentrl.orchestration.ledger import (
     close_orphans,
     next_session,
 )
+from agentrl.orchestration.progress import ProgressTicker
 from agentrl.orchestration.prompt_length import PromptMeter
 from agentrl.orchestration.run_commands import resume_command
 from agentrl.orchestration.schedule import GroupResult, Scheduler, StepRecord, Verdict, default_classify
@@ -141,6 +145,7 @@ class TrainingSteps:
         self.last_saved_step = -1
         self.last_eval_step = -1
         self.meter = PromptMeter(job.template, make_env, config.rollout.max_total_tokens)
+        self.ticker = ProgressTicker()  # ticks while the console is one of the run's loggers
         self.scheduler = Scheduler(
             mode=config.run.mode, prompts_per_step=config.data.prompts_per_step, sampler=books.sampler,
             ledger=books.ledger, rollout=self.rollout, train=self.train, push=self.push,
@@ -160,13 +165,23 @@ class TrainingSteps:
         await run_watched(self._run_steps(), self.trainer.watch(), on_death=self.scheduler.stop_because)
 
     async def _run_steps(self) -> None:
-        if self.books.val_rows and self.start_step == 0:
-            self.eval_before = await self.evaluate(0)
-            self.logger.log_event(0, {k: v for k, v in self.eval_before.items() if v is not None}, "eval")
+        ticking = asyncio.create_task(self.ticker.run()) if "console" in self.logger.sinks else None
         try:
+            if self.books.val_rows and self.start_step == 0:
+                self.eval_before = await self.evaluate(0)
+                self.logger.log_event(0, {k: v for k, v in self.eval_before.items() if v is not None}, "eval")
+            self._rollout_phase(self.start_step)
             await self.scheduler.run(self.start_step, self.config.run.total_steps)
         finally:
+            if ticking is not None:
+                ticking.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await ticking
             await self.meter.aclose()
+
+    def _rollout_phase(self, step: int) -> None:
+        episodes = self.config.data.prompts_per_step * self.config.rollout.samples_per_prompt
+        self.ticker.begin(f"step {step + 1}/{self.config.run.total_steps}: rollouts", total=episodes)
 
     # ── pieces the scheduler calls ──────────────────────────────────────────────────────────
     async def rollout(self, ref: PromptRef) -> list[Any]:
@@ -179,6 +194,7 @@ class TrainingSteps:
         index = ref.epoch * len(books.train_rows) + ref.index
         seed = group_seed(self.config.run.seed, index * 16 + ref.attempt)
         group = await self.worker.run_group(row, self.config.rollout.samples_per_prompt, seed=seed, group_id=ref.key)
+        self.ticker.advance(len(group))
         books.infra.record(final_segments(group))  # an agent episode in segments is one episode
         try:
             books.infra.check()
@@ -209,6 +225,7 @@ class TrainingSteps:
         self.books.infra.check()  # a run whose episodes fail for infrastructure reasons stops before training
         # Infrastructure failures are masked out of the loss: they never reach the trainer at all.
         trajectories = [t for g in groups for t in g.trajectories if t.trainable]
+        self.ticker.begin(f"step {step + 1}/{self.config.run.total_steps}: training on {len(trajectories)} episodes")
         metrics: dict[str, float] = await self.trainer.train(trajectories)
         if not self.colocated:  # colocated: the engine takes the trainer's tensors at the push, in memory
             _path, export_s = await self.trainer.export(self.scheduler.trainer_version + 1)
@@ -230,6 +247,7 @@ class TrainingSteps:
                  source, sum(r.verified_buckets for r in done), sum(r.buckets for r in done), each)
 
     async def after_step(self, record: StepRecord) -> None:
+        self.ticker.end()
         books = self.books
         step = record.step
         groups = [final_segments(g.trajectories) for g in record.groups]  # agent episodes in segments count once
@@ -265,6 +283,8 @@ class TrainingSteps:
         save_every = self.config.run.save_every
         if last or (save_every and (step + 1) % save_every == 0):
             await self.save(step)
+        if not last:
+            self._rollout_phase(step + 1)
         if self.router.fatal is not None:  # every server is gone for good: stop now, the step is saved
             raise self.router.fatal
 
@@ -272,8 +292,11 @@ class TrainingSteps:
     async def evaluate(self, after_steps: int) -> dict[str, float | None]:
         start = time.perf_counter()
         out = self.books.run_dir / "eval" / f"step-{after_steps:06d}"
+        self.ticker.begin(f"held-out eval after {after_steps} step(s)")
         async with self.scheduler.push_lock:  # the weights must not change under the evaluation
-            report = await evaluate(self.job, self.router, self.books.val_rows, out, make_env=self.make_env)
+            report = await evaluate(self.job, self.router, self.books.val_rows, out, make_env=self.make_env,
+                                    progress=lambda done, total, _s: self.ticker.set(done, total))
+        self.ticker.end()
         result: dict[str, float | None] = {
             "pass_at_1": report.pass_at_1, f"pass_at_{report.k}": report.pass_at_k,
             "mean_reward": report.mean_reward, "tool_calls_per_episode": report.tool_calls_per_episode,

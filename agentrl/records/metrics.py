@@ -42,6 +42,7 @@ __all__ = [
     "read_evals",
     "read_metrics",
     "segment_metrics",
+    "step_line",
     "tensorboard_layout",
     "time_split",
 ]
@@ -356,9 +357,7 @@ class MetricsLogger:
         if "jsonl" in self.sinks:
             append_text(self.jsonl_path, json.dumps({"step": step, **clean}) + "\n")
         if "console" in self.sinks:
-            line = " ".join(
-                f"{name} {clean[key]:.3g}" for name, key in CONSOLE_KEYS if key in clean
-            )
+            line = step_line(clean)
             if self._bar is not None:
                 self._bar.update(1)
                 self._bar.set_postfix_str(line, refresh=True)
@@ -379,6 +378,16 @@ class MetricsLogger:
             self._tb.close()
         if self._wandb is not None:
             self._wandb.finish()
+
+
+def step_line(metrics: dict[str, float]) -> str:
+    """The console's summary of one step: every `CONSOLE_KEYS` entry, a value that was not measured
+    this step (absent, or not finite) shown as `-`, never as 0."""
+    def shown(key: str) -> str:
+        value = metrics.get(key)
+        return f"{value:.3g}" if isinstance(value, (int, float)) and math.isfinite(value) else "-"
+
+    return " ".join(f"{name} {shown(key)}" for name, key in CONSOLE_KEYS)
 
 
 def _records(path: Path) -> list[dict[str, Any]]:

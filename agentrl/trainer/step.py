@@ -105,6 +105,9 @@ def train_step(
 
     metrics.update(result.metrics)
     if in_update:
+        # The update's own logprobs were its old ones: the ratio is 1 and ppo_kl 0 by construction,
+        # not measured, so it is left out (the console shows it as missing) rather than logged as 0.
+        metrics.pop("actor/ppo_kl", None)
         kl = _measured_in_update(metrics, result, layout.rollout_logprobs, ref_logprobs, layout.loss_mask, algorithm)
     if kl_controller is not None and kl is not None:
         kl_controller.update(kl, n_steps=len(trajs))

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -123,6 +124,9 @@ def test_readme_first_block_on_a_fresh_debian(container: str) -> None:
         pytest.fail(f"`{command}` exited {done.returncode}:\n{done.stdout[-4000:]}\n{done.stderr[-6000:]}\n"
                     f"the first errors in the servers' logs:\n{first_errors[-8000:]}\nthe run's logs:\n{logs[-8000:]}")
 
+    # What the user reads is pre-flight, a line per step and the result: vLLM's start-up is in the logs.
+    console = re.sub(r"\x1b\[[0-9;]*m", "", done.stdout + done.stderr)
+    assert not re.search(r"INFO \d\d-\d\d \d\d:\d\d:\d\d", console), console[-4000:]
     run_dir = f"{WORKDIR}/runs/fresh"
     result = json.loads(_read(container, f"{run_dir}/result.json"))
     assert result["steps_done"] == 1 and result["ledger"]

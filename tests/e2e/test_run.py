@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -155,12 +156,19 @@ def colocated_ready(vllm_ready, assets):
     ("async", ("run.max_staleness=1", "run.partial_rollout=true")),
     ("async", ("run.max_staleness=2",)),
 ])  # fmt: skip
-def test_colocated_runs_push_weights_in_memory_and_keep_the_bounds(tmp_path, colocated_ready, mode, extra):
+def test_colocated_runs_push_weights_in_memory_and_keep_the_bounds(tmp_path, colocated_ready, mode, extra, capfd):
     from agentrl.orchestration.driver import run_training
 
     steps = 3 if mode == "sync" else 4
     result = run_training(config(tmp_path, None, f"colocated-{mode}", mode, steps, "run.eval_every=0", *extra))
     run_dir = Path(result.run_dir)
+    # The engine's start-up (vLLM's INFO lines, forwarded by Ray from the trainer actor) is in the
+    # run's worker log, not on the console; nor is the deprecation agentrl's own prompt call caused.
+    console = re.sub(r"\x1b\[[0-9;]*m", "", "".join(capfd.readouterr()))
+    assert not re.search(r"INFO \d\d-\d\d \d\d:\d\d:\d\d", console), console[-3000:]
+    assert "Passing raw prompts" not in console
+    worker_log = (run_dir / "logs" / "trainer-0.log").read_text()
+    assert "vllm" in worker_log and "Passing raw prompts" not in worker_log
     assert result.steps_done == steps and result.policy_version == steps
     assert result.ledger["in_flight"] == 0 and result.ledger["unfinished"] == 0
     assert result.ledger["trained"] >= 3 * steps

@@ -28,7 +28,10 @@ DATA = REPO / "tests" / "data" / "verl"
 
 # Fields that no run or eval on this CPU machine reads, and why. Keep it short: every entry is a
 # knob a CPU user could set and see nothing happen.
-ONLY_ELSEWHERE: dict[str, str] = {}
+ONLY_ELSEWHERE: dict[str, str] = {
+    "rollout.gateway_max_request_mb": "read by the agent gateway on each request (env=agent, `agentrl gateway`), "
+                                      "which these runs do not start; tests/unit/test_gateway_limits.py checks it",
+}
 
 
 def _section_names(model: type | None = None, prefix: str = "") -> dict[str, str]:

@@ -215,7 +215,7 @@ def test_two_processes_match_one(gqa_model: Path, one_process: dict[str, Any], t
     assert all(torch.equal(rank0["initial"][k], v) for k, v in original.items())
     for m1, m2, m3 in zip(one_process["metrics"], rank0["metrics"], rank1["metrics"], strict=True):
         assert m2["actor/pg_loss"] == m3["actor/pg_loss"]
-        for key in ("actor/pg_loss", "actor/grad_norm", "actor/ppo_kl", "actor/entropy"):
+        for key in ("actor/pg_loss", "actor/grad_norm", "actor/entropy"):  # ppo_kl: not measured on-policy
             assert m1[key] == pytest.approx(m2[key], abs=1e-5), (key, m1[key], m2[key])
     worst = max((rank0["final"][k] - one_process["final"][k]).abs().max().item() for k in original)
     assert worst < 1e-5, worst

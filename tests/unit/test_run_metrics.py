@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 
 import pytest
 
@@ -13,6 +14,7 @@ from agentrl.records.metrics import (
     episode_metrics,
     read_evals,
     read_metrics,
+    step_line,
     tensorboard_layout,
     time_split,
 )
@@ -80,6 +82,22 @@ def write_run(tmp_path, steps=3, infra=(0.0, 0.5, 0.0)):
             }) + "\n")
     (tmp_path / "eval.jsonl").write_text(json.dumps({"step": 0, "pass_at_1": 0.1, "pass_at_4": 0.2}) + "\n"
                                          + json.dumps({"step": 3, "pass_at_1": 0.3, "pass_at_4": 0.5}) + "\n")
+
+
+def test_the_step_line_shows_what_was_not_measured_as_missing_not_zero(tmp_path, caplog):
+    # The on-policy update reports no ppo_kl (it would be 0 by construction); a NaN is not a value either.
+    measured = {"episodes/reward_mean": 0.5, "actor/entropy": float("nan"), "actor/grad_norm": 0.0,
+                "time/step_s": 12.0}
+    line = step_line(measured)
+    assert "kl -" in line and "ent -" in line and "eval -" in line
+    assert "reward 0.5" in line and "gnorm 0" in line and "s 12" in line  # a measured 0 stays 0
+    logger = MetricsLogger(tmp_path, ["console", "jsonl"], total_steps=3)
+    with caplog.at_level(logging.INFO, logger="agentrl.run"):
+        logger.log(0, measured)
+    logger.close()
+    assert caplog.messages == [f"step 1/3  {line}"]
+    (record,) = read_metrics(tmp_path / "metrics.jsonl")
+    assert "actor/ppo_kl" not in record and "actor/entropy" not in record
 
 
 def test_time_split_adds_up_to_the_step():
