@@ -62,7 +62,7 @@ def _isolation(sandbox: Any) -> Isolation:
         return "bwrap"
     isolation = getattr(sandbox, "isolation", None)
     if type(sandbox).__name__ == "LocalSandbox" and isolation in ("bwrap", "none"):
-        return isolation  # type: ignore[no-any-return]
+        return isolation
     raise ConfigError(
         f"env=mcp starts its stdio MCP servers on this machine under the local sandbox's isolation, and the "
         f"run's sandbox is a {type(sandbox).__name__}: use sandbox=local (isolation bwrap or none), or give "
@@ -118,6 +118,10 @@ class McpEnv(ToolEnv):
 
     def generate_row(self, seed: int | None) -> dict[str, Any]:
         return make_arithmetic_row(seed or 0)
+
+    def first_prompt(self, row: dict[str, Any]) -> None:
+        """None: the tool schemas are the servers', known only once an episode has started them."""
+        return None
 
     def initial_messages(self, row: dict[str, Any]) -> list[Message]:
         messages = super().initial_messages(row)

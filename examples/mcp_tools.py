@@ -37,7 +37,7 @@ def main() -> float:
     reward = 0.0
     for action in (call("save_note", title="launch", text="4711"), call("read_note", title="lunch"),
                    call("read_note", title="launch"), Action("The launch code is \\boxed{4711}.")):
-        obs, reward, done, truncated, step_info = env.step(action)
+        obs, reward, done, _, step_info = env.step(action)
         for message in obs:
             print(f"{message['name']} said: {message['content']}")
     env.close()
