@@ -40,6 +40,7 @@ from agentrl.envs.arithmetic import make_arithmetic_row
 from agentrl.envs.rewards import RewardFn, compute_score, score_row
 from agentrl.envs.tool_env import ToolEnv
 from agentrl.errors import ConfigError
+from agentrl.sandboxes.bwrap import find_bwrap
 from agentrl.tools.core import Tool, ToolContext
 from agentrl.tools.mcp import Isolation, MCPConnection, MCPServerConfig, MCPTool, require_mcp
 from agentrl.tools.mcp_shared import SharedMCPServers
@@ -105,6 +106,15 @@ class McpEnv(ToolEnv):
         self.servers = parsed
         self.system_prompt = system_prompt
         self.isolation: Isolation = _isolation(sandbox)
+        if self.isolation == "bwrap" and find_bwrap() is None and any(s.command for s in parsed):
+            raise ConfigError(
+                "env=mcp runs its stdio MCP servers under bubblewrap (the sandbox's isolation) and 'bwrap' is "
+                "not installed: run 'bash scripts/install.sh' or 'apt-get install bubblewrap'; or set "
+                "sandbox.kwargs.isolation=none to run them unisolated (trusted servers only)."
+            )
+        missing = [p for s in parsed for p in s.ro_paths if not Path(p).exists()]
+        if missing:
+            raise ConfigError(f"env.kwargs.servers: ro_paths {missing} do not exist (from {Path.cwd()}).")
         self.reward_fn: RewardFn = reward_fn if reward_fn is not None else compute_score
         self._own_shared = shared_mcp is None and any(not s.per_episode for s in parsed)
         self.shared_mcp = SharedMCPServers() if self._own_shared else shared_mcp

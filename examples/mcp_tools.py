@@ -6,8 +6,8 @@
 episode, isolated by bubblewrap with no network, lists its tools (their schemas are what the chat
 template renders), and sends the agent's tool calls to it. A scripted agent saves a note, reads a
 missing one (the server answers `isError`: the model's mistake, shown to it), reads it back and
-answers. The same servers in a config: `agentrl eval env=mcp 'env.kwargs.servers=[{command: python,
-args: [examples/mcp_notes_server.py], ro_paths: [examples]}]' data.val_files=[your_rows.jsonl]`.
+answers. The same server in a config: `agentrl eval env=mcp 'env.kwargs.servers=[{command: python,
+args: [examples/mcp_notes_server.py], ro_paths: [.]}]' data.val_files=[your_rows.jsonl]`.
 """
 
 from __future__ import annotations

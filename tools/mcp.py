@@ -97,7 +97,9 @@ class MCPServerConfig(pydantic.BaseModel):
     network: bool = False
     """Let a stdio server use the host's network (default: loopback only, under bwrap)."""
     ro_paths: list[str] = pydantic.Field(default_factory=list)
-    """Host paths a bwrap-isolated stdio server may read (its own code or data), at the same place."""
+    """Host paths a bwrap-isolated stdio server may read (its own code or data), at the same place.
+    The server starts in the current directory when that is one of them (or inside one), so relative
+    paths in `args` work; otherwise in an empty private /workspace."""
     tool_prefix: str = ""
     """Put before each of this server's tool names (to tell two servers' same-named tools apart)."""
     tools: list[str] | None = None
@@ -143,8 +145,14 @@ def stdio_argv(server: MCPServerConfig, isolation: Isolation) -> tuple[list[str]
         if missing:
             raise ConfigError(f"{server.label}: ro_paths {missing} do not exist on this machine.")
         inner_env = {**env, "HOME": SANDBOX_HOME, "TMPDIR": "/tmp", **server.env}
-        argv = bwrap_argv(bwrap, privileged=False, extra_ro=tuple(dict.fromkeys(os.path.realpath(p) for p in visible)),
-                          tmpfs_bytes=256 << 20, setenv=inner_env, network=server.network)
+        shown = tuple(dict.fromkeys(os.path.realpath(p) for p in visible))
+        argv = bwrap_argv(bwrap, privileged=False, extra_ro=shown, tmpfs_bytes=256 << 20, setenv=inner_env,
+                          network=server.network)
+        cwd = os.path.realpath(os.getcwd())
+        if any(cwd == p or cwd.startswith(p.rstrip("/") + "/") for p in shown[2:]):
+            # the driver's directory is visible (in ro_paths): start there, so relative paths in
+            # `args` mean what they mean to the user; else in the private /workspace
+            argv[argv.index("--chdir") + 1] = cwd
         argv = [*argv, command, *server.args]
     else:
         env = {**env, "HOME": os.environ.get("HOME", "/tmp"), **server.env}

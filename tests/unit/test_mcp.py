@@ -61,6 +61,18 @@ def test_a_stdio_server_runs_under_a_lifeline_and_bwrap_without_network_unless_a
     assert plain[plain.index("--") + 1:] == [sys.executable, "-m", "srv"] and plain_env["TOKEN"] == "t"
 
 
+def test_a_bwrap_server_starts_in_the_current_directory_only_when_it_is_visible(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    hidden, _ = stdio_argv(MCPServerConfig(command="python", args=["srv.py"]), "bwrap")
+    assert hidden[hidden.index("--chdir") + 1] == "/workspace"
+    shown, _ = stdio_argv(MCPServerConfig(command="python", args=["srv.py"], ro_paths=["."]), "bwrap")
+    assert shown[shown.index("--chdir") + 1] == str(tmp_path.resolve())
+    assert shown[shown.index(str(tmp_path.resolve())) - 1] == "--ro-bind"  # visible, read-only
+    with pytest.raises(ConfigError, match=r"ro_paths \['nowhere'\] do not exist"):
+        McpEnv(servers=[{"command": "python", "ro_paths": ["nowhere"]}])
+
+
 @pytest.mark.parametrize(("entry", "message"), [
     ({"command": "x", "url": "http://h/mcp"}, "exactly one of 'command'"),
     ({}, "exactly one of 'command'"),
