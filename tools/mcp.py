@@ -186,6 +186,17 @@ class MCPConnection:
     def alive(self) -> bool:
         return self._session is not None and self._task is not None and not self._task.done()
 
+    async def healthy(self, timeout_s: float = 5.0) -> bool:
+        """Whether the server answers a ping now (a crashed server's session may still look open)."""
+        session = self._session
+        if session is None or not self.alive:
+            return False
+        try:
+            await asyncio.wait_for(session.send_ping(), timeout_s)
+        except Exception:  # a closed connection, a dead process, no answer in time
+            return False
+        return True
+
     async def start(self) -> None:
         """Start (or connect to) the server, initialize and list its tools; ToolInfrastructureError if it cannot."""
         require_mcp()

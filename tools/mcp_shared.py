@@ -3,7 +3,8 @@
 A run builds one (`agentrl.orchestration.build` passes it to envs that take `shared_mcp`; the
 job closes it) and every episode's env asks it for the connection of a server config: the first
 asks start the server, later ones reuse it, and one that finds the server dead (it crashed) starts
-a new one, so one crash fails the episodes that were calling it, not the rest of the run. What the
+a new one (each episode's first ask pings it), so one crash fails the episodes that were calling
+it, not the rest of the run. What the
 server remembers between episodes is its own business.
 
 The connections live on an event loop of their own, on a thread of their own: episodes on any
@@ -73,7 +74,7 @@ class SharedMCPServers:
         key = f"{isolation}:{server.model_dump_json()}"
         async with self._starting.setdefault(key, asyncio.Lock()):
             connection = self._connections.get(key)
-            if connection is not None and connection.alive:
+            if connection is not None and await connection.healthy():
                 return connection
             if connection is not None:
                 _log.warning("%s (shared by the run) stopped; starting it again", server.label)

@@ -174,15 +174,24 @@ def test_unisolated_stdio_server_and_a_shared_one_that_keeps_state_across_episod
         own = (await second.astep(call("kv_get", key="k")))[0][0]["content"]
         running = descendants(os.getpid()) - before
         await second.aclose()
-        return kept, own, running
+        # the shared server crashes: that episode is infra-failed, the next one gets a new server
+        third = McpEnv(servers=[shared_calc], sandbox=sandbox, shared_mcp=shared)
+        await third.areset(options={"row": ROW})
+        with pytest.raises(ToolInfrastructureError, match="crashed"):
+            await third.astep(call("shared_crash"))
+        fourth = McpEnv(servers=[shared_calc], sandbox=sandbox, shared_mcp=shared)
+        await fourth.areset(options={"row": ROW})
+        after_crash = (await fourth.astep(call("shared_kv_get", key="k")))[0][0]["content"]
+        await fourth.aclose()
+        return kept, own, after_crash, running
 
-    kept, own, running = asyncio.run(episodes())
-    assert (kept, own) == ("kept", "(unset)")
+    kept, own, after_crash, running = asyncio.run(episodes())
+    assert (kept, own, after_crash) == ("kept", "(unset)", "(unset)")
     assert shared.server_count == 1
-    still = alive(running)
-    assert still, "the shared server outlives the episodes"
+    restarted = descendants(os.getpid()) - before
+    assert restarted and not alive(running) & restarted, "the crashed server was replaced by a new process"
     shared.close()
-    assert wait_gone(still) == set(), "closing the run's shared servers stops them"
+    assert wait_gone(restarted | running) == set(), "closing the run's shared servers stops them"
     asyncio.run(sandbox.close())
 
 
