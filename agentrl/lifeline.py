@@ -46,10 +46,12 @@ LIFELINE_PATH = str(Path(__file__).resolve())
 _POLL_S = 0.5
 
 
-def lifeline_argv(command: list[str], *, grace_s: float = 10.0, python: str | None = None) -> list[str]:
-    """`command` run under a lifeline (see the module docstring); start it with `start_new_session=True`."""
+def lifeline_argv(command: list[str], *, grace_s: float = 10.0, python: str | None = None,
+                  keep_stdin: bool = False) -> list[str]:
+    """`command` run under a lifeline (see the module docstring); start it with `start_new_session=True`.
+    `keep_stdin`: the command reads the lifeline's stdin (a stdio tool server) instead of /dev/null."""
     return [python or sys.executable, "-I", LIFELINE_PATH, "--parent", str(os.getpid()), "--grace", str(grace_s),
-            "--", *command]
+            *(["--stdin"] if keep_stdin else []), "--", *command]
 
 
 _reaper: subprocess.Popen[bytes] | None = None
@@ -144,7 +146,7 @@ def _kill_others(signum: int) -> None:
         time.sleep(0.02)
 
 
-def _watch(command: list[str], grace_s: float, parent: int) -> int:
+def _watch(command: list[str], grace_s: float, parent: int, keep_stdin: bool = False) -> int:
     stop = {"asked": False}
 
     def on_term(signum: int, frame: object) -> None:
@@ -154,7 +156,8 @@ def _watch(command: list[str], grace_s: float, parent: int) -> int:
     signal.signal(signal.SIGINT, on_term)
     if os.getppid() != parent:  # the parent died before we started looking
         stop["asked"] = True
-    child = subprocess.Popen(command, stdin=subprocess.DEVNULL)  # same session and group as us
+    # same session and group as us
+    child = subprocess.Popen(command, stdin=None if keep_stdin else subprocess.DEVNULL)
     deadline: float | None = None
     while True:
         code = child.poll()
@@ -175,8 +178,11 @@ def _watch(command: list[str], grace_s: float, parent: int) -> int:
 
 
 def main(argv: list[str]) -> None:
-    grace_s, parent = 10.0, os.getppid()
-    while argv[:1] in (["--grace"], ["--parent"]):
+    grace_s, parent, keep_stdin = 10.0, os.getppid(), False
+    while argv[:1] in (["--grace"], ["--parent"], ["--stdin"]):
+        if argv[0] == "--stdin":
+            keep_stdin, argv = True, argv[1:]
+            continue
         if argv[0] == "--grace":
             grace_s = float(argv[1])
         else:
@@ -187,8 +193,8 @@ def main(argv: list[str]) -> None:
     if argv[:1] == ["--"]:
         argv = argv[1:]
     if not argv:
-        sys.exit("usage: lifeline.py [--parent PID] [--grace S] (-- command [args...] | --reap-tree)")
-    code = _watch(argv, grace_s, parent)
+        sys.exit("usage: lifeline.py [--parent PID] [--grace S] [--stdin] (-- command [args...] | --reap-tree)")
+    code = _watch(argv, grace_s, parent, keep_stdin)
     sys.stdout.flush()
     if code < 0:  # end by the same signal, so the parent sees what the command saw
         with contextlib.suppress(OSError, ValueError):  # SIGKILL and SIGSTOP have no handler to reset

@@ -191,6 +191,10 @@ ENVS = Registry(
             "agentrl.envs.arithmetic:ArithmeticEnv",
             "Multi-step arithmetic word problems solved with a calculator tool.",
         ),
+        "mcp": (
+            "agentrl.envs.mcp_env:McpEnv",
+            "Tools from MCP servers (stdio or streamable HTTP, env.kwargs.servers) over your dataset rows.",
+        ),
         "retool": (
             "agentrl.envs.retool:RetoolEnv",
             "Math problems solved with a sandboxed Python interpreter (ReTool); answers checked exactly.",

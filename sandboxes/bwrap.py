@@ -62,9 +62,12 @@ def bwrap_argv(
     group_fd: int | None = None,
     setenv: dict[str, str] | None = None,
     data_files: dict[str, int] | None = None,
+    network: bool = False,
 ) -> list[str]:
-    """The bwrap arguments (up to and including `--`) for one sandbox; see the module docstring."""
-    argv = [bwrap, "--unshare-ipc", "--unshare-pid", "--unshare-net", "--unshare-uts",
+    """The bwrap arguments (up to and including `--`) for one sandbox; see the module docstring.
+    `network=True` keeps the host's network (for a tool server its config allows it); the default
+    is a private namespace with loopback only."""
+    argv = [bwrap, "--unshare-ipc", "--unshare-pid", *([] if network else ["--unshare-net"]), "--unshare-uts",
             "--unshare-cgroup-try", "--die-with-parent", "--new-session", "--hostname", "sandbox"]
     if not privileged:
         argv.append("--unshare-user")

@@ -16,7 +16,8 @@ who runs where, how weights move) is built and checked by `placement.build_plan`
 Run-level resources reach an env through its constructor, by parameter name (`ENV_RESOURCES`): an
 env whose `__init__` takes `sandbox` gets the one sandbox built from `config.sandbox` (the job
 closes it: `Job.aclose`), `gateway` gets the one `SharedGateway` of the job (started by the first
-episode that needs it, closed by `Job.aclose`), `tool_timeout_s` gets `rollout.tool_timeout_s`, `max_turns` gets
+episode that needs it, closed by `Job.aclose`), `shared_mcp` gets the run's `SharedMCPServers` (the
+MCP servers its episodes share; closed by `Job.aclose`), `tool_timeout_s` gets `rollout.tool_timeout_s`, `max_turns` gets
 `rollout.max_turns`, `reward_fn` gets the run's reward function (`reward.function` with
 `reward.kwargs`; verl's `compute_score` by default). Setting one of those again in `env.kwargs` is refused (one knob per budget),
 and so is a `sandbox` section for an env that runs no code. Nothing here starts a process, a
@@ -46,6 +47,7 @@ from agentrl.orchestration.sandbox_hosts import SandboxHostsPlan, plan_sandbox_h
 from agentrl.registry import ADVANTAGE_ESTIMATORS, ENVS, INFERENCE_ENGINES, SANDBOXES, TOOL_PARSERS
 from agentrl.rollout import AgentLoop, GenerateClient
 from agentrl.rollout.agent_loop import end_of_turn_ids
+from agentrl.tools.mcp_shared import SharedMCPServers
 
 __all__ = ["BUILTIN_TEMPLATES", "ENV_RESOURCES", "Job", "build_job", "build_sandbox", "env_takes"]
 
@@ -94,6 +96,9 @@ class Job:
     `sandbox` for the run's envs (`make_env(sandbox=...)`); None otherwise."""
     gateway: SharedGateway | None = None
     """The gateway the envs that take one share (`AgentEnv`); None for envs that take none."""
+    shared_mcp: SharedMCPServers | None = None
+    """The MCP servers the run's episodes share (`per_episode: false`) for envs that take `shared_mcp`
+    (`McpEnv`); started on first use, stopped by `aclose`."""
 
     def make_env(self, **resources: Any) -> Env:
         """A new env for one episode, with the run's resources; `resources` stand in for some of them
@@ -112,6 +117,8 @@ class Job:
         """Close the run's gateway and sandbox (its warm workers and sessions). Closing twice is harmless."""
         if self.gateway is not None:
             await self.gateway.aclose()
+        if self.shared_mcp is not None:
+            await self.shared_mcp.aclose()
         sandbox, self.sandbox = self.sandbox, None
         if sandbox is not None:
             await sandbox.close()
@@ -170,8 +177,11 @@ def build_job(config: AgentRLConfig, purpose: Purpose, *, own_client: bool = Fal
     gateway = None
     if env_takes(env_cls, "gateway"):
         gateway = env_kwargs["gateway"] = SharedGateway()
+    shared_mcp = None
+    if env_takes(env_cls, "shared_mcp"):
+        shared_mcp = env_kwargs["shared_mcp"] = SharedMCPServers()
     job = Job(config, purpose, model_path, template, parser_factory, tuple(sorted(stop_ids)), env_cls,
-              env_kwargs, sandbox, reward_fn, gateway=gateway)
+              env_kwargs, sandbox, reward_fn, gateway=gateway, shared_mcp=shared_mcp)
     try:
         _check_env_builds(job)
         _check_names(config, purpose)

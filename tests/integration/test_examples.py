@@ -20,6 +20,18 @@ def test_custom_env_example_runs_and_earns_the_reward() -> None:
     assert "reward=1.0 done=True" in out.stdout
 
 
+def test_mcp_tools_example_calls_its_own_mcp_server_and_earns_the_reward() -> None:
+    out = subprocess.run([sys.executable, str(EXAMPLES / "mcp_tools.py")], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines() == [
+        "tools: ['save_note', 'read_note']",
+        "save_note said: saved 'launch' (1 notes)",
+        "read_note said: Error: Error executing tool read_note: no note titled 'lunch'; saved titles: ['launch']",
+        "read_note said: 4711",
+        "reward=1.0 done=True tool errors (model)=1",
+    ]
+
+
 def test_swe_scripted_agent_example_resolves_with_the_fix_and_not_without() -> None:
     out = subprocess.run([sys.executable, str(EXAMPLES / "swe_scripted_agent.py"), "--limit", "3"],
                          capture_output=True, text=True, timeout=300)

@@ -72,6 +72,8 @@ COMMANDS: dict[str, How] = {
     "agentrl eval env=retool model.path=/path/to/hf/model inference.engine=hf": How("SIZED", EVAL_SIZE),
     "agentrl eval env=retool inference.engine=external inference.urls=[http://127.0.0.1:8000]":
         How("SIZED", EVAL_SIZE),
+    "python examples/mcp_tools.py": How("QUICK"),
+    "agentrl eval env=mcp inference.engine=hf": How("SIZED", EVAL_SIZE),
     "agentrl view runs/mine": How("SERVES"),
     "agentrl view runs/eval-retool-20261122-101500": How("SERVES"),
     "agentrl run  env=agent env.kwargs.agent=my_agent.py:solve data.train_files=[train.jsonl]": How("SHARED", RUN_SIZE),
@@ -302,6 +304,19 @@ def test_eval_with_the_hf_engine(tmp_path: Path) -> None:
     model = resolve_model_path("smollm2-135m-instruct")  # a Hugging Face directory on disk
     command = "agentrl eval env=retool model.path=/path/to/hf/model inference.engine=hf"
     _check_eval(run(command, tmp_path, filled=command.replace("/path/to/hf/model", model)), tmp_path, 4)
+
+
+def test_mcp_example(tmp_path: Path) -> None:
+    out = run("python examples/mcp_tools.py", REPO).stdout
+    assert out.splitlines()[0] == "tools: ['save_note', 'read_note']"
+    assert "read_note said: 4711" in out and out.rstrip().endswith("reward=1.0 done=True tool errors (model)=1")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(3600)
+def test_eval_of_the_mcp_env_with_the_hf_engine(tmp_path: Path) -> None:
+    done = run("agentrl eval env=mcp inference.engine=hf", tmp_path)
+    _check_eval(done, tmp_path, 4)  # four episodes, each with its own calculator server, none infra-failed
 
 
 @pytest.fixture(scope="module")

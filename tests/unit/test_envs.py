@@ -20,7 +20,8 @@ def _call(name: str, **arguments: Any) -> ToolCall:
     return ToolCall(name, arguments, id=f"call_{name}")
 
 
-@pytest.mark.parametrize("name", ENVS.names())
+# env=mcp starts a real MCP server process at every reset: seconds each, so it is in the slow tier
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n == "mcp" else n for n in ENVS.names()])
 def test_every_registered_env_passes_check_env(name: str) -> None:
     check_env(make_env(name))
 
