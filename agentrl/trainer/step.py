@@ -86,7 +86,9 @@ class StepTokens:
 
         def per_token(values: torch.Tensor, mask: torch.Tensor) -> list[float | None]:
             pairs = zip(values[index, : n - 1].tolist(), mask[index, : n - 1].tolist(), strict=True)
-            return [None] + [v if m > 0 else None for v, m in pairs]
+            out: list[float | None] = [None]  # the first token is predicted by nothing
+            out += [v if m > 0 else None for v, m in pairs]
+            return out
 
         logprobs = per_token(self.old_logprobs, self.mask)
         if self.entropy is None:
