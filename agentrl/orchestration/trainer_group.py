@@ -167,6 +167,7 @@ class TrainerWorker:
 
         # Every rank alike (the entropy is gathered over ranks); rank 0 keeps the per-token values
         # until the next step, for the few kept rollouts the driver asks for (`trainer_tokens`).
+        self.last_tokens = None  # the last batch goes before the next one is trained on
         metrics, tokens = train_step_with_tokens(
             self.backend, trajectories, self.config.algorithm, self.config.trainer,
             temperature=self.config.rollout.temperature, max_response_tokens=self.max_response_tokens,

@@ -337,6 +337,7 @@ class TrainerBackend(abc.ABC):
         self.policy.train()
         scored = ScoredRows(batch.trajectories) if batch.old_logprobs is None else None
         entropies = ScoredRows(batch.trajectories) if batch.keep_entropy else None
+        no_entropy: list[bool] = []  # a backend whose forward gives none: report None, never zeros
         # Rows with a zero loss are scored without a graph before the backward passes: a no-grad
         # forward of a sharded FSDP2 model after them left wrong gradients on two ranks.
         plan: list[tuple[PackedBatch, bool, bool]] = []
@@ -353,7 +354,9 @@ class TrainerBackend(abc.ABC):
             )
             if scored is not None and real:
                 scored.add(packed, logprobs)
-            if entropies is not None and real and entropy is not None:
+            if entropies is not None and entropy is None:
+                no_entropy.append(True)
+            elif entropies is not None and real and entropy is not None:
                 entropies.add(packed, entropy.detach())
             if not algorithm.entropy_coef and entropy is not None:
                 entropy = entropy.detach()  # reported only
@@ -366,6 +369,8 @@ class TrainerBackend(abc.ABC):
         self._step += 1
         metrics.update(sums.reduce(self._all_reduce))
         entropy = entropies.result(self._all_reduce) if entropies is not None else None
+        if no_entropy:
+            entropy = None
         skipped = batch.skip_rows
         scored_rows = ~skipped if skipped is not None and not batch.score_skipped else None
         if scored is None:
