@@ -181,10 +181,20 @@ def cmd_validate(ns: argparse.Namespace) -> int:
               f"sandbox={sandbox} rows={rows}")
         lines = job.plan.describe() if job.plan is not None else []
         if job.plan is not None and job.plan.cluster is not None:
-            from agentrl.orchestration.cluster import trial_placement
+            from agentrl.orchestration.cluster import (
+                gpu_sharing_warnings,
+                trial_placement,
+                unauthenticated_join,
+            )
 
-            # Where each process lands, as the cluster grants it now (it must hold the plan).
-            lines = lines[: len(lines) - len(job.plan.cluster.describe())] + trial_placement(job.plan.cluster)
+            # Where each process lands, as the cluster grants it now (it must hold the plan), and
+            # whether each node can run its part (the model there, CUDA for a cuda trainer).
+            lines = lines[: len(lines) - len(job.plan.cluster.describe())] + trial_placement(
+                job.plan.cluster, model=cfg.model.path, trainer_cuda=cfg.trainer.device == "cuda")
+            lines += [f"warning: {w}" for w in gpu_sharing_warnings(cfg)]
+            open_door = unauthenticated_join(job.plan.cluster.address)
+            if open_door:
+                lines.append(f"warning: {open_door}")
         for line in lines:
             print(line)
         for line in run_dir_lines:

@@ -25,6 +25,8 @@ This module holds no logic beyond the classes; it is imported by everything and 
     ├── DatasetError                 a dataset file or row is malformed
     ├── TrainerError                 the trainer cannot proceed
     ├── CheckpointError              a checkpoint cannot be written, or none intact can be read
+    ├── RunWriteError                a run's record cannot be written: disk full, read-only, directory gone
+    ├── StartupError                 a part the run starts (Ray, an engine, the trainer, a sandbox) did not start
     ├── WeightSyncError              a weight push failed
     │   └── ChecksumError            a bucket arrived corrupted
     ├── InfraFailureError            too many episodes failed for infrastructure reasons
@@ -48,10 +50,12 @@ __all__ = [
     "InferenceRequestError",
     "InfraFailureError",
     "PreflightError",
+    "RunWriteError",
     "SandboxClosedError",
     "SandboxError",
     "SandboxUnavailableError",
     "ServerUnavailableError",
+    "StartupError",
     "ToolArgumentError",
     "ToolCallParseError",
     "ToolError",
@@ -175,6 +179,43 @@ class TrainerError(AgentRLError):
 class CheckpointError(AgentRLError):
     """A checkpoint could not be written (disk full), or none intact was found to resume from;
     the message names the checkpoint and the file."""
+
+
+class RunWriteError(AgentRLError):
+    """A record of a run (ledger, metrics, rollout log, driver state, identity) could not be written.
+
+    `path` is the file, `cause` a short fixed phrase ("the disk is full", "the disk quota is
+    exceeded", "the filesystem is read-only", "permission was denied", "the run directory is gone"),
+    `where` the mount and device it lives on, `fix` what to do about it. The command that continues
+    the run is only known to the driver: it sets it with `continue_with`, and the message ends with it.
+    """
+
+    def __init__(self, path: str, cause: str, detail: str, where: str, fix: str) -> None:
+        super().__init__(path, cause, detail, where, fix)  # all five: it survives pickling (Ray)
+        self.path, self.cause, self.detail, self.where, self.fix = path, cause, detail, where, fix
+        self.continue_command = ""
+        self.resume = True
+
+    def continue_with(self, command: str, *, resume: bool = True) -> None:
+        """Name the command that continues the run (`resume=False`: it starts again, no checkpoint yet)."""
+        self.continue_command, self.resume = command, resume
+
+    def __str__(self) -> str:
+        then = ("then resume with: " if self.resume else "then start it again (no checkpoint was written yet) with: ")
+        text = (f"Could not write {self.path}: {self.cause} ({self.detail}) on {self.where}. {self.fix}"
+                + (f", {then}{self.continue_command}" if self.continue_command else
+                   ", then continue the run with resume=true and its run.name") + ".")
+        return text
+
+
+class StartupError(AgentRLError):
+    """A part a run starts did not start: Ray, an inference engine, the trainer, a sandbox or its host.
+
+    The message names what failed, why (when known) and what to do; `part` names the part."""
+
+    def __init__(self, message: str, part: str = "") -> None:
+        super().__init__(message)
+        self.part = part
 
 
 class WeightSyncError(AgentRLError):

@@ -42,6 +42,10 @@ container's own image (that is the point of a SWE task); file access through `re
 Each job costs two or three `docker exec` calls (tens of milliseconds) and a container start is
 about half a second, so this backend suits sessions (SWE-style tasks); the pool keeps `pool_size`
 started containers per image and work dir ready (sharing the image's layers, nothing is copied).
+The pool follows the data: the sandbox's own image (one-shot jobs and sessions in it) is kept warm,
+but another image (one per instance in SWE data) is warmed only for the sessions announced with
+`expect(image, n)` and not yet taken, so an eval of N one-image instances starts N containers and
+keeps none idle; `max_idle` caps the idle containers of all images together.
 The `docker` package is imported only when a DockerSandbox is made; without it, or without a
 daemon, `SandboxUnavailableError` says what to install or start.
 """
@@ -340,7 +344,9 @@ class DockerSandbox:
         cpus: CPU share of one container (fractional CPUs).
         max_processes: The container's pids limit.
         max_output_bytes: Stdout plus stderr kept per job; more kills the job ("output").
-        pool_size: Started containers kept ready per image and work dir.
+        pool_size: Started containers kept ready per image and work dir (for an image other than
+            `image`, at most the sessions announced with `expect` and not yet taken).
+        max_idle: Idle started containers across all images; default `2 * pool_size`.
         max_concurrency: One-shot `exec` jobs running at once; default one per CPU core. Others wait.
         max_starting: Containers being started at once (the daemon slows down past a few).
         python: Interpreter for `exec(code=...)`; default the image's python3/python (the host's
@@ -350,8 +356,8 @@ class DockerSandbox:
 
     def __init__(self, *, image: str | None = None, workdir: str | None = None, user: str | None = None,
                  memory_mb: int = 512, cpus: float = 1.0, max_processes: int = 128, max_output_bytes: int = 1_000_000,
-                 pool_size: int = 2, max_concurrency: int | None = None, max_starting: int = 4,
-                 python: str | None = None, base_url: str | None = None) -> None:
+                 pool_size: int = 2, max_idle: int | None = None, max_concurrency: int | None = None,
+                 max_starting: int = 4, python: str | None = None, base_url: str | None = None) -> None:
         docker = import_docker_sdk()
         try:
             self._client = docker.DockerClient(base_url=base_url) if base_url else docker.from_env()
@@ -389,7 +395,9 @@ class DockerSandbox:
         self.cpus = cpus
         self.max_processes = max_processes
         self.max_output_bytes = max_output_bytes
-        self.pool_size = pool_size
+        self.pool_size = max(0, pool_size)
+        self.max_idle = max(0, 2 * self.pool_size if max_idle is None else max_idle)
+        self._expected: dict[str, int] = {}  # image -> sessions announced by `expect` and not yet taken
         self.max_concurrency = max(1, max_concurrency or os.cpu_count() or 1)
         self.max_starting = max(1, max_starting)
         self.container_starts: list[float] = []
@@ -497,12 +505,33 @@ class DockerSandbox:
             except Exception as exc:
                 raise SandboxError(f"Docker could not start a container from {spec.image!r}: {exc}") from exc
 
+    def expect(self, image: str, sessions: int) -> None:
+        """Announce `sessions` more sessions in `image`: its pool is kept warm for them (at most
+        `pool_size` at a time, within `max_idle`) and no longer once they have been taken."""
+        if sessions > 0:
+            self._expected[image] = self._expected.get(image, 0) + sessions
+
+    def _pool_target(self, spec: _Spec) -> int:
+        """Containers of `spec` worth keeping started: the sandbox's own image always has a pool;
+        another image only for the sessions announced for it and not yet taken."""
+        if spec.read_only or spec.image == self.image:
+            return self.pool_size
+        return min(self.pool_size, self._expected.get(spec.image, 0))
+
+    def idle_count(self) -> int:
+        """Started containers waiting in the pools, all images together."""
+        return sum(len(idle) for idle in self._idle.values())
+
     async def _take(self, spec: _Spec) -> _Container:
         if self._closed:
             raise SandboxClosedError("This DockerSandbox is closed; create a new one.")
         idle = self._idle.setdefault(spec, [])
+        if not spec.read_only and spec.image in self._expected:
+            self._expected[spec.image] -= 1
+            if self._expected[spec.image] <= 0:
+                del self._expected[spec.image]
         c = idle.pop() if idle else await self._new_container(spec)
-        if self.pool_size > 0 and len(idle) < self.pool_size and spec not in self._refilling:
+        if len(idle) < self._pool_target(spec) and spec not in self._refilling:
             task = asyncio.ensure_future(self._refill(spec))
             self._refills.add(task)
             task.add_done_callback(self._refills.discard)
@@ -514,7 +543,7 @@ class DockerSandbox:
         self._refilling.add(spec)
         idle = self._idle.setdefault(spec, [])
         try:
-            while not self._closed and len(idle) < self.pool_size:
+            while not self._closed and len(idle) < self._pool_target(spec) and self.idle_count() < self.max_idle:
                 c = await self._new_container(spec)
                 if self._closed:
                     await self._drop(c)
@@ -535,14 +564,18 @@ class DockerSandbox:
 
     async def _release(self, c: _Container, keep: bool) -> None:
         idle = self._idle.setdefault(c.spec, [])
-        if keep and c.healthy and c.spec.read_only and not self._closed and len(idle) < self.pool_size:
+        if (keep and c.healthy and c.spec.read_only and not self._closed and len(idle) < self.pool_size
+                and self.idle_count() < self.max_idle):
             idle.append(c)
         else:
             await self._drop(c)
 
     async def start(self, image: str | None = None, workdir: str | None = None) -> None:
-        """Warm the pool now: `pool_size` one-shot containers, or session containers of `image`."""
+        """Warm the pool now: `pool_size` one-shot containers, or session containers of `image`
+        (announced as `pool_size` expected sessions when it is not the sandbox's own image)."""
         spec = self._spec(image, workdir, one_shot=image is None and workdir is None)
+        if not spec.read_only and spec.image != self.image:
+            self.expect(spec.image, self.pool_size - self._pool_target(spec))
         await self._refill(spec)
 
     # ── jobs ────────────────────────────────────────────────────────────────────────────────

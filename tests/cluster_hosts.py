@@ -11,9 +11,10 @@ namespaces; commands run in a host with `nsenter` into the keeper's namespaces (
 `Host.popen`).
 
 The head runs `ray start --head --node-ip-address=10.77.0.1`, the worker `ray start
---address=10.77.0.1:PORT`, both with Ray's token authentication on (`RAY_AUTH_MODE=token`, Ray
-2.60's default for new clusters): the test generates one token and writes it into each host's
-private /tmp, and every process run in a host gets `RAY_AUTH_TOKEN_PATH` pointing there.
+--address=10.77.0.1:PORT`, both with Ray's token authentication on as the README's "Run on a
+cluster" says: every process run in a host has `RAY_AUTH_MODE=token`, the head generates the token
+(`ray get-auth-token --generate`, into its HOME's `.ray/auth_token`) and it is copied to the same
+place on the worker.
 
 Needs root and `ip netns`; `NamespaceCluster.unavailable()` says why not, for a skip. `stop()`
 stops Ray on each host, kills what is left in the hosts' namespaces (by pid, only processes of
@@ -24,7 +25,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import secrets
 import shutil
 import signal
 import subprocess
@@ -37,7 +37,7 @@ __all__ = ["Host", "NamespaceCluster"]
 SUBNET = "10.77.0"
 RAY_PORT = 6379
 WORKDIR = "/tmp/work"
-TOKEN_PATH = "/tmp/ray-auth-token"
+TOKEN_FILE = f"{WORKDIR}/.ray/auth_token"  # ~/.ray/auth_token: each host's HOME is WORKDIR
 
 
 def _sh(*argv: str, check: bool = True, timeout: float = 60.0) -> subprocess.CompletedProcess[str]:
@@ -136,10 +136,9 @@ class NamespaceCluster:
         self.tag = tag
         self.cpus = cpus
         self.memory_gb = memory_gb
-        self.token = secrets.token_hex(32)
+        self.token = ""  # generated on the head by `start`
         env = {
             "RAY_AUTH_MODE": "token",
-            "RAY_AUTH_TOKEN_PATH": TOKEN_PATH,
             "RAY_USAGE_STATS_ENABLED": "0",
             "PYTHONUNBUFFERED": "1",
         }
@@ -176,7 +175,11 @@ class NamespaceCluster:
             self._network()
             for host in self.hosts:
                 self._keep(host)
-                host.write(TOKEN_PATH, self.token)
+            # as the README says: generate the token on the head, copy it to every other node
+            self.head.run([sys.executable, "-m", "ray.scripts.scripts", "get-auth-token", "--generate"])
+            self.token = self.head.run(["cat", TOKEN_FILE]).stdout.strip()
+            self.worker.run(["mkdir", "-p", f"{WORKDIR}/.ray"])
+            self.worker.write(TOKEN_FILE, self.token)
             if ray:
                 self._ray(timeout_s)
         except BaseException:

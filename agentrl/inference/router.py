@@ -306,7 +306,7 @@ class Router:
                             f"Session {session_id!r}: the servers answered this request with an HTTP 5xx error "
                             f"{server_errors} times; giving up on it: " + "; ".join(errors[-3:])
                         ) from exc
-                self._mark_failed(server)
+                self._mark_failed(server, exc)
                 continue
             except InferenceRequestError:
                 self.counters["rejected"] += 1  # the request's fault, not the server's
@@ -344,11 +344,10 @@ class Router:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._changed.wait(), min(remaining, self.health_interval_s))
 
-    def _mark_failed(self, server: RoutedServer) -> None:
+    def _mark_failed(self, server: RoutedServer, error: Exception | None = None) -> None:
         if server.healthy:
-            log.warning(
-                "inference server %s failed; routing around it until it answers /health", server.server_id
-            )
+            log.warning("inference server %s failed%s; routing around it until it answers /health",
+                        server.server_id, f" ({error})" if error is not None else "")
         server.healthy = False
         self._refresh_eligibility()
 

@@ -393,7 +393,8 @@ def _check_names(config: AgentRLConfig, purpose: Purpose) -> None:
     if trainer.tensor_parallel > trainer.num_processes or trainer.num_processes % trainer.tensor_parallel:
         raise ConfigError(f"trainer.num_processes={trainer.num_processes} must be a multiple of "
                           f"trainer.tensor_parallel={trainer.tensor_parallel}.")
-    if trainer.device == "cuda":
+    if trainer.device == "cuda" and config.cluster.address is None:
+        # on a cluster the ranks run on other nodes: `cluster.trial_placement` checks CUDA on each one
         import torch
 
         if not torch.cuda.is_available():

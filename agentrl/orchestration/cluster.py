@@ -15,13 +15,18 @@ placement group and waits for it. Trainer rank 0 is pinned to the driver's node 
 resource): the run directory lives there, and rank 0 writes the weight versions and checkpoints
 into it. The returned `Reservation` tells each role's actor where to go (`options`) and which node
 address it got (`node_ip`), and releases the group at the end. `trial_placement` reserves and
-releases the plan for `agentrl validate`, which prints each process's node. Nothing here starts a
-process.
+releases the plan for `agentrl validate`, which prints each process's node, and
+`unauthenticated_join` tells it whether the cluster lets in a client that has no Ray auth token
+(a plain `ray start --head` does: anyone who reaches its port runs code on every node). Nothing
+here starts a process of the run.
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import subprocess
+import sys
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -35,8 +40,11 @@ __all__ = [
     "Slot",
     "build_cluster_plan",
     "check_fits",
+    "gpu_sharing_warnings",
+    "model_on_node",
     "reserve",
     "trial_placement",
+    "unauthenticated_join",
 ]
 
 log = logging.getLogger(__name__)
@@ -280,10 +288,60 @@ def reserve(plan: ClusterPlan, *, timeout_s: float = 120.0) -> Reservation:
     return Reservation(plan, group, placed)
 
 
-def trial_placement(plan: ClusterPlan, *, timeout_s: float = 60.0) -> list[str]:
+def gpu_sharing_warnings(config: AgentRLConfig) -> list[str]:
+    """What `agentrl validate` warns about a cluster plan whose GPU processes reserve no GPU.
+
+    Ray hides the GPUs a process has not reserved from nothing: a trainer rank or server with
+    `cluster.*.gpus=0` on a GPU node sees every device and starts on cuda:0, the same one as its
+    neighbours, so ranks and the vLLM server share (and overfill) one device."""
+    cluster, out = config.cluster, []
+    if config.trainer.device == "cuda" and cluster.trainer.gpus <= 0:
+        out.append(f"trainer.device=cuda but cluster.trainer.gpus=0: Ray reserves no GPU for the "
+                   f"{config.trainer.num_processes} trainer rank(s), so every rank on a node uses its cuda:0; "
+                   "give cluster.trainer.gpus=1")
+    if config.inference.engine in ("vllm", "sglang") and config.trainer.device == "cuda" and cluster.server.gpus <= 0:
+        out.append(f"the {config.inference.engine} servers reserve no GPU (cluster.server.gpus=0): on a GPU node "
+                   "each starts on cuda:0 beside the trainer ranks there; give cluster.server.gpus=1 (or CPU servers "
+                   "on CPU-only nodes)")
+    return out
+
+
+def model_on_node(model: str, need_cuda: bool = False) -> str | None:
+    """Why this node cannot run its part of the run with `model` (a built-in name or a directory),
+    or None when it can.
+
+    A built-in name needs its package here (the node converts it at start); a path must be a
+    directory on this node; `need_cuda` (a trainer rank with `trainer.device=cuda`) needs a CUDA
+    device visible here. Run in each trainer and server bundle by `trial_placement`."""
+    if need_cuda:
+        import torch
+
+        if not torch.cuda.is_available():
+            return "trainer.device=cuda but no CUDA device is visible on this node; use auto or cpu"
+    from pathlib import Path
+
+    from agentrl.models import BUILTIN_MODELS, cache_dir, find_packaged_gguf
+
+    if Path(model).expanduser().is_dir():
+        return None
+    if model in BUILTIN_MODELS:
+        if (cache_dir() / model / "config.json").is_file():
+            return None
+        try:
+            find_packaged_gguf(model)
+        except Exception as exc:  # FeatureUnavailableError names the package and the install command
+            return str(exc)
+        return None
+    return (f"model.path '{model}' is not a directory here: every node that runs a server or a trainer "
+            "rank needs the model at the same path (or give a built-in model name, converted on each node)")
+
+
+def trial_placement(plan: ClusterPlan, *, model: str | None = None, trainer_cuda: bool = False,
+                    timeout_s: float = 60.0) -> list[str]:
     """For `agentrl validate`: join the cluster, reserve the plan, note where each bundle landed,
-    release it; the plan's lines with each process's node. Starts no process of the run (the run
-    reserves again, and Ray may then choose other nodes under `SPREAD`)."""
+    check that each trainer and server bundle's node can load `model` (`model_on_node`), release
+    it; the plan's lines with each process's node. Starts no process of the run (the run reserves
+    again, and Ray may then choose other nodes under `SPREAD`)."""
     import ray
 
     joined = not ray.is_initialized()
@@ -300,8 +358,58 @@ def trial_placement(plan: ClusterPlan, *, timeout_s: float = 60.0) -> list[str]:
             ) from exc
     try:
         reservation = reserve(plan, timeout_s=timeout_s)
-        reservation.release()
+        try:
+            problems = _model_problems(plan, reservation, model, trainer_cuda) if model else []
+        finally:
+            reservation.release()
+        if problems:
+            raise PreflightError("Not every node can run its part of the run; nothing was started:\n"
+                                 + "\n".join(f"  node {node} ({who}): {why}" for node, who, why in problems))
         return plan.describe(reservation.nodes)
     finally:
         if joined:
             ray.shutdown()
+
+
+_JOIN_WITHOUT_TOKEN = (
+    "import sys, ray\n"
+    "ray.init(address=sys.argv[1], include_dashboard=False, logging_level='ERROR', log_to_driver=False)\n"
+    "print('JOINED', len(ray.nodes()))\n"
+)
+
+
+def unauthenticated_join(address: str, *, timeout_s: float = 90.0) -> str | None:
+    """A warning when a client with no Ray auth token can join the cluster at `address`, else None.
+
+    Tried for real: a Python process with every `RAY_AUTH_*` variable removed and a HOME without
+    `.ray/auth_token` joins the address. Token auth on (`RAY_AUTH_MODE=token` when the head was
+    started) refuses it; a cluster started without it lets it in.
+    """
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH")}
+    env["HOME"] = os.environ.get("TMPDIR", "/tmp")  # not the user's ~/.ray/auth_token
+    try:
+        done = subprocess.run([sys.executable, "-c", _JOIN_WITHOUT_TOKEN, address], capture_output=True,
+                              text=True, env=env, timeout=timeout_s, stdin=subprocess.DEVNULL)
+    except subprocess.TimeoutExpired:
+        return None  # not let in within the deadline: it did not join
+    if done.returncode != 0 or "JOINED" not in done.stdout:
+        return None
+    return (f"the Ray cluster at {address} lets in clients without an auth token: anyone who reaches "
+            "its port can run code on every node. Restart it with token auth on (RAY_AUTH_MODE=token "
+            "and the same token on every node; README, 'Run on a cluster').")
+
+
+def _model_problems(
+    plan: ClusterPlan, reservation: Reservation, model: str, trainer_cuda: bool
+) -> list[tuple[str, str, str]]:
+    """(node, role, why) for each trainer rank and server whose node cannot run it (`model_on_node`)."""
+    import ray
+
+    check: Any = ray.remote(model_on_node)  # Ray types remote functions by arity; this one has a default
+    who = [(slot.role, slot.index) for slot in plan.slots if slot.role in ("trainer", "server")]
+    refs = [check.options(**reservation.options(role, i)).remote(model, trainer_cuda and role == "trainer")
+            for role, i in who]
+    answers = ray.get(refs, timeout=120)
+    return [(reservation.node_ip(role, i), f"{role} {i}", why)
+            for (role, i), why in zip(who, answers, strict=True) if why]
+

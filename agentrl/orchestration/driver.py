@@ -55,7 +55,6 @@ import contextlib
 import functools
 import json
 import logging
-import os
 import signal
 import time
 from collections.abc import Callable, Iterator
@@ -64,7 +63,7 @@ from pathlib import Path
 
 from agentrl.config import AgentRLConfig, save_config
 from agentrl.envs import Env
-from agentrl.errors import AgentRLError, ConfigError, PreflightError
+from agentrl.errors import AgentRLError, ConfigError, RunWriteError, StartupError
 from agentrl.orchestration.build import Job, build_job
 from agentrl.orchestration.checkpoints import Checkpoint, CheckpointStore, move_aside_earlier_attempt
 from agentrl.orchestration.interrupts import RunInterrupted, StopSignals, signal_name
@@ -78,9 +77,11 @@ from agentrl.orchestration.run_identity import (
     run_identity,
     write_identity,
 )
-from agentrl.orchestration.run_lock import RunLock
+from agentrl.orchestration.run_lock import LOCK_FILE, RunLock
+from agentrl.orchestration.startup import init_ray, starting
 from agentrl.orchestration.training import RunBooks, TrainingSteps, score_text
 from agentrl.records.metrics import MetricsLogger
+from agentrl.records.run_files import classify_write_error, replace_text, writing
 from agentrl.rollout import RolloutWorker
 
 __all__ = ["Run", "RunResult", "check_run_dir", "resolve_run_dir", "run_training"]
@@ -146,7 +147,12 @@ def _prepare_run_dir(config: AgentRLConfig, stack: contextlib.AsyncExitStack, pl
                             resume_command=resume_command(config, run_dir))
     if config.run.resume:
         _check_resumable(config, run_dir, store)  # nothing created, nothing locked
-    lock = RunLock.acquire(run_dir)  # before anything is written into the directory
+    try:
+        with writing(run_dir / LOCK_FILE):
+            lock = RunLock.acquire(run_dir)  # before anything is written into the directory
+    except RunWriteError as exc:  # a read-only or full disk under run.output_dir
+        exc.continue_with(resume_command(config, run_dir, resume=config.run.resume), resume=config.run.resume)
+        raise
     stack.callback(lock.release)
     resume = check_resume(config, run_dir)  # the recorded identity; resume_allow only with resume
     checkpoint = None
@@ -223,41 +229,50 @@ def _runs_with_checkpoints(config: AgentRLConfig, most: int = 5) -> str:
     return f"; runs there with checkpoints: {', '.join(p.name for p in runs[:most])}" if runs else ""
 
 
-def _init_ray(cluster_address: str | None) -> None:
-    import ray
-
+def _init_ray(cluster_address: str | None, then: str = "") -> None:
     from agentrl.lifeline import start_reaper
 
     # Ray's processes, the trainer actors, the servers and the sandboxes end when this process
     # does, however it ends (SIGKILL included): Ray's own clean-up does not cover a killed driver.
     start_reaper()
-    if ray.is_initialized():
-        return
-    address = cluster_address or os.environ.get("RAY_ADDRESS")
-    try:
-        ray.init(address=address, include_dashboard=False, log_to_driver=True, configure_logging=False,
-                 ignore_reinit_error=True)
-    except (ConnectionError, RuntimeError) as exc:
-        if not cluster_address:
-            raise
-        raise PreflightError(
-            f"cluster.address={address}: cannot join the Ray cluster there ({type(exc).__name__}: "
-            f"{str(exc).splitlines()[0] if str(exc) else ''}). Start its head with 'ray start --head', give "
-            "the HOST:PORT it prints, and run from a node of the cluster (with its token, when Ray's token "
-            "authentication is on).") from exc
+    init_ray(cluster_address, then)  # a failure says what, why and what to do (`startup.py`)
+
+
+class _DriverLogHandler(logging.FileHandler):
+    """`driver.log`. A line it cannot write (the disk is full) is dropped quietly: the console has
+    the message, and logging's own report of the failure would put a traceback there."""
+
+    failed = False
+
+    def handleError(self, record: logging.LogRecord) -> None:
+        self.failed = True
 
 
 @contextlib.contextmanager
-def _driver_log(run_dir: Path) -> Iterator[None]:
+def _driver_log(run_dir: Path) -> Iterator[_DriverLogHandler]:
     """The run's messages also go to `driver.log` in its directory, until the run is closed."""
-    handler = logging.FileHandler(run_dir / "driver.log")
+    handler = _DriverLogHandler(run_dir / "driver.log")
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     logging.getLogger("agentrl").addHandler(handler)
     try:
-        yield
+        yield handler
     finally:
         logging.getLogger("agentrl").removeHandler(handler)
-        handler.close()
+        with contextlib.suppress(OSError):  # its last buffered line on a full disk
+            handler.close()
+
+
+def _as_write_error(exc: BaseException, run_dir: Path) -> RunWriteError | None:
+    """`exc` as the `RunWriteError` it means when a write under the run directory failed where it
+    writes (a full disk, a read-only filesystem, the directory gone), else None. Catches what
+    did not come through `run_files`: a file another part wrote, an error that crossed from a Ray
+    actor as text (the trainer's export on a full disk)."""
+    if isinstance(exc, RunWriteError):
+        return exc
+    if isinstance(exc, AgentRLError | KeyboardInterrupt | asyncio.CancelledError):
+        return None
+    path = Path(getattr(exc, "filename", None) or run_dir)
+    return classify_write_error(exc, path, run_dir)
 
 
 class Run:
@@ -292,16 +307,24 @@ class Run:
             prepared = _prepare_run_dir(config, stack, self.plan.cluster is not None)  # refusals before anything starts
             await asyncio.to_thread(preflight, job)  # its sandbox snippet runs on a loop of its own
             run_dir, store, checkpoint = prepared.path, prepared.store, prepared.checkpoint
-            notes = _settle_run_dir(config, prepared)
-            stack.enter_context(_driver_log(run_dir))
+            with self._writes_stop_cleanly(run_dir, store):
+                notes = _settle_run_dir(config, prepared)
+                driver_log = stack.enter_context(_driver_log(run_dir))
             for note in notes:
                 log.warning("%s", note)
             for damaged in checkpoint.set_aside if checkpoint else []:
                 log.error("%s", damaged)
-            books = RunBooks(job, run_dir, store, checkpoint)
             try:
-                steps = await self._open(stack, books)
-                await steps.run()
+                with self._writes_stop_cleanly(run_dir, store):
+                    books = RunBooks(job, run_dir, store, checkpoint)
+                    steps = await self._open(stack, books)
+                    await steps.run()
+            except (RunWriteError, StartupError) as exc:  # the message has the cause, the fix and the command
+                log.error("the run stopped: %s", exc)
+                # The traceback goes to driver.log only: the console shows the message, not a traceback.
+                driver_log.handle(log.makeRecord(log.name, logging.ERROR, __file__, 0, "where it failed:", (),
+                                                 (type(exc), exc, exc.__traceback__)))
+                raise
             except AgentRLError as exc:
                 log.error("the run stopped: %s", exc)  # in driver.log too, with the fix
                 how = self._continue_text(run_dir, store)
@@ -319,8 +342,29 @@ class Run:
             max_staleness=steps.scheduler.max_staleness_seen, seconds=time.perf_counter() - self.started,
             steps_skipped=steps.scheduler.steps_skipped,
         )  # fmt: skip
-        (run_dir / "result.json").write_text(json.dumps(result.__dict__, indent=2))
+        replace_text(run_dir / "result.json", json.dumps(result.__dict__, indent=2), run_dir)
         return result
+
+    @contextlib.contextmanager
+    def _writes_stop_cleanly(self, run_dir: Path, store: CheckpointStore) -> Iterator[None]:
+        """A write under `run_dir` that fails where it writes (`_as_write_error`) raises `RunWriteError`
+        ending with the command that continues the run as it stands."""
+        try:
+            yield
+        except Exception as exc:
+            failed = _as_write_error(exc, run_dir)
+            if failed is None:
+                raise
+            self._continue_text(run_dir, store)
+            failed.continue_with(self.continue_command, resume=store.latest_name() is not None)
+            if failed is exc:
+                raise
+            raise failed from exc
+
+    def _then(self, run_dir: Path, store: CheckpointStore) -> str:
+        """How to continue the run once a start-up failure is fixed, for `starting`."""
+        self._continue_text(run_dir, store)
+        return ("resume it with: " if store.latest_name() else "start it again with: ") + self.continue_command
 
     def _continue_text(self, run_dir: Path, store: CheckpointStore) -> str:
         """How to continue the run as it stands (and `continue_command` set to that command)."""
@@ -338,38 +382,56 @@ class Run:
         job, config, plan, run_dir = self.job, self.config, self.plan, books.run_dir
         cluster = plan.cluster
         make_env: Callable[[], Env] = job.make_env
+        then = self._then(run_dir, books.store)
+        logs = f"see driver.log and the logs in {run_dir / 'logs'}"
         with self.signals.raising():
             # Ray is left running for this process (a later run in it joins it); the reaper ends it
             # with the process.
-            _init_ray(cluster.address if cluster is not None else None)
+            _init_ray(cluster.address if cluster is not None else None, then)
             self.signals.install()  # ray.init took SIGTERM over (it would exit 15 and close nothing)
             reservation = None
             if cluster is not None:  # checked against the cluster's resources before anything starts
                 from agentrl.orchestration.cluster import reserve
 
-                reservation = reserve(cluster)
+                with starting(f"the placement group on the Ray cluster at {cluster.address}",
+                              "See 'ray status' for the cluster's nodes and what holds their resources", then):
+                    reservation = reserve(cluster)
                 stack.callback(reservation.release)
         if job.sandbox_hosts is not None and reservation is not None:
-            hosts = await job.sandbox_hosts.start(reservation)
+            with starting(f"the sandbox hosts (cluster.sandbox_hosts={job.sandbox_hosts.count}, sandbox.name="
+                          f"{job.sandbox_hosts.backend})",
+                          f"Check that the backend works on those nodes ('agentrl doctor' there); {logs}", then):
+                hosts = await job.sandbox_hosts.start(reservation)
             stack.callback(hosts.stop)
             # The envs reach the hosts through their client, not the local sandbox the job made for its checks.
             hosted = hosts.sandbox()
             stack.push_async_callback(hosted.close)
             make_env = functools.partial(job.make_env, sandbox=hosted)
+        trainer_part = (f"the trainer ({config.trainer.backend}, model.path={job.model_path}, "
+                        f"trainer.device={config.trainer.device})")
+        trainer_fix = (f"Check that model.path loads and trainer.device exists here ('agentrl doctor'); {logs}; "
+                       "the trainer's own output is on the console above")
+        engine_part = f"the inference engine ({config.inference.engine}, model.path={job.model_path})"
+        engine_fix = (f"Check that the engine is installed and the model loads ('agentrl doctor'; for vLLM in its own "
+                      f"environment, AGENTRL_VLLM_PYTHON); {logs}")
+        colocated = plan.colocated
         with self.signals.raising():
             # The trainer loads while the servers start (placement split), or with its engine (colocated).
-            trainer = TrainerGroup(config, job.model_path, job.template, run_dir / "weights", plan=plan,
-                                   reservation=reservation)
+            with starting(trainer_part, trainer_fix, then):
+                trainer = TrainerGroup(config, job.model_path, job.template, run_dir / "weights", plan=plan,
+                                       reservation=reservation)
             stack.callback(trainer.shutdown)
-            service = await start_inference(plan, config, job.model_path, trainer, log_dir=run_dir / "logs",
-                                            reservation=reservation)
+            with starting(engine_part, engine_fix, then):
+                service = await start_inference(plan, config, job.model_path, trainer, log_dir=run_dir / "logs",
+                                                reservation=reservation)
         stack.push_async_callback(service.aclose)  # stops supervising first: the servers are stopped on purpose
         if job.gateway is not None:  # the gateway's sessions end before the servers behind them
             stack.push_async_callback(job.gateway.aclose)
         router = service.client
-        colocated = plan.colocated
         if colocated:  # the router reaches the engine through the trainer actor, which loads it first
-            await trainer.ready()
+            with starting(f"{trainer_part} with its colocated engine ({config.inference.engine})",
+                          f"{trainer_fix}; placement=split runs the engine in a process of its own", then):
+                await trainer.ready()
         await service.start()
         loop = job.agent_loop(router)
         worker = RolloutWorker(loop, make_env, max_concurrent=config.rollout.max_concurrent_episodes)
@@ -381,7 +443,8 @@ class Run:
             await trainer.load(str(books.checkpoint.path / "trainer"))
             log.info("resuming %s from %s: step %d, policy version %d (session %d)", run_dir,
                      books.checkpoint.name, start_step, version, books.session)
-        await trainer.ready()
+        with starting(trainer_part, trainer_fix, then):
+            await trainer.ready()
         await router.check_health()
         if not colocated:
             await trainer.check_servers(router)  # every server reaches the trainer's weights

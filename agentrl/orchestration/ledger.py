@@ -21,6 +21,13 @@ scheduler calls it.
 `ledger.jsonl` in the run directory is its journal, appended to and never rewritten: a `taken`
 line when an attempt is taken, and one line with its final state when it gets one, each tagged
 with the `session` (the n-th start of the run: 0, then 1 for the first resume, ...) that took it.
+With `hold_trained` (the driver's ledger), the `trained` lines of a step wait in memory until
+`commit_trained`, which the driver calls right after the step's `metrics.jsonl` row: a step is in
+both files or in neither. When the run stops in between (a full disk while writing the step's
+rollout log), `close_in_flight` journals those attempts `unfinished` instead (the resume trains
+them again, from the checkpoint before that step); if even that cannot be written, the next
+session's `close_orphans` closes them. Every line goes through `run_files`, so a full disk, a
+read-only filesystem or a vanished directory is a `RunWriteError`.
 A run that stops by itself, on Ctrl-C or on an exception, closes its in-flight attempts as
 `unfinished` before it ends. A run killed outright cannot; the next session closes them
 (`close_orphans`, before it takes anything), so every attempt any session took has exactly one
@@ -39,6 +46,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from agentrl.errors import AgentRLError
+from agentrl.records.run_files import append_text, writing
 
 __all__ = [
     "LedgerError",
@@ -183,11 +191,20 @@ class PromptLedger:
         self.session = session
         self.entries: dict[str, LedgerEntry] = {}
         self._skipped: set[int] = set()
+        self.hold_trained = False
+        """Keep `trained` lines in memory until `commit_trained` (see the module docstring)."""
+        self._held: list[dict[str, Any]] = []
 
     def _append(self, record: dict[str, Any]) -> None:
         if self.path is not None:
-            with self.path.open("a") as f:
-                f.write(json.dumps(record) + "\n")
+            append_text(self.path, json.dumps(record) + "\n")
+
+    def commit_trained(self) -> int:
+        """Journal the `trained` lines held since the last commit (one write); return how many."""
+        held, self._held = self._held, []
+        if held and self.path is not None:
+            append_text(self.path, "".join(json.dumps(r) + "\n" for r in held))
+        return len(held)
 
     # ── transitions ─────────────────────────────────────────────────────────────────────────
     def skipped(self, index: int, reason: str) -> None:
@@ -231,8 +248,17 @@ class PromptLedger:
         return ref.retry()
 
     def close_in_flight(self, reason: str) -> list[PromptRef]:
-        """Close every attempt still in flight as `unfinished`; return the attempts to requeue."""
-        return [self.unfinished(PromptRef(e.epoch, e.index, e.attempt), reason)
+        """Close every attempt still in flight as `unfinished`; return the attempts to requeue.
+
+        Attempts trained in a step whose `trained` lines were never committed (the run stopped
+        before the step's records were written) are closed `unfinished` too: the run's records
+        do not have that step, and the resume trains them again."""
+        uncommitted, self._held = self._held, []
+        for record in uncommitted:
+            entry = self.entries[record["key"]]
+            entry.status, entry.step = "in_flight", None
+        why = {r["key"]: f"{reason}; trained at step {r['step']}, whose records were not written" for r in uncommitted}
+        return [self.unfinished(PromptRef(e.epoch, e.index, e.attempt), why.get(e.key, reason))
                 for e in list(self.entries.values()) if e.status == "in_flight"]
 
     def _close(
@@ -243,7 +269,9 @@ class PromptLedger:
             found = "never taken" if entry is None else f"already {entry.status}"
             raise LedgerError(f"prompt attempt {ref.key} cannot become {status}: it was {found}")
         entry.status, entry.step, entry.reason = status, step, reason
-        if journal:
+        if journal and status == "trained" and self.hold_trained:
+            self._held.append(asdict(entry))
+        elif journal:
             self._append(asdict(entry))
 
     # ── accounting ──────────────────────────────────────────────────────────────────────────
@@ -329,7 +357,7 @@ def close_orphans(path: str | Path, reason: str) -> int:
     if not path.is_file():
         return 0
     orphans = _open_attempts(read_journal(path))
-    with path.open("ab") as f:
+    with writing(path), path.open("ab") as f:
         if f.tell() and not path.read_bytes().endswith(b"\n"):
             f.write(b"\n")  # the half-written last line stays (readers skip it); the next starts clean
         for r in orphans.values():

@@ -30,6 +30,7 @@ from typing import Any
 
 from agentrl.config import AgentRLConfig
 from agentrl.errors import ConfigError
+from agentrl.records.run_files import append_text, replace_text
 from agentrl.registry import closest_names
 
 __all__ = ["IDENTITY_FILE", "RESUME_HISTORY", "ResumeCheck", "check_resume", "record_resume", "run_identity",
@@ -152,10 +153,8 @@ def check_resume(config: AgentRLConfig, run_dir: Path) -> ResumeCheck:
 def write_identity(run_dir: Path, identity: dict[str, Any]) -> Path:
     """Write `identity` into `run_dir/run_identity.json` (replacing it atomically); return the file."""
     path = run_dir / IDENTITY_FILE
-    tmp = path.with_name(f".{IDENTITY_FILE}.tmp")
     stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-    tmp.write_text(json.dumps({"format": 1, "written_at": stamp, "identity": identity}, indent=1))
-    tmp.replace(path)
+    replace_text(path, json.dumps({"format": 1, "written_at": stamp, "identity": identity}, indent=1), run_dir)
     return path
 
 
@@ -164,7 +163,6 @@ def record_resume(run_dir: Path, check: ResumeCheck, checkpoint: str) -> None:
     this config's identity in `run_identity.json` when it changed or was missing."""
     stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     entry = {"at": stamp, "checkpoint": checkpoint, "allowed": check.allowed, "identity_recorded": check.recorded}
-    with (run_dir / RESUME_HISTORY).open("a") as f:
-        f.write(json.dumps(entry) + "\n")
+    append_text(run_dir / RESUME_HISTORY, json.dumps(entry) + "\n", run_dir)
     if check.allowed or not check.recorded:
         write_identity(run_dir, check.identity)

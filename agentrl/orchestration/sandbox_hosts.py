@@ -55,14 +55,20 @@ class SandboxHostActor:
 
         self.ip = ray.util.get_node_ip_address()
         self.port = free_port(self.ip)
-        fd, self.log_path = tempfile.mkstemp(prefix="agentrl-sandbox-host-", suffix=".log")
-        os.close(fd)
+        # The server's output goes to a file that is unlinked at once: the actor keeps it open to
+        # quote its tail when the server fails, and nothing is left in the node's /tmp afterwards,
+        # however the run ends.
+        self._log = tempfile.TemporaryFile(prefix="agentrl-sandbox-host-", suffix=".log")
         argv = [sys.executable, "-c", _SERVE, self.ip, str(self.port), backend, json.dumps(kwargs)]
-        with open(self.log_path, "ab") as logf:
-            self.proc = subprocess.Popen(
-                lifeline_argv(argv), stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT,
-                env={**os.environ, "AGENTRL_SANDBOX_TOKEN": token}, start_new_session=True,
-            )  # fmt: skip
+        self.proc = subprocess.Popen(
+            lifeline_argv(argv), stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT,
+            env={**os.environ, "AGENTRL_SANDBOX_TOKEN": token}, start_new_session=True,
+        )  # fmt: skip
+
+    def log_tail(self, lines: int = 20) -> str:
+        """The last `lines` lines the server wrote."""
+        self._log.seek(0)
+        return "".join(self._log.read().decode(errors="replace").splitlines(keepends=True)[-lines:])
 
     def url(self) -> str:
         return f"http://{self.ip}:{self.port}"
@@ -76,8 +82,7 @@ class SandboxHostActor:
         deadline = time.monotonic() + timeout_s
         while True:
             if self.proc.poll() is not None or time.monotonic() > deadline:
-                with open(self.log_path, errors="replace") as f:
-                    tail = "".join(f.readlines()[-20:])
+                tail = self.log_tail()
                 why = (
                     f"exited with code {self.proc.returncode}"
                     if self.proc.poll() is not None
@@ -100,6 +105,7 @@ class SandboxHostActor:
                 self.proc.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 os.killpg(self.proc.pid, signal.SIGKILL)
+        self._log.close()
 
 
 @dataclass(frozen=True)

@@ -36,7 +36,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
-from agentrl.errors import AgentRLError
+from agentrl.errors import AgentRLError, RunWriteError
 from agentrl.orchestration.ledger import PromptLedger, PromptRef, PromptSampler
 from agentrl.types import Trajectory
 
@@ -163,6 +163,8 @@ class Scheduler:
         self._refused_since_record = 0  # prompts `admit` refused since the last step's record
         self._refused_in_a_row = 0
         self._fatal: BaseException | None = None
+        self.stopped_by: BaseException | None = None
+        """Why `run` is being cancelled from outside when not for an interruption (`stop_because`)."""
 
     # ── shared pieces ───────────────────────────────────────────────────────────────────────
     async def _play(self, ref: PromptRef) -> GroupResult:
@@ -260,6 +262,11 @@ class Scheduler:
                 self.server_version = version
         return time.perf_counter() - start
 
+    def stop_because(self, cause: BaseException) -> None:
+        """Say why `run` is about to be cancelled from outside (the trainer's process died): the
+        prompts in flight are then closed as `unfinished` naming `cause`, not an interruption."""
+        self.stopped_by = cause
+
     # ── entry point ─────────────────────────────────────────────────────────────────────────
     async def run(self, start_step: int, total_steps: int) -> None:
         """Run steps `start_step .. total_steps - 1`. However it ends (done, an exception, Ctrl-C,
@@ -271,11 +278,16 @@ class Scheduler:
         try:
             await runner[self.mode](start_step, total_steps)
         except BaseException as exc:
-            what = "interrupted" if isinstance(exc, (KeyboardInterrupt, asyncio.CancelledError)) else type(exc).__name__
+            cause = self.stopped_by or exc
+            what = "interrupted" if isinstance(cause, (KeyboardInterrupt, asyncio.CancelledError)) else type(cause).__name__
             reason = f"the run stopped ({what}) while it was in flight"
+            try:
+                self.sampler.requeue(self.ledger.close_in_flight(reason), front=True)
+            except RunWriteError as closing:  # the journal cannot take them (a full disk): the next session will
+                log.error("the prompts in flight could not be closed in the ledger (%s); the next session of the "
+                          "run closes them as unfinished before it takes any", closing.cause)
             raise
-        finally:
-            self.sampler.requeue(self.ledger.close_in_flight(reason), front=True)
+        self.sampler.requeue(self.ledger.close_in_flight(reason), front=True)
 
     # ── sync ────────────────────────────────────────────────────────────────────────────────
     async def _round(self, refs: list[PromptRef]) -> list[GroupResult]:

@@ -30,6 +30,7 @@ from typing import Any
 
 from agentrl.config import AgentRLConfig
 from agentrl.errors import AgentRLError, ConfigError, ServerUnavailableError
+from agentrl.models import BUILTIN_MODELS
 
 __all__ = ["PlacedServer", "ServerActor", "start_placed_servers"]
 
@@ -126,9 +127,10 @@ class PlacedServer:
             return await getattr(self.actor, method).remote(*args)
         except ray.exceptions.RayActorError as exc:
             self.alive, self.actor_gone = False, True
+            # driver.log keeps Ray's whole account (the console gets the line that names the cause)
+            log.error("server %d on node %s: its actor is gone:\n%s", self.index, self.node_ip, exc)
             raise ServerUnavailableError(
-                f"server {self.index} on node {self.node_ip}: its actor is gone "
-                f"({type(exc).__name__}: {str(exc).splitlines()[0][:300]})"
+                f"server {self.index} on node {self.node_ip}: its actor is gone ({actor_death_reason(exc)})"
             ) from exc
         except ray.exceptions.RayTaskError as exc:
             cause = getattr(exc, "cause", None)
@@ -240,10 +242,14 @@ async def start_placed_servers(
     # The servers listen on their nodes' addresses: only this run's clients hold the token they take.
     token = secrets.token_urlsafe(32)
 
+    # A built-in model goes by its name: each node converts it into its own cache (the driver's
+    # converted directory is not on the other nodes). Any other model is the path build_job resolved.
+    model = config.model.path if config.model.path in BUILTIN_MODELS else model_path
+
     def maker(i: int, log_path: str) -> Any:
         opts = reservation.options("server", i)
         return lambda port: actor_cls.options(**opts).remote(
-            inf.engine, model_path, kwargs, log_path, port, token
+            inf.engine, model, kwargs, log_path, port, token
         )
 
     try:
@@ -277,3 +283,15 @@ async def start_placed_servers(
         max_restarts=inf.max_restarts,
     )
     return InferenceService(router, servers, supervisor)  # type: ignore[arg-type]
+
+
+def actor_death_reason(exc: BaseException) -> str:
+    """The line of a Ray actor error that says why the actor died: the error its constructor raised
+    (Ray puts it last, after the traceback), or the system's reason (a signal, the node lost)."""
+    said = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+    errors = [ln for ln in said if "Error:" in ln or "Exception:" in ln]
+    if errors:
+        return errors[-1][:500]
+    system = [ln for ln in said[1:] if not ln.startswith(("class_name:", "actor_id:", "pid:", "name:", "namespace:"))]
+    return "; ".join([said[0], *system] if said else [type(exc).__name__])[:500]
+

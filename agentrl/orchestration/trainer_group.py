@@ -28,7 +28,10 @@ same calls as async methods (the blocking trainer calls run on threads, generati
 streams the trainer's tensors into the engine through the in-process checkpoint engine (checksummed
 buckets, no files). The engine's weights change only at that push, so a batch's version labels stay
 true; an update waits until the previous one has reached the engine, so a push never carries newer
-weights than its version says (async mode trains the next batch only after the last push).
+weights than its version says (async mode trains the next batch only after the last push). The
+process is the trainer and every server of the run at once, so the driver keeps a `watch` call
+outstanding on each rank, which Ray fails the moment the process dies: the run stops within seconds
+naming the trainer, its engine and Ray's cause (`actor_watch.py`), instead of waiting for a server.
 
 On a Ray cluster (`cluster.address`; `cluster.Reservation`), each rank is placed in its bundle of
 the run's placement group; rank 0 is on the driver's node, where the run directory is, and the
@@ -45,6 +48,7 @@ Nothing here decides when to train or push: that is `schedule.py`.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import socket
 import tempfile
@@ -55,11 +59,16 @@ from typing import Any
 from agentrl.chat import ChatTemplate
 from agentrl.config import AgentRLConfig
 from agentrl.errors import AgentRLError, ServerUnavailableError, TrainerError, WeightSyncError
+from agentrl.orchestration.actor_watch import death_cause
 from agentrl.orchestration.placement import PlacementPlan, weights_backend
 from agentrl.orchestration.run_commands import resume_command
 from agentrl.types import Trajectory
 
 __all__ = ["ColocatedTrainerWorker", "TrainerGroup", "TrainerWorker", "export_assets"]
+
+SHIP_PIECE_BYTES = 64 << 20
+"""Largest piece of a checkpoint file sent between the driver and a rank of another node in one
+Ray call: a shard never passes whole through the object store."""
 
 FILES_KEEP_LAST = 3
 """Versions the files engine keeps in `weights/` (besides those a checkpoint was taken at)."""
@@ -118,6 +127,8 @@ class TrainerWorker:
 
             model_path = resolve_model_path(self.config.model.path)
         self.ship_checkpoints = ship_checkpoints
+        self._outbox: Path | None = None  # a saved checkpoint waiting for the driver (`read_shipped`)
+        self._inbox: Path | None = None  # checkpoint files the driver sent for a load (`receive_file`)
         import torch
 
         if threads:
@@ -202,28 +213,31 @@ class TrainerWorker:
         return source, time.perf_counter() - start
 
     def save(self, path: str, data_position: dict[str, Any], *,
-             weights_version: int | None = None) -> tuple[float, dict[str, bytes]]:
+             weights_version: int | None = None) -> tuple[float, dict[str, int]]:
         """Save the trainer's state, and keep the current version as a complete HF directory in `weights/`.
 
         `weights_version` is the version the trainer's tensors carry now; by default the last one
         exported (none before the first export: then no weights are kept).
         Returns (seconds, files): a rank on another node than the driver's (`ship_checkpoints`) saves
-        into a directory of its own node and returns what it wrote there (relative path -> bytes),
-        for the driver to write into `path`; the others write `path` directly and return no files.
+        into an outbox directory of its own node and returns what it wrote there (relative path ->
+        size), which the driver reads piece by piece (`read_shipped`, then `drop_shipped`) into
+        `path`, so no shard passes whole through Ray's object store; the others write `path`
+        directly and return no files.
         """
-        import shutil
-
         start = time.perf_counter()
-        target = tempfile.mkdtemp(prefix="agentrl-shard-") if self.ship_checkpoints else path
-        shipped: dict[str, bytes] = {}
+        self.drop_shipped()
+        if self.ship_checkpoints:
+            self._outbox = Path(tempfile.mkdtemp(prefix="agentrl-shard-"))
+        target = str(self._outbox) if self._outbox is not None else path
+        shipped: dict[str, int] = {}
         try:
             self.backend.save(target, {**data_position, "kl_coef": self.kl_controller.value})
-            if self.ship_checkpoints:
-                root = Path(target)
-                shipped = {str(f.relative_to(root)): f.read_bytes() for f in sorted(root.rglob("*")) if f.is_file()}
-        finally:
-            if self.ship_checkpoints:
-                shutil.rmtree(target, ignore_errors=True)
+        except BaseException:
+            self.drop_shipped()
+            raise
+        if self._outbox is not None:
+            shipped = {str(f.relative_to(self._outbox)): f.stat().st_size
+                       for f in sorted(self._outbox.rglob("*")) if f.is_file()}
         version = self.version if weights_version is None else weights_version
         if version is not None:
             if self.weights != "files":  # http, inprocess: nothing was written per step: write this one
@@ -232,22 +246,46 @@ class TrainerWorker:
                 self.files.keep(version)
         return time.perf_counter() - start, shipped
 
-    def load(self, path: str, files: dict[str, bytes] | None = None) -> dict[str, Any]:
-        """Load a checkpoint: from `path`, or, on a rank of another node, from `files` (the checkpoint's
-        files as the driver read them), written into a directory of this node for the load."""
+    def read_shipped(self, name: str, offset: int, size: int) -> bytes:
+        """`size` bytes at `offset` of file `name` of the last checkpoint this rank saved to ship."""
+        if self._outbox is None:
+            raise TrainerError("read_shipped: this rank holds no checkpoint to ship (save first).")
+        with open(self._outbox / name, "rb") as f:
+            f.seek(offset)
+            return f.read(size)
+
+    def drop_shipped(self) -> None:
+        """Remove the outbox of a shipped checkpoint (the driver has written it)."""
         import shutil
 
-        local = None
-        if files is not None:
-            local = Path(tempfile.mkdtemp(prefix="agentrl-resume-"))
-            for name, data in files.items():
-                (local / name).parent.mkdir(parents=True, exist_ok=True)
-                (local / name).write_bytes(data)
+        if self._outbox is not None:
+            shutil.rmtree(self._outbox, ignore_errors=True)
+            self._outbox = None
+
+    def receive_file(self, name: str, offset: int, data: bytes) -> None:
+        """Write a piece of a checkpoint file the driver sends (a rank of another node resuming)."""
+        if self._inbox is None:
+            self._inbox = Path(tempfile.mkdtemp(prefix="agentrl-resume-"))
+        target = self._inbox / name
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with open(target, "r+b" if offset else "wb") as f:
+            f.seek(offset)
+            f.write(data)
+
+    def load(self, path: str, received: bool = False) -> dict[str, Any]:
+        """Load a checkpoint: from `path`, or, on a rank of another node (`received`), from the
+        files the driver sent it piece by piece (`receive_file`), removed after the load."""
+        import shutil
+
+        local = self._inbox if received else None
+        if received and local is None:
+            raise TrainerError("load: no checkpoint files were received on this rank's node.")
         try:
             position = self.backend.load(str(local) if local is not None else path)
         finally:
             if local is not None:
                 shutil.rmtree(local, ignore_errors=True)
+                self._inbox = None
         if "kl_coef" in position:
             self.kl_controller.value = float(position["kl_coef"])
         return position
@@ -280,6 +318,11 @@ class ColocatedTrainerWorker:
 
     async def ready(self) -> int:
         return self.trainer.rank
+
+    async def watch(self) -> None:
+        """Never answers: the driver keeps this call outstanding (`TrainerGroup.watch`) so that Ray
+        fails it the moment this process, and the engine in it, dies."""
+        await asyncio.Event().wait()
 
     async def weight_endpoint(self) -> dict[str, Any]:
         return self.trainer.weight_endpoint()
@@ -332,14 +375,14 @@ class ColocatedTrainerWorker:
     async def export(self, version: int) -> tuple[str, float]:
         return await asyncio.to_thread(self.trainer.export, version)
 
-    async def save(self, path: str, data_position: dict[str, Any]) -> tuple[float, dict[str, bytes]]:
+    async def save(self, path: str, data_position: dict[str, Any]) -> tuple[float, dict[str, int]]:
         # Weights reach the engine in memory, so a checkpoint is the only place they are written:
         # the trainer's tensors as they are now (version `trainer_version`), a complete HF directory
         # `agentrl eval model.path=runs/NAME/weights/version-N` loads.
         return await asyncio.to_thread(self.trainer.save, path, data_position, weights_version=self.trainer_version)
 
-    async def load(self, path: str, files: dict[str, bytes] | None = None) -> dict[str, Any]:
-        return await asyncio.to_thread(self.trainer.load, path, files)
+    async def load(self, path: str, received: bool = False) -> dict[str, Any]:
+        return await asyncio.to_thread(self.trainer.load, path, received)
 
     # ── the engine's server contract, for `ColocatedClient` ──
     async def engine_generate(self, request: Any) -> Any:
@@ -383,6 +426,11 @@ async def _actor_call(actor: Any, server_id: str, method: str, *args: Any) -> An
         raise ServerUnavailableError(f"{server_id}: {method} failed: {type(cause).__name__}: {cause}") from exc
 
 
+async def _awaited(ref: Any) -> Any:
+    """Await a Ray object ref (a coroutine, so that `asyncio.wait` can take it as a task)."""
+    return await ref
+
+
 def _node_ip() -> str:
     import ray.util
 
@@ -415,6 +463,9 @@ def _free_port(host: str) -> int:
 
 class TrainerGroup:
     """`trainer.num_processes` TrainerWorker actors called as one (see the module docstring)."""
+
+    colocated = False
+    """Whether the ranks host the run's vLLM engines (placement colocated); set by `__init__`."""
 
     def __init__(self, config: AgentRLConfig, model_path: str, template: ChatTemplate, weights_dir: str | Path, *,
                  plan: PlacementPlan | None = None, reservation: Any | None = None) -> None:
@@ -493,20 +544,19 @@ class TrainerGroup:
             results = await asyncio.gather(*refs)
         except ray.exceptions.OutOfMemoryError as exc:
             raise TrainerError(
-                f"A trainer process was killed for lack of memory during '{method}'. Lower "
-                "trainer.micro_batch_tokens (packed attention on CPU is quadratic in it) or turn on "
-                "trainer.gradient_checkpointing=true (Ray said: "
-                f"{str(exc).splitlines()[0]}), then continue with: {self.resume_command}"
+                f"A trainer process was killed for lack of memory during '{method}'. {_memory_advice(method)} "
+                f"(Ray said: {str(exc).splitlines()[0]}), then continue with: {self.resume_command}"
             ) from exc
         except ray.exceptions.RayActorError as exc:
             # Ray's message ends with the error that ended the actor (an exception in its constructor,
             # a signal, ...): name it here, since the actor's own output reaches only the console.
             said = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
             errors = [ln for ln in said if "Error:" in ln or "Exception:" in ln]
-            reason = (errors or said or [""])[-1][:500]
+            reason = errors[-1][:500] if errors else (death_cause(exc) or (said or [""])[-1][:500])
+            hosted = " and the vLLM engine it hosted (placement colocated) with it" if self.colocated else ""
             raise TrainerError(
-                f"A trainer process died during '{method}' ({type(exc).__name__}: {reason}). Fix the cause "
-                f"and continue with: {self.resume_command}"
+                f"A trainer process died during '{method}'{hosted} ({type(exc).__name__}: {reason}). Fix the "
+                f"cause and continue with: {self.resume_command}"
             ) from exc
         except ray.exceptions.RayTaskError as exc:
             cause = exc.cause if getattr(exc, "cause", None) is not None else exc
@@ -552,13 +602,20 @@ class TrainerGroup:
         return (await self._gather("trainer_tokens", [rank0.trainer_tokens.remote(indices)]))[0]
 
     async def save(self, path: str, data_position: dict[str, Any]) -> float:
-        """Every rank saves; the shards of ranks on other nodes are written into `path` here."""
+        """Every rank saves; the shards of ranks on other nodes are copied into `path` here, a
+        piece of at most `SHIP_PIECE_BYTES` at a time."""
         results = await self._all_results("save", path, data_position)
-        for _seconds, files in results:
-            for name, data in files.items():
+        for actor, (_seconds, files) in zip(self.actors, results, strict=True):
+            if not files:
+                continue
+            for name, size in files.items():
                 target = Path(path) / name
                 target.parent.mkdir(parents=True, exist_ok=True)
-                target.write_bytes(data)
+                with open(target, "wb") as out:
+                    for offset in range(0, size, SHIP_PIECE_BYTES):
+                        piece = await self._gather("save", [actor.read_shipped.remote(name, offset, SHIP_PIECE_BYTES)])
+                        out.write(piece[0])
+            await self._gather("save", [actor.drop_shipped.remote()])
         return float(results[0][0])
 
     # ── placement colocated ──
@@ -577,19 +634,68 @@ class TrainerGroup:
             clients.append(ColocatedClient(call, server_id, timeout_s=self.request_timeout_s))
         return clients
 
+    async def watch(self) -> None:
+        """Wait for a rank's process to die, then raise `TrainerError` naming the trainer and the engine
+        it hosted, Ray's cause and the command that continues the run; never returns otherwise.
+
+        Placement colocated only (`actor_watch`): one `ColocatedTrainerWorker.watch` call per rank stays
+        outstanding, and Ray fails it as soon as the rank's process is gone. A split trainer's ranks
+        answer one call at a time, so there its death shows at the next call instead."""
+        import ray
+        import ray.exceptions
+
+        if not self.colocated:
+            raise TrainerError("watch() needs placement=colocated: a split trainer rank answers one call at a "
+                               "time, so a call left outstanding would block it.")
+        refs = [a.watch.remote() for a in self.actors]
+        waits = {asyncio.ensure_future(_awaited(ref)): rank for rank, ref in enumerate(refs)}
+        try:
+            done, _ = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in waits:
+                task.cancel()
+            for ref in refs:
+                with contextlib.suppress(Exception):  # the actor may be gone already
+                    ray.cancel(ref)
+        task = next(iter(done))
+        rank, error = waits[task], task.exception()
+        if isinstance(error, ray.exceptions.RayActorError):
+            raise TrainerError(
+                f"The trainer process (rank {rank}) died, and the vLLM engine it hosted (placement colocated) "
+                f"with it ({type(error).__name__}: {death_cause(error) or 'Ray gave no cause'}); the prompts in "
+                f"flight are closed as unfinished in ledger.jsonl. If it was killed for lack of memory, lower "
+                f"trainer.micro_batch_tokens or inference.cpu_kv_cache_gb. Fix the cause and continue with: "
+                f"{self.resume_command}") from error
+        raise TrainerError(f"The watch on trainer rank {rank} ended unexpectedly ({error!r}); the trainer may still "
+                           f"run. Continue with: {self.resume_command}") from error
+
     async def update_engines(self, version: int) -> float:
         """Every rank's engine loads that rank's trainer weights as `version`, in memory."""
         return float(await self._all("update_engines", version))
 
     async def load(self, path: str) -> dict[str, Any]:
         """Every rank loads the checkpoint at `path`; ranks on other nodes get its files from here."""
-        import ray
-
         if not any(self.ships):
             return await self._all("load", path)
         root = Path(path)
-        files = ray.put({str(f.relative_to(root)): f.read_bytes() for f in sorted(root.rglob("*")) if f.is_file()})
-        refs = [a.load.remote(path, files if ship else None) for a, ship in zip(self.actors, self.ships, strict=True)]
+        for actor, ship in zip(self.actors, self.ships, strict=True):
+            if not ship:
+                continue
+            for f in sorted(root.rglob("*")):
+                if not f.is_file():
+                    continue
+                name = str(f.relative_to(root))
+                with open(f, "rb") as src:
+                    offset = 0
+                    while True:
+                        piece = src.read(SHIP_PIECE_BYTES)
+                        if not piece and offset:
+                            break
+                        await self._gather("load", [actor.receive_file.remote(name, offset, piece)])
+                        offset += len(piece)
+                        if len(piece) < SHIP_PIECE_BYTES:
+                            break
+        refs = [a.load.remote(path, ship) for a, ship in zip(self.actors, self.ships, strict=True)]
         return (await self._gather("load", refs))[0]
 
     def shutdown(self) -> None:
@@ -597,3 +703,14 @@ class TrainerGroup:
 
         for actor in self.actors:
             ray.kill(actor)
+
+
+def _memory_advice(method: str) -> str:
+    """What frees memory for the trainer call `method` that ran out of it."""
+    if method in ("save", "load", "export"):
+        return ("Writing or reading a checkpoint holds the model and its optimizer state in memory at once: "
+                "leave the trainer's node more memory (fewer servers or sandbox hosts on it, a smaller "
+                "inference.cpu_kv_cache_gb when the engine shares its node)")
+    return ("Lower trainer.micro_batch_tokens (packed attention on CPU is quadratic in it) or turn on "
+            "trainer.gradient_checkpointing=true")
+

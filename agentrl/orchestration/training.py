@@ -23,6 +23,7 @@ from typing import Any
 from agentrl.envs import Env
 from agentrl.errors import InfraFailureError
 from agentrl.inference.router import Router
+from agentrl.orchestration.actor_watch import run_watched
 from agentrl.orchestration.build import Job
 from agentrl.orchestration.checkpoints import Checkpoint, CheckpointStore
 from agentrl.orchestration.evaluate import check_infra_failures, evaluate
@@ -39,6 +40,7 @@ from agentrl.orchestration.prompt_length import PromptMeter
 from agentrl.orchestration.run_commands import resume_command
 from agentrl.orchestration.schedule import GroupResult, Scheduler, StepRecord, Verdict, default_classify
 from agentrl.records.metrics import MetricsLogger, episode_metrics, segment_metrics
+from agentrl.records.run_files import append_text
 from agentrl.records.trajectory_log import RolloutLog, TrainerTokens
 from agentrl.rollout import RolloutWorker
 from agentrl.rollout.worker import group_seed
@@ -91,6 +93,7 @@ class RunBooks:
             log.warning("%d prompt(s) were in flight when an earlier session of this run was killed; they are "
                         "closed as unfinished in ledger.jsonl", orphans)
         self.ledger = PromptLedger(journal, session=self.session)
+        self.ledger.hold_trained = True  # a step's `trained` lines follow its metrics row (`after_step`)
         journal.touch()  # the run's books exist from its start, even if it stops before taking a prompt
         if checkpoint is None:  # a resumed run has them in its checkpoint's ledger
             for bad in job.train_skipped:
@@ -149,7 +152,15 @@ class TrainingSteps:
         )  # fmt: skip
 
     async def run(self) -> None:
-        """The held-out evaluation before the first step (of a fresh run), then every step."""
+        """The held-out evaluation before the first step (of a fresh run), then every step. Colocated,
+        while the trainer's process (and the engine in it) is watched: its death stops them at once
+        (`actor_watch.run_watched`), the prompts in flight closed as `unfinished` naming it."""
+        if not self.colocated:
+            await self._run_steps()
+            return
+        await run_watched(self._run_steps(), self.trainer.watch(), on_death=self.scheduler.stop_because)
+
+    async def _run_steps(self) -> None:
         if self.books.val_rows and self.start_step == 0:
             self.eval_before = await self.evaluate(0)
             self.logger.log_event(0, {k: v for k, v in self.eval_before.items() if v is not None}, "eval")
@@ -255,6 +266,7 @@ class TrainingSteps:
             if last:
                 self.eval_after = result
         self.logger.log(step, metrics)
+        books.ledger.commit_trained()  # after the metrics row: a step is in both files or in neither
         save_every = self.config.run.save_every
         if last or (save_every and (step + 1) % save_every == 0):
             await self.save(step)
@@ -284,8 +296,8 @@ class TrainingSteps:
             "problems": float(report.problems), "infra_failed": float(report.infra_failed_episodes),
             "policy_version": float(self.scheduler.server_version), "seconds": time.perf_counter() - start,
         }  # fmt: skip
-        with (self.books.run_dir / "eval.jsonl").open("a") as f:
-            f.write(json.dumps({"step": after_steps, **result}) + "\n")
+        append_text(self.books.run_dir / "eval.jsonl", json.dumps({"step": after_steps, **result}) + "\n",
+                    self.books.run_dir)
         log.info("held-out eval after %d step(s): pass@1 %s on %d problems, %d/%d infra-failed episodes (%.0f s)",
                  after_steps, score_text(result), report.problems, report.infra_failed_episodes, report.episodes,
                  result["seconds"])

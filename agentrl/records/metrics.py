@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from agentrl.errors import ConfigError
+from agentrl.records.run_files import append_text, replace_text
 from agentrl.types import FinishReason, Trajectory, final_segments
 
 __all__ = [
@@ -335,12 +336,9 @@ class MetricsLogger:
         dropped = [r for r in records if r.get("step", -1) > step]
         if not dropped:
             return
-        with (self.run_dir / "metrics.rolled_back.jsonl").open("a") as f:
-            f.write("".join(json.dumps(r) + "\n" for r in dropped))
+        append_text(self.run_dir / "metrics.rolled_back.jsonl", "".join(json.dumps(r) + "\n" for r in dropped))
         kept = [r for r in records if r.get("step", -1) <= step]
-        tmp = self.jsonl_path.with_suffix(".jsonl.tmp")
-        tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
-        tmp.replace(self.jsonl_path)
+        replace_text(self.jsonl_path, "".join(json.dumps(r) + "\n" for r in kept))
 
     def _to_dashboards(self, step: int, metrics: dict[str, Any]) -> dict[str, float]:
         """Write the finite numbers of `metrics` to TensorBoard and W&B; return them."""
@@ -356,8 +354,7 @@ class MetricsLogger:
     def log(self, step: int, metrics: dict[str, float]) -> None:
         clean = self._to_dashboards(step, {**metrics, **time_split(metrics)})
         if "jsonl" in self.sinks:
-            with self.jsonl_path.open("a") as f:
-                f.write(json.dumps({"step": step, **clean}) + "\n")
+            append_text(self.jsonl_path, json.dumps({"step": step, **clean}) + "\n")
         if "console" in self.sinks:
             line = " ".join(
                 f"{name} {clean[key]:.3g}" for name, key in CONSOLE_KEYS if key in clean

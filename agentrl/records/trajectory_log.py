@@ -48,6 +48,7 @@ This module only writes and reads files; it does not run episodes.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -58,6 +59,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from agentrl.records.run_files import writing
 from agentrl.types import FinishReason, Segment, TokenOrigin, Trajectory
 
 __all__ = [
@@ -269,17 +271,29 @@ def _dumps(record: dict[str, Any]) -> str:
         return json.dumps(_finite(record), allow_nan=False, default=str)
 
 
-def write_trajectories(path: str | Path, records: Iterable[dict[str, Any]]) -> int:
-    """Write `records` (from `trajectory_record`) to `path` as JSON Lines; return how many."""
+def write_trajectories(path: str | Path, records: Iterable[dict[str, Any]], run_dir: str | Path | None = None) -> int:
+    """Write `records` (from `trajectory_record`) to `path` as JSON Lines; return how many.
+
+    A write that fails where it writes (a full disk, a read-only filesystem) raises `RunWriteError`
+    (`run_files`) and leaves no temporary file behind. With `run_dir` (a run's directory), only the
+    last folder of `path` is made: a run directory that vanished is reported, not silently recreated.
+    """
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp")
     n = 0
-    with tmp.open("w") as f:
-        for record in records:
-            f.write(_dumps(record) + "\n")
-            n += 1
-    tmp.replace(path)  # a reader (the viewer) never sees half a file
+    with writing(path, run_dir):
+        if run_dir is None or Path(run_dir).is_dir():
+            path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            with tmp.open("w") as f:
+                for record in records:
+                    f.write(_dumps(record) + "\n")
+                    n += 1
+            tmp.replace(path)  # a reader (the viewer) never sees half a file
+        except BaseException:
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+            raise
     return n
 
 
@@ -417,7 +431,9 @@ class RolloutLog:
     """
 
     def __init__(self, run_dir: str | Path, tokenizer: Any, keep: Keep, *, seed: int = 0) -> None:
-        self.dir = Path(run_dir) / "rollouts"
+        self.run_dir = Path(run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)  # later, a missing run directory is one that vanished
+        self.dir = self.run_dir / "rollouts"
         self.keep = keep
         self.seed = seed
         self.pieces = TokenPieces(tokenizer)
@@ -467,7 +483,7 @@ class RolloutLog:
                               kept_as=why, ground_truth=_ground_truth(groups[i].row),
                               trainer=trainer(t) if trainer is not None and groups[i].status == "trained" else None)
             for i, why in chosen.items() for t in groups[i].trajectories
-        ))  # fmt: skip
+        ), run_dir=self.run_dir)  # fmt: skip
         self.last_seconds = time.perf_counter() - start
         return path
 
@@ -480,7 +496,7 @@ class RolloutLog:
             trajectory_record(t, self.pieces, source="train", step=step + 1, status="infra",
                               kept_as=("stopped",))
             for t in trajectories if not t.trainable
-        ))  # fmt: skip
+        ), run_dir=self.run_dir)  # fmt: skip
         return path
 
 

@@ -45,6 +45,14 @@ def overrides(tmp_path: Path, name: str, assets: Path, *extra: str, url: str | N
     ]  # fmt: skip
 
 
+def placed(placement: str, shared_url: str) -> tuple[list[str], str | None]:
+    """(overrides, server URL) of a run in `placement`: split shares the session's vLLM server;
+    colocated starts its own engine inside the trainer actor, so it cannot share one."""
+    if placement == "colocated":
+        return ["placement=colocated"], None
+    return [], shared_url
+
+
 def make_config(tmp_path: Path, name: str, assets: Path, *extra: str, url: str | None = None) -> Any:
     from agentrl.config import load_config
 

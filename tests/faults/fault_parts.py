@@ -7,15 +7,18 @@ pre-flight and breaks the run. `DyingSandbox` is a real `LocalSandbox` whose wor
 and the fork server in it) is SIGKILLed in the middle of its `die_on`-th jobs.
 `SandboxParityEnv` runs one sandbox command when each episode starts (as a SWE env sets up its
 repository), so every episode meets the sandbox whatever the tiny random model writes.
-`KillingParityEnv` SIGKILLs a process of the run (the vLLM server the run started, or the trainer
-actor) when the `at`-th training episode starts, the way the OOM killer or a failing node would;
-it looks only among the descendants of its own process, so no other job's processes are touched.
+`KillingParityEnv` SIGKILLs a process of the run (the vLLM server the run started, the trainer
+actor, or the colocated trainer actor that hosts the engine) when the `at`-th training episode
+starts, the way the OOM killer or a failing node would, and logs when (`agentrl.faults`, so the
+time is in the run's `driver.log`); it looks only among the descendants of its own process, so no
+other job's processes are touched.
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import os
 import signal
 import sys
@@ -114,8 +117,9 @@ class KillingParityEnv(ParityEnv):
     """ParityEnv that SIGKILLs a process of the run when training episode number `at` starts.
 
     `kill`: "server" (a vLLM server among our descendants whose command line contains `match`,
-    never its lifeline) or "trainer" (the Ray trainer actor). `tag` keeps the count of each test
-    apart. Only training rows count (evaluation episodes do not).
+    never its lifeline), "trainer" (the Ray trainer actor of placement split) or "colocated" (the
+    trainer actor that hosts the engine). `tag` keeps the count of each test apart. Only training
+    rows count (evaluation episodes do not).
     """
 
     def __init__(self, max_turns: int = 1, kill: str = "server", at: list[int] | None = None, match: str = "",
@@ -136,9 +140,13 @@ class KillingParityEnv(ParityEnv):
             line = _cmdline(proc)
             if self.kill == "server":
                 hit = "agentrl.inference.vllm_server" in line and "lifeline.py" not in line and self.match in line
+            elif self.kill == "colocated":
+                hit = line.startswith("ray::ColocatedTrainerWorker")
             else:
                 hit = line.startswith("ray::TrainerWorker")
             if hit:
                 proc.kill()
+                logging.getLogger("agentrl.faults").warning("KillingParityEnv SIGKILLed %s (pid %d)", line[:40],
+                                                            proc.pid)
                 return
         raise RuntimeError(f"KillingParityEnv found no {self.kill} process to kill (match {self.match!r})")

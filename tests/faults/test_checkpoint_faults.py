@@ -47,7 +47,9 @@ def test_a_full_disk_while_checkpointing_stops_the_run_cleanly_and_it_resumes(
                                      url=shared_url))
         message = str(caught.value)
         assert "Could not write checkpoint step-000002" in message and "is full" in message
-        assert "step-000001 is intact" in message and "resume=true" in message
+        assert "step-000001 is intact" in message
+        # the command to continue names this run and where it lives, not a placeholder
+        assert f"agentrl run {run_dir}/config.yaml resume=true run.name=full run.output_dir={tmp_path}" in message
         assert sorted(p.name for p in checkpoints.iterdir()) == ["latest", "step-000001"], "no partial checkpoint"
         books = check_books(run_dir)
         assert books["trained"] == 6 and books.get("unfinished", 0) == 0

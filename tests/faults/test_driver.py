@@ -1,5 +1,9 @@
 """Faults of the driver and the trainer, met as a user meets them.
 
+Ctrl-C and SIGKILL of the driver run in both placements (split: a server process beside the trainer
+actor; colocated: the vLLM engine inside the trainer actor, whose runs start their own engine). The
+trainer's death is tested in each placement by its own test, since colocated it is the engine's too.
+
 - Ctrl-C (SIGINT) of `agentrl run` in the middle of a step: it exits 130 saying how to continue,
   every prompt it took already has its final state in the ledger (the in-flight ones as
   `unfinished`), nothing it started is left running, and `resume=true` finishes the run.
@@ -11,6 +15,10 @@
   closes the dead run's in-flight prompts as `unfinished` before it continues, and finishes.
 - The trainer actor is SIGKILLed between steps: the run stops with a message naming the trainer,
   loses no prompt, and resumes to the end.
+- The colocated trainer actor (trainer and vLLM engine in one process) is SIGKILLed while step 1's
+  episodes wait on its engine: the run notices at once (Ray fails the driver's outstanding watch
+  call), exits 1 naming the trainer, its engine and Ray's cause with the resume command, far within
+  `rollout.request_timeout_s`; the step's prompts are `unfinished` and the resume finishes.
 """
 
 from __future__ import annotations
@@ -27,6 +35,7 @@ from fault_common import (
     lines,
     make_config,
     overrides,
+    placed,
     procs_matching,
     shutdown_ray,
     start_cli,
@@ -60,19 +69,23 @@ def wait_for_open_attempts_after_a_checkpoint(proc: subprocess.Popen[str], run_d
     raise AssertionError("the run never got past its first checkpoint with prompts in flight")
 
 
+@pytest.mark.parametrize("placement", ["split", "colocated"])
 def test_ctrl_c_closes_every_prompt_leaves_nothing_running_and_resumes(
-    tmp_path: Path, shared_url: str, assets: Path
+    tmp_path: Path, shared_url: str, assets: Path, placement: str
 ) -> None:
     from agentrl.orchestration.driver import run_training
 
     shutdown_ray()
-    args = overrides(tmp_path, "sigint", assets, "run.total_steps=4", url=shared_url)
+    where, url = placed(placement, shared_url)
+    args = overrides(tmp_path, "sigint", assets, "run.total_steps=4", *where, url=url)
     proc = start_cli(tmp_path, args)
     run_dir = tmp_path / "sigint"
     wait_for_open_attempts_after_a_checkpoint(proc, run_dir, timeout_s=1200)
     started = descendants(proc.pid)
+    sent = time.monotonic()
     proc.send_signal(signal.SIGINT)
     _, stderr = proc.communicate(timeout=300)
+    print(f"measured ({placement}): exited {time.monotonic() - sent:.1f} s after SIGINT")  # for the README, with -rP
     assert proc.returncode == 130, stderr[-3000:]
     assert "the run was interrupted" in stderr and "resume=true run.name=sigint" in stderr
     books = check_books(run_dir)  # balanced as it stands: the interrupted run closed its own books
@@ -81,7 +94,7 @@ def test_ctrl_c_closes_every_prompt_leaves_nothing_running_and_resumes(
     assert all("interrupted" in e["reason"] for e in unfinished)
     assert wait_until_gone(started) == []
 
-    resumed = run_training(make_config(tmp_path, "sigint", assets, "run.total_steps=4", "resume=true", url=shared_url))
+    resumed = run_training(make_config(tmp_path, "sigint", assets, "run.total_steps=4", *where, "resume=true", url=url))
     assert resumed.steps_done == 4 and resumed.policy_version == 4
     assert check_books(run_dir)["trained"] >= 12
     assert sorted(trained_by_step(run_dir)) == [0, 1, 2, 3]
@@ -108,29 +121,37 @@ def test_sigterm_is_handled_as_ctrl_c_and_exits_143_with_the_resume_command(
     assert wait_until_gone(started) == []
 
 
+@pytest.mark.parametrize("placement", ["split", "colocated"])
 def test_sigkill_of_the_driver_leaves_nothing_behind_and_the_resume_closes_its_books(
-    tmp_path: Path, vllm_ready: str, shared_url: str, assets: Path
+    tmp_path: Path, vllm_ready: str, shared_url: str, assets: Path, placement: str
 ) -> None:
     from agentrl.orchestration.driver import run_training
 
     shutdown_ray()
-    args = overrides(tmp_path, "sigkill", assets, "run.total_steps=4")  # starts a vLLM server of its own
+    where, url = placed(placement, shared_url)
+    args = overrides(tmp_path, "sigkill", assets, "run.total_steps=4", *where)  # starts a vLLM engine of its own
     proc = start_cli(tmp_path, args)
     run_dir = tmp_path / "sigkill"
     wait_for_open_attempts_after_a_checkpoint(proc, run_dir, timeout_s=2400)
     started = descendants(proc.pid)
     names = " ".join(" ".join(p.cmdline()) for p in started)
-    assert "agentrl.inference.vllm_server" in names and "raylet" in names
-    engine = [p for p in started if p.name().startswith("VLLM::EngineCor") or "EngineCore" in " ".join(p.cmdline())]
-    assert engine, "the vLLM engine core runs as a process of its own"
+    assert "raylet" in names
+    if placement == "split":
+        assert "agentrl.inference.vllm_server" in names
+        engine = [p for p in started if p.name().startswith("VLLM::EngineCor") or "EngineCore" in " ".join(p.cmdline())]
+        assert engine, "the vLLM engine core runs as a process of its own"
+    else:  # the engine is inside the trainer actor: no server process, no engine core of its own
+        assert "ray::ColocatedTrainerWorker" in names and "agentrl.inference.vllm_server" not in names
+    killed_at = time.monotonic()
     proc.kill()
     proc.communicate(timeout=60)
     assert wait_until_gone(started, timeout_s=90) == [], "nothing the killed driver started may survive it"
+    print(f"measured ({placement}): all gone {time.monotonic() - killed_at:.1f} s after SIGKILL")  # for the README
     with pytest.raises(Exception, match="never closed"):
         check_books(run_dir)  # the killed run could not close its books ...
 
-    resumed = run_training(make_config(tmp_path, "sigkill", assets, "run.total_steps=4", "resume=true",
-                                       url=shared_url))
+    resumed = run_training(make_config(tmp_path, "sigkill", assets, "run.total_steps=4", *where, "resume=true",
+                                       url=url))
     assert resumed.steps_done == 4 and resumed.policy_version == 4
     books = check_books(run_dir)  # ... the resumed one did, before it continued
     killed = [e for e in lines(run_dir / "ledger.jsonl") if e["status"] == "unfinished" and e["session"] == 0]
@@ -154,9 +175,59 @@ def test_a_killed_trainer_stops_the_run_and_it_resumes_with_nothing_lost(
     assert books["trained"] == 3 and books["unfinished"] == 3  # step 0 trained; step 1's prompts closed
     assert [m["step"] for m in lines(run_dir / "metrics.jsonl")] == [0]
     assert wait_until_gone(procs_matching("ray::TrainerWorker"), timeout_s=30) == []
+    log = (run_dir / "driver.log").read_text().splitlines()
+    killed = [_logged_at(ln) for ln in log if "KillingParityEnv SIGKILLed ray::TrainerWorker" in ln]
+    stopped = [_logged_at(ln) for ln in log if "the run stopped: A trainer process died" in ln]
+    if killed and stopped:  # split notices at the next call to the trainer: after the step's rollout
+        print(f"measured (split): the run stopped {stopped[0] - killed[0]:.1f} s after the SIGKILL")
 
     # The resume plays the plain env (no more kills): a change of env the resume must be told is on purpose.
     resumed = run_training(make_config(tmp_path, "trainer", assets, "run.total_steps=3", "resume=true",
                                        "run.resume_allow=[env]", url=shared_url))
+    assert resumed.steps_done == 3 and resumed.policy_version == 3
+    assert check_books(run_dir)["trained"] == 9 and sorted(trained_by_step(run_dir)) == [0, 1, 2]
+
+
+def _logged_at(line: str) -> float:
+    """The time of a `driver.log` line (`2026-11-28 00:15:43,734 LEVEL name: message`), in seconds."""
+    import datetime
+
+    stamp = datetime.datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S,%f")
+    return stamp.timestamp()
+
+
+def test_a_killed_colocated_trainer_and_its_engine_stop_the_run_at_once_and_it_resumes(
+    tmp_path: Path, assets: Path
+) -> None:
+    """SIGKILL of the actor that holds the trainer and the vLLM engine while step 1's episodes wait on
+    that engine: Ray fails the driver's outstanding watch call at once, and the run stops naming the
+    trainer and its engine (not the generation), long before `rollout.request_timeout_s`."""
+    from agentrl.orchestration.driver import run_training
+
+    shutdown_ray()
+    kill = ["env=fault_parts:KillingParityEnv", "env.kwargs={kill: colocated, at: [7], tag: colocated}"]
+    colocated = ["placement=colocated", "rollout.request_timeout_s=600", "run.total_steps=3"]
+    proc = start_cli(tmp_path, overrides(tmp_path, "colo", assets, *kill, *colocated))
+    _, stderr = proc.communicate(timeout=900)
+    run_dir = tmp_path / "colo"
+    assert proc.returncode == 1, stderr[-3000:]
+    assert "The trainer process (rank 0) died, and the vLLM engine it hosted" in stderr, stderr[-3000:]
+    assert "ActorDiedError: pid " in stderr and "worker exit type" in stderr, stderr[-3000:]
+    assert "continue with: agentrl run" in stderr and "resume=true run.name=colo" in stderr, stderr[-3000:]
+    log = (run_dir / "driver.log").read_text().splitlines()
+    killed = [ln for ln in log if "KillingParityEnv SIGKILLed ray::ColocatedTrainerWorker" in ln]
+    stopped = [ln for ln in log if "the run stopped: The trainer process (rank 0) died" in ln]
+    assert len(killed) == 1 and len(stopped) == 1, "\n".join(log[-20:])
+    noticed_s = _logged_at(stopped[0]) - _logged_at(killed[0])
+    assert 0 <= noticed_s < 300, f"noticed {noticed_s:.1f} s after the kill; request_timeout_s is 600"
+    print(f"measured (colocated): the run stopped {noticed_s:.1f} s after the SIGKILL")  # for the README, with -rP
+    books = check_books(run_dir)
+    assert books["trained"] == 3 and books["unfinished"] == 3  # step 0 trained; step 1's prompts closed
+    unfinished = [e for e in lines(run_dir / "ledger.jsonl") if e["status"] == "unfinished"]
+    assert all(e["reason"] == "the run stopped (TrainerError) while it was in flight" for e in unfinished)
+    assert [m["step"] for m in lines(run_dir / "metrics.jsonl")] == [0]
+    assert wait_until_gone(procs_matching("ray::ColocatedTrainerWorker"), timeout_s=30) == []
+
+    resumed = run_training(make_config(tmp_path, "colo", assets, *colocated, "resume=true", "run.resume_allow=[env]"))
     assert resumed.steps_done == 3 and resumed.policy_version == 3
     assert check_books(run_dir)["trained"] == 9 and sorted(trained_by_step(run_dir)) == [0, 1, 2]

@@ -1,6 +1,7 @@
 """Sandboxes on another host: `cluster.sandbox_hosts` places `agentrl sandbox serve` on a
 node of the namespace cluster (`tests/cluster_hosts.py`), with a token; code sent from the driver's
-host runs there, and a client without the token is refused (an infrastructure fault, `SandboxError`)."""
+host runs there, a client without the token is refused (an infrastructure fault, `SandboxError`),
+and the host leaves no file behind in the node's /tmp."""
 
 from __future__ import annotations
 
@@ -69,3 +70,6 @@ def test_a_sandbox_host_on_the_worker_runs_code_for_the_driver_with_a_token(
     assert out["host"] == "sandbox"
     assert out["read"] == "kept in the session"
     assert "rejected the token" in out["stranger"]
+    # the host's server log lived in an unlinked file: nothing is left in the worker's /tmp
+    left = ns_cluster.worker.run(["sh", "-c", "ls -a /tmp"]).stdout.split()
+    assert not [name for name in left if name.startswith("agentrl-sandbox-host-")], left

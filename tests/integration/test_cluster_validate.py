@@ -4,6 +4,7 @@ stops before anything starts, naming the role and the resource."""
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -41,9 +42,10 @@ def test_a_plan_the_cluster_cannot_hold_stops_before_anything_starts(ns_cluster,
     assert "cannot hold the run's plan; nothing was started" in done.stderr
     assert "CPU: the plan needs 8 (cluster.trainer 2, cluster.server 6), the cluster has 4" in done.stderr
     assert "server 0 (CPU 3, from cluster.server) fits on no node" in done.stderr
-    for host in ns_cluster.hosts:  # no server and no trainer was started anywhere
+    for host in ns_cluster.hosts:  # no server and no trainer was started anywhere in the cluster
         found = host.run(["pgrep", "-f", "agentrl.inference.hf_server|TrainerWorker"], check=False).stdout
-        assert found.strip() == ""
+        # the hosts share this machine's PID namespace: count only processes of the host's own namespace
+        assert {int(p) for p in found.split()} & set(host.pids()) == set()
 
 
 def test_the_files_engine_without_a_shared_directory_stops_at_start(ns_cluster, assets: Path) -> None:
@@ -67,3 +69,51 @@ def test_the_files_engine_without_a_shared_directory_stops_at_start(ns_cluster, 
     assert "weights.backend=files" in done.stderr
     assert "the files engine needs a directory that the trainer and every server share" in done.stderr
     assert "use weights.backend=http" in done.stderr
+
+
+def test_validate_warns_only_when_the_cluster_lets_in_clients_without_a_token(ns_cluster, assets: Path) -> None:
+    import subprocess
+
+    from agentrl.orchestration.cluster import unauthenticated_join
+
+    # The namespace cluster runs with Ray's token auth on: validate says nothing about it.
+    argv = base(assets, ns_cluster.address)
+    argv.insert(3, "validate")
+    out = ns_cluster.head.run(argv, timeout=300).stdout
+    assert "without an auth token" not in out
+
+    # A head without token auth, as a plain `ray start --head` on a machine with no ~/.ray/auth_token
+    # starts one: a client with no token joins it, and that is what the warning says.
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH")}
+    env["RAY_AUTH_MODE"] = "disabled"
+    head = subprocess.Popen(
+        [sys.executable, "-c", "import ray, sys, time\n"
+         "ray.init(num_cpus=1, include_dashboard=False, logging_level='ERROR')\n"
+         "print(ray.get_runtime_context().gcs_address, flush=True)\nsys.stdin.read()"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env={**env, "RAY_TMPDIR": "/tmp/ray-open-door"},
+    )  # fmt: skip
+    try:
+        assert head.stdout is not None
+        address = head.stdout.readline().strip()
+        warning = unauthenticated_join(address)
+        assert warning is not None and f"the Ray cluster at {address} lets in clients without an auth token" in warning
+        assert "RAY_AUTH_MODE=token" in warning
+    finally:
+        assert head.stdin is not None
+        head.stdin.close()
+        head.wait(timeout=120)
+
+
+def test_validate_checks_the_model_on_every_node_that_loads_it(ns_cluster, assets: Path) -> None:
+    # A model directory that only the head holds (each host has its own /tmp): named with the node.
+    ns_cluster.head.run(["cp", "-r", str(assets / "tiny-random-qwen2"), "/tmp/work/head-only-model"])
+    argv = base(assets, ns_cluster.address)
+    argv.insert(3, "validate")
+    argv = [a if not a.startswith("model.path=") else "model.path=/tmp/work/head-only-model" for a in argv]
+    done = ns_cluster.head.run([*argv, "cluster.strategy=SPREAD"], timeout=300, check=False)
+    assert done.returncode != 0
+    assert "Not every node can run its part of the run; nothing was started" in done.stderr
+    named = [ln.strip() for ln in done.stderr.split("nothing was started")[1].splitlines() if "node " in ln]
+    # SPREAD puts two of the four processes on the worker: each is named; the head's two load it
+    assert len(named) == 2 and all(ln.startswith(f"node {ns_cluster.worker.ip} (") for ln in named), named
+    assert all("model.path '/tmp/work/head-only-model' is not a directory here" in ln for ln in named)

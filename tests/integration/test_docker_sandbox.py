@@ -278,3 +278,46 @@ def test_the_reaper_removes_containers_of_dead_owners_only(debian):
         for c in made:
             with contextlib.suppress(docker.errors.NotFound):
                 c.remove(force=True)
+
+
+def test_the_pool_follows_the_data_one_container_per_one_image_instance_and_a_cap_across_images(debian):
+    """SWE data runs each instance in an image of its own: a warm pool refilled per image after its
+    first session started about three containers per instance and kept two idle each until the end."""
+    client = docker_sdk().from_env()
+    images = [f"agentrl-pool-test/instance-{i}:latest" for i in range(4)]
+    for name in images:
+        client.images.get(debian).tag(name)
+
+    async def one_session_per_image(sb):
+        for image in images:
+            sess = await sb.session(image=image)
+            await sess.exec("true", timeout_s=30)
+            await sess.close()
+        await asyncio.sleep(1.0)  # a refill would have started by now
+        return len(sb.container_starts), sb.idle_count()
+
+    async def announced(sb):
+        sb.expect(images[0], 3)
+        sb.expect(images[1], 3)
+        for _ in range(3):
+            sess = await sb.session(image=images[0])
+            await sess.close()
+            await asyncio.sleep(0.5)
+            assert sb.idle_count() <= sb.max_idle
+        left_warm = sb.idle_count()
+        await sb.session(image=images[1])
+        await asyncio.sleep(1.0)
+        return len(sb.container_starts), left_warm, sb.idle_count()
+
+    try:
+        starts, idle = run(with_docker(one_session_per_image, pool_size=2))
+        assert (starts, idle) == (len(images), 0)  # nothing warmed for an image no session will use again
+        starts, left_warm, idle = run(with_docker(announced, pool_size=2, max_idle=1))
+        assert left_warm == 0  # the three announced sessions of image 0 were taken: none kept for it
+        # image 0: 3 sessions from 3 starts; image 1: its session and one warm for the 2 still announced,
+        # the second one left out by the cap across images (max_idle=1)
+        assert (starts, idle) == (5, 1)
+        assert _labelled_containers() == []
+    finally:
+        for name in images:
+            client.images.remove(name, noprune=True)

@@ -85,6 +85,10 @@ COMMANDS: dict[str, How] = {
         "ELSEWHERE", where="tests/integration/test_swe_images.py::test_check_lists_the_broken_instances"),
     "agentrl eval env=swe sandbox=docker data.val_files=[rows.jsonl]": How(
         "ELSEWHERE", where="tests/integration/test_swe_images.py::test_agentrl_eval_with_the_docker_sandbox"),
+    "export RAY_AUTH_MODE=token": How(
+        "ELSEWHERE", where="tests/cluster_hosts.py runs every command of each namespace host with RAY_AUTH_MODE=token"),
+    "ray get-auth-token --generate": How(
+        "ELSEWHERE", where="tests/cluster_hosts.py generates the token on the head this way and copies it to the worker"),
     "ray start --head --port=6379": How(
         "ELSEWHERE", where="tests/cluster_hosts.py starts a head this way (with its node's address) on a namespace host"),
     "ray start --address=HEAD_IP:6379": How(

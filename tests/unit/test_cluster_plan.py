@@ -132,3 +132,40 @@ def test_trainer_rank_0_must_fit_on_the_drivers_node() -> None:
     with pytest.raises(PreflightError, match="trainer rank 0 .* the driver's node 10.77.0.1 cannot hold it"):
         check_fits(plan, {"CPU": 4.0, "memory": 12 * GB}, nodes, "10.77.0.1")
     check_fits(plan, {"CPU": 4.0, "memory": 12 * GB}, nodes, "10.77.0.2")  # driven from the big node: fits
+
+
+def test_a_server_actor_that_died_is_reported_with_its_own_error_and_node() -> None:
+    import ray.exceptions
+
+    from agentrl.orchestration.server_actor import actor_death_reason
+
+    raised = ray.exceptions.RayActorError(None, (
+        "The actor died because of an error raised in its creation task, ray::ServerActor.__init__() "
+        "(pid=1, ip=10.0.0.2)\n  File \"server_actor.py\", line 54, in __init__\n    raise ConfigError(\n"
+        "agentrl.errors.ConfigError: model.path 'm' is not a directory on node 10.0.0.2"), True)
+    assert actor_death_reason(raised) == "agentrl.errors.ConfigError: model.path 'm' is not a directory on node 10.0.0.2"
+    killed = ray.exceptions.RayActorError(None, (
+        "The actor died unexpectedly before finishing this task.\n\tclass_name: ServerActor\n\tactor_id: ab\n"
+        "\tpid: 5\n\tip: 10.0.0.2\nThe actor's worker process was killed by SIGABRT"), False)
+    assert actor_death_reason(killed) == ("The actor died unexpectedly before finishing this task.; ip: 10.0.0.2; "
+                                          "The actor's worker process was killed by SIGABRT")
+
+
+def test_gpu_processes_that_reserve_no_gpu_are_warned_about_and_cuda_is_checked_on_the_node() -> None:
+    from agentrl.config import load_config
+    from agentrl.orchestration.cluster import gpu_sharing_warnings, model_on_node
+
+    base = ["env=arithmetic", "cluster.address=10.0.0.1:6379", "trainer.device=cuda", "trainer.num_processes=2"]
+    warned = gpu_sharing_warnings(load_config(None, base))
+    assert len(warned) == 2
+    assert warned[0].startswith("trainer.device=cuda but cluster.trainer.gpus=0: Ray reserves no GPU for the 2")
+    assert "cluster.server.gpus=0" in warned[1] and "cuda:0 beside the trainer ranks" in warned[1]
+    reserved = load_config(None, [*base, "cluster.trainer.gpus=1", "cluster.server.gpus=1"])
+    assert gpu_sharing_warnings(reserved) == []
+    assert gpu_sharing_warnings(load_config(None, base[:2])) == []  # CPU trainers share no device
+    # this machine has no GPU: a cuda trainer rank placed here is refused with the reason
+    import torch
+
+    if not torch.cuda.is_available():
+        assert model_on_node("smollm2-135m-instruct", need_cuda=True) == (
+            "trainer.device=cuda but no CUDA device is visible on this node; use auto or cpu")

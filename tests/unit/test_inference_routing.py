@@ -139,7 +139,7 @@ def test_dead_server_fails_over_and_every_request_completes():
     assert not router.servers[0].healthy
 
 
-def test_request_fails_over_when_server_dies_mid_request():
+def test_request_fails_over_when_server_dies_mid_request(caplog):
     a, b = FakeServer("a", delay_s=0.2), FakeServer("b")
     router = Router([a, b], health_interval_s=60)
 
@@ -154,8 +154,10 @@ def test_request_fails_over_when_server_dies_mid_request():
         await router.aclose()
         return gen
 
-    gen = run(scenario())
+    with caplog.at_level("WARNING", logger="agentrl.inference.router"):
+        gen = run(scenario())
     assert gen.server_id == "b" and router.counters["retries"] == 1
+    assert "inference server a failed (a died mid-request); routing around it" in caplog.text  # says why
 
 
 def test_no_server_left_raises_after_the_deadline():

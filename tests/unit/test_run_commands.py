@@ -98,3 +98,24 @@ def test_the_trainer_s_errors_name_the_command(tmp_path: Path) -> None:
     with pytest.raises(TrainerError) as caught:
         asyncio.run(group._gather("train_step", [died()]))
     assert str(caught.value).endswith("continue with: agentrl run runs/mine/config.yaml resume=true run.name=mine")
+
+
+def test_out_of_memory_advice_fits_the_call_that_ran_out() -> None:
+    import ray.exceptions
+
+    from agentrl.orchestration.trainer_group import TrainerGroup
+
+    group = object.__new__(TrainerGroup)
+    group.resume_command = resume_command(config("run.name=mine"), Path("runs/mine"))
+
+    async def oom() -> None:
+        raise ray.exceptions.OutOfMemoryError("Task was killed due to the node running low on memory.")
+
+    said = {}
+    for method in ("train", "save"):
+        with pytest.raises(TrainerError) as caught:
+            asyncio.run(group._gather(method, [oom()]))
+        said[method] = str(caught.value)
+    assert "trainer.micro_batch_tokens" in said["train"] and "holds the model" not in said["train"]
+    assert "checkpoint holds the model and its optimizer state" in said["save"]
+    assert "micro_batch_tokens" not in said["save"] and said["save"].endswith("resume=true run.name=mine")
