@@ -162,3 +162,51 @@ def make_failing_run(root: Path, template: ChatTemplate) -> Path:
     (root / "eval.jsonl").write_text(json.dumps({"step": 0, "pass_at_1": 0.0, "pass_at_2": 0.0}) + "\n")
     (root / "config.yaml").write_text("env:\n  name: retool\nmodel:\n  path: " + str(QWEN25) + "\n")
     return root
+
+
+BIG_OUTPUT_BYTES = 2_000_000
+GAP = 1.5  # the logprob gap |rollout - trainer| set on one token of `make_big_run`'s first episode
+ENTROPY = 5.0  # and the trainer's entropy there
+
+
+def big_tool_output(n_bytes: int = BIG_OUTPUT_BYTES) -> str:
+    """About `n_bytes` of a program's printed log: the kind of tool output that runs to half a million
+    tokens (2 MB: about 585,000 with the Qwen2.5 tokenizer)."""
+    words = ["request", "completed", "warning", "finished", "pending", "processed", "archived", "skipped", "received",
+             "validated"]
+    lines, size, i = [], 0, 0
+    while size < n_bytes:
+        line = f"[{i % 60:02d}] item {words[i % 10]} and {words[(i * 3) % 10]}, then {words[(i * 7) % 10]}: code={i % 9}\n"
+        lines.append(line)
+        size += len(line)
+        i += 1
+    return "".join(lines)
+
+
+def make_big_run(root: Path, template: ChatTemplate) -> tuple[Path, int]:
+    """A one-step run whose kept rollouts hold a small trained episode with the trainer's values
+    (a gap of `GAP` and an entropy of `ENTROPY` on its first sampled token, the rollout's logprob
+    elsewhere) and an episode whose tool printed ~2 MB; with the step's `onpolicy/*` metrics.
+    Returns the run and the ledger index of the token with the gap."""
+    from agentrl.orchestration.ledger import PromptRef
+    from agentrl.orchestration.schedule import GroupResult
+    from agentrl.records.trajectory_log import RolloutLog, TrainerTokens
+    from agentrl.types import TokenOrigin
+
+    root.mkdir(parents=True, exist_ok=True)
+    small = tool_episode(template, reward=1.0, episode_id="small", group_id="g0")
+    big = tool_episode(template, reward=0.0, episode_id="big", group_id="g0", result=big_tool_output(), answer="85")
+    sampled = int(TokenOrigin.SAMPLED)
+    at = small.origins.index(sampled)
+    values = TrainerTokens(
+        [lp - (GAP if i == at else 0.0) if o == sampled else None for i, (lp, o) in enumerate(zip(small.logprobs, small.origins, strict=True))],
+        [(ENTROPY if i == at else 0.5) if o == sampled else None for i, o in enumerate(small.origins)],
+    )  # fmt: skip
+    log = RolloutLog(root, template.tokenizer, "all")
+    log.write_step(0, [GroupResult(PromptRef(0, 0), [small, big], 2)], [], None,
+                   trainer=lambda t: values if t is small else None)
+    (root / "metrics.jsonl").write_text(json.dumps({
+        "step": 0, "episodes/reward_mean": 0.5, "onpolicy/passed": 1.0, "onpolicy/max_gap": 0.125,
+    }) + "\n")
+    (root / "config.yaml").write_text("env:\n  name: arithmetic\nmodel:\n  path: " + str(QWEN25) + "\n")
+    return root, at

@@ -165,6 +165,7 @@ class TrainerWorker:
         self.kl_controller = make_kl_controller(self.config.algorithm)
         rollout = self.config.rollout
         self.max_response_tokens = min(rollout.max_total_tokens, rollout.max_turns * rollout.max_tokens_per_turn)
+        self.last_tokens: Any = None  # rank 0: the last step's `StepTokens`, for the kept rollouts
 
     def ready(self) -> int:
         return self.rank
@@ -176,13 +177,26 @@ class TrainerWorker:
         return {"backend": "files", "location": str(self.files.directory), "token": None, "nonce": self.nonce}
 
     def train(self, trajectories: list[Trajectory]) -> dict[str, float]:
-        from agentrl.trainer.step import train_step
+        from agentrl.trainer.step import train_step_with_tokens
 
-        return train_step(
+        # Every rank alike (the entropy is gathered over ranks); rank 0 keeps the per-token values
+        # until the next step, for the few kept rollouts the driver asks for (`trainer_tokens`).
+        self.last_tokens = None  # the last batch goes before the next one is trained on
+        metrics, tokens = train_step_with_tokens(
             self.backend, trajectories, self.config.algorithm, self.config.trainer,
             temperature=self.config.rollout.temperature, max_response_tokens=self.max_response_tokens,
             kl_controller=self.kl_controller,
         )  # fmt: skip
+        self.last_tokens = tokens if self.rank == 0 else None
+        return metrics
+
+    def trainer_tokens(self, indices: list[int]) -> dict[int, tuple[list[float | None], list[float | None] | None]]:
+        """Rank 0: the trainer's per-token (logprobs, entropy or None) of the last batch's
+        `trajectories[i]` for each i of `indices` (its trainable ones, the only ones a driver sends),
+        each as long as the trajectory's ledger, None where not scored. {} before the first step."""
+        if self.last_tokens is None:
+            return {}
+        return {i: self.last_tokens.of(i) for i in indices if 0 <= i < len(self.last_tokens.trained)}
 
     def _send(self, engine: Any, version: int) -> None:
         named = self.backend.export_weights()
@@ -338,6 +352,9 @@ class ColocatedTrainerWorker:
         if not self.release_weights:
             metrics["time/engine_wake_s"] = phases.get("wake_s", 0.0)
         return metrics
+
+    async def trainer_tokens(self, indices: list[int]) -> dict[int, tuple[list[float | None], list[float | None] | None]]:
+        return self.trainer.trainer_tokens(indices)
 
     async def update_engines(self, version: int) -> float:
         """Stream the trainer's weights into this rank's engine as `version` (in memory, checksummed
@@ -581,6 +598,11 @@ class TrainerGroup:
 
     async def export(self, version: int) -> tuple[str, float]:
         return await self._all("export", version)
+
+    async def trainer_tokens(self, indices: list[int]) -> dict[int, tuple[list[float | None], list[float | None] | None]]:
+        """The trainer's per-token values of the last batch's trajectories `indices` (rank 0 keeps them)."""
+        rank0: Any = self.actors[0]
+        return (await self._gather("trainer_tokens", [rank0.trainer_tokens.remote(indices)]))[0]
 
     async def save(self, path: str, data_position: dict[str, Any]) -> float:
         """Every rank saves; the shards of ranks on other nodes are copied into `path` here, a

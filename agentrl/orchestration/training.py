@@ -45,7 +45,7 @@ from agentrl.orchestration.run_commands import resume_command
 from agentrl.orchestration.schedule import GroupResult, Scheduler, StepRecord, Verdict, default_classify
 from agentrl.records.metrics import MetricsLogger, episode_metrics, segment_metrics
 from agentrl.records.run_files import append_text
-from agentrl.records.trajectory_log import RolloutLog
+from agentrl.records.trajectory_log import RolloutLog, TrainerTokens
 from agentrl.rollout import RolloutWorker
 from agentrl.rollout.worker import group_seed
 from agentrl.types import Trajectory, final_segments, is_first_segment
@@ -144,6 +144,7 @@ class TrainingSteps:
         self.steps_done = 0  # after each step, the steps the run has done
         self.last_saved_step = -1
         self.last_eval_step = -1
+        self._trained_rows: tuple[int, dict[int, int]] = (-1, {})
         self.meter = PromptMeter(job.template, make_env, config.rollout.max_total_tokens)
         self.ticker = ProgressTicker()  # ticks while the console is one of the run's loggers
         self.scheduler = Scheduler(
@@ -226,6 +227,8 @@ class TrainingSteps:
         # Infrastructure failures are masked out of the loss: they never reach the trainer at all.
         trajectories = [t for g in groups for t in g.trajectories if t.trainable]
         self.ticker.begin(f"step {step + 1}/{self.config.run.total_steps}: training on {len(trajectories)} episodes")
+        # Where each trajectory sits in the trainer's batch: the kept ones' per-token values are fetched by it.
+        self._trained_rows = (step, {id(t): i for i, t in enumerate(trajectories)})
         metrics: dict[str, float] = await self.trainer.train(trajectories)
         if not self.colocated:  # colocated: the engine takes the trainer's tensors at the push, in memory
             _path, export_s = await self.trainer.export(self.scheduler.trainer_version + 1)
@@ -268,7 +271,9 @@ class TrainingSteps:
         metrics["episodes/infra_rate"] = books.infra.rate
         metrics["episodes/infra_failed_total"] = float(books.infra.failed)
         metrics.update({f"ledger/{k}": float(v) for k, v in books.ledger.summary().items()})
-        books.rollouts.write_step(step, record.groups, record.discarded, books.train_rows)  # for `agentrl view`
+        trainer_tokens = await self._trainer_tokens(step, books.rollouts.kept_trained(step, record.groups, record.discarded))
+        books.rollouts.write_step(step, record.groups, record.discarded, books.train_rows,  # for `agentrl view`
+                                  trainer=lambda t: trainer_tokens.get(id(t)))
         metrics["time/rollout_log_s"] = books.rollouts.last_seconds
         self.steps_done = step + 1
         last = step + 1 >= self.config.run.total_steps
@@ -287,6 +292,17 @@ class TrainingSteps:
             self._rollout_phase(step + 1)
         if self.router.fatal is not None:  # every server is gone for good: stop now, the step is saved
             raise self.router.fatal
+
+    async def _trainer_tokens(self, step: int, kept: list[Trajectory]) -> dict[int, TrainerTokens]:
+        """The trainer's logprob and entropy of each token of the kept trained trajectories of `step`
+        (by `id`): fetched from the trainer for those few only. Empty when the trainer's last batch is
+        not this step's (it has trained on since)."""
+        at, rows = self._trained_rows
+        if at != step or not kept:
+            return {}
+        wanted = {id(t): rows[id(t)] for t in kept if id(t) in rows}
+        values = await self.trainer.trainer_tokens(sorted(set(wanted.values())))
+        return {key: TrainerTokens(*values[i]) for key, i in wanted.items() if i in values}
 
     # ── evaluation and checkpoints ──────────────────────────────────────────────────────────
     async def evaluate(self, after_steps: int) -> dict[str, float | None]:

@@ -29,7 +29,12 @@ One line (`format: "agentrl.trajectory/1"`):
 order; their concatenation is the whole episode exactly as the model saw it:
 `{"origin": "prompt"|"sampled"|"template"|"tool", "turn": k, "start": index of the first token,
 "text": decoded text, "ids": [token ids], "pieces": [the text of each token], "version": policy
-version (sampled only), "logprobs": [rollout logprob of each token] (sampled only)}`. Only
+version (sampled only), "logprobs": [rollout logprob of each token] (sampled only)}`, and in a
+step's kept rollouts the trainer's view of the same tokens where the trainer scored them
+(`TrainerTokens`): `"trainer_logprobs"` (the old logprob the loss used, at the step that trained
+the episode) and `"trainer_entropy"` (the policy's entropy at that token), sampled segments only,
+one value or null per token; absent in eval files, in episodes that were not trained, and in files
+written before they existed (those still read). Only
 `sampled` tokens are trained on (`response_mask`); `prompt` is the first prompt, `template` the
 chat template's markers, `tool` everything the environment said. `"".join(pieces) == text`, and the
 texts joined are the tokenizer's decoding of the whole ledger. `trajectory_from_record` turns a
@@ -49,7 +54,7 @@ import logging
 import math
 import random
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -62,6 +67,7 @@ __all__ = [
     "ORIGIN_NAMES",
     "RolloutLog",
     "TokenPieces",
+    "TrainerTokens",
     "read_trajectory_file",
     "scan_trajectory_file",
     "select_groups",
@@ -125,10 +131,25 @@ class TokenPieces:
         return pieces
 
 
+@dataclass(frozen=True)
+class TrainerTokens:
+    """What the trainer computed for each token of one trained trajectory, beside the rollout's logprobs.
+
+    `logprobs[i]` is the trainer's logprob of ledger token i (the old logprob of the loss) and
+    `entropy[i]` the policy's entropy at it, None where the trainer scored nothing (every token that
+    is not sampled, and sampled tokens outside the loss). Both are as long as the ledger; `entropy`
+    is None when the trainer did not measure it. Where the two logprobs differ, the rollout was
+    off-policy on that token (a different engine, numerics, or a stale policy version).
+    """
+
+    logprobs: Sequence[float | None]
+    entropy: Sequence[float | None] | None = None
+
+
 # ── one episode <-> one line ───────────────────────────────────────────────────────────────
 
 
-def _segments(t: Trajectory, pieces: list[str] | None) -> list[dict[str, Any]]:
+def _segments(t: Trajectory, pieces: list[str] | None, trainer: TrainerTokens | None = None) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
     n = len(t.token_ids)
     start = 0
@@ -147,6 +168,10 @@ def _segments(t: Trajectory, pieces: list[str] | None) -> list[dict[str, Any]]:
         if origin == sampled:
             seg["version"] = version
             seg["logprobs"] = t.logprobs[start:end]
+            if trainer is not None:
+                seg["trainer_logprobs"] = list(trainer.logprobs[start:end])
+                if trainer.entropy is not None:
+                    seg["trainer_entropy"] = list(trainer.entropy[start:end])
         out.append(seg)
         start = end
     return out
@@ -161,12 +186,18 @@ def trajectory_record(
     status: str = "eval",
     kept_as: Sequence[str] = (),
     ground_truth: Any = None,
+    trainer: TrainerTokens | None = None,
 ) -> dict[str, Any]:
     """One line of a trajectory file (see the module docstring).
 
-    `kept_as` is a sequence of reasons; a bare string is refused (it would be written letter by letter)."""
+    `kept_as` is a sequence of reasons; a bare string is refused (it would be written letter by letter).
+    `trainer`: the trainer's logprob and entropy of each token, for a trained episode."""
     if isinstance(kept_as, str):
         raise TypeError(f"kept_as takes a sequence of reasons, such as ({kept_as!r},), not a bare string")
+    if trainer is not None and (len(trainer.logprobs) != len(t.token_ids) or (
+            trainer.entropy is not None and len(trainer.entropy) != len(t.token_ids))):
+        raise ValueError(f"the trainer's values cover {len(trainer.logprobs)} tokens, the ledger of episode "
+                         f"{t.episode_id!r} has {len(t.token_ids)}; pass one value (or None) per ledger token")
     return {
         "format": FORMAT,
         "source": source,
@@ -189,7 +220,7 @@ def trajectory_record(
         "metrics": t.metrics,
         "info": t.info,
         "messages": t.messages,
-        "segments": _segments(t, pieces(t.token_ids) if pieces is not None else None),
+        "segments": _segments(t, pieces(t.token_ids) if pieces is not None else None, trainer),
     }
 
 
@@ -318,7 +349,7 @@ def _is_episode(record: Any) -> bool:
         if not (isinstance(seg, dict) and seg.get("origin") in _ORIGIN_OF and isinstance(seg.get("ids"), list)
                 and type(seg.get("turn")) is int and type(seg.get("start")) is int):
             return False
-        for key in ("pieces", "logprobs"):
+        for key in ("pieces", "logprobs", "trainer_logprobs", "trainer_entropy"):
             if key in seg and not (isinstance(seg[key], list) and len(seg[key]) == len(seg["ids"])):
                 return False
     messages = record.get("messages")
@@ -412,17 +443,8 @@ class RolloutLog:
         """The file of step `step` (1-based: the step that made policy version `step`)."""
         return self.dir / f"step-{step:06d}.jsonl"
 
-    def write_step(self, step: int, trained: Sequence[Any], discarded: Sequence[Any] = (),
-                   rows: Sequence[dict[str, Any] | None] | None = None) -> Path | None:
-        """Write step `step`'s sample (`step` 0-based as the scheduler counts; the file is 1-based).
-
-        `trained` and `discarded` are the step's `GroupResult`s (trained, and filtered or failed);
-        `rows` the training rows their `prompt.index` points into. Returns the file, or None when
-        `keep` is 0.
-        """
-        if self.keep == 0:
-            return None
-        start = time.perf_counter()
+    def _choose(self, step: int, trained: Sequence[Any], discarded: Sequence[Any],
+                rows: Sequence[dict[str, Any] | None] | None) -> tuple[list[_Group], dict[int, list[str]]]:
         groups = [_Group(list(g.trajectories), "trained", _row(rows, g)) for g in trained]
         groups += [
             _Group(list(g.trajectories), "filtered" if any(t.trainable for t in g.trajectories) else "infra",
@@ -431,10 +453,35 @@ class RolloutLog:
         ]
         chosen = select_groups([g.mean_reward for g in groups], [g.has_infra for g in groups], self.keep,
                                random.Random(self.seed * 1_000_003 + step))
+        return groups, chosen
+
+    def kept_trained(self, step: int, trained: Sequence[Any], discarded: Sequence[Any] = ()) -> list[Trajectory]:
+        """The trained trajectories that `write_step` with the same arguments will keep (the choice is
+        seeded): the ones whose per-token trainer values are worth fetching from the trainer."""
+        if self.keep == 0:
+            return []
+        groups, chosen = self._choose(step, trained, discarded, None)
+        return [t for i in chosen if groups[i].status == "trained" for t in groups[i].trajectories if t.trainable]
+
+    def write_step(self, step: int, trained: Sequence[Any], discarded: Sequence[Any] = (),
+                   rows: Sequence[dict[str, Any] | None] | None = None,
+                   trainer: Callable[[Trajectory], TrainerTokens | None] | None = None) -> Path | None:
+        """Write step `step`'s sample (`step` 0-based as the scheduler counts; the file is 1-based).
+
+        `trained` and `discarded` are the step's `GroupResult`s (trained, and filtered or failed);
+        `rows` the training rows their `prompt.index` points into; `trainer` gives the trainer's
+        per-token values of a kept trained trajectory (None: not measured). Returns the file, or
+        None when `keep` is 0.
+        """
+        if self.keep == 0:
+            return None
+        start = time.perf_counter()
+        groups, chosen = self._choose(step, trained, discarded, rows)
         path = self.path(step + 1)
         write_trajectories(path, (
             trajectory_record(t, self.pieces, source="train", step=step + 1, status=groups[i].status,
-                              kept_as=why, ground_truth=_ground_truth(groups[i].row))
+                              kept_as=why, ground_truth=_ground_truth(groups[i].row),
+                              trainer=trainer(t) if trainer is not None and groups[i].status == "trained" else None)
             for i, why in chosen.items() for t in groups[i].trajectories
         ), run_dir=self.run_dir)  # fmt: skip
         self.last_seconds = time.perf_counter() - start

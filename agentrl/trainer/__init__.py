@@ -5,7 +5,8 @@ loss aggregation, rollout/trainer importance corrections and reward shaping; `pa
 list of `Trajectory` into padding-free model inputs; `objective` assembles one micro-batch's loss;
 `backend` is the interface every backend implements and the update loop they share, `fsdp2` the
 FSDP2 backend and `megatron` the Megatron-core one (each imported on first use, each filling the
-loop's hooks); `step.train_step` is one RL step for any backend;
+loop's hooks); `step.train_step` is one RL step for any backend (`train_step_with_tokens` also returns the
+trainer's per-token logprobs and entropy, `StepTokens`);
 `distributed` joins or spawns ranks.
 This package imports torch, so nothing below the trainer layer may import it.
 
@@ -56,7 +57,7 @@ from agentrl.trainer.packing import (
     padded_to_packed,
     split_micro_batches,
 )
-from agentrl.trainer.step import train_step
+from agentrl.trainer.step import StepTokens, train_step, train_step_with_tokens
 
 __all__ = [
     "LOSS_AGG_MODES",
@@ -68,6 +69,7 @@ __all__ = [
     "PackedBatch",
     "PaddedBatch",
     "PolicyBatch",
+    "StepTokens",
     "TrainerBackend",
     "UpdateResult",
     "aggregate_loss",
@@ -101,6 +103,7 @@ __all__ = [
     "split_micro_batches",
     "stop_properly_penalty",
     "train_step",
+    "train_step_with_tokens",
     "value_loss",
 ]
 

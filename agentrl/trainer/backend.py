@@ -122,6 +122,8 @@ class PolicyBatch:
     max_len: int | None = None
     skip_rows: torch.Tensor | None = None
     score_skipped: bool = True
+    keep_entropy: bool = False
+    """Return the per-token entropy the update's forward computed (`UpdateResult.entropy`)."""
 
     def select(self, idx: Sequence[int]) -> PolicyBatch:
         return _select(self, idx)
@@ -176,12 +178,17 @@ class UpdateResult:
 
     `old_logprobs` (batch, max_len) are the logprobs the update's forward gave (no gradient), None
     unless the batch came with `old_logprobs=None` and a step ran. `scored_rows` (batch,) bool
-    names the rows they cover (None: all); rows left out under `zero_advantage_rows=skip` read 0.
+    names the rows they (and `entropy`) cover (None: all); rows left out under
+    `zero_advantage_rows=skip` read 0.
+    `entropy` (batch, max_len), asked for with `PolicyBatch.keep_entropy`, is the policy's entropy
+    at each token its forward scored; None unless the update was one optimizer step (after more,
+    the later steps' forwards saw a policy the earlier steps had already changed).
     """
 
     metrics: dict[str, float] = field(default_factory=dict)
     old_logprobs: torch.Tensor | None = None
     scored_rows: torch.Tensor | None = None
+    entropy: torch.Tensor | None = None
 
 
 class TrainerBackend(abc.ABC):
@@ -311,7 +318,7 @@ class TrainerBackend(abc.ABC):
             pick = max if name.endswith("_max") else min if name.endswith("_min") else None
             metrics[name] = pick(seen) if pick else sum(seen) / len(seen)
         metrics["actor/updates"] = float(len(steps))
-        return replace(result, metrics=metrics)
+        return replace(result, metrics=metrics, entropy=result.entropy if len(steps) == 1 else None)
 
     def update_policy(self, batch: PolicyBatch, algorithm: AlgorithmConfig) -> UpdateResult:
         """One optimizer step of the policy on `batch` (an `AlgorithmConfig` picks the loss).
@@ -329,6 +336,8 @@ class TrainerBackend(abc.ABC):
             return UpdateResult({"skipped": 1.0})
         self.policy.train()
         scored = ScoredRows(batch.trajectories) if batch.old_logprobs is None else None
+        entropies = ScoredRows(batch.trajectories) if batch.keep_entropy else None
+        no_entropy: list[bool] = []  # a backend whose forward gives none: report None, never zeros
         # Rows with a zero loss are scored without a graph before the backward passes: a no-grad
         # forward of a sharded FSDP2 model after them left wrong gradients on two ranks.
         plan: list[tuple[PackedBatch, bool, bool]] = []
@@ -345,6 +354,10 @@ class TrainerBackend(abc.ABC):
             )
             if scored is not None and real:
                 scored.add(packed, logprobs)
+            if entropies is not None and entropy is None:
+                no_entropy.append(True)
+            elif entropies is not None and real and entropy is not None:
+                entropies.add(packed, entropy.detach())
             if not algorithm.entropy_coef and entropy is not None:
                 entropy = entropy.detach()  # reported only
             return policy_objective(
@@ -355,11 +368,14 @@ class TrainerBackend(abc.ABC):
         metrics = self._optimizer_step(self.policy, self.optimizer, self.scheduler)
         self._step += 1
         metrics.update(sums.reduce(self._all_reduce))
-        if scored is None:
-            return UpdateResult(metrics)
+        entropy = entropies.result(self._all_reduce) if entropies is not None else None
+        if no_entropy:
+            entropy = None
         skipped = batch.skip_rows
         scored_rows = ~skipped if skipped is not None and not batch.score_skipped else None
-        return UpdateResult(metrics, scored.result(self._all_reduce), scored_rows)
+        if scored is None:
+            return UpdateResult(metrics, entropy=entropy, scored_rows=scored_rows if entropy is not None else None)
+        return UpdateResult(metrics, scored.result(self._all_reduce), scored_rows, entropy)
 
     def update_critic(self, batch: CriticBatch, algorithm: AlgorithmConfig) -> dict[str, float]:
         """One optimizer step of the critic on `batch`; metrics prefixed `critic/`."""

@@ -19,6 +19,12 @@ one reward per episode and every segment's tokens get its episode's advantage (t
 more in its group. Token-level estimators (gae, reinforce_pp) see each segment as a sequence that
 ends with the episode's reward.
 
+`train_step_with_tokens` does the same and also returns what the trainer computed per token
+(`StepTokens`: the old logprob the loss used and, when the update is one optimizer step, the
+policy's entropy), so that the run can store it beside the rollout's logprobs of the episodes it
+keeps: where the two differ, the rollout was off-policy on that token. The tensors are already in
+the trainer's memory; the caller picks the few rows it keeps (`StepTokens.of`).
+
 It owns no model and no process group: every rank calls it with the same batch and the backend
 splits the work. It does not collect trajectories, push weights, or drop groups whose rewards are
 all equal (`algorithm.filter_groups`, DAPO's dynamic sampling): the orchestration layer drops
@@ -29,6 +35,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -41,7 +48,7 @@ from agentrl.trainer.backend import CriticBatch, PolicyBatch, TrainerBackend, Up
 from agentrl.trainer.packing import PaddedBatch, pad_trajectories
 from agentrl.types import FinishReason, Trajectory
 
-__all__ = ["make_kl_controller", "train_step"]
+__all__ = ["StepTokens", "make_kl_controller", "train_step", "train_step_with_tokens"]
 
 KLController = algos.FixedKLController | algos.AdaptiveKLController
 # An entry of ADVANTAGE_ESTIMATORS: (rewards, mask, group ids, **options) -> (advantages, returns).
@@ -53,6 +60,40 @@ def make_kl_controller(algorithm: AlgorithmConfig) -> KLController:
     if algorithm.kl_target is None:
         return algos.FixedKLController(algorithm.kl_coef)
     return algos.AdaptiveKLController(algorithm.kl_coef, algorithm.kl_target, algorithm.kl_horizon)
+
+
+@dataclass(frozen=True)
+class StepTokens:
+    """What one step's trainer computed per token of the trajectories it trained.
+
+    `old_logprobs` and `entropy` (None: not measured) are `(len(trained), max_len)` in the
+    next-token alignment of `packing.pad_trajectories` (column t: token t+1); `mask` and
+    `entropy_mask` name the tokens each was measured on (the loss's tokens, less the rows a skipping
+    update left out); `trained` are the trajectories of the rows, in order (the trainable ones of
+    the batch). `of(i)` gives one trajectory's values as long as its ledger.
+    """
+
+    trained: list[Trajectory]
+    old_logprobs: torch.Tensor
+    mask: torch.Tensor
+    entropy: torch.Tensor | None = None
+    entropy_mask: torch.Tensor | None = None
+
+    def of(self, index: int) -> tuple[list[float | None], list[float | None] | None]:
+        """(logprobs, entropy or None) of `trained[index]`, one value per ledger token: the trainer's
+        values on the tokens of the loss, None on every other token."""
+        n = len(self.trained[index].token_ids)
+
+        def per_token(values: torch.Tensor, mask: torch.Tensor) -> list[float | None]:
+            pairs = zip(values[index, : n - 1].tolist(), mask[index, : n - 1].tolist(), strict=True)
+            out: list[float | None] = [None]  # the first token is predicted by nothing
+            out += [v if m > 0 else None for v, m in pairs]
+            return out
+
+        logprobs = per_token(self.old_logprobs, self.mask)
+        if self.entropy is None:
+            return logprobs, None
+        return logprobs, per_token(self.entropy, self.mask if self.entropy_mask is None else self.entropy_mask)
 
 
 def train_step(
@@ -67,6 +108,26 @@ def train_step(
 ) -> dict[str, float]:
     """Train the backend's policy (and critic) on one batch; return the step's metrics.
 
+    `algorithm` is an `AlgorithmConfig`, `trainer` a `TrainerConfig`; see `train_step_with_tokens`
+    for the rest of the arguments.
+    """
+    metrics, _ = _train_step(backend, trajectories, algorithm, trainer, temperature=temperature,
+                             max_response_tokens=max_response_tokens, kl_controller=kl_controller, with_tokens=False)
+    return metrics
+
+
+def train_step_with_tokens(
+    backend: TrainerBackend,
+    trajectories: Sequence[Trajectory],
+    algorithm: AlgorithmConfig,
+    trainer: TrainerConfig,
+    *,
+    temperature: float = 1.0,
+    max_response_tokens: int | None = None,
+    kl_controller: KLController | None = None,
+) -> tuple[dict[str, float], StepTokens | None]:
+    """`train_step`, and what the trainer computed per token (None when nothing was trained).
+
     `algorithm` is an `AlgorithmConfig`, `trainer` a `TrainerConfig` (the update's schedule:
     `ppo_epochs`, `mini_batches`, `zero_advantage_rows`, `score_in_update`). `temperature` is the
     rollout sampling temperature (logprobs are scored at it). `max_response_tokens` is the
@@ -76,12 +137,20 @@ def train_step(
     this step's KL coefficient and is updated at the end; it is required when
     `algorithm.kl_target` is set, and without it the coefficient is `algorithm.kl_coef`.
     """
+    return _train_step(backend, trajectories, algorithm, trainer, temperature=temperature,
+                       max_response_tokens=max_response_tokens, kl_controller=kl_controller, with_tokens=True)
+
+
+def _train_step(
+    backend: TrainerBackend, trajectories: Sequence[Trajectory], algorithm: AlgorithmConfig, trainer: TrainerConfig,
+    *, temperature: float, max_response_tokens: int | None, kl_controller: KLController | None, with_tokens: bool,
+) -> tuple[dict[str, float], StepTokens | None]:  # fmt: skip
     kl_coef = _kl_coefficient(algorithm, kl_controller)
     start = time.perf_counter()
     trajs = [t for t in trajectories if t.trainable]
     metrics = {"batch/trajectories": float(len(trajectories)), "batch/infra_masked": float(len(trajectories) - len(trajs))}
     if not trajs:
-        return {**metrics, "batch/skipped": 1.0}
+        return {**metrics, "batch/skipped": 1.0}, None
     scores = _shaped_scores(trajs, algorithm, max_response_tokens, metrics)
     layout = pad_trajectories(trajs)
 
@@ -99,6 +168,8 @@ def train_step(
     )  # fmt: skip
     # The backend reads the loss's KL weight from the config: hand it this step's coefficient.
     step_algorithm = algorithm if kl_coef == algorithm.kl_coef else algorithm.model_copy(update={"kl_coef": kl_coef})
+    if with_tokens:
+        policy_batch = replace(policy_batch, keep_entropy=True)
     update_start = time.perf_counter()
     result = backend.update(policy_batch, step_algorithm, trainer, critic_batch)
     update_s = time.perf_counter() - update_start
@@ -117,7 +188,15 @@ def train_step(
     metrics["perf/update_tokens_per_s"] = tokens * trainer.ppo_epochs / max(update_s, 1e-9)
     metrics["perf/step_s"] = step_s
     metrics["perf/step_tokens_per_s"] = tokens / max(step_s, 1e-9)
-    return metrics
+    if not with_tokens:
+        return metrics, None
+    # Rows a skipping update left out (`zero_advantage_rows=skip`) were not scored in the update.
+    in_update_mask = layout.loss_mask if result.scored_rows is None else layout.loss_mask * result.scored_rows[:, None]
+    used = old_logprobs if old_logprobs is not None else result.old_logprobs
+    if used is None:  # the update skipped an all-masked batch: it scored nothing
+        return metrics, None
+    mask = layout.loss_mask if old_logprobs is not None else in_update_mask
+    return metrics, StepTokens(trajs, used, mask, result.entropy, in_update_mask)
 
 
 # ── stages ──────────────────────────────────────────────────────────────────────────────────────

@@ -3,7 +3,9 @@
 `RunReader(path)` finds what there is to look at, again at every request (a run still going gains
 steps): the training steps whose rollouts were kept (`rollouts/step-N.jsonl`), the held-out
 evaluations (`eval/step-N/trajectories.jsonl`), the episodes of an `agentrl eval` directory
-(`trajectories.jsonl` beside `report.json`), or the file it was given. It serves the dashboard
+(`trajectories.jsonl` beside `report.json`), or the file it was given. A run directory that
+holds nothing to look at yet (only `config.yaml`, or nothing at all) is `waiting`: it is looked at
+again at every request, and becomes a run or an evaluation once one writes there. It serves the dashboard
 curves (`metrics.jsonl`, `eval.jsonl`, drawn as `agentrl plot` draws them), a short summary of
 each episode of a source for the list and its filters, and whole episodes. Files are parsed once
 and kept until they change. Everything is read-only: nothing here writes, starts a process or
@@ -51,6 +53,26 @@ class Source:
         return d
 
 
+Kind = Literal["run", "eval", "file", "waiting"]
+_RUN_START_FILES = ("config.yaml", "run.lock", "run_identity.json", "ledger.jsonl")
+"""What a run (or an evaluation) writes before anything there is to look at."""
+
+
+def _kind_of(root: Path) -> Kind:
+    if root.is_file():
+        return "file"
+    if (root / "trajectories.jsonl").is_file() and not (root / "metrics.jsonl").is_file():
+        return "eval"
+    if any((root / name).exists() for name in ("metrics.jsonl", "rollouts", "eval", "eval.jsonl")):
+        return "run"
+    return "waiting"
+
+
+def _run_starting(root: Path) -> bool:
+    """Whether a folder with nothing to look at yet is a run that has only started (or an empty one)."""
+    return any((root / name).exists() for name in _RUN_START_FILES) or not any(root.iterdir())
+
+
 def _step_of(name: str) -> int | None:
     match = _STEP.search(name)
     return int(match.group(1)) if match else None
@@ -76,13 +98,8 @@ class RunReader:
             raise ConfigError(f"'{path}' does not exist; give a run directory (runs/NAME), an eval directory "
                               "or a trajectories .jsonl file.")
         self.root = root.resolve()
-        if self.root.is_file():
-            self.kind = "file"
-        elif (self.root / "trajectories.jsonl").is_file() and not (self.root / "metrics.jsonl").is_file():
-            self.kind = "eval"
-        elif any((self.root / name).exists() for name in ("metrics.jsonl", "rollouts", "eval", "eval.jsonl")):
-            self.kind = "run"
-        else:
+        self._kind = _kind_of(self.root)
+        if self._kind == "waiting" and not _run_starting(self.root):
             raise ConfigError(
                 f"'{path}' holds no run (metrics.jsonl, rollouts/, eval/) and no evaluation (trajectories.jsonl); "
                 "give the directory 'agentrl run' or 'agentrl eval' wrote (it prints it at the end)."
@@ -93,6 +110,14 @@ class RunReader:
         self._pieces_tried = False
 
     # ── what there is ──────────────────────────────────────────────────────────────────────
+    @property
+    def kind(self) -> Kind:
+        """`run`, `eval`, `file`, or `waiting`: a run or evaluation that has written nothing to look at
+        yet (looked at again at every call, so the page fills in as the run writes)."""
+        if self._kind == "waiting":
+            self._kind = _kind_of(self.root)
+        return self._kind
+
     def sources(self) -> list[Source]:
         """Every set of episodes, training steps first (by step), then evaluations (by step)."""
         root = self.root
@@ -101,7 +126,9 @@ class RunReader:
                            root.name, _step_of(root.stem), root)]
         if self.kind == "eval":
             return [Source("eval", "eval", "evaluation", None, root / "trajectories.jsonl")]
-        out = []
+        out: list[Source] = []
+        if self.kind == "waiting":
+            return out
         for path in sorted((root / "rollouts").glob("step-*.jsonl")):
             step = _step_of(path.stem)
             label = f"step {step} rollouts" + (" (the run stopped here)" if path.stem.endswith("-stopped") else "")
@@ -120,9 +147,10 @@ class RunReader:
 
     def summary(self) -> dict[str, Any]:
         """The run's name, kind, config highlights, sources and whether it has curves."""
+        kind = self.kind
         config = self._config()
-        report = self._json(self.root / "report.json") if self.kind == "eval" else None
-        result = self._json(self.root / "result.json") if self.kind == "run" else None
+        report = self._json(self.root / "report.json") if kind == "eval" else None
+        result = self._json(self.root / "result.json") if kind == "run" else None
         highlights = {}
         if config:
             for section, key in (("env", "name"), ("model", "path"), ("run", "mode"), ("run", "total_steps"),
@@ -132,14 +160,14 @@ class RunReader:
                 if value is not None:
                     highlights[f"{section}.{key}"] = value
         return {
-            "name": self.root.name if self.kind != "file" else self.root.stem,
+            "name": self.root.name if kind != "file" else self.root.stem,
             "path": str(self.root),
-            "kind": self.kind,
+            "kind": kind,
             "config": highlights,
             "report": report,
             "result": result,
             "sources": [s.to_json() for s in self.sources()],
-            "has_metrics": (self.root / "metrics.jsonl").is_file() if self.kind == "run" else False,
+            "has_metrics": (self.root / "metrics.jsonl").is_file() if kind == "run" else False,
         }
 
     # ── curves ──────────────────────────────────────────────────────────────────────────────
@@ -166,14 +194,29 @@ class RunReader:
         return self._read(self.source(source_id).path)[1]
 
     def episode(self, source_id: str, index: int) -> dict[str, Any]:
-        """One whole episode (its trajectory-file line)."""
-        records = self._records(self.source(source_id).path)
+        """One whole episode (its trajectory-file line), and for a training step's episode the
+        step's on-policy verdict (`onpolicy`: its `onpolicy/*` metrics, {} when it has none)."""
+        source = self.source(source_id)
+        records = self._records(source.path)
         if not 0 <= index < len(records):
             raise KeyError(index)
         record = records[index]
         if any("pieces" not in s for s in record["segments"]):
             record = self._with_pieces(record)
+        if source.kind == "train" and source.step is not None:
+            record = {**record, "onpolicy": self.step_metrics(source.step, "onpolicy/")}
         return record
+
+    def step_metrics(self, step: int, prefix: str) -> dict[str, float]:
+        """The metrics named `prefix...` of training step `step` (1-based, as the rollout files
+        count; metrics.jsonl counts from 0), {} when the step has none."""
+        path = self.root / "metrics.jsonl"
+        if self.kind != "run" or not path.is_file():
+            return {}
+        for record in read_metrics(path):
+            if record.get("step") == step - 1:
+                return {k: v for k, v in record.items() if k.startswith(prefix)}
+        return {}
 
     @staticmethod
     def _summary(index: int, r: dict[str, Any]) -> dict[str, Any]:

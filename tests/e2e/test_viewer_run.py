@@ -3,7 +3,8 @@
 The run is `short_run` (tests/e2e/conftest.py): two steps of the tiny random Qwen2 on a two-turn
 env, through vLLM, Ray and FSDP2, keeping two groups per step. Checked: each step's file holds the
 best and the worst group, every line turns back into a valid ledger whose `trained` flags agree
-with the prompt ledger; the dashboard has the time split and the writer's own time; the page shows
+with the prompt ledger, and the trained ones carry the trainer's logprob and entropy of each sampled
+token beside the rollout's; the dashboard has the time split and the writer's own time; the page shows
 each token of an episode with its origin's colour and the trained underline exactly where the
 ledger says, and its rollout logprob and policy version on hover; a screenshot is kept.
 """
@@ -53,6 +54,15 @@ def test_each_step_keeps_its_best_and_worst_groups(short_run: Path) -> None:
             assert len(t) == r["num_tokens"] and {s["origin"] for s in r["segments"]} <= {"prompt", "sampled", "template", "tool"}
             uid = r["group_id"].rsplit("-a", 1)[0]
             assert r["trained"] == ((step - 1, uid) in trained and t.trainable)
+            # Beside the rollout's logprobs, the trainer's of every trained token (the same weights,
+            # so close to them), and its entropy; nothing of the kind on what was not trained.
+            for seg in (s for s in r["segments"] if s["origin"] == "sampled"):
+                if r["status"] != "trained" or not t.trainable:
+                    assert "trainer_logprobs" not in seg
+                    continue
+                assert None not in seg["trainer_logprobs"] and None not in seg["trainer_entropy"]
+                gaps = [abs(a - b) for a, b in zip(seg["logprobs"], seg["trainer_logprobs"], strict=True)]
+                assert sum(gaps) / len(gaps) < 0.5 and all(e >= 0 for e in seg["trainer_entropy"])
     origins = {s["origin"] for path in files for r in read_trajectory_file(path) for s in r["segments"]}
     assert origins == {"prompt", "sampled", "template", "tool"}, "two-turn episodes hold every origin"
     evals = read_trajectory_file(short_run / "eval" / "step-000000" / "trajectories.jsonl")

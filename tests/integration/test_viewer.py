@@ -8,7 +8,11 @@ token colours and masks against the ledger, the curves and the panels left out. 
 wrong (tests/viewer_runs.py `make_failing_run`): tool calls and results under the model's own turns
 when the prompt holds assistant messages (the retool preset's worked examples, a chat-history
 row), a bidi override that reorders nothing after its token, lines that are not episodes counted,
-the stopped-run file, and reward, pass@k and infrastructure failures drawn at 0.
+the stopped-run file, and reward, pass@k and infrastructure failures drawn at 0. A run with a ~2 MB
+tool output (`make_big_run`): its episode comes gzip-compressed and draws folded at once, and the
+page answers clicks while the rest is drawn; the off-policy overlay colours the token whose trainer
+logprob was set apart from the rollout's. A run directory with only its config: a waiting page
+that fills in when the first kept rollouts are written.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ from browser import (
     screenshot,
     wait_ready,
 )
-from viewer_runs import NOT_EPISODES, QWEN25, make_failing_run, make_run_dir
+from viewer_runs import ENTROPY, GAP, NOT_EPISODES, QWEN25, make_big_run, make_failing_run, make_run_dir
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(not QWEN25.is_dir(), reason=f"tokenizer assets not found under {QWEN25}")]
@@ -47,6 +51,13 @@ def failing_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from agentrl.chat import ChatTemplate
 
     return make_failing_run(tmp_path_factory.mktemp("viewer") / "failing-run", ChatTemplate.from_pretrained(QWEN25))
+
+
+@pytest.fixture(scope="module")
+def big_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, int]:
+    from agentrl.chat import ChatTemplate
+
+    return make_big_run(tmp_path_factory.mktemp("viewer") / "big-run", ChatTemplate.from_pretrained(QWEN25))
 
 
 @pytest.fixture(scope="module")
@@ -275,4 +286,137 @@ def test_the_stopped_run_and_a_failing_runs_curves(browser, failing_run: Path) -
         note = browser.find_element(By.CSS_SELECTOR, "#curves .nothing").text
         assert "KL (always 0)" in note and "Reward" not in note and "pass@k" not in note
         screenshot(browser, "viewer-failing-curves")
+        assert page_errors(browser) == []
+
+
+def test_a_big_episode_comes_compressed_and_draws_folded_while_the_page_answers(browser, big_run) -> None:
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    from agentrl.records.trajectory_log import read_trajectory_file
+
+    run, _ = big_run
+    record = read_trajectory_file(run / "rollouts" / "step-000001.jsonl")[1]
+    tool = max((s for s in record["segments"]), key=lambda s: len(s["ids"]))
+    assert tool["origin"] == "tool" and len(tool["text"]) > 1_900_000 and len(tool["ids"]) > 500_000
+    with agentrl_view(run) as url:
+        params = {"source": "rollouts/step-000001", "index": 1}
+        packed = httpx.get(url + "api/episode", params=params, headers={"Accept-Encoding": "gzip"}, timeout=120)
+        assert packed.status_code == 200 and packed.headers["content-encoding"] == "gzip"
+        assert packed.json()["segments"][3]["ids"] == tool["ids"]  # decoded, the whole line
+        assert packed.num_bytes_downloaded * 10 < len(packed.content)  # ~11 MB of JSON sent as a tenth of it
+        plain = httpx.get(url + "api/episode", params=params, headers={"Accept-Encoding": "identity"}, timeout=120)
+        assert "content-encoding" not in plain.headers and plain.json()["num_tokens"] == record["num_tokens"]
+
+        browser.get(url + "#source=rollouts/step-000001&episode=1")
+        wait_ready(browser)  # the normal wait: before, drawing this episode froze the page for 30-45 s
+        env = _section(browser, "env", 1)
+        n = sum(len(s["ids"]) for s in record["segments"] if s["origin"] != "sampled" and s["turn"] == 1)
+        assert env.get_attribute("data-folded") == str(n)
+        button = env.find_element(By.CSS_SELECTOR, ".fold button")
+        chars = sum(len(s["text"]) for s in record["segments"] if s["origin"] != "sampled" and s["turn"] == 1)
+        assert f"{n:,} tokens, {chars:,} characters in all" in button.text
+        assert len(env.find_elements(By.CSS_SELECTOR, ".tok")) == 200  # a preview; the rest on demand
+        assert _section(browser, "assistant", 2).find_elements(By.CSS_SELECTOR, ".tok")  # the turn after it is drawn
+
+        button.click()  # draw it all, a chunk per frame
+        WebDriverWait(browser, 60).until(lambda d: "drawing" in button.text or not d.find_elements(By.CSS_SELECTOR, ".turn.env .fold"))
+        drawn = browser.execute_script("return document.querySelectorAll('.turn.env .tok').length")
+        assert drawn > 200
+        # The page still answers while it draws: another episode opens at once.
+        browser.find_element(By.CSS_SELECTOR, "#episodes tr.row[data-index='0']").click()
+        WebDriverWait(browser, 30).until(lambda d: d.execute_script("return location.hash").endswith("episode=0")
+                                         and d.find_elements(By.CSS_SELECTOR, "#episode .turn[data-side='env'] .tok"))
+        assert browser.find_element(By.CSS_SELECTOR, "#episode .turn[data-side='env']").get_attribute("data-folded") is None
+        check_tokens_match_ledger(browser, read_trajectory_file(run / "rollouts" / "step-000001.jsonl")[0])
+        assert page_errors(browser) == []
+
+
+def test_the_overlay_colours_tokens_by_the_trainers_logprob_gap_and_entropy(browser, big_run) -> None:
+    from selenium.webdriver.common.action_chains import ActionChains
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import Select, WebDriverWait
+
+    from agentrl.records.trajectory_log import read_trajectory_file
+
+    run, at = big_run
+    record = read_trajectory_file(run / "rollouts" / "step-000001.jsonl")[0]
+    with agentrl_view(run) as url:
+        browser.get(url + "#source=rollouts/step-000001&episode=0")
+        wait_ready(browser)
+        plain = check_tokens_match_ledger(browser, record)  # overlay off: the origin colours
+        assert "passed 1" in browser.find_element(By.ID, "onpolicy").text  # the step's on-policy check
+        assert "max_gap 0.125" in browser.find_element(By.ID, "onpolicy").text
+
+        Select(browser.find_element(By.ID, "overlay")).select_by_value("gap")
+        colours = {t["i"]: t["background"] for t in _backgrounds(browser)}
+        scale = _scale(browser)
+        assert colours[at] == scale["hi"]  # a gap of GAP >= the scale's cap: full colour
+        sampled = [t["i"] for t in plain if t["origin"] == "sampled" and t["i"] != at]
+        assert sampled and all(colours[i] == scale["lo"] for i in sampled)  # the same logprob: no gap
+        others = [t for t in plain if t["origin"] != "sampled"]
+        assert all(colours[t["i"]] == t["background"] for t in others)  # no trainer value: drawn plainly
+
+        span = browser.find_element(By.CSS_SELECTOR, f"#episode .tok[data-i='{at}']")
+        ActionChains(browser).move_to_element(span).perform()
+        tip = browser.find_element(By.ID, "tooltip")
+        WebDriverWait(browser, 10).until(lambda d: tip.is_displayed())
+        lp = next(s for s in record["segments"] if s["origin"] == "sampled")["logprobs"][0]
+        assert f"trainer logprob {lp - GAP:.4f}" in tip.text and f"gap |rollout − trainer| {GAP:.4f}" in tip.text
+        assert f"trainer entropy {ENTROPY:.4f}" in tip.text
+
+        Select(browser.find_element(By.ID, "overlay")).select_by_value("entropy")
+        colours = {t["i"]: t["background"] for t in _backgrounds(browser)}
+        hi = _scale(browser)["hi"]
+        assert colours[at] == hi and hi != scale["hi"]  # another scale: entropy, not the gap
+        assert all(colours[t["i"]] == t["background"] for t in others)
+
+        # An episode the trainer did not score (the big one has no trainer values): nothing to overlay.
+        browser.get(url + "#source=rollouts/step-000001&episode=1")
+        browser.refresh()
+        wait_ready(browser)
+        assert browser.find_element(By.ID, "overlay").get_attribute("disabled") is not None
+        assert page_errors(browser) == []
+
+
+def _scale(browser) -> dict[str, str]:
+    """The overlay scale's end colours, as computed for the page (the same form as a token's)."""
+    return browser.execute_script("""
+        const out = {};
+        for (const k of ['lo', 'hi']) out[k] = getComputedStyle(document.querySelector('#overlay-scale i.' + k)).backgroundColor;
+        return out;""")
+
+
+def _backgrounds(browser) -> list[dict]:
+    return browser.execute_script("""
+        return [...document.querySelectorAll('#episode .turn .tok[data-i]')].map((s) =>
+          ({i: Number(s.dataset.i), background: getComputedStyle(s).backgroundColor}));""")
+
+
+def test_a_run_that_has_written_only_its_config_shows_a_waiting_page_that_fills_in(browser, calc_run: Path,
+                                                                                    tmp_path: Path) -> None:
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    from agentrl.records.trajectory_log import read_trajectory_file
+
+    run = tmp_path / "starting"
+    run.mkdir()
+    (run / "config.yaml").write_text((calc_run / "config.yaml").read_text())
+    with agentrl_view(run) as url:  # before: 'holds no run', and the command exited
+        browser.get(url)
+        wait_ready(browser)
+        waiting = browser.find_element(By.ID, "waiting")
+        assert "Waiting for the run to write its first step" in waiting.text
+        assert "env.name arithmetic" in browser.find_element(By.ID, "run-facts").text
+
+        # The run writes its first step's kept rollouts (as RolloutLog does: a whole file at once).
+        (run / "rollouts").mkdir()
+        tmp = run / "rollouts" / ".step-000001.jsonl.tmp"
+        tmp.write_text((calc_run / "rollouts" / "step-000001.jsonl").read_text())
+        tmp.replace(run / "rollouts" / "step-000001.jsonl")
+        WebDriverWait(browser, 30).until(lambda d: d.find_elements(By.CSS_SELECTOR, "#episodes tr.row"))
+        assert browser.find_element(By.ID, "episode-count").text == "6 of 6 episodes"
+        _open(browser, 0)
+        check_tokens_match_ledger(browser, read_trajectory_file(run / "rollouts" / "step-000001.jsonl")[0])
         assert page_errors(browser) == []

@@ -61,6 +61,10 @@ class Fakes:
     async def export(self, version: int) -> tuple[str, float]:
         return "weights", 0.0
 
+    async def trainer_tokens(self, indices: list[int]) -> dict[int, tuple[list[float | None], None]]:
+        self.asked_tokens = indices
+        return {}
+
     def weight_source(self, version: int) -> tuple[str, None]:
         return "weights", None
 
@@ -117,6 +121,7 @@ def test_a_too_long_prompt_is_filtered_before_rollout_and_counted(tmp_path: Path
     assert entries[0].reason == f"prompt of {length} tokens over rollout.max_total_tokens={BUDGET}"
     assert entries[1].status == entries[2].status == "trained"
     assert len(fakes.trained) == 4 and all(t.num_sampled > 0 for t in fakes.trained)
+    assert fakes.asked_tokens == [0, 1, 2, 3]  # the kept rollouts ask the trainer for their per-token values
     assert fakes.metrics[0]["data/filtered_too_long"] == 1.0
 
 

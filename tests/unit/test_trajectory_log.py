@@ -22,6 +22,7 @@ from agentrl.records.trajectory_log import (
     FORMAT,
     RolloutLog,
     TokenPieces,
+    TrainerTokens,
     read_trajectory_file,
     scan_trajectory_file,
     select_groups,
@@ -215,3 +216,73 @@ def test_lines_that_are_not_episodes_are_skipped_and_counted(template: ChatTempl
     assert [r["episode_id"] for r in records] == ["a", "b", "b"] and skipped == len(odd) == 9
     assert records[2]["reward"] is None  # NaN is read as null, as the writer writes it
     assert read_trajectory_file(path) == records
+
+
+def _trainer_values(t, gap_at: int, gap: float) -> TrainerTokens:
+    """The trainer's values of a ledger: the rollout's logprob on every sampled token but `gap_at`,
+    where it differs by `gap`; an entropy that counts up; None on every other token."""
+    sampled = int(TokenOrigin.SAMPLED)
+    logprobs = [lp - (gap if i == gap_at else 0.0) if o == sampled else None
+                for i, (lp, o) in enumerate(zip(t.logprobs, t.origins, strict=True))]
+    entropy = [0.01 * i if o == sampled else None for i, o in enumerate(t.origins)]
+    return TrainerTokens(logprobs, entropy)
+
+
+def test_kept_trained_episodes_carry_the_trainers_logprob_and_entropy_beside_the_rollouts(
+    template: ChatTemplate, tmp_path: Path
+) -> None:
+    def group(i: int, rewards: list[float], fault: str | None = None) -> GroupResult:
+        trajs = [tool_episode(template, reward=r, episode_id=f"{i}-{j}", group_id=f"g{i}", fault=fault)
+                 for j, r in enumerate(rewards)]
+        return GroupResult(PromptRef(0, i), trajs, version=2)
+
+    trained = [group(0, [1.0, 0.0]), group(1, [0.0, 0.0]), group(2, [1.0, 1.0]), group(3, [0.0, 1.0])]
+    discarded = [group(4, [0.0, 0.0], fault="infra"), group(5, [1.0, 1.0])]
+    log = RolloutLog(tmp_path, template.tokenizer, 2, seed=7)
+    kept = log.kept_trained(4, trained, discarded)
+    # the worst and the best trained groups (g1, g2); the infra-failed g4 was not trained
+    assert [t.episode_id for t in kept] == ["1-0", "1-1", "2-0", "2-1"]
+    first_sampled = kept[0].origins.index(int(TokenOrigin.SAMPLED))
+    values = {id(t): _trainer_values(t, first_sampled, 0.75) for t in kept}
+    asked: list[str] = []
+
+    def trainer(t):
+        asked.append(t.episode_id)
+        return values.get(id(t))
+
+    path = log.write_step(4, trained, discarded, trainer=trainer)
+    assert path is not None and sorted(asked) == ["1-0", "1-1", "2-0", "2-1"]  # never asked for the infra group
+    records = {r["episode_id"]: r for r in read_trajectory_file(path)}
+    r = records["1-0"]
+    t = kept[0]
+    for seg in r["segments"]:
+        if seg["origin"] != "sampled":
+            assert "trainer_logprobs" not in seg and "trainer_entropy" not in seg
+            continue
+        start, n = seg["start"], len(seg["ids"])
+        assert seg["trainer_logprobs"] == values[id(t)].logprobs[start:start + n]
+        assert seg["trainer_entropy"] == pytest.approx([0.01 * i for i in range(start, start + n)])
+    first = next(s for s in r["segments"] if s["origin"] == "sampled")
+    assert first["logprobs"][0] - first["trainer_logprobs"][0] == pytest.approx(0.75)
+    assert all("trainer_logprobs" not in s for s in records["4-0"]["segments"])  # infra: not trained, not scored
+    # The line still turns back into the exact ledger; the trainer's values are beside it.
+    back = trajectory_from_record(r)
+    assert (back.token_ids, back.logprobs, back.origins) == (t.token_ids, t.logprobs, t.origins)
+    # A ledger and values of different lengths are refused, naming both.
+    with pytest.raises(ValueError, match="cover 3 tokens"):
+        trajectory_record(t, None, source="train", trainer=TrainerTokens([None, None, None]))
+
+
+def test_files_without_trainer_values_still_read_and_bad_ones_are_skipped(template: ChatTemplate, tmp_path: Path) -> None:
+    t = tool_episode(template)
+    old = trajectory_record(t, TokenPieces(template.tokenizer), source="train", step=1, status="trained")
+    values = _trainer_values(t, t.origins.index(int(TokenOrigin.SAMPLED)), 0.5)
+    new = trajectory_record(t, TokenPieces(template.tokenizer), source="train", step=1, status="trained", trainer=values)
+    bad = json.loads(json.dumps(new))
+    next(s for s in bad["segments"] if s["origin"] == "sampled")["trainer_logprobs"].pop()  # one value short
+    path = tmp_path / "step-000001.jsonl"
+    path.write_text("".join(json.dumps(x) + "\n" for x in (old, new, bad)))
+    records, skipped = scan_trajectory_file(path)
+    assert skipped == 1 and len(records) == 2
+    assert all("trainer_logprobs" not in s for s in records[0]["segments"])
+    assert any("trainer_logprobs" in s for s in records[1]["segments"])

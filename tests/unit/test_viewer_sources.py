@@ -116,8 +116,44 @@ def test_an_eval_directory_a_single_file_and_an_old_file(run_dir: Path, tmp_path
 def test_what_is_not_a_run_is_refused_with_what_to_give(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="does not exist"):
         RunReader(tmp_path / "nope")
+    (tmp_path / "notes.txt").write_text("not a run")
     with pytest.raises(ConfigError, match="holds no run"):
         RunReader(tmp_path)
+
+
+def test_a_run_that_has_written_only_its_config_waits_and_fills_in(run_dir: Path, tmp_path: Path) -> None:
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert RunReader(empty).kind == "waiting"  # a run directory made before the run writes anything
+    starting = tmp_path / "starting"
+    starting.mkdir()
+    (starting / "config.yaml").write_text((run_dir / "config.yaml").read_text())
+    reader = RunReader(starting)
+    summary = reader.summary()
+    assert (summary["kind"], summary["sources"], summary["has_metrics"]) == ("waiting", [], False)
+    assert summary["config"]["env.name"] == "arithmetic"  # the config is shown while it waits
+    assert reader.dashboard()["steps"] == 0
+    (starting / "rollouts").mkdir()
+    (starting / "rollouts" / "step-000001.jsonl").write_text((run_dir / "rollouts" / "step-000001.jsonl").read_text())
+    assert reader.kind == "run"
+    assert [s["id"] for s in reader.summary()["sources"]] == ["rollouts/step-000001"]
+    assert reader.episode("rollouts/step-000001", 0)["episode_id"] == "e1-0"
+
+
+def test_a_training_episode_carries_its_steps_onpolicy_metrics(run_dir: Path, tmp_path: Path) -> None:
+    import shutil
+
+    copy = tmp_path / "run"
+    shutil.copytree(run_dir, copy)
+    assert RunReader(copy).episode("rollouts/step-000002", 0)["onpolicy"] == {}  # no gate ran: nothing shown
+    lines = (copy / "metrics.jsonl").read_text().splitlines()
+    records = [json.loads(line) for line in lines]
+    for r in records:  # metrics.jsonl counts steps from 0; rollouts/step-000002 is its step 1
+        r.update({"onpolicy/passed": 1.0 if r["step"] == 1 else 0.0, "onpolicy/max_gap": 0.25 * r["step"]})
+    (copy / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    reader = RunReader(copy)
+    assert reader.episode("rollouts/step-000002", 0)["onpolicy"] == {"onpolicy/passed": 1.0, "onpolicy/max_gap": 0.25}
+    assert "onpolicy" not in reader.episode("eval/step-000003", 0)  # evaluations are not a step's
 
 
 def test_a_file_being_rewritten_is_read_again(run_dir: Path, tmp_path: Path, template: ChatTemplate) -> None:

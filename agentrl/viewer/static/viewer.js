@@ -3,7 +3,10 @@
 // episodes of a training step or an evaluation, and one whole episode, and draws them. Model
 // output is untrusted text: it only ever reaches the page through textContent, never as HTML,
 // and its bidi control characters are drawn as visible escapes (`visible`), so that a right-to-left
-// override in one token cannot reorder what is drawn after it.
+// override in one token cannot reorder what is drawn after it. A long block (a 2 MB tool output is
+// half a million tokens) is folded with its size shown and drawn on demand, a chunk of tokens per
+// frame, so the page never freezes. A run that has written nothing yet gets a waiting page that
+// fills in as the run writes (`watchRun`).
 "use strict";
 
 const COLOURS = ["#1f77b4", "#ff7f0e", "#2ca02c", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#17becf"];
@@ -21,7 +24,14 @@ const STATUS = {
   eval: "an evaluation episode (never trained on)",
 };
 
-const state = {run: null, sourceId: "", episodes: [], skippedLines: 0, episodeIndex: -1, dashboard: null, record: null, tokens: []};
+const state = {run: null, sourceId: "", episodes: [], skippedLines: 0, episodeIndex: -1, dashboard: null, record: null, tokens: [],
+  overlay: "", markLowp: false};
+const FOLD_TOKENS = 2000;   // a block longer than this is folded: its first PREVIEW_TOKENS are drawn, the rest on demand
+const PREVIEW_TOKENS = 200;
+const CHUNK_TOKENS = 3000;  // tokens drawn per frame when a folded block is opened
+const WATCH_MS = 2000;      // how often a run with nothing to show yet is looked at again
+const GAP_CAP = 1.0;        // |rollout - trainer| logprob gap (nats) drawn at full colour
+const ENTROPY_CAP = 3.0;    // entropy (nats) drawn at full colour
 const $ = (id) => document.getElementById(id);
 
 // Embeddings, overrides, isolates and the directional marks: invisible, yet they reorder the text
@@ -102,12 +112,17 @@ async function loadRun() {
   const facts = $("run-facts");
   facts.replaceChildren();
   const add = (k, v) => facts.append(el("span", {}, `${k} `, el("b", {text: String(v)})));
-  add(run.kind === "run" ? "run" : run.kind === "eval" ? "evaluation" : "file", run.path);
+  facts.append(el("span", {"data-kind": run.kind}, el("span", {}, `${runKind(run)} `, el("b", {text: run.path}))));
   for (const [k, v] of Object.entries(run.config || {})) add(k, v);
   if (run.report) {
     add("pass@1", fmt(run.report.pass_at_1));
     add(`pass@${run.report.k}`, fmt(run.report.pass_at_k));
   }
+  fillSources(run);
+  $("show-curves").hidden = !run.has_metrics;
+}
+
+function fillSources(run) {
   const select = $("source");
   select.replaceChildren();
   const train = run.sources.filter((s) => s.kind === "train");
@@ -115,7 +130,34 @@ async function loadRun() {
   if (!run.sources.length) select.append(el("option", {value: "", text: "no kept episodes yet"}));
   if (train.length) select.append(el("optgroup", {label: "Training steps"}, train.map((s) => el("option", {value: s.id, text: s.label}))));
   if (evals.length) select.append(el("optgroup", {label: "Evaluations"}, evals.map((s) => el("option", {value: s.id, text: s.label}))));
-  $("show-curves").hidden = !run.has_metrics;
+  if (state.sourceId) select.value = state.sourceId;
+}
+
+// A run that has written nothing to look at yet (only config.yaml, or nothing): look again every
+// WATCH_MS until it has, then open its first episodes; the server finds new files at every request.
+async function watchRun() {
+  for (;;) {
+    await new Promise((resolve) => setTimeout(resolve, WATCH_MS));
+    let run;
+    try { run = await api("api/run"); } catch (err) { continue; }  // the server restarting: try again
+    const before = state.run;
+    if (run.sources.length === before.sources.length && run.has_metrics === before.has_metrics && run.kind === before.kind) continue;
+    state.run = run;
+    state.dashboard = null;
+    const facts = $("run-facts").querySelector("[data-kind]");
+    if (facts) facts.replaceChildren(el("span", {}, `${runKind(run)} `, el("b", {text: run.path})));
+    fillSources(run);
+    $("show-curves").hidden = !run.has_metrics;
+    if (!state.sourceId && run.sources.length) {
+      const first = run.sources.filter((s) => s.kind === "train").pop() || run.sources[0];
+      await selectSource(first.id);
+    } else if (state.episodeIndex < 0) await showCurves();
+    if (run.kind !== "waiting" && run.sources.length) return;
+  }
+}
+
+function runKind(run) {
+  return {run: "run", eval: "evaluation", file: "file", waiting: "waiting for the run"}[run.kind] || run.kind;
 }
 
 // ── episodes of a source ─────────────────────────────────────────────────────────────────────
@@ -282,8 +324,11 @@ function renderEpisode(r) {
 
   state.tokens = [];
   for (const block of blocksOf(r)) root.append(renderBlock(r, block, block.side === "prompt" ? turns.prompt : turns[block.turn]));
-  root.append(el("details", {}, el("summary", {text: "messages, metrics and info as recorded"}),
-    el("pre", {text: JSON.stringify({messages: r.messages, metrics: r.metrics, info: r.info}, null, 2)})));
+  // Drawn when opened: the messages hold every tool output again, megabytes of text for a big episode.
+  const recorded = el("pre", {});
+  root.append(el("details", {ontoggle: (e) => {
+    if (e.target.open && !recorded.textContent) recorded.textContent = visible(JSON.stringify({messages: r.messages, metrics: r.metrics, info: r.info}, null, 2));
+  }}, el("summary", {text: "messages, metrics and info as recorded"}), recorded));
   if (r.text && r.segments.every((s) => s.pieces === undefined)) {
     root.append(el("div", {class: "why"}, el("h3", {text: "Text (written before tokens carried their own text)"}),
       el("pre", {class: "tokens", text: r.text})));
@@ -321,9 +366,34 @@ function whyBox(r, turns) {
 
 function legendBar(r) {
   const sample = (cls, text, title) => el("span", {class: `tok ${cls}`, title}, text);
-  const lowp = el("input", {type: "checkbox", id: "mark-lowp", onchange: (e) => {
+  const lowp = el("input", {type: "checkbox", id: "mark-lowp", checked: state.markLowp, onchange: (e) => {
+    state.markLowp = e.target.checked;
     for (const t of document.querySelectorAll("#episode .tok[data-lowp]")) t.classList.toggle("lowp", e.target.checked);
   }});
+  const scored = r.segments.some((s) => s.trainer_logprobs && s.trainer_logprobs.some((v) => v !== null));
+  const entropy = r.segments.some((s) => s.trainer_entropy && s.trainer_entropy.some((v) => v !== null));
+  const scale = el("span", {class: "overlay-scale", id: "overlay-scale", hidden: !state.overlay || !scored});
+  const drawScale = () => {
+    const kind = state.overlay;
+    scale.hidden = !kind || !scored;
+    if (!kind) return;
+    const cap = kind === "gap" ? GAP_CAP : ENTROPY_CAP;
+    scale.replaceChildren(el("i", {class: "lo", style: `background:${overlayColour(kind, 0)}`}), "0",
+      el("i", {class: "hi", style: `background:${overlayColour(kind, cap)}`}), `≥ ${cap} nats`);
+  };
+  const overlay = el("select", {id: "overlay", disabled: !scored, title: scored ? "colour the sampled tokens the trainer scored" :
+    "this episode carries no trainer values (an evaluation, an episode not trained on, or a file written before the trainer's values were kept)",
+    onchange: (e) => {
+      state.overlay = e.target.value;
+      for (const t of document.querySelectorAll("#episode .tok[data-gap], #episode .tok[data-ent]")) paintOverlay(t);
+      drawScale();
+    }},
+    el("option", {value: "", text: "no overlay"}),
+    el("option", {value: "gap", text: "logprob gap |rollout − trainer|"}),
+    el("option", {value: "entropy", text: "trainer entropy", disabled: !entropy}));
+  overlay.value = scored ? state.overlay : "";
+  drawScale();
+  const onpolicy = Object.entries(r.onpolicy || {});
   return el("div", {class: "legend-bar"},
     sample("o-prompt m0", "prompt", "the first prompt: context, masked"),
     sample("o-sampled m1", "sampled, trained", "sampled by the policy and in the loss"),
@@ -333,7 +403,105 @@ function legendBar(r) {
     el("span", {class: "muted", text: r.trained ? "Underlined tokens are the ones trained on; everything else is masked." :
       "Nothing in this episode was trained on: every token is masked."}),
     el("label", {}, lowp, " mark unlikely samples (p < 5%)"),
+    el("label", {title: "where the trainer's logprob of a sampled token differs from the rollout's, training was off-policy on it"},
+      "off-policy overlay ", overlay), scale,
+    onpolicy.length ? el("span", {id: "onpolicy", title: "this step's on-policy check (metrics onpolicy/*)"}, "step's on-policy check: ",
+      onpolicy.map(([k, v], n) => [n ? " · " : "", `${k.slice("onpolicy/".length)} `, el("b", {text: fmt(v, 4)})])) : null,
   );
+}
+
+// A function that draws the next `n` tokens of a block into `box` (each call goes on where the
+// last stopped) and returns how many it has drawn in all. With `chunked` the tokens go into
+// `div.chunk`s of about CHUNK_TOKENS, cut after a newline where one comes soon (so no line is
+// broken in two), which the browser skips laying out while they are off screen.
+function tokenDrawer(r, block, box, chunked) {
+  let k = 0, j = 0, done = 0;  // segment, token in it, tokens drawn
+  let chunk = null, inChunk = 0;
+  return (n) => {
+    let left = n;
+    let frag = document.createDocumentFragment();
+    const flush = () => { (chunk || box).append(frag); frag = document.createDocumentFragment(); };
+    if (chunked && !chunk) { chunk = el("div", {class: "chunk"}); box.append(chunk); }
+    while (left > 0 && k < block.segments.length) {
+      const seg = block.segments[k];
+      if (j >= seg.ids.length) { k += 1; j = 0; continue; }
+      const span = tokenSpan(r, seg, j);
+      frag.append(span);
+      j += 1; done += 1; left -= 1; inChunk += 1;
+      if (chunked && inChunk >= CHUNK_TOKENS && (span.textContent.endsWith("\n") || inChunk >= 2 * CHUNK_TOKENS)) {
+        flush();
+        chunk = el("div", {class: "chunk"});
+        box.append(chunk);
+        inChunk = 0;
+      }
+    }
+    flush();
+    return done;
+  };
+}
+
+// Draw a folded block CHUNK_TOKENS at a time, one chunk per frame, so clicks and scrolling go on
+// meanwhile; stops when another episode is opened.
+function drawInChunks(draw, total, progress) {
+  const episode = state.record;
+  const step = () => {
+    if (state.record !== episode) return;
+    const done = draw(CHUNK_TOKENS);
+    progress(done);
+    if (done < total) setTimeout(step, 0);
+  };
+  setTimeout(step, 0);
+}
+
+function tokenSpan(r, seg, j) {
+  const i = seg.start + j;
+  const trained = r.trained && seg.origin === "sampled";
+  const pieces = seg.pieces;
+  const piece = pieces ? pieces[j] : `⟨${seg.ids[j]}⟩`;
+  const span = document.createElement("span");
+  span.className = `tok o-${seg.origin} ${trained ? "m1" : "m0"}`;
+  span.dataset.i = String(i);
+  span.dataset.origin = seg.origin;
+  span.dataset.mask = trained ? "1" : "0";
+  const t = {id: seg.ids[j], origin: seg.origin, turn: seg.turn, piece, lp: seg.logprobs ? seg.logprobs[j] : null,
+    version: seg.origin === "sampled" ? seg.version : null, trained, trainerLp: null, entropy: null};
+  if (seg.origin === "sampled") {
+    span.dataset.lp = String(seg.logprobs[j]);
+    span.dataset.v = String(seg.version);
+    if (seg.logprobs[j] < Math.log(0.05)) {
+      span.dataset.lowp = "";
+      if (state.markLowp) span.classList.add("lowp");
+    }
+    const tlp = seg.trainer_logprobs ? seg.trainer_logprobs[j] : null;
+    const ent = seg.trainer_entropy ? seg.trainer_entropy[j] : null;
+    if (tlp !== null && tlp !== undefined) {
+      t.trainerLp = tlp;
+      span.dataset.gap = String(Math.abs(seg.logprobs[j] - tlp));
+    }
+    if (ent !== null && ent !== undefined) {
+      t.entropy = ent;
+      span.dataset.ent = String(ent);
+    }
+    paintOverlay(span);
+  }
+  span.textContent = visible(piece);
+  state.tokens[i] = t;
+  return span;
+}
+
+// The off-policy overlay: a sampled token the trainer scored is tinted by its logprob gap
+// |rollout - trainer| (red) or by the policy's entropy there (blue); every other token is drawn plainly.
+function overlayColour(kind, value) {
+  const x = Math.min(Math.max(value / (kind === "gap" ? GAP_CAP : ENTROPY_CAP), 0), 1);
+  const hue = kind === "gap" ? 0 : 220;
+  return `hsl(${hue}, 85%, ${Math.round(96 - 46 * x)}%)`;
+}
+
+function paintOverlay(span) {
+  const kind = state.overlay;
+  const value = kind === "gap" ? span.dataset.gap : kind === "entropy" ? span.dataset.ent : undefined;
+  span.style.backgroundColor = value === undefined ? "" : overlayColour(kind, Number(value));
+  span.classList.toggle("overlaid", value !== undefined);
 }
 
 function renderBlock(r, block, turn) {
@@ -358,37 +526,35 @@ function renderBlock(r, block, turn) {
   const section = el("section", {class: `turn ${block.side}`, "data-turn": block.turn, "data-side": block.side},
     el("h3", {}, title[0], " ", el("span", {class: "muted", text: `· ${title[1]}`})));
   const box = el("div", {class: "tokens"});
-  const frag = document.createDocumentFragment();
-  for (const seg of block.segments) {
-    const pieces = seg.pieces || seg.ids.map((id) => `⟨${id}⟩`);
-    seg.ids.forEach((id, j) => {
-      const i = seg.start + j;
-      const trained = r.trained && seg.origin === "sampled";
-      const span = document.createElement("span");
-      span.className = `tok o-${seg.origin} ${trained ? "m1" : "m0"}`;
-      span.dataset.i = String(i);
-      span.dataset.origin = seg.origin;
-      span.dataset.mask = trained ? "1" : "0";
-      if (seg.origin === "sampled") {
-        span.dataset.lp = String(seg.logprobs[j]);
-        span.dataset.v = String(seg.version);
-        if (seg.logprobs[j] < Math.log(0.05)) span.dataset.lowp = "";
-      }
-      span.textContent = visible(pieces[j]);
-      state.tokens[i] = {id, origin: seg.origin, turn: seg.turn, piece: pieces[j], lp: seg.logprobs ? seg.logprobs[j] : null,
-        version: seg.origin === "sampled" ? seg.version : null, trained};
-      frag.append(span);
-    });
-  }
-  box.append(frag);
   section.append(box);
-  if (block.side === "prompt" && nTokens > 120) {
-    // The prompt is the same for a whole group: folded, so the turns are what one sees first.
-    box.classList.add("folded");
-    section.querySelector("h3").append(el("button", {type: "button", class: "unfold", onclick: (e) => {
-      const folded = box.classList.toggle("folded");
-      e.target.textContent = folded ? "show all" : "fold";
-    }, text: "show all"}));
+  const draw = tokenDrawer(r, block, box, nTokens > FOLD_TOKENS);
+  if (nTokens > FOLD_TOKENS) {
+    // Half a million spans freeze the page for most of a minute: draw a preview, the rest on demand.
+    const nChars = block.segments.reduce((n, s) => n + (s.pieces ? s.pieces.reduce((m, p) => m + p.length, 0) : 0), 0);
+    draw(PREVIEW_TOKENS);
+    const rest = nTokens - PREVIEW_TOKENS;
+    const label = `${rest.toLocaleString("en")} more tokens (${nTokens.toLocaleString("en")} tokens, ${nChars.toLocaleString("en")} characters in all)`;
+    const button = el("button", {type: "button", class: "unfold", text: `show all: ${label}`});
+    const bar = el("div", {class: "fold"}, el("span", {class: "muted", text: "folded · "}), button);
+    button.addEventListener("click", () => {
+      button.disabled = true;
+      drawInChunks(draw, nTokens, (done) => {
+        button.textContent = done >= nTokens ? "" : `drawing… ${done.toLocaleString("en")} of ${nTokens.toLocaleString("en")} tokens`;
+        if (done >= nTokens) bar.remove();
+      });
+    });
+    section.dataset.folded = String(nTokens);
+    section.append(bar);
+  } else {
+    draw(nTokens);
+    if (block.side === "prompt" && nTokens > 120) {
+      // The prompt is the same for a whole group: folded, so the turns are what one sees first.
+      box.classList.add("folded");
+      section.querySelector("h3").append(el("button", {type: "button", class: "unfold", onclick: (e) => {
+        const folded = box.classList.toggle("folded");
+        e.target.textContent = folded ? "show all" : "fold";
+      }, text: "show all"}));
+    }
   }
   if (turn && block.side === "assistant" && turn.assistant && turn.assistant.tool_calls && turn.assistant.tool_calls.length) {
     section.append(el("div", {class: "calls"}, turn.assistant.tool_calls.map((c) => {
@@ -416,6 +582,10 @@ function tokenTip(t, i) {
   if (t.origin === "sampled") {
     lines.push(`sampled by policy v${t.version}`);
     lines.push(`rollout logprob ${t.lp.toFixed(4)} (p = ${Math.exp(t.lp).toFixed(3)})`);
+    if (t.trainerLp !== null) {
+      lines.push(`trainer logprob ${t.trainerLp.toFixed(4)} · gap |rollout − trainer| ${Math.abs(t.lp - t.trainerLp).toFixed(4)}`);
+    } else lines.push("no trainer logprob (not scored by the trainer, or not kept)");
+    if (t.entropy !== null) lines.push(`trainer entropy ${t.entropy.toFixed(4)}`);
   } else lines.push({prompt: "prompt", template: "chat template", tool: "tool / environment output"}[t.origin]);
   lines.push(t.trained ? "in the loss (trained)" : "masked: not in the loss");
   lines.push(JSON.stringify(t.piece));
@@ -445,6 +615,13 @@ async function showCurves() {
   state.episodeIndex = -1;
   for (const row of document.querySelectorAll("#episodes tr.row.selected")) row.classList.remove("selected");
   writeHash();
+  if (state.run.kind === "waiting" || (!state.run.has_metrics && !state.run.sources.length)) {
+    box.replaceChildren(el("div", {class: "empty-note", id: "waiting"},
+      el("h2", {text: "Waiting for the run to write its first step…"}),
+      el("p", {text: `Nothing to look at in ${state.run.path} yet${state.run.kind === "waiting" ? " (it holds only what a run writes as it starts)" : ""}. ` +
+        `This page looks again every ${WATCH_MS / 1000} s and fills in as the run writes its curves and kept episodes; there is no need to reload it.`})));
+    return;
+  }
   if (!state.run.has_metrics) {
     box.replaceChildren(el("p", {class: "empty-note", text: state.sourceId ?
       "Pick an episode on the left to see its turns and tokens." :
@@ -543,6 +720,7 @@ async function start() {
   const first = sources.find((s) => s.id === want.source) || sources.filter((s) => s.kind === "train").pop() || sources[0];
   await selectSource(first ? first.id : "", first && first.id === want.source ? want.episode : -1);
   document.body.dataset.ready = "1";
+  if (state.run.kind === "waiting" || !sources.length) await watchRun();
 }
 
 start().catch((err) => {

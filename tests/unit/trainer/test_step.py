@@ -615,3 +615,47 @@ def test_the_backend_table_matches_the_config_and_an_unknown_name_lists_the_know
     with pytest.raises(UnknownNameError, match=r"Did you mean 'fsdp2'\? Known backends: fsdp2, megatron\.") as info:
         make_backend(config)
     assert info.value.suggestions == ["fsdp2"]
+
+
+@needs_model
+@pytest.mark.parametrize("score_in_update", [True, False])
+def test_the_step_returns_the_trainers_logprob_and_entropy_of_each_trained_token(score_in_update):
+    """What a run stores beside the rollout's logprobs of the episodes it keeps: the old logprob the
+    loss used (scored in the update or by a separate pass) and the policy's entropy, on the loss's
+    tokens only, as long as each ledger; an infra-failed trajectory is not among them."""
+    from agentrl.trainer.packing import pad_trajectories
+    from agentrl.trainer.step import train_step_with_tokens
+
+    batch = toy_batch()
+    batch.insert(2, make_traj([1, 2, 3], [X, X], reward=0.0, group="p0", fault="infra"))
+    trainable = [t for t in batch if t.trainable]
+    expected = fsdp2().compute_logprobs(trainable)  # the same initial weights, before any update
+    metrics, tokens = train_step_with_tokens(fsdp2(), batch, AlgorithmConfig(rollout_is="tis"),
+                                             TrainerConfig(score_in_update=score_in_update))
+    assert tokens is not None and metrics["batch/scored_in_update"] == float(score_in_update)
+    assert [id(t) for t in tokens.trained] == [id(t) for t in trainable]
+    mask = pad_trajectories(trainable).loss_mask
+    entropies = []
+    for i, t in enumerate(trainable):
+        logprobs, entropy = tokens.of(i)
+        assert entropy is not None and len(logprobs) == len(entropy) == len(t.token_ids)
+        sampled = [o == int(TokenOrigin.SAMPLED) for o in t.origins]
+        assert [v is not None for v in logprobs] == sampled == [v is not None for v in entropy]
+        want = [expected[i, j - 1].item() for j in range(len(t.token_ids)) if sampled[j]]
+        assert [v for v in logprobs if v is not None] == pytest.approx(want, abs=1e-5)
+        assert all(v is not None and v > 0 for v, s in zip(entropy, sampled, strict=True) if s)
+        entropies += [v for v in entropy if v is not None]
+    assert len(entropies) == int(mask.sum().item())
+    # The entropy is the one the step reports, token by token: its mean is the step's actor/entropy.
+    assert sum(entropies) / len(entropies) == pytest.approx(metrics["actor/entropy"], rel=1e-4)
+
+
+@needs_model
+def test_the_entropy_is_left_out_when_the_update_takes_several_steps():
+    from agentrl.trainer.step import train_step_with_tokens
+
+    _, tokens = train_step_with_tokens(fsdp2(), toy_batch(), AlgorithmConfig(rollout_is="tis"),
+                                       TrainerConfig(mini_batches=2, score_in_update=False))
+    assert tokens is not None and tokens.entropy is None
+    logprobs, entropy = tokens.of(0)
+    assert entropy is None and sum(v is not None for v in logprobs) == tokens.trained[0].num_sampled
