@@ -80,7 +80,10 @@ def test_every_config_field_is_read_by_run_or_eval(tmp_path: Path, vllm_server, 
           "run.total_steps=2", "run.eval_every=0"], trace, tmp_path)
     # C: an offline evaluation of an env that runs code (the run's sandbox and tool deadline reach
     # it) on dataset files (read with data.skip_bad_rows).
-    _run(["eval", *common, "env=retool", f"inference.urls=[{vllm_server.url}]", "eval.max_rows=2",
+    # (retool's prompt, with its worked examples, is about 265 tokens: it needs a larger budget than
+    # the parity runs' 128, or pre-flight refuses every row as too long.)
+    _run(["eval", *common, "env=retool", "rollout.max_total_tokens=640", f"inference.urls=[{vllm_server.url}]",
+          "eval.max_rows=2",
           f"data.val_files=[{DATA / 'gsm8k.jsonl'}]", "data.skip_bad_rows=true", "rollout.tool_timeout_s=20",
           "sandbox.kwargs.pool_size=1", f"eval.output_dir={tmp_path / 'eval'}"], trace, tmp_path)
 
