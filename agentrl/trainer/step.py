@@ -95,7 +95,8 @@ def train_step(
     metrics["batch/scored_in_update"] = float(in_update)
     metrics.update(kept_set_metrics(trajs))
     rule = kept_rule if kept_rule is not None and kept_rule.truncates else None
-    old_logprobs = None if in_update else backend.compute_logprobs(trajs, temperature=temperature, kept_rule=rule)
+    rule_arg = {"kept_rule": rule} if rule is not None else {}
+    old_logprobs = None if in_update else backend.compute_logprobs(trajs, temperature=temperature, **rule_arg)
     ref_logprobs = backend.compute_ref_logprobs(trajs, temperature=temperature) if algorithm.kl_coef > 0 else None
 
     rewards, kl = _kl_in_reward(scores, old_logprobs, ref_logprobs, layout.loss_mask, algorithm, kl_coef, metrics)
