@@ -24,7 +24,8 @@ New weights arrive as an iterable of `(name, tensor)` under Hugging Face names (
 checksummed stream of the in-process checkpoint engine) and are loaded with vLLM's in-place
 `reload_weights(weights_iterator=...)` plus the CPU GEMM re-packing `vllm_worker` explains; a name
 the checkpoint has and the stream lacked is an error. The prefix cache is not reset after a load:
-prompts carry their weight version as `cache_salt` (as in `vllm_server`), so old KV never matches;
+prompts carry their weight version and load count as `cache_salt` (as in `vllm_server`), so old KV
+never matches;
 the reset that stays is the CPU `sleep`'s, which frees the cache's storage and preempts running
 requests (recomputed on wake). `ColocatedServer` wraps the engine in the
 server contract every agentrl server keeps (`server_app.ServerState`: pause, resume, weight
@@ -142,6 +143,8 @@ class InProcessVLLM(ServerEngine):
         self._weights: list[tuple[Any, int]] = []
         self._cache_queries = 0
         self._cache_hits = 0
+        self.weight_loads = 0
+        """Weight loads begun (failed ones too): part of every request's prefix-cache salt."""
 
     # ── lifecycle ───────────────────────────────────────────────────────────────────────────
     def start_blocking(self) -> None:
@@ -266,6 +269,7 @@ class InProcessVLLM(ServerEngine):
         from vllm.sampling_params import RequestOutputKind
 
         from agentrl.inference.vllm_server import (
+            cache_salt,
             generate_response,
             kept_set_cap,
             salted_prompt,
@@ -277,11 +281,11 @@ class InProcessVLLM(ServerEngine):
         params = sampling_params(request)
         params.output_kind = RequestOutputKind.FINAL_ONLY  # no per-step outputs to build and discard
         request_id = f"{request.session_id or 'anon'}-{uuid.uuid4().hex[:12]}"
-        prompt = salted_prompt(request.prompt_ids, version)
         done: Future[Any] = Future()
 
-        def add() -> None:
+        def add() -> None:  # on the engine thread, so no load can come between the salt and the request
             self._waiting[request_id] = done
+            prompt = salted_prompt(request.prompt_ids, cache_salt(version, self.weight_loads))
             self._engine.add_request(request_id, prompt, params)
 
         await self._call(add)
@@ -391,6 +395,7 @@ class InProcessVLLM(ServerEngine):
         if self._engine.has_unfinished_requests() and not self.asleep:
             raise InferenceError("weights cannot be loaded while requests are running; pause the server first")
         start = time.perf_counter()
+        self.weight_loads += 1  # requests added from now on are salted anew (`vllm_server.cache_salt`)
         if self.weights_released:
             if self.on_gpu:
                 self._engine.wake_up(tags=["weights"])

