@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from agentrl.config import AlgorithmConfig, TrainerConfig
-from agentrl.errors import ConfigError
+from agentrl.errors import ConfigError, TrainerError
 from agentrl.inference.kept_set import KeptSetRule
 from agentrl.registry import ADVANTAGE_ESTIMATORS
 from agentrl.trainer import algos
@@ -95,6 +95,8 @@ def train_step(
     metrics["batch/scored_in_update"] = float(in_update)
     metrics.update(kept_set_metrics(trajs))
     rule = kept_rule if kept_rule is not None and kept_rule.truncates else None
+    if rule is not None:
+        _check_kept_sets_recorded(trajs, rule)
     rule_arg = {"kept_rule": rule} if rule is not None else {}
     old_logprobs = None if in_update else backend.compute_logprobs(trajs, temperature=temperature, **rule_arg)
     ref_logprobs = backend.compute_ref_logprobs(trajs, temperature=temperature) if algorithm.kl_coef > 0 else None
@@ -141,6 +143,19 @@ def kept_set_metrics(trajectories: Sequence[Trajectory]) -> dict[str, float]:
     if recorded:
         out["onpolicy/kept_set_size_mean"] = sum(recorded) / len(recorded)
     return out
+
+
+def _check_kept_sets_recorded(trajs: list[Trajectory], rule: KeptSetRule) -> None:
+    """Truncated sampling whose kept sets did not come back cannot be scored without bias: stop."""
+    missing = [t for t in trajs if t.num_sampled and not t.kept_sets]
+    if missing:
+        raise TrainerError(
+            f"{len(missing)} of {len(trajs)} trajectories were sampled with truncation ({rule}) but record "
+            f"no kept sets (episode '{missing[0].episode_id}'), so their tokens cannot be scored under the "
+            "distribution they were drawn from. Serve with an engine that returns kept sets "
+            "(inference.engine=vllm or hf, agentrl's own servers), or train with rollout.top_p=1.0 "
+            "rollout.top_k=0 rollout.min_p=0.0."
+        )
 
 
 # ── stages ──────────────────────────────────────────────────────────────────────────────────────

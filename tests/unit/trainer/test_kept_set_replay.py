@@ -146,3 +146,25 @@ def test_disagreement_counts_tokens_outside_the_trainers_own_kept_set(backend) -
     backend.compute_logprobs(trajs, temperature=1.0, kept_rule=KeptSetRule(top_k=1))
     assert backend.take_kept_set_disagreement() == 0.5
     assert backend.take_kept_set_disagreement() is None  # taken: nothing measured since
+
+
+def test_a_training_step_reports_kept_sets_and_refuses_a_truncated_rollout_without_them(engine, backend) -> None:
+    # Last in this module: it takes an optimizer step on the shared backend.
+    from agentrl.errors import TrainerError
+    from agentrl.trainer.step import train_step
+
+    truncation = {"top_p": 0.9, "top_k": 20, "min_p": 0.05}
+    spec = SamplingSpec(temperature=0.7, max_tokens=8, stop_token_ids=[], max_kept_set=128, **truncation)
+    trajs = rollout(engine, spec)
+    for i, t in enumerate(trajs):
+        t.reward, t.group_id, t.episode_id = float(i), "g", f"e{i}"
+    rule = KeptSetRule(**truncation)
+    lost = [dataclasses.replace(t, kept_sets=[]) for t in trajs]
+    with pytest.raises(TrainerError, match="record no kept sets"):
+        train_step(backend, lost, AlgorithmConfig(), TrainerConfig(), temperature=0.7, kept_rule=rule)
+    metrics = train_step(backend, trajs, AlgorithmConfig(), TrainerConfig(), temperature=0.7, kept_rule=rule)
+    sizes = [len(k) for t in trajs for k in t.kept_sets]
+    assert metrics["onpolicy/kept_set_size_mean"] == pytest.approx(sum(sizes) / len(sizes))
+    assert metrics["onpolicy/kept_set_overflow"] == 0.0
+    assert metrics["onpolicy/kept_set_disagreement"] == 0.0
+    assert metrics["actor/updates"] == 1.0
