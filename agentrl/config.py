@@ -185,7 +185,7 @@ class RolloutConfig(_Section):
     max_kept_set: int = Field(128, ge=1, le=1024)
     """Most members of a kept set the engine records per sampled token. A token drawn from a larger
     set (often with `top_p` alone on a flat distribution) is recorded as overflowed, counted
-    (`rollout/kept_set_overflow`) and masked out of the loss, never scored over the full
+    (`onpolicy/kept_set_overflow`) and masked out of the loss, never scored over the full
     vocabulary. Larger values cost trajectory storage and engine time (vLLM returns that many
     logprobs per token); `top_k` bounds the set by construction."""
     episode_timeout_s: float = Field(600.0, gt=0)
