@@ -101,7 +101,7 @@ class GenerateResponse(_Wire):
     token_ids: list[int]
     logprobs: list[float]
     """Logprob of each sampled token under the distribution it was drawn from: logits / temperature
-    (unscaled for greedy), after top-k/top-p truncation. See `hf_server` for the convention."""
+    (unscaled for greedy), after min-p/top-k/top-p truncation. See `hf_server` for the convention."""
     finish_reason: Literal["stop", "length", "abort"]
     weight_version: int
     kept_sets: list[list[int]] | None = None
