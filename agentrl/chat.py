@@ -562,6 +562,7 @@ class ConversationTokenizer:
             self.turn,
             logprobs=generation.logprobs,
             version=generation.weight_version,
+            kept_sets=generation.kept_sets,
         )
         if message is None:
             text = self.template.tokenizer.decode(generation.token_ids, skip_special_tokens=True)

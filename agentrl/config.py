@@ -174,7 +174,20 @@ class RolloutConfig(_Section):
     temperature: float = Field(1.0, ge=0.0)
     """Sampling temperature (the trainer computes logprobs at the same temperature)."""
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    """Nucleus sampling mass."""
+    """Nucleus sampling mass (1.0: off). Below 1, each sampled token's kept set is recorded and the
+    trainer scores it over that set, renormalised (docs/on-policy-sampling.md); the engine must be
+    one that returns kept sets (`vllm`, `hf`), never `sglang` or `external`."""
+    top_k: int = Field(0, ge=0)
+    """Sample from the k most likely tokens only (0: off). Replayed like `top_p`."""
+    min_p: float = Field(0.0, ge=0.0, lt=1.0)
+    """Drop tokens whose probability is below `min_p` times the most likely token's (0.0: off),
+    applied after the temperature, before top-k and top-p (vLLM's order). Replayed like `top_p`."""
+    max_kept_set: int = Field(128, ge=1, le=1024)
+    """Most members of a kept set the engine records per sampled token. A token drawn from a larger
+    set (often with `top_p` alone on a flat distribution) is recorded as overflowed, counted
+    (`onpolicy/kept_set_overflow`) and masked out of the loss, never scored over the full
+    vocabulary. Larger values cost trajectory storage and engine time (vLLM returns that many
+    logprobs per token); `top_k` bounds the set by construction."""
     episode_timeout_s: float = Field(600.0, gt=0)
     """Wall-clock budget of one episode; it ends as `timeout` after that."""
     request_timeout_s: float = Field(300.0, gt=0)

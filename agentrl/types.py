@@ -41,6 +41,7 @@ __all__ = [
     "final_segments",
     "is_final_segment",
     "is_first_segment",
+    "truncates_vocabulary",
 ]
 
 Role = Literal["system", "user", "assistant", "tool"]
@@ -150,9 +151,23 @@ class ExecResult:
         return self.exit_code == 0 and self.killed_reason is None
 
 
+def truncates_vocabulary(temperature: float, top_p: float, top_k: int, min_p: float) -> bool:
+    """Whether these settings sample from fewer tokens than the whole vocabulary (so the tokens
+    kept, the *kept set*, must be recorded for the trainer to score under the same distribution).
+    Greedy decoding (temperature 0) keeps one token and is never replayed: the trainer cannot
+    score at temperature 0."""
+    return temperature > 0 and (top_p < 1.0 or top_k > 0 or min_p > 0.0)
+
+
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
-    """How a server samples one generation."""
+    """How a server samples one generation.
+
+    The kept set of a sampled token is the set of tokens it was drawn from: temperature first, then
+    `min_p`, `top_k` and `top_p` (vLLM's order; `agentrl.inference.kept_set`). When the settings
+    truncate the vocabulary, a server answers each token's kept set (up to `max_kept_set` members;
+    a larger one is reported as overflowed) so the trainer can replay it.
+    """
 
     temperature: float = 1.0
     top_p: float = 1.0
@@ -162,14 +177,25 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     seed: int | None = None
     logprobs: bool = True
+    min_p: float = 0.0
+    max_kept_set: int = 128
 
     def __post_init__(self) -> None:
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not 0 <= self.min_p < 1:
+            raise ValueError(f"min_p must be in [0, 1), got {self.min_p}")
+        if self.max_kept_set < 1:
+            raise ValueError(f"max_kept_set must be >= 1, got {self.max_kept_set}")
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+
+    @property
+    def truncates(self) -> bool:
+        """Whether tokens are drawn from a kept set smaller than the vocabulary."""
+        return truncates_vocabulary(self.temperature, self.top_p, self.top_k, self.min_p)
 
 
 @dataclass(frozen=True, slots=True)
@@ -178,7 +204,9 @@ class Generation:
 
     `finish_reason` is "stop" (EOS or stop sequence), "length" (max_tokens) or "abort" (the server
     cancelled the request, e.g. for a weight update). `weight_version` is the policy version of
-    the weights that sampled these tokens.
+    the weights that sampled these tokens. `kept_sets` is None when the sampling kept the whole
+    vocabulary, else one sorted list of token ids per sampled token: the set it was drawn from, or
+    `[]` when that set was larger than the request's `max_kept_set` (overflowed, not recorded).
     """
 
     token_ids: list[int]
@@ -186,11 +214,16 @@ class Generation:
     finish_reason: Literal["stop", "length", "abort"]
     weight_version: int = 0
     server_id: str = ""
+    kept_sets: list[list[int]] | None = None
 
     def __post_init__(self) -> None:
         if self.logprobs and len(self.logprobs) != len(self.token_ids):
             raise ValueError(
                 f"Generation has {len(self.token_ids)} tokens but {len(self.logprobs)} logprobs"
+            )
+        if self.kept_sets is not None and len(self.kept_sets) != len(self.token_ids):
+            raise ValueError(
+                f"Generation has {len(self.token_ids)} tokens but {len(self.kept_sets)} kept sets"
             )
 
 
@@ -297,6 +330,11 @@ class Trajectory:
     "model" errors are the policy's own and are trained on.
 
     `segment` is set when the episode was recorded as several trajectories (`Segment`), else None.
+
+    `kept_sets` holds, for each sampled token in ledger order, the sorted ids of the kept set it was
+    drawn from (`Generation.kept_sets`; `[]`: the set overflowed the cap and was not recorded, and
+    the trainer masks that token out of the loss). It is empty when the rollout kept the whole
+    vocabulary: then nothing is stored and the trainer scores over the whole vocabulary.
     """
 
     token_ids: list[int] = field(default_factory=list)
@@ -315,6 +353,7 @@ class Trajectory:
     metrics: dict[str, float] = field(default_factory=dict)
     info: dict[str, Any] = field(default_factory=dict)
     segment: Segment | None = None
+    kept_sets: list[list[int]] = field(default_factory=list)
 
     # ── building ────────────────────────────────────────────────────────────────────────────
     def extend(
@@ -326,8 +365,11 @@ class Trajectory:
         version: int = -1,
         *,
         ints: bool = False,
+        kept_sets: Sequence[Sequence[int]] | None = None,
     ) -> None:
-        """Append tokens of one origin. Sampled tokens need their logprobs and policy version.
+        """Append tokens of one origin. Sampled tokens need their logprobs and policy version, and
+        their kept sets when the rollout truncated the vocabulary (all sampled tokens of a ledger
+        have one, or none does).
 
         Ids are converted to Python ints (servers and tensors hand out numpy integers); `ints=True`
         says they are ints already (agentrl's own tokenisation), which skips the conversion.
@@ -339,16 +381,37 @@ class Trajectory:
                 raise ValueError(f"{n} sampled tokens need {n} rollout logprobs, got {got}")
             if version < 0:
                 raise ValueError(f"sampled tokens need a policy version >= 0, got {version}")
+            if n:
+                self._extend_kept_sets(n, kept_sets)
             self.logprobs.extend(map(float, logprobs))
             self.versions.extend([version] * n)
         else:
-            if logprobs is not None:
-                raise ValueError(f"only sampled tokens carry logprobs, not {origin.name} tokens")
+            if logprobs is not None or kept_sets is not None:
+                raise ValueError(f"only sampled tokens carry logprobs and kept sets, not {origin.name} tokens")
             self.logprobs.extend([0.0] * n)
             self.versions.extend([-1] * n)
         self.token_ids.extend(token_ids if ints else map(int, token_ids))
         self.origins.extend([int(origin)] * n)
         self.turns.extend([turn] * n)
+
+    def _extend_kept_sets(self, n: int, kept_sets: Sequence[Sequence[int]] | None) -> None:
+        had_sampled = self.num_sampled > 0
+        if kept_sets is None:
+            if self.kept_sets:
+                raise ValueError(f"{n} sampled tokens come without kept sets, but this ledger records them; "
+                                 "every generation of an episode must be sampled with the same settings")
+            return
+        if len(kept_sets) != n:
+            raise ValueError(f"{n} sampled tokens need {n} kept sets, got {len(kept_sets)}")
+        if had_sampled and not self.kept_sets:
+            raise ValueError("sampled tokens with kept sets follow tokens sampled without; every "
+                             "generation of an episode must be sampled with the same settings")
+        self.kept_sets.extend([int(t) for t in kept] for kept in kept_sets)
+
+    @property
+    def kept_set_overflows(self) -> int:
+        """Sampled tokens whose kept set overflowed the cap (stored as `[]`, masked out of the loss)."""
+        return sum(1 for kept in self.kept_sets if not kept)
 
     # ── views ───────────────────────────────────────────────────────────────────────────────
     def __len__(self) -> int:
@@ -409,6 +472,16 @@ class Trajectory:
                 raise ValueError(f"non-sampled token {i} carries version {v} or logprob {lp}")
         if any(b < a for a, b in zip(self.turns, self.turns[1:], strict=False)):
             raise ValueError("turn numbers must never decrease along the ledger")
+        if self.kept_sets:
+            self._validate_kept_sets()
+
+    def _validate_kept_sets(self) -> None:
+        sampled = [t for t, o in zip(self.token_ids, self.origins, strict=True) if o == int(TokenOrigin.SAMPLED)]
+        if len(self.kept_sets) != len(sampled):
+            raise ValueError(f"ledger has {len(sampled)} sampled tokens but {len(self.kept_sets)} kept sets")
+        for k, (token, kept) in enumerate(zip(sampled, self.kept_sets, strict=True)):
+            if kept and token not in kept:
+                raise ValueError(f"sampled token {k} (id {token}) is not in its own kept set")
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)

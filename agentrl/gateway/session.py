@@ -237,7 +237,8 @@ class GatewaySession:
     async def _generate(self, prompt: list[int], request: ChatRequest, cap: int) -> Generation:
         backend, cfg = self.backend, self.backend.config
         budget = min(cap, request.max_tokens or cap)
-        sampling = SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p, max_tokens=budget,
+        sampling = SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k, min_p=cfg.min_p,
+                                  max_kept_set=cfg.max_kept_set, max_tokens=budget,
                                   stop_token_ids=backend.stop_token_ids, seed=request.seed)
         timeout = min(cfg.request_timeout_s, self.time_left())
         if timeout <= 0:
@@ -269,12 +270,14 @@ class GatewaySession:
     ) -> Completion:
         backend = self.backend
         ids, logprobs, finish = list(generation.token_ids), list(generation.logprobs), generation.finish_reason
+        kept = generation.kept_sets
         text: str | None = None
         if request.stop:
             cut = _cut_at_stop(backend.template, ids, request.stop)
             if cut is not None:
                 k, text = cut
                 ids, logprobs, finish = ids[:k], logprobs[:k], "stop"
+                kept = kept[:k] if kept is not None else None
         if text is None:
             text = backend.template.decode_turn(ids)
         action = backend.parser.parse(text) if request.parse_tools else Action(text.strip())
@@ -292,7 +295,7 @@ class GatewaySession:
                 self._check(seg)
         seg.turn += 1
         seg.trajectory.extend(ids, TokenOrigin.SAMPLED, seg.turn, logprobs=logprobs,
-                              version=generation.weight_version)
+                              version=generation.weight_version, kept_sets=kept)
         message = assistant_message(action.text, action.tool_calls)
         seg.trajectory.messages.append(message)
         seg.keys.append(message_key(message))

@@ -23,7 +23,11 @@ Trainer and engine take turns on the memory (`sleep` before the trainer updates,
 New weights arrive as an iterable of `(name, tensor)` under Hugging Face names (the caller hands a
 checksummed stream of the in-process checkpoint engine) and are loaded with vLLM's in-place
 `reload_weights(weights_iterator=...)` plus the CPU GEMM re-packing `vllm_worker` explains; a name
-the checkpoint has and the stream lacked is an error. `ColocatedServer` wraps the engine in the
+the checkpoint has and the stream lacked is an error. The prefix cache is not reset after a load:
+prompts carry their weight version and load count as `cache_salt` (as in `vllm_server`), so old KV
+never matches;
+the reset that stays is the CPU `sleep`'s, which frees the cache's storage and preempts running
+requests (recomputed on wake). `ColocatedServer` wraps the engine in the
 server contract every agentrl server keeps (`server_app.ServerState`: pause, resume, weight
 version, health, counters) and adds `sleep`, `wake` and `weight_update`. The trainer actor hosts
 it (`orchestration.trainer_group`); the router reaches it with `colocated_client.ColocatedClient`.
@@ -46,7 +50,13 @@ from pathlib import Path
 from typing import Any
 
 from agentrl.errors import InferenceError
-from agentrl.inference.protocol import GenerateRequest, GenerateResponse, HealthResponse, WeightLoadReport
+from agentrl.inference.protocol import (
+    MAX_KEPT_SET,
+    GenerateRequest,
+    GenerateResponse,
+    HealthResponse,
+    WeightLoadReport,
+)
 from agentrl.inference.server_app import ServerEngine, ServerState, WeightLoadError, weight_load_report
 
 __all__ = ["ColocatedServer", "InProcessVLLM", "trim_heap"]
@@ -111,7 +121,8 @@ class InProcessVLLM(ServerEngine):
         self.engine_kwargs: dict[str, Any] = {
             "model": model_path, "enforce_eager": enforce_eager, "enable_prefix_caching": prefix_caching,
             "max_model_len": max_model_len, "dtype": dtype, "seed": seed,
-            "logprobs_mode": "processed_logprobs", "gpu_memory_utilization": gpu_memory_utilization,
+            "logprobs_mode": "processed_logprobs", "max_logprobs": MAX_KEPT_SET + 1,
+            "gpu_memory_utilization": gpu_memory_utilization,
             "distributed_executor_backend": "uni", "disable_log_stats": True,
             "trust_remote_code": trust_remote_code,
         }  # fmt: skip
@@ -132,6 +143,8 @@ class InProcessVLLM(ServerEngine):
         self._weights: list[tuple[Any, int]] = []
         self._cache_queries = 0
         self._cache_hits = 0
+        self.weight_loads = 0
+        """Weight loads begun (failed ones too): part of every request's prefix-cache salt."""
 
     # ── lifecycle ───────────────────────────────────────────────────────────────────────────
     def start_blocking(self) -> None:
@@ -257,18 +270,24 @@ class InProcessVLLM(ServerEngine):
     async def generate(self, request: GenerateRequest, version: int) -> GenerateResponse:
         from vllm.sampling_params import RequestOutputKind
 
-        from agentrl.inference.vllm_server import engine_prompt, generate_response, sampling_params
+        from agentrl.inference.vllm_server import (
+            cache_salt,
+            engine_prompt,
+            generate_response,
+            kept_set_cap,
+            sampling_params,
+        )
 
         if self.broken is not None:
             raise InferenceError(f"the colocated vLLM engine failed earlier: {self.broken!r}")
         params = sampling_params(request)
         params.output_kind = RequestOutputKind.FINAL_ONLY  # no per-step outputs to build and discard
         request_id = f"{request.session_id or 'anon'}-{uuid.uuid4().hex[:12]}"
-        prompt = engine_prompt(request.prompt_ids)
         done: Future[Any] = Future()
 
-        def add() -> None:
+        def add() -> None:  # on the engine thread, so no load can come between the salt and the request
             self._waiting[request_id] = done
+            prompt = engine_prompt(request.prompt_ids, cache_salt(version, self.weight_loads))
             self._engine.add_request(request_id, prompt, params)
 
         await self._call(add)
@@ -280,7 +299,7 @@ class InProcessVLLM(ServerEngine):
         if final is not None and final.num_cached_tokens is not None:
             self._cache_queries += len(request.prompt_ids)
             self._cache_hits += final.num_cached_tokens
-        return generate_response(final, version, aborted=final is None)
+        return generate_response(final, version, aborted=final is None, max_kept_set=kept_set_cap(request))
 
     def _abort(self, request_ids: list[str]) -> None:
         self._engine.abort_request(request_ids)
@@ -378,6 +397,7 @@ class InProcessVLLM(ServerEngine):
         if self._engine.has_unfinished_requests() and not self.asleep:
             raise InferenceError("weights cannot be loaded while requests are running; pause the server first")
         start = time.perf_counter()
+        self.weight_loads += 1  # requests added from now on are salted anew (`vllm_server.cache_salt`)
         if self.weights_released:
             if self.on_gpu:
                 self._engine.wake_up(tags=["weights"])
@@ -403,7 +423,9 @@ class InProcessVLLM(ServerEngine):
             raise InferenceError(f"The weight push lacked {len(missing)} tensor(s) the model has "
                                  f"({', '.join(missing[:8])}); the colocated engine cannot serve until a "
                                  "complete push arrives.")
-        self._engine.reset_prefix_cache()  # its entries hold the old weights' keys and values
+        # No prefix-cache reset: prompts are salted with their weight version (`engine_prompt`), so
+        # KV cached under the old weights is never matched again. (`_sleep` on CPU still resets it:
+        # it frees the KV storage those entries point into.)
         self.phase_s["load_s"] = time.perf_counter() - start
         return len(received)
 

@@ -7,9 +7,10 @@ to be correct and easy to read, not fast, and it is not the default engine (vLLM
 
 Logprob convention (the same for every agentrl server): the logprob reported for a sampled token is
 its logprob under the distribution it was actually drawn from: `log_softmax(logits / temperature)`
-restricted to the top-k / top-p set and renormalised over it. With the RL defaults (top_p=1,
-top_k=-1) that is exactly `log_softmax(logits / temperature)[token]` over the full vocabulary,
-which is what a trainer recomputes at the same temperature. With temperature 0 (greedy) the
+restricted to the kept set (min-p, top-k, top-p, in vLLM's order: `agentrl.inference.kept_set`)
+and renormalised over it; the kept set of each token is answered too (`kept_sets`), so the
+trainer replays it. With the RL defaults (top_p=1, top_k off, min_p=0) that is exactly
+`log_softmax(logits / temperature)[token]` over the full vocabulary and no kept set is sent. With temperature 0 (greedy) the
 logits are not scaled. vLLM reports the same quantity with `logprobs_mode="processed_logprobs"`.
 
 Seeds are honoured: the same prompt, sampling parameters and seed give the same tokens. Generation
@@ -28,6 +29,7 @@ from typing import Any
 import torch
 
 from agentrl.errors import ConfigError
+from agentrl.inference.kept_set import kept_mask, kept_sets_of
 from agentrl.inference.protocol import GenerateRequest, GenerateResponse, WeightLoadReport
 from agentrl.inference.server_app import (
     ServerEngine,
@@ -36,6 +38,7 @@ from agentrl.inference.server_app import (
     server_arg_parser,
     weight_load_report,
 )
+from agentrl.types import truncates_vocabulary
 
 __all__ = ["HFEngine", "main", "sample_token"]
 
@@ -43,25 +46,23 @@ _DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "
 
 
 def sample_token(
-    logits: torch.Tensor, temperature: float, top_p: float, top_k: int, generator: torch.Generator | None
-) -> tuple[int, float]:
-    """Draw one token from 1-D `logits`; return it with its logprob (see the module convention)."""
+    logits: torch.Tensor, temperature: float, top_p: float, top_k: int, generator: torch.Generator | None,
+    *, min_p: float = 0.0, max_kept_set: int = 0,
+) -> tuple[int, float, list[int] | None]:
+    """Draw one token from 1-D `logits`; return it with its logprob (see the module convention) and,
+    when the settings truncate the vocabulary, its kept set (sorted ids; `[]` past `max_kept_set`)."""
     logits = logits.float()
     if temperature == 0:
         token = int(torch.argmax(logits))
-        return token, float(torch.log_softmax(logits, dim=-1)[token])
-    masked = logits / temperature
-    if 0 < top_k < masked.numel():
-        kth = torch.topk(masked, top_k).values[-1]
-        masked = masked.masked_fill(masked < kth, float("-inf"))
-    if top_p < 1.0:
-        sorted_logits, order = torch.sort(masked, descending=True)
-        cum = torch.softmax(sorted_logits, dim=-1).cumsum(-1)
-        drop = cum - torch.softmax(sorted_logits, dim=-1) > top_p  # keep the token that crosses top_p
-        masked = masked.scatter(0, order, sorted_logits.masked_fill(drop, float("-inf")))
+        return token, float(torch.log_softmax(logits, dim=-1)[token]), None
+    scaled = logits / temperature
+    truncating = truncates_vocabulary(temperature, top_p, top_k, min_p)
+    keep = kept_mask(scaled, top_k=top_k, top_p=top_p, min_p=min_p) if truncating else None
+    masked = scaled if keep is None else scaled.masked_fill(~keep, float("-inf"))
     logp = torch.log_softmax(masked, dim=-1)
     token = int(torch.multinomial(logp.exp(), 1, generator=generator))
-    return token, float(logp[token])
+    kept = kept_sets_of(keep.unsqueeze(0), max_kept_set)[0] if keep is not None else None
+    return token, float(logp[token]), kept
 
 
 class HFEngine(ServerEngine):
@@ -114,33 +115,40 @@ class HFEngine(ServerEngine):
     async def generate(self, request: GenerateRequest, version: int) -> GenerateResponse:
         epoch = self._abort_epoch  # taken before queueing, so an abort also ends queued requests
         async with self._lock:
-            ids, lps, reason = await asyncio.to_thread(self._generate, request, epoch)
-        return GenerateResponse(token_ids=ids, logprobs=lps, finish_reason=reason, weight_version=version)
+            ids, lps, kept, reason = await asyncio.to_thread(self._generate, request, epoch)
+        return GenerateResponse(token_ids=ids, logprobs=lps, finish_reason=reason, weight_version=version,
+                                kept_sets=kept if request.sampling.truncates else None)
 
     @torch.inference_mode()
-    def _generate(self, request: GenerateRequest, epoch: int) -> tuple[list[int], list[float], Any]:
+    def _generate(
+        self, request: GenerateRequest, epoch: int
+    ) -> tuple[list[int], list[float], list[list[int]], Any]:
         s = request.sampling
         stop = set(self.eos_ids if s.stop_token_ids is None else s.stop_token_ids)
         gen = torch.Generator().manual_seed(s.seed if s.seed is not None else int.from_bytes(os.urandom(7)))
         ids: list[int] = []
         lps: list[float] = []
+        kept_sets: list[list[int]] = []
         room = self.max_len - len(request.prompt_ids)
         if room <= 0:
-            return ids, lps, "length"
+            return ids, lps, kept_sets, "length"
         inputs = torch.tensor([request.prompt_ids], dtype=torch.long)
         past = None
         while True:
             if self._abort_epoch != epoch:
-                return ids, lps, "abort"
+                return ids, lps, kept_sets, "abort"
             out = self.model(input_ids=inputs, past_key_values=past, use_cache=True)
             past = out.past_key_values
-            token, lp = sample_token(out.logits[0, -1], s.temperature, s.top_p, s.top_k, gen)
+            token, lp, kept = sample_token(out.logits[0, -1], s.temperature, s.top_p, s.top_k, gen,
+                                           min_p=s.min_p, max_kept_set=s.max_kept_set)
             ids.append(token)
             lps.append(lp)
+            if kept is not None:
+                kept_sets.append(kept)
             if token in stop:
-                return ids, lps, "stop"
+                return ids, lps, kept_sets, "stop"
             if len(ids) >= min(s.max_tokens, room):
-                return ids, lps, "length"
+                return ids, lps, kept_sets, "length"
             inputs = torch.tensor([[token]], dtype=torch.long)
 
     async def abort_all(self) -> None:

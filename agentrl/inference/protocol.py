@@ -24,9 +24,10 @@ from typing import Literal
 
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field
 
-from agentrl.types import Generation, SamplingParams
+from agentrl.types import Generation, SamplingParams, truncates_vocabulary
 
 __all__ = [
+    "MAX_KEPT_SET",
     "SERVER_TOKEN_ENV",
     "GenerateRequest",
     "GenerateResponse",
@@ -41,6 +42,10 @@ __all__ = [
     "WeightLoadReport",
 ]
 
+
+MAX_KEPT_SET = 1024
+"""The largest kept set a request may ask a server to return (`rollout.max_kept_set`'s bound; the
+vLLM servers start with `max_logprobs` one above it)."""
 
 SERVER_TOKEN_ENV = "AGENTRL_SERVER_TOKEN"
 """The environment variable holding an agentrl server's bearer token (read by the server and,
@@ -63,6 +68,14 @@ class SamplingSpec(_Wire):
     them ([] stops only at max_tokens). SamplingParams' empty default travels as None. (SGLang and
     external servers add explicit ids to their EOS instead of replacing it.)"""
     seed: int | None = None
+    min_p: float = Field(0.0, ge=0.0, lt=1.0)
+    max_kept_set: int = Field(128, ge=1, le=MAX_KEPT_SET)
+    """Most members of a kept set the server returns per token; a larger set is answered as `[]`
+    (overflowed). Kept sets are returned only when the settings truncate the vocabulary."""
+
+    @property
+    def truncates(self) -> bool:
+        return truncates_vocabulary(self.temperature, self.top_p, self.top_k, self.min_p)
 
     @classmethod
     def from_params(cls, sampling: SamplingParams) -> SamplingSpec:
@@ -73,6 +86,8 @@ class SamplingSpec(_Wire):
             max_tokens=sampling.max_tokens,
             stop_token_ids=list(sampling.stop_token_ids) or None,
             seed=sampling.seed,
+            min_p=sampling.min_p,
+            max_kept_set=sampling.max_kept_set,
         )
 
 
@@ -86,9 +101,12 @@ class GenerateResponse(_Wire):
     token_ids: list[int]
     logprobs: list[float]
     """Logprob of each sampled token under the distribution it was drawn from: logits / temperature
-    (unscaled for greedy), after top-k/top-p truncation. See `hf_server` for the convention."""
+    (unscaled for greedy), after min-p/top-k/top-p truncation. See `hf_server` for the convention."""
     finish_reason: Literal["stop", "length", "abort"]
     weight_version: int
+    kept_sets: list[list[int]] | None = None
+    """Per sampled token, the sorted ids it was drawn from (`[]`: more than `max_kept_set`); None
+    when the sampling kept the whole vocabulary (`Generation.kept_sets`)."""
 
     def to_generation(self, server_id: str = "") -> Generation:
         return Generation(
@@ -97,6 +115,7 @@ class GenerateResponse(_Wire):
             finish_reason=self.finish_reason,
             weight_version=self.weight_version,
             server_id=server_id,
+            kept_sets=self.kept_sets,
         )
 
 

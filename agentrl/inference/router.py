@@ -318,7 +318,8 @@ class Router:
                 server.weight_version = gen.weight_version
             if not gen.server_id:
                 gen = Generation(
-                    gen.token_ids, gen.logprobs, gen.finish_reason, gen.weight_version, server.server_id
+                    gen.token_ids, gen.logprobs, gen.finish_reason, gen.weight_version, server.server_id,
+                    kept_sets=gen.kept_sets,
                 )
             return gen
 

@@ -145,6 +145,7 @@ class ExternalClient:
         # vLLM's server fills unset parameters from the model's generation_config (e.g. top_k=20,
         # repetition_penalty=1.1); send neutral values so the tokens come from the requested distribution
         body["top_k"] = sampling.top_k if sampling.top_k > 0 else -1
+        body["min_p"] = sampling.min_p
         body["repetition_penalty"] = 1.0
         if sampling.seed is not None:
             body["seed"] = sampling.seed

@@ -46,7 +46,8 @@ def sglang_request(prompt_ids: list[int], sampling: SamplingParams) -> dict[str,
     sp: dict[str, Any] = {
         "temperature": sampling.temperature,
         "top_p": sampling.top_p,
-        "top_k": sampling.top_k,
+        "top_k": sampling.top_k if sampling.top_k > 0 else -1,  # SGLang's "off" is -1
+        "min_p": sampling.min_p,
         "max_new_tokens": sampling.max_tokens,
         "skip_special_tokens": False,
         "no_stop_trim": True,  # keep the stop token in the output, like the other servers

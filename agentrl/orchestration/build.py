@@ -48,6 +48,7 @@ from agentrl.registry import ADVANTAGE_ESTIMATORS, ENVS, INFERENCE_ENGINES, SAND
 from agentrl.rollout import AgentLoop, GenerateClient
 from agentrl.rollout.agent_loop import end_of_turn_ids
 from agentrl.tools.mcp_shared import SharedMCPServers
+from agentrl.types import truncates_vocabulary
 
 __all__ = ["BUILTIN_TEMPLATES", "ENV_RESOURCES", "Job", "build_job", "build_sandbox", "env_takes"]
 
@@ -387,6 +388,7 @@ def _check_names(config: AgentRLConfig, purpose: Purpose) -> None:
             raise ConfigError(f"inference.engine: {exc}") from exc
     if purpose != "run":
         return
+    _check_kept_set_engine(config)
     try:
         ADVANTAGE_ESTIMATORS.resolve(config.algorithm.advantage)
     except AgentRLError as exc:
@@ -410,6 +412,27 @@ def _check_names(config: AgentRLConfig, purpose: Purpose) -> None:
         if not torch.cuda.is_available():
             raise ConfigError("trainer.device=cuda but no CUDA device is visible here; use auto or cpu.")
     # weights.backend is checked against the placement: `placement.build_plan`.
+
+
+KEPT_SET_ENGINES = ("vllm", "hf")
+"""Engines that return each sampled token's kept set, so truncated sampling can be replayed."""
+
+
+def _check_kept_set_engine(config: AgentRLConfig) -> None:
+    """Truncated sampling trains only on an engine that returns its kept sets: elsewhere the
+    trainer would score the full vocabulary against a nucleus logprob, a biased ratio."""
+    rollout, engine = config.rollout, config.inference.engine
+    if engine in KEPT_SET_ENGINES or not truncates_vocabulary(rollout.temperature, rollout.top_p,
+                                                              rollout.top_k, rollout.min_p):
+        return
+    on = [f"rollout.{k}={getattr(rollout, k)}" for k, off in (("top_p", 1.0), ("top_k", 0), ("min_p", 0.0))
+          if getattr(rollout, k) != off]
+    raise ConfigError(
+        f"{', '.join(on)}: inference.engine '{engine}' cannot return the kept set each token was sampled "
+        "from, so the trainer could not score tokens under the distribution they were drawn from (a "
+        f"biased importance ratio). Use inference.engine={' or '.join(KEPT_SET_ENGINES)}, or train with "
+        "rollout.top_p=1.0 rollout.top_k=0 rollout.min_p=0.0."
+    )
 
 
 def _rows(config: AgentRLConfig, env_cls: type[Env], split: str) -> LoadedRows:

@@ -177,6 +177,7 @@ class TrainerWorker:
         return {"backend": "files", "location": str(self.files.directory), "token": None, "nonce": self.nonce}
 
     def train(self, trajectories: list[Trajectory]) -> dict[str, float]:
+        from agentrl.inference.kept_set import kept_set_rule
         from agentrl.trainer.step import train_step_with_tokens
 
         # Every rank alike (the entropy is gathered over ranks); rank 0 keeps the per-token values
@@ -185,7 +186,7 @@ class TrainerWorker:
         metrics, tokens = train_step_with_tokens(
             self.backend, trajectories, self.config.algorithm, self.config.trainer,
             temperature=self.config.rollout.temperature, max_response_tokens=self.max_response_tokens,
-            kl_controller=self.kl_controller,
+            kl_controller=self.kl_controller, kept_rule=kept_set_rule(self.config),
         )  # fmt: skip
         self.last_tokens = tokens if self.rank == 0 else None
         return metrics

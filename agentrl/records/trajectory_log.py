@@ -29,7 +29,9 @@ One line (`format: "agentrl.trajectory/1"`):
 order; their concatenation is the whole episode exactly as the model saw it:
 `{"origin": "prompt"|"sampled"|"template"|"tool", "turn": k, "start": index of the first token,
 "text": decoded text, "ids": [token ids], "pieces": [the text of each token], "version": policy
-version (sampled only), "logprobs": [rollout logprob of each token] (sampled only)}`, and in a
+version (sampled only), "logprobs": [rollout logprob of each token] (sampled only), "kept": [the
+sorted kept-set ids of each token; [] when it overflowed] (sampled only, and only when the rollout
+truncated the vocabulary: `Trajectory.kept_sets`)}`, and in a
 step's kept rollouts the trainer's view of the same tokens where the trainer scored them
 (`TrainerTokens`): `"trainer_logprobs"` (the old logprob the loss used, at the step that trained
 the episode) and `"trainer_entropy"` (the policy's entropy at that token), sampled segments only,
@@ -154,6 +156,7 @@ def _segments(t: Trajectory, pieces: list[str] | None, trainer: TrainerTokens | 
     n = len(t.token_ids)
     start = 0
     sampled = int(TokenOrigin.SAMPLED)
+    kept_at = 0  # index into t.kept_sets (one per sampled token, in ledger order)
     while start < n:
         origin, turn, version = t.origins[start], t.turns[start], t.versions[start]
         end = start + 1
@@ -168,6 +171,9 @@ def _segments(t: Trajectory, pieces: list[str] | None, trainer: TrainerTokens | 
         if origin == sampled:
             seg["version"] = version
             seg["logprobs"] = t.logprobs[start:end]
+            if t.kept_sets:  # each sampled token's kept set ([]: overflowed); absent: whole vocabulary
+                seg["kept"] = t.kept_sets[kept_at : kept_at + end - start]
+                kept_at += end - start
             if trainer is not None:
                 seg["trainer_logprobs"] = list(trainer.logprobs[start:end])
                 if trainer.entropy is not None:
@@ -247,6 +253,7 @@ def trajectory_from_record(record: dict[str, Any]) -> Trajectory:
         if "logprobs" in seg:
             t.logprobs.extend(seg["logprobs"])
             t.versions.extend([seg["version"]] * len(ids))
+            t.kept_sets.extend(seg.get("kept") or [])
         else:
             t.logprobs.extend([0.0] * len(ids))
             t.versions.extend([-1] * len(ids))

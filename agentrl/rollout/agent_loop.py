@@ -80,7 +80,7 @@ class EpisodeState(enum.Enum):
 AgentLoopConfig = RolloutConfig
 """Budgets and sampling of one episode: the run config's `rollout` section itself, so every knob
 the loop reads can be set from YAML and there is no second copy to keep in step. The loop reads
-`max_turns`, `max_tokens_per_turn`, `max_total_tokens`, `temperature`, `top_p`,
+`max_turns`, `max_tokens_per_turn`, `max_total_tokens`, `temperature`, `top_p`, `top_k`, `min_p`, `max_kept_set`,
 `episode_timeout_s`, `request_timeout_s`, `close_timeout_s`, `truncate_timeout_s`, `verify_template`,
 `max_starting` and `cpu_slice_s`."""
 
@@ -232,7 +232,8 @@ class AgentLoop:
         if budget <= 0:
             raise _EpisodeOver(FinishReason.MAX_LENGTH, budget="rollout.max_total_tokens")
         sampling = SamplingParams(
-            temperature=cfg.temperature, top_p=cfg.top_p, max_tokens=budget, stop_token_ids=self.stop_token_ids
+            temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k, min_p=cfg.min_p,
+            max_kept_set=cfg.max_kept_set, max_tokens=budget, stop_token_ids=self.stop_token_ids,
         )
         timeout = min(cfg.request_timeout_s, ep.time_left())
         if timeout <= 0:

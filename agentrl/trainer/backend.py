@@ -43,6 +43,7 @@ from torch.optim.lr_scheduler import LRScheduler
 
 from agentrl.config import AgentRLConfig, AlgorithmConfig, TrainerConfig
 from agentrl.errors import TrainerError, UnknownNameError
+from agentrl.inference.kept_set import KeptSetRule
 from agentrl.registry import closest_names, import_object
 from agentrl.trainer.objective import (
     MetricSums,
@@ -124,6 +125,9 @@ class PolicyBatch:
     score_skipped: bool = True
     keep_entropy: bool = False
     """Return the per-token entropy the update's forward computed (`UpdateResult.entropy`)."""
+    kept_rule: KeptSetRule | None = None
+    """The rollout's truncation settings, for the update's forward to measure the kept-set
+    disagreement (`TrainerBackend.take_kept_set_disagreement`); None: not measured there."""
 
     def select(self, idx: Sequence[int]) -> PolicyBatch:
         return _select(self, idx)
@@ -214,6 +218,7 @@ class TrainerBackend(abc.ABC):
     critic_optimizer: Optimizer | None = None
     critic_scheduler: LRScheduler | None = None
     _step: int = 0
+    _disagreement: torch.Tensor | None = None  # (outside, counted) tokens since the last take
 
     @property
     def has_reference(self) -> bool:
@@ -231,25 +236,54 @@ class TrainerBackend(abc.ABC):
         return self._step
 
     # ── scoring ─────────────────────────────────────────────────────────────────────────────
-    def compute_logprobs(self, trajectories: Sequence[Trajectory], *, temperature: float = 1.0) -> torch.Tensor:
-        """Per-token logprobs under the current policy, no gradient.
+    def compute_logprobs(
+        self, trajectories: Sequence[Trajectory], *, temperature: float = 1.0, kept_rule: KeptSetRule | None = None
+    ) -> torch.Tensor:
+        """Per-token logprobs under the current policy, no gradient; each sampled token over its
+        kept set when its trajectory records one (`Trajectory.kept_sets`), renormalised.
 
         Only the tokens the loss uses (sampled tokens of trainable trajectories) must be scored; a
-        backend may leave the others at 0 to save work (FSDP2 does unless `score_all_tokens`)."""
-        return self._score(self.policy, trajectories, self._logprobs_at(temperature))
+        backend may leave the others at 0 to save work (FSDP2 does unless `score_all_tokens`).
+        With `kept_rule` (the rollout's truncation settings) it also counts the tokens that lie
+        outside the kept set the policy's own logits give (`take_kept_set_disagreement`)."""
+        return self._score(self.policy, trajectories, self._logprobs_at(temperature, kept_rule))
 
     def compute_ref_logprobs(self, trajectories: Sequence[Trajectory], *, temperature: float = 1.0) -> torch.Tensor:
         """Per-token logprobs under the frozen reference model, no gradient."""
         if self.reference is None:
             raise TrainerError("this backend has no reference model; build it with with_reference=True.")
-        return self._score(self.reference, trajectories, self._logprobs_at(temperature))
+        return self._score(self.reference, trajectories, self._logprobs_at(temperature, None))
 
     def compute_values(self, trajectories: Sequence[Trajectory]) -> torch.Tensor:
         """Per-token critic values, no gradient."""
         return self._score(self._critic(), trajectories, self._values)
 
-    def _logprobs_at(self, temperature: float) -> Callable[[nn.Module, PackedBatch], torch.Tensor]:
-        return lambda model, packed: self._token_scores(model, packed, temperature, with_entropy=False)[0]
+    def _logprobs_at(
+        self, temperature: float, kept_rule: KeptSetRule | None
+    ) -> Callable[[nn.Module, PackedBatch], torch.Tensor]:
+        return lambda model, packed: self._token_scores(
+            model, packed, temperature, with_entropy=False, kept_rule=kept_rule
+        )[0]
+
+    # ── kept-set disagreement ───────────────────────────────────────────────────────────────
+    def _count_disagreement(self, outside: torch.Tensor, counted: torch.Tensor) -> None:
+        """Add a micro-batch's tokens outside the trainer's own kept set (`outside`, 1.0/0.0) among
+        those `counted` (a mask of the same shape: the sampled tokens scored)."""
+        counted = counted.detach().float()
+        pair = torch.stack([(outside.detach().float() * counted).sum(), counted.sum()]).double().cpu()
+        self._disagreement = pair if self._disagreement is None else self._disagreement + pair
+
+    def take_kept_set_disagreement(self) -> float | None:
+        """The share of sampled tokens, counted since the last call over all ranks, that lie outside
+        the kept set the trainer's own logits give under the rollout's rule (0: the trainer would
+        have kept every token the engine sampled); None when nothing was measured. Every rank must
+        call it alike (it all-reduces)."""
+        pair = self._disagreement if self._disagreement is not None else torch.zeros(2, dtype=torch.float64)
+        self._disagreement = None
+        pair = pair.to(self.device)
+        self._all_reduce(pair, "sum")
+        outside, counted = pair.tolist()
+        return outside / counted if counted > 0 else None
 
     @torch.no_grad()
     def _score(
@@ -350,7 +384,8 @@ class TrainerBackend(abc.ABC):
             packed: PackedBatch, real: bool, tokens: dict[str, torch.Tensor]
         ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
             logprobs, entropy = self._token_scores(
-                self.policy, packed, batch.temperature, with_entropy=True, entropy_grad=bool(algorithm.entropy_coef)
+                self.policy, packed, batch.temperature, with_entropy=True, entropy_grad=bool(algorithm.entropy_coef),
+                kept_rule=batch.kept_rule,
             )
             if scored is not None and real:
                 scored.add(packed, logprobs)
@@ -479,11 +514,13 @@ class TrainerBackend(abc.ABC):
 
     def _token_scores(
         self, model: nn.Module, batch: PackedBatch, temperature: float, *, with_entropy: bool,
-        entropy_grad: bool = True,
+        entropy_grad: bool = True, kept_rule: KeptSetRule | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
         """(logprobs, entropy or None), each (1, N) in the packed layout, of `model` on a
         micro-batch at `temperature`; with `entropy_grad=False` the entropy may come without a
-        graph (it is only reported)."""
+        graph (it is only reported). Tokens with a kept set (`batch.kept_ids`) are scored over it,
+        renormalised (entropy too); with `kept_rule` the backend counts the sampled tokens outside
+        its own kept set (`_count_disagreement`)."""
         raise NotImplementedError(f"{type(self).__name__} does not run the shared update loop.")
 
     def _values(self, model: nn.Module, batch: PackedBatch) -> torch.Tensor:

@@ -55,6 +55,7 @@ from torch.distributed.tensor import DTensor
 
 from agentrl.config import AlgorithmConfig, TrainerConfig
 from agentrl.errors import ConfigError, FeatureUnavailableError, TrainerError
+from agentrl.inference.kept_set import KeptSetRule, entropy_of, masked_logits, outside_kept_set
 from agentrl.trainer.backend import MicroBatches, TrainerBackend
 from agentrl.trainer.distributed import balanced_shares, init_distributed, resolve_device
 from agentrl.trainer.lm_head import ScoringHead, install_scoring_head, scoring
@@ -285,18 +286,34 @@ class FSDP2Backend(TrainerBackend):
 
     def _token_scores(
         self, model: nn.Module, batch: PackedBatch, temperature: float, *, with_entropy: bool,
-        entropy_grad: bool = True,
+        entropy_grad: bool = True, kept_rule: KeptSetRule | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        rule = kept_rule if kept_rule is not None and kept_rule.truncates else None
         # From the chunked head when the model has one (`lm_head.ScoringHead`).
         head = self._heads.get(id(model))
         if head is not None:
             select = None if self.score_all_tokens else batch.loss_mask > 0
-            with scoring(head, batch.labels, temperature, with_entropy, select=select, entropy_grad=entropy_grad):
+            with scoring(head, batch.labels, temperature, with_entropy, select=select, entropy_grad=entropy_grad,
+                         kept_ids=batch.kept_ids, rule=rule):
                 out = model(**batch.model_inputs()).logits
+            if rule is not None:
+                self._count_disagreement(out[..., 2], batch.loss_mask > 0)
             return out[..., 0], (out[..., 1] if with_entropy else None)
         logits = model(**batch.model_inputs()).logits
-        logprobs = compute_token_logprobs(logits, batch.labels, temperature)
-        return logprobs, (compute_entropy(logits, temperature) if with_entropy else None)
+        if batch.kept_ids is None and rule is None:
+            logprobs = compute_token_logprobs(logits, batch.labels, temperature)
+            return logprobs, (compute_entropy(logits, temperature) if with_entropy else None)
+        # Kept sets without the chunked head (a model whose logits are transformed after it): the
+        # whole micro-batch's logits at once.
+        z = logits.float().reshape(-1, logits.shape[-1]) / temperature
+        labels = batch.labels.reshape(-1)
+        if rule is not None:
+            self._count_disagreement(outside_kept_set(z, labels, rule).reshape(batch.labels.shape), batch.loss_mask > 0)
+        if batch.kept_ids is not None:
+            z = masked_logits(z, batch.kept_ids.reshape(labels.shape[0], -1))
+        lp = z.gather(-1, labels.long().unsqueeze(-1)).squeeze(-1) - torch.logsumexp(z, dim=-1)
+        entropy = entropy_of(z if entropy_grad else z.detach()).reshape(batch.labels.shape) if with_entropy else None
+        return lp.reshape(batch.labels.shape), entropy
 
     def _backward(self, loss: torch.Tensor) -> None:
         # FSDP averages gradients over ranks; the loss is already normalised by the global count,

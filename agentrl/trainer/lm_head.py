@@ -2,8 +2,9 @@
 
 With a 150k-token vocabulary the fp32 logits of a micro-batch (and their gradient) are the
 trainer's largest tensors by far: 0.6 MB per token each. `ScoringHead` replaces the model's
-`lm_head` and, while a `scoring` request is active, returns per-token `(logprob, entropy)` at the
-sampling temperature instead of logits, computing logits for `chunk_size` tokens at a time (by
+`lm_head` and, while a `scoring` request is active, returns per-token `(logprob, entropy, outside)`
+at the sampling temperature instead of logits (over each token's kept set when the rollout
+recorded one: `agentrl.inference.kept_set`), computing logits for `chunk_size` tokens at a time (by
 default as many as make 32M logits) and recomputing each chunk but the last in the backward pass,
 so full-vocabulary logits never exist for the whole micro-batch. The last chunk keeps what its
 backward needs: the backward starts with it, so this saves its recomputation (a head-sized matmul;
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -28,7 +30,12 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-__all__ = ["ScoringHead", "install_scoring_head", "scoring"]
+from agentrl.inference.kept_set import KeptSetRule, entropy_of, masked_logits, outside_kept_set
+
+__all__ = ["SCORE_COLUMNS", "ScoringHead", "ScoringRequest", "install_scoring_head", "scoring"]
+
+SCORE_COLUMNS = 3
+"""Per-token columns of a scoring forward: logprob, entropy, outside the trainer's kept set."""
 
 # Config attributes of models whose logits are changed after the LM head.
 _LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "output_multiplier_scale", "logits_scaling")
@@ -50,30 +57,40 @@ class ScoringHead(nn.Module):
         self.weight = head.weight
         self.register_parameter("bias", head.bias)
         self.chunk_size = chunk_size
-        self.request: tuple[torch.Tensor, float, bool, torch.Tensor | None, bool] | None = None
+        self.request: ScoringRequest | None = None
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.request is None:
             return F.linear(hidden, self.weight, self.bias)
-        labels, temperature, with_entropy, select, entropy_grad = self.request
+        r = self.request
         flat = hidden.reshape(-1, hidden.shape[-1])
-        flat_labels = labels.reshape(-1)
+        flat_labels = r.labels.reshape(-1)
+        flat_kept = r.kept_ids.reshape(flat_labels.shape[0], -1) if r.kept_ids is not None else None
         picked = None
-        if select is not None:
+        if r.select is not None:
             # Only the selected tokens (the sampled ones) are scored; in RL the prompt and tool
             # tokens usually outnumber them, and the head is the costliest part of a small model.
-            picked = select.reshape(-1).nonzero().squeeze(-1)
+            picked = r.select.reshape(-1).nonzero().squeeze(-1)
             flat, flat_labels = flat.index_select(0, picked), flat_labels.index_select(0, picked)
+            flat_kept = flat_kept.index_select(0, picked) if flat_kept is not None else None
 
-        def score(h: torch.Tensor, lab: torch.Tensor) -> torch.Tensor:
-            if with_entropy:
-                return self._entropy_and_logprob(h, lab, temperature, entropy_grad)
-            return self._logprob(h, lab, temperature)
+        def score(h: torch.Tensor, lab: torch.Tensor, kept: torch.Tensor | None) -> torch.Tensor:
+            z = self._logits(h, r.temperature)
+            outside = outside_kept_set(z, lab, r.rule) if r.rule is not None else torch.zeros_like(lab, dtype=z.dtype)
+            if kept is not None:
+                z = masked_logits(z, kept)
+            lp = z.gather(-1, lab.long().unsqueeze(-1)).squeeze(-1) - torch.logsumexp(z, dim=-1)
+            if not r.with_entropy:
+                return torch.stack([lp, torch.zeros_like(lp), outside], dim=-1)
+            with torch.set_grad_enabled(r.entropy_grad and torch.is_grad_enabled()):
+                entropy = entropy_of(z if r.entropy_grad else z.detach())
+            return torch.stack([lp, entropy, outside], dim=-1)
 
         outs = []
         starts = range(0, flat.shape[0], self.chunk_size)
         for start in starts:
-            args = (flat[start : start + self.chunk_size], flat_labels[start : start + self.chunk_size])
+            args = (flat[start : start + self.chunk_size], flat_labels[start : start + self.chunk_size],
+                    flat_kept[start : start + self.chunk_size] if flat_kept is not None else None)
             if torch.is_grad_enabled() and flat.requires_grad and start != starts[-1]:
                 outs.append(checkpoint(score, *args, use_reentrant=False))
             else:
@@ -84,31 +101,15 @@ class ScoringHead(nn.Module):
             # Nothing to score (a rank's padding micro-batch): an empty result that still hangs
             # off the hidden states, so backward runs through the model and FSDP2's gradient
             # collectives happen on this rank as on the others.
-            out = (flat[:, :1].float() * 0.0).expand(-1, 2)
+            out = (flat[:, :1].float() * 0.0).expand(-1, SCORE_COLUMNS)
         if picked is not None:
-            full = out.new_zeros((hidden.reshape(-1, hidden.shape[-1]).shape[0], 2))
-            return full.index_copy(0, picked, out).reshape(*hidden.shape[:-1], 2).clone()
+            full = out.new_zeros((hidden.reshape(-1, hidden.shape[-1]).shape[0], SCORE_COLUMNS))
+            return full.index_copy(0, picked, out).reshape(*hidden.shape[:-1], SCORE_COLUMNS).clone()
         # A fresh tensor, not a view: FSDP2 hooks its backward on the root module's outputs.
-        return out.reshape(*hidden.shape[:-1], 2).clone()
+        return out.reshape(*hidden.shape[:-1], SCORE_COLUMNS).clone()
 
     def _logits(self, h: torch.Tensor, temperature: float) -> torch.Tensor:
         return F.linear(h, self.weight, self.bias).float() / temperature
-
-    def _logprob(self, h: torch.Tensor, labels: torch.Tensor, temperature: float) -> torch.Tensor:
-        z = self._logits(h, temperature)
-        lp = z.gather(-1, labels.long().unsqueeze(-1)).squeeze(-1) - torch.logsumexp(z, dim=-1)
-        return torch.stack([lp, torch.zeros_like(lp)], dim=-1)
-
-    def _entropy_and_logprob(
-        self, h: torch.Tensor, labels: torch.Tensor, temperature: float, entropy_grad: bool
-    ) -> torch.Tensor:
-        z = self._logits(h, temperature)
-        lse = torch.logsumexp(z, dim=-1)
-        lp = z.gather(-1, labels.long().unsqueeze(-1)).squeeze(-1) - lse
-        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-            zz, ll = (z, lse) if entropy_grad else (z.detach(), lse.detach())
-            entropy = ll - (torch.softmax(zz, dim=-1) * zz).sum(-1)
-        return torch.stack([lp, entropy], dim=-1)
 
 
 def install_scoring_head(model: nn.Module, chunk_size: int | None = None) -> ScoringHead | None:
@@ -128,18 +129,37 @@ def install_scoring_head(model: nn.Module, chunk_size: int | None = None) -> Sco
     return scoring_head
 
 
+@dataclass(frozen=True)
+class ScoringRequest:
+    """What an active `scoring` asks the head for (see `scoring`)."""
+
+    labels: torch.Tensor
+    temperature: float
+    with_entropy: bool
+    select: torch.Tensor | None = None
+    entropy_grad: bool = True
+    kept_ids: torch.Tensor | None = None
+    rule: KeptSetRule | None = None
+
+
 @contextlib.contextmanager
 def scoring(
     head: ScoringHead, labels: torch.Tensor, temperature: float, with_entropy: bool,
-    select: torch.Tensor | None = None, entropy_grad: bool = True,
+    select: torch.Tensor | None = None, entropy_grad: bool = True, *,
+    kept_ids: torch.Tensor | None = None, rule: KeptSetRule | None = None,
 ) -> Iterator[Any]:
-    """While open, the model's `.logits` output is `(..., 2)`: per-token logprob of `labels`
-    and entropy (0 when `with_entropy` is False), both at `temperature`, in fp32. With `select`
-    (a mask shaped like `labels`), only the selected tokens are scored; the others read 0. With
-    `entropy_grad=False` the entropy carries no gradient (a metric, not a loss term)."""
+    """While open, the model's `.logits` output is `(..., 3)`: per-token logprob of `labels`,
+    entropy (0 when `with_entropy` is False), both at `temperature`, in fp32, and 1.0 where the
+    label lies outside the kept set `rule` computes from the trainer's own logits (0 without a
+    rule: `onpolicy/kept_set_disagreement`). With `kept_ids` (shaped like `labels` plus a last
+    dimension of kept token ids, padded with -1; `PackedBatch.kept_ids`) each token is scored over
+    its kept set, renormalised (logits outside it at -inf before the log-softmax), as it was
+    sampled. With `select` (a mask shaped like `labels`), only the selected tokens are scored; the
+    others read 0. With `entropy_grad=False` the entropy carries no gradient (a metric, not a loss
+    term)."""
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0 to score tokens, got {temperature}.")
-    head.request = (labels, temperature, with_entropy, select, entropy_grad)
+    head.request = ScoringRequest(labels, temperature, with_entropy, select, entropy_grad, kept_ids, rule)
     try:
         yield head
     finally:

@@ -16,7 +16,9 @@ Engine, and its rotary embedding ignores `position_ids`, so sequences are right-
 of near-equal length (`padded_micro_batches`, at most `micro_batch_tokens` padded tokens each) and
 the per-token results are moved back into the packed layout `objective` expects. Logprobs and
 entropy are computed from vocabulary-parallel logits a chunk of tokens at a time (recomputed in
-the backward pass), so full-vocabulary logits never exist. The optimizer is torch's AdamW on each
+the backward pass), so full-vocabulary logits never exist; a token with a kept set
+(`Trajectory.kept_sets`) is scored over it, each rank masking its vocabulary shard. The kept-set
+disagreement metric needs the whole vocabulary's order and is measured with tensor_parallel=1 only. The optimizer is torch's AdamW on each
 rank's shards, with the gradient norm taken over the whole (unsharded) model. The update loop is
 `backend.TrainerBackend`'s; this module fills its hooks (micro-batch plan, forward and scoring,
 the replicas' gradient all-reduce and the tensor-parallel gradient norm).
@@ -43,6 +45,7 @@ from torch.utils.checkpoint import checkpoint
 
 from agentrl.config import AlgorithmConfig, TrainerConfig
 from agentrl.errors import ConfigError, FeatureUnavailableError, TrainerError
+from agentrl.inference.kept_set import KeptSetRule, masked_logits, outside_kept_set
 from agentrl.trainer.backend import MicroBatches, TrainerBackend
 from agentrl.trainer.distributed import balanced_shares, init_distributed, resolve_device
 from agentrl.trainer.megatron_convert import (
@@ -112,6 +115,7 @@ def vocab_parallel_scores(
     vocab_start: int,
     with_entropy: bool,
     entropy_grad: bool = True,
+    kept_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """(n, 2) per-token (logprob of `labels`, entropy) at `temperature`, from this rank's vocabulary
     shard `weight` (rows `vocab_start` onwards) and the same `hidden` (n, h) on every TP rank.
@@ -119,7 +123,9 @@ def vocab_parallel_scores(
 
     Sums over the vocabulary are all-reduced over the tensor-parallel group with megatron-core's
     mappings (all-reduce forward, identity backward; `hidden` is copied in with the reverse), so
-    the result and its gradient are those of the full-vocabulary softmax.
+    the result and its gradient are those of the full-vocabulary softmax. With `kept_ids` (n, K)
+    (each token's kept set, padded with -1; rows of -1 only have none) every rank sets the logits
+    of its shard outside the set to -inf first, so the softmax is the kept set's, renormalised.
     """
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.mappings import (
@@ -135,22 +141,27 @@ def vocab_parallel_scores(
 
     x = copy_to_tensor_model_parallel_region(hidden, group=group)
     z = F.linear(x, weight).float() / temperature
+    if kept_ids is not None:
+        z = masked_logits(z, kept_ids, vocab_start=vocab_start)
     top = z.detach().max(-1).values
     if parallel_state.get_tensor_model_parallel_world_size() > 1:
         dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
     shifted = z - top[:, None]
+    kept = torch.isfinite(shifted)  # all True without kept sets
     exp = shifted.exp()
     sum_exp = reduce(exp.sum(-1))
     local = labels.long() - vocab_start
     inside = (local >= 0) & (local < z.shape[-1])
-    target = shifted.gather(-1, local.clamp(0, z.shape[-1] - 1)[:, None])[:, 0] * inside
+    picked = shifted.gather(-1, local.clamp(0, z.shape[-1] - 1)[:, None])[:, 0]
+    target = torch.where(inside, picked, torch.zeros_like(picked))
     target = reduce(target)
     log_z = sum_exp.log()
     logprob = target - log_z
     if not with_entropy:
         return torch.stack([logprob, torch.zeros_like(logprob)], dim=-1)
     with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-        e, s, total = (exp, shifted, sum_exp) if entropy_grad else (exp.detach(), shifted.detach(), sum_exp.detach())
+        finite = shifted.masked_fill(~kept, 0.0)  # tokens outside a kept set add 0, and no NaN gradient
+        e, s, total = (exp, finite, sum_exp) if entropy_grad else (exp.detach(), finite.detach(), sum_exp.detach())
         entropy = total.log() - reduce((e * s).sum(-1)) / total
     return torch.stack([logprob, entropy], dim=-1)
 
@@ -336,8 +347,10 @@ class MegatronBackend(TrainerBackend):
 
     def _token_scores(
         self, model: nn.Module, batch: PackedBatch, temperature: float, *, with_entropy: bool,
-        entropy_grad: bool = True,
+        entropy_grad: bool = True, kept_rule: KeptSetRule | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        # The kept-set disagreement needs the full vocabulary's order on one rank: it is measured
+        # with tensor_parallel=1 only (with more, `onpolicy/kept_set_disagreement` is not reported).
         # Run as right-padded rows; the per-token results go back into the packed layout.
         if temperature <= 0:
             raise ValueError(f"temperature must be > 0 to score tokens, got {temperature}.")
@@ -355,6 +368,10 @@ class MegatronBackend(TrainerBackend):
             hidden = model(input_ids, positions, causal)  # (width, rows, h)
         hidden = hidden.transpose(0, 1).reshape(rows * width, -1)
         flat_labels = labels.reshape(-1)
+        flat_kept = None
+        if batch.kept_ids is not None:
+            padded = packed_to_padded(batch.kept_ids, batch.cu_seqlens, fill=-1)
+            flat_kept = padded.reshape(rows * width, -1).to(self.device, torch.long)
         gpt: Any = model  # a megatron-core GPTModel (untyped)
         weight = gpt.shared_embedding_or_output_weight() if self.layout.tied_embeddings else None
         if weight is None:
@@ -364,13 +381,25 @@ class MegatronBackend(TrainerBackend):
         outs = []
         for start in range(0, hidden.shape[0], chunk):
             args = (hidden[start : start + chunk], weight, flat_labels[start : start + chunk], temperature)
-            kwargs: dict[str, Any] = {"vocab_start": vocab_start, "with_entropy": with_entropy, "entropy_grad": entropy_grad}
+            kwargs: dict[str, Any] = {
+                "vocab_start": vocab_start, "with_entropy": with_entropy, "entropy_grad": entropy_grad,
+                "kept_ids": flat_kept[start : start + chunk] if flat_kept is not None else None,
+            }
             # Every chunk but the last is recomputed in the backward (see lm_head.ScoringHead).
             if torch.is_grad_enabled() and hidden.requires_grad and start + chunk < hidden.shape[0]:
                 outs.append(checkpoint(vocab_parallel_scores, *args, use_reentrant=False, **kwargs))
             else:
                 outs.append(vocab_parallel_scores(*args, **kwargs))
         scores = padded_to_packed(torch.cat(outs).reshape(rows, width, 2), batch.cu_seqlens)
+        if kept_rule is not None and kept_rule.truncates and self.tp == 1:
+            with torch.no_grad():  # a chunk at a time, as the scores
+                outside = torch.cat([
+                    outside_kept_set(F.linear(hidden[a : a + chunk].detach(), weight.detach()).float() / temperature,
+                                     flat_labels[a : a + chunk], kept_rule)
+                    for a in range(0, hidden.shape[0], chunk)
+                ]).reshape(rows, width)
+            self._count_disagreement(padded_to_packed(outside, batch.cu_seqlens).to(batch.loss_mask.device),
+                                     batch.loss_mask > 0)
         return scores[..., 0], (scores[..., 1] if with_entropy else None)
 
     def _grad_norm(self, model: nn.Module) -> torch.Tensor:

@@ -79,6 +79,10 @@ class PackedBatch:
     token_cols: torch.Tensor
     attention_mask: torch.Tensor | None = None
     shared: list[tuple[int, int, int]] = field(default_factory=list)
+    kept_ids: torch.Tensor | None = None
+    """(1, N, K) the kept set (token ids, padded with -1) of the token each position predicts, for
+    the trainer to score over that set (`Trajectory.kept_sets`); all -1 where there is none (not a
+    sampled token, or an overflowed set). None when no trajectory of the batch records kept sets."""
 
     @property
     def max_seqlen(self) -> int:
@@ -148,8 +152,22 @@ class PaddedBatch:
 
 
 # ── building batches ────────────────────────────────────────────────────────────────────────────
+def _shifted_kept(traj: Trajectory) -> list[list[int] | None] | None:
+    """Each position's kept set of the token it predicts (None: not a sampled token), aligned like
+    the labels; None when the trajectory records no kept sets (the whole vocabulary was kept)."""
+    if not traj.kept_sets:
+        return None
+    sampled = int(TokenOrigin.SAMPLED)
+    sets = iter(traj.kept_sets)
+    per_token = [next(sets) if o == sampled else None for o in traj.origins]
+    return [*per_token[1:], None]
+
+
 def _shifted_rows(traj: Trajectory, pos: int) -> tuple[list[int], list[float], list[float]]:
-    """(labels, loss_mask, rollout_logprobs) of one trajectory, aligned with next-token logits."""
+    """(labels, loss_mask, rollout_logprobs) of one trajectory, aligned with next-token logits.
+    A sampled token whose kept set overflowed the cap (`[]`) is left out of the loss: its rollout
+    logprob is over a set the trainer does not know, and scoring it over the whole vocabulary
+    instead would bias its ratio."""
     n = len(traj.token_ids)
     if n == 0:
         raise ValueError(
@@ -164,6 +182,9 @@ def _shifted_rows(traj: Trajectory, pos: int) -> tuple[list[int], list[float], l
     mask = traj.response_mask
     labels = [*traj.token_ids[1:], 0]
     loss_mask = [float(m) * keep for m in mask[1:]] + [0.0]
+    kept = _shifted_kept(traj)
+    if kept is not None:
+        loss_mask = [0.0 if k is not None and not k else m for m, k in zip(loss_mask, kept, strict=True)]
     logprobs = [*(float(x) for x in traj.logprobs[1:]), 0.0]
     return labels, loss_mask, logprobs
 
@@ -221,6 +242,8 @@ def pack_trajectories(
     parent: list[int] = []  # for each physical segment, the shared-prefix segment it sees (-1: none)
     shared: list[tuple[int, int, int]] = []
     shifted = [_shifted_rows(t, i) for i, t in enumerate(trajectories)]
+    kept_of = [_shifted_kept(t) for t in trajectories]
+    kept: list[list[int] | None] | None = [] if any(k is not None for k in kept_of) else None
 
     def emit(i: int, lo: int, hi: int, seen: int) -> None:
         starts.append(len(ids))
@@ -231,6 +254,9 @@ def pack_trajectories(
         labels.extend(lab[lo:hi])
         loss_mask.extend(msk[lo:hi])
         logprobs.extend(lps[lo:hi])
+        if kept is not None:
+            own = kept_of[i]
+            kept.extend(own[lo:hi] if own is not None else [None] * (hi - lo))
         segments.extend([i] * (hi - lo))
         rows.extend([i] * (hi - lo))
         cols.extend(range(lo, hi))
@@ -279,7 +305,18 @@ def pack_trajectories(
         token_cols=torch.tensor(cols, dtype=torch.long),
         attention_mask=attention_mask,
         shared=shared,
+        kept_ids=None if kept is None else _kept_tensor(kept, device),
     )
+
+
+def _kept_tensor(kept: Sequence[list[int] | None], device: torch.device | str) -> torch.Tensor:
+    """(1, N, K) ids of each position's kept set, left-aligned and padded with -1."""
+    width = max((len(k) for k in kept if k), default=1)
+    out = torch.full((len(kept), width), -1, dtype=torch.long)
+    for row, ids in enumerate(kept):
+        if ids:
+            out[row, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+    return out.unsqueeze(0).to(device)
 
 
 def zero_loss_micro_batch(device: torch.device | str = "cpu") -> PackedBatch:

@@ -41,14 +41,15 @@ from typing import Any
 import torch
 
 from agentrl.config import AlgorithmConfig, TrainerConfig
-from agentrl.errors import ConfigError
+from agentrl.errors import ConfigError, TrainerError
+from agentrl.inference.kept_set import KeptSetRule
 from agentrl.registry import ADVANTAGE_ESTIMATORS
 from agentrl.trainer import algos
 from agentrl.trainer.backend import CriticBatch, PolicyBatch, TrainerBackend, UpdateResult
 from agentrl.trainer.packing import PaddedBatch, pad_trajectories
 from agentrl.types import FinishReason, Trajectory
 
-__all__ = ["StepTokens", "make_kl_controller", "train_step", "train_step_with_tokens"]
+__all__ = ["StepTokens", "kept_set_metrics", "make_kl_controller", "train_step", "train_step_with_tokens"]
 
 KLController = algos.FixedKLController | algos.AdaptiveKLController
 # An entry of ADVANTAGE_ESTIMATORS: (rewards, mask, group ids, **options) -> (advantages, returns).
@@ -105,6 +106,7 @@ def train_step(
     temperature: float = 1.0,
     max_response_tokens: int | None = None,
     kl_controller: KLController | None = None,
+    kept_rule: KeptSetRule | None = None,
 ) -> dict[str, float]:
     """Train the backend's policy (and critic) on one batch; return the step's metrics.
 
@@ -112,7 +114,8 @@ def train_step(
     for the rest of the arguments.
     """
     metrics, _ = _train_step(backend, trajectories, algorithm, trainer, temperature=temperature,
-                             max_response_tokens=max_response_tokens, kl_controller=kl_controller, with_tokens=False)
+                             max_response_tokens=max_response_tokens, kl_controller=kl_controller,
+                             kept_rule=kept_rule, with_tokens=False)
     return metrics
 
 
@@ -125,6 +128,7 @@ def train_step_with_tokens(
     temperature: float = 1.0,
     max_response_tokens: int | None = None,
     kl_controller: KLController | None = None,
+    kept_rule: KeptSetRule | None = None,
 ) -> tuple[dict[str, float], StepTokens | None]:
     """`train_step`, and what the trainer computed per token (None when nothing was trained).
 
@@ -136,14 +140,20 @@ def train_step_with_tokens(
     `make_kl_controller`, kept by the caller across steps and saved with its checkpoints) gives
     this step's KL coefficient and is updated at the end; it is required when
     `algorithm.kl_target` is set, and without it the coefficient is `algorithm.kl_coef`.
+    `kept_rule` is the rollout's truncation (top-k, top-p, min-p): with it, the share of sampled
+    tokens outside the kept set the trainer's own logits give is measured where the old logprobs
+    are scored (`onpolicy/kept_set_disagreement`). Tokens are scored over the kept sets their
+    trajectories recorded whether or not it is given (`Trajectory.kept_sets`).
     """
     return _train_step(backend, trajectories, algorithm, trainer, temperature=temperature,
-                       max_response_tokens=max_response_tokens, kl_controller=kl_controller, with_tokens=True)
+                       max_response_tokens=max_response_tokens, kl_controller=kl_controller,
+                       kept_rule=kept_rule, with_tokens=True)
 
 
 def _train_step(
     backend: TrainerBackend, trajectories: Sequence[Trajectory], algorithm: AlgorithmConfig, trainer: TrainerConfig,
-    *, temperature: float, max_response_tokens: int | None, kl_controller: KLController | None, with_tokens: bool,
+    *, temperature: float, max_response_tokens: int | None, kl_controller: KLController | None,
+    kept_rule: KeptSetRule | None, with_tokens: bool,
 ) -> tuple[dict[str, float], StepTokens | None]:  # fmt: skip
     kl_coef = _kl_coefficient(algorithm, kl_controller)
     start = time.perf_counter()
@@ -156,7 +166,12 @@ def _train_step(
 
     in_update = backend.scores_old_logprobs(trainer) and not _needs_old_logprobs_first(algorithm)
     metrics["batch/scored_in_update"] = float(in_update)
-    old_logprobs = None if in_update else backend.compute_logprobs(trajs, temperature=temperature)
+    metrics.update(kept_set_metrics(trajs))
+    rule = kept_rule if kept_rule is not None and kept_rule.truncates else None
+    if rule is not None:
+        _check_kept_sets_recorded(trajs, rule)
+    rule_arg = {"kept_rule": rule} if rule is not None else {}
+    old_logprobs = None if in_update else backend.compute_logprobs(trajs, temperature=temperature, **rule_arg)
     ref_logprobs = backend.compute_ref_logprobs(trajs, temperature=temperature) if algorithm.kl_coef > 0 else None
 
     rewards, kl = _kl_in_reward(scores, old_logprobs, ref_logprobs, layout.loss_mask, algorithm, kl_coef, metrics)
@@ -164,7 +179,7 @@ def _train_step(
 
     policy_batch, critic_batch = _update_batches(
         trajs, layout, advantages, returns, values, old_logprobs, ref_logprobs, algorithm, metrics,
-        temperature=temperature, max_len=max_response_tokens,
+        temperature=temperature, max_len=max_response_tokens, kept_rule=rule if in_update else None,
     )  # fmt: skip
     # The backend reads the loss's KL weight from the config: hand it this step's coefficient.
     step_algorithm = algorithm if kl_coef == algorithm.kl_coef else algorithm.model_copy(update={"kl_coef": kl_coef})
@@ -175,6 +190,8 @@ def _train_step(
     update_s = time.perf_counter() - update_start
 
     metrics.update(result.metrics)
+    if rule is not None and (disagreement := backend.take_kept_set_disagreement()) is not None:
+        metrics["onpolicy/kept_set_disagreement"] = disagreement
     if in_update:
         # The update's own logprobs were its old ones: the ratio is 1 and ppo_kl 0 by construction,
         # not measured, so it is left out (the console shows it as missing) rather than logged as 0.
@@ -197,6 +214,34 @@ def _train_step(
         return metrics, None
     mask = layout.loss_mask if old_logprobs is not None else in_update_mask
     return metrics, StepTokens(trajs, used, mask, result.entropy, in_update_mask)
+
+
+def kept_set_metrics(trajectories: Sequence[Trajectory]) -> dict[str, float]:
+    """What the rollout's kept sets looked like (nothing when no trajectory records them): the mean
+    size of the recorded ones, how many sampled tokens overflowed the cap (`rollout.max_kept_set`;
+    masked out of the loss) and their share of the sampled tokens."""
+    sizes = [len(k) for t in trajectories for k in t.kept_sets]
+    if not sizes:
+        return {}
+    overflow = sum(1 for n in sizes if n == 0)
+    recorded = [n for n in sizes if n]
+    out = {"onpolicy/kept_set_overflow": float(overflow), "onpolicy/kept_set_overflow_share": overflow / len(sizes)}
+    if recorded:
+        out["onpolicy/kept_set_size_mean"] = sum(recorded) / len(recorded)
+    return out
+
+
+def _check_kept_sets_recorded(trajs: list[Trajectory], rule: KeptSetRule) -> None:
+    """Truncated sampling whose kept sets did not come back cannot be scored without bias: stop."""
+    missing = [t for t in trajs if t.num_sampled and not t.kept_sets]
+    if missing:
+        raise TrainerError(
+            f"{len(missing)} of {len(trajs)} trajectories were sampled with truncation ({rule}) but record "
+            f"no kept sets (episode '{missing[0].episode_id}'), so their tokens cannot be scored under the "
+            "distribution they were drawn from. Serve with an engine that returns kept sets "
+            "(inference.engine=vllm or hf, agentrl's own servers), or train with rollout.top_p=1.0 "
+            "rollout.top_k=0 rollout.min_p=0.0."
+        )
 
 
 # ── stages ──────────────────────────────────────────────────────────────────────────────────────
@@ -343,6 +388,7 @@ def _update_batches(
     trajs: list[Trajectory], layout: PaddedBatch, advantages: torch.Tensor, returns: torch.Tensor,
     values: torch.Tensor | None, old_logprobs: torch.Tensor | None, ref_logprobs: torch.Tensor | None,
     algorithm: AlgorithmConfig, metrics: dict[str, float], *, temperature: float, max_len: int | None,
+    kept_rule: KeptSetRule | None = None,
 ) -> tuple[PolicyBatch, CriticBatch | None]:  # fmt: skip
     """The policy batch (with the rollout correction when the old logprobs are known) and, for
     GAE, the critic batch. `max_len` None: the batch's longest response."""
@@ -354,7 +400,7 @@ def _update_batches(
     policy = PolicyBatch(
         trajectories=trajs, loss_mask=loss_mask, advantages=advantages, old_logprobs=old_logprobs,
         rollout_logprobs=layout.rollout_logprobs, ref_logprobs=ref_logprobs, is_weights=is_weights,
-        temperature=temperature, max_len=max_len,
+        temperature=temperature, max_len=max_len, kept_rule=kept_rule,
     )  # fmt: skip
     critic = None
     if values is not None:

@@ -327,3 +327,61 @@ def test_megatron_weights_reach_vllm(vllm_server: Any, assets: Path, tmp_path: P
         assert before.logprobs != after.logprobs
     finally:  # the server is shared by the session: give back the original weights
         asyncio.run(generate("megatron-restore", (str(model_dir), 12)))
+
+
+# ── kept sets (truncated sampling replayed) over vocabulary shards ────────────────────────────
+def kept_batch() -> list[Trajectory]:
+    """`toy_batch` with a kept set per sampled token that straddles both halves of the GQA model's
+    512-token vocabulary, so with tensor_parallel=2 each rank masks part of every set."""
+    out = toy_batch()
+    for t in out:
+        t.kept_sets = [sorted({tok, 3, 300, 511}) for tok, o in zip(t.token_ids, t.origins, strict=True)
+                       if o == int(TokenOrigin.SAMPLED)]
+    return out
+
+
+def megatron_kept(model_dir: str, tp: int) -> dict[str, Any]:
+    from agentrl.inference.kept_set import KeptSetRule
+    from agentrl.trainer.step import train_step
+
+    backend = _megatron(model_dir, tensor_parallel=tp)
+    rule = KeptSetRule(top_k=256)
+    logprobs = backend.compute_logprobs(kept_batch(), temperature=0.7, kept_rule=rule)
+    disagreement = backend.take_kept_set_disagreement()
+    metrics = train_step(backend, kept_batch(), AlgorithmConfig(), TrainerConfig(), temperature=0.7, kept_rule=rule)
+    return {"logprobs": logprobs, "disagreement": disagreement, "metrics": metrics}
+
+
+def test_kept_sets_are_replayed_over_vocabulary_shards(gqa_model: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from agentrl.inference.kept_set import kept_mask, masked_logits
+    from agentrl.trainer import launch
+    from agentrl.trainer.fsdp2 import FSDP2Backend
+    from agentrl.trainer.packing import pad_trajectories
+
+    trajs = kept_batch()
+    padded = pad_trajectories(trajs)
+    model = AutoModelForCausalLM.from_pretrained(gqa_model, dtype=torch.float32).eval()
+    with torch.no_grad():
+        z = model(input_ids=padded.input_ids, attention_mask=padded.attention_mask).logits.float() / 0.7
+    flat = z.reshape(-1, z.shape[-1])
+    kept = torch.full((flat.shape[0], 4), -1, dtype=torch.long)
+    mask = padded.loss_mask.reshape(-1) > 0
+    kept[mask] = torch.tensor([k for t in trajs for k in t.kept_sets])
+    reference = torch.log_softmax(masked_logits(flat, kept), -1).gather(-1, padded.labels.reshape(-1, 1))[:, 0]
+    reference = reference.reshape(padded.labels.shape) * padded.loss_mask
+    outside = (~kept_mask(flat[mask], top_k=256).gather(-1, padded.labels.reshape(-1)[mask][:, None])).float().mean()
+
+    (one,) = launch(megatron_kept, 1, str(gqa_model), 1)
+    rank0, _ = launch(megatron_kept, 2, str(gqa_model), 2)
+    fsdp = FSDP2Backend(gqa_model, _trainer(), AlgorithmConfig(), seed=0, deterministic=True)
+    fsdp_lp = fsdp.compute_logprobs(kept_batch(), temperature=0.7)
+    for lp in (one["logprobs"], rank0["logprobs"], fsdp_lp):
+        torch.testing.assert_close(lp * padded.loss_mask, reference, atol=1e-5, rtol=0)
+    # top_k=256 (half the vocabulary) of the trainer's own logits misses some sampled tokens: measured with one rank only
+    assert one["disagreement"] == pytest.approx(outside.item(), abs=1e-6) and 0 < one["disagreement"] < 1
+    assert rank0["disagreement"] is None and "onpolicy/kept_set_disagreement" not in rank0["metrics"]
+    assert one["metrics"]["onpolicy/kept_set_size_mean"] == rank0["metrics"]["onpolicy/kept_set_size_mean"]
+    for key in ("actor/pg_loss", "actor/entropy", "actor/grad_norm"):
+        assert one["metrics"][key] == pytest.approx(rank0["metrics"][key], abs=1e-5), key

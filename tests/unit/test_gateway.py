@@ -10,6 +10,7 @@ the ledger equals the AgentLoop's for the same episode.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -328,6 +329,44 @@ def test_stop_strings_cut_the_answer_and_keep_the_sampled_tokens(template: ChatT
     sampled = template.tokenizer.decode(t.tokens_of(TokenOrigin.SAMPLED))
     assert sampled.startswith("Thought: add them.\nAction: add\nObservation:") and "3" not in sampled
     assert "".join(lp.token for lp in reply.choices[0].logprobs.content) == sampled
+
+
+class KeptSetModel(ScriptedModel):
+    """A ScriptedModel that samples 'with truncation': each token comes with a kept set of two."""
+
+    async def generate(self, prompt_ids: list[int], sampling: Any, *, session_id: str,
+                       timeout_s: float | None = None) -> Generation:
+        self.sampling = sampling
+        gen = await super().generate(prompt_ids, sampling, session_id=session_id, timeout_s=timeout_s)
+        return dataclasses.replace(gen, kept_sets=[[t, t + 1] for t in gen.token_ids])
+
+
+def test_truncated_sampling_reaches_the_engine_and_kept_sets_are_cut_with_the_answer(template: ChatTemplate) -> None:
+    text = "Thought: add them.\nAction: add\nObservation: 3<|im_end|>"
+    model = KeptSetModel(template, [text])
+
+    async def run() -> Trajectory:
+        gateway = Gateway()
+        session = gateway.open_session(_loop(template, model, top_p=0.9, top_k=20, min_p=0.05, max_kept_set=32),
+                                       episode_id="ep")
+        await (await _client(gateway, session)).chat.completions.create(
+            model="m", messages=[{"role": "user", "content": "go"}], stop=["Observation:"])
+        return session.trajectories(reward=0.0, finish_reason=FinishReason.DONE)[0]
+
+    t = asyncio.run(run())
+    s = model.sampling
+    assert (s.top_p, s.top_k, s.min_p, s.max_kept_set) == (0.9, 20, 0.05, 32)  # the run's, not the agent's
+    # The AgentLoop records them the same way, two turns of tool calls included.
+    row = {"prompt": [{"role": "system", "content": "You add."}, {"role": "user", "content": "1+2 and 30+4?"}]}
+    loop = _loop(template, KeptSetModel(template, [CALLS, ANSWER]), top_k=20)
+    played = asyncio.run(loop.run_episode(AddEnv(), row=row, episode_id="ep"))
+    assert played.kept_sets == [[tok, tok + 1] for tok in played.tokens_of(TokenOrigin.SAMPLED)]
+    assert played.num_turns == 2
+    played.validate()
+    sampled = t.tokens_of(TokenOrigin.SAMPLED)
+    assert len(sampled) < len(template.tokenizer.encode(text, add_special_tokens=False))  # cut at the stop
+    assert t.kept_sets == [[tok, tok + 1] for tok in sampled]
+    t.validate()
 
 
 def test_models_route_and_unknown_keys(template: ChatTemplate) -> None:

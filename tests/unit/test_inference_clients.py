@@ -46,6 +46,8 @@ def test_sampling_spec_and_response_round_trip():
         "max_tokens": 9,
         "stop_token_ids": [2],
         "seed": 1,
+        "min_p": 0.0,
+        "max_kept_set": 128,
     }
     assert SamplingSpec.from_params(SamplingParams()).stop_token_ids is None  # None: the model's EOS ids
     gen = GenerateResponse(
@@ -58,6 +60,12 @@ def test_sampling_spec_and_response_round_trip():
         2,
         "s",
     )
+    assert gen.kept_sets is None  # the whole vocabulary was kept
+    kept = GenerateResponse(token_ids=[4, 1], logprobs=[-0.5, 0.0], finish_reason="stop", weight_version=2,
+                            kept_sets=[[3, 4], []])
+    assert GenerateResponse.model_validate_json(kept.model_dump_json()).to_generation().kept_sets == [[3, 4], []]
+    spec = SamplingSpec.from_params(SamplingParams(top_p=0.9, min_p=0.1, max_kept_set=7))
+    assert (spec.top_p, spec.min_p, spec.max_kept_set, spec.truncates) == (0.9, 0.1, 7, True)
 
 
 @pytest.mark.parametrize(

@@ -87,6 +87,20 @@ def test_record_segments_are_readable_and_give_back_the_exact_ledger(template: C
     assert back == t
 
 
+def test_kept_sets_travel_with_their_sampled_segments_and_read_back_exactly(template: ChatTemplate) -> None:
+    t = tool_episode(template)
+    sampled = [tok for tok, o in zip(t.token_ids, t.origins, strict=True) if o == int(TokenOrigin.SAMPLED)]
+    t.kept_sets = [[tok] if k % 3 else [] if k % 2 else sorted({tok, 7, 9}) for k, tok in enumerate(sampled)]
+    t.validate()
+    record = json.loads(json.dumps(trajectory_record(t, None, source="eval")))
+    kept = [s.get("kept") for s in record["segments"]]
+    assert [k is not None for k in kept] == [s["origin"] == "sampled" for s in record["segments"]]
+    assert [x for k in kept if k is not None for x in k] == t.kept_sets
+    assert trajectory_from_record(record) == t
+    t.kept_sets = []  # the whole vocabulary kept: nothing written
+    assert all("kept" not in s for s in trajectory_record(t, None, source="eval")["segments"])
+
+
 def test_eval_file_and_legacy_file_are_read_the_same_way(template: ChatTemplate, tmp_path: Path) -> None:
     groups = [[tool_episode(template, episode_id="a"), tool_episode(template, reward=0.0, episode_id="b")]]
     rows = [{"prompt": "x", "reward_model": {"ground_truth": "84"}}]

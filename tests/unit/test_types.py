@@ -112,3 +112,38 @@ def test_value_types_check_their_input() -> None:
         "tool_calls": [{"id": "c1", "type": "function",
                         "function": {"name": "calculator", "arguments": {"expression": "1+1"}}}],
     }
+
+
+def test_kept_sets_are_stored_per_sampled_token_and_checked() -> None:
+    t = Trajectory()
+    t.extend([5, 6], TokenOrigin.PROMPT, 0)
+    t.extend([7, 8], TokenOrigin.SAMPLED, 1, logprobs=[-0.1, -0.2], version=0, kept_sets=[[7, 9], []])
+    t.extend([1], TokenOrigin.TOOL, 1)
+    t.extend([3], TokenOrigin.SAMPLED, 2, logprobs=[-0.3], version=1, kept_sets=[[2, 3]])
+    t.validate()
+    assert t.kept_sets == [[7, 9], [], [2, 3]] and t.kept_set_overflows == 1
+    assert Trajectory.from_dict(t.to_dict()) == t
+    with pytest.raises(ValueError, match="without kept sets"):
+        t.extend([4], TokenOrigin.SAMPLED, 3, logprobs=[-0.1], version=1)
+    with pytest.raises(ValueError, match="need 1 kept sets"):
+        t.extend([4], TokenOrigin.SAMPLED, 3, logprobs=[-0.1], version=1, kept_sets=[[4], [4]])
+    with pytest.raises(ValueError, match="only sampled tokens"):
+        t.extend([4], TokenOrigin.TOOL, 3, kept_sets=[[4]])
+    t.kept_sets[0] = [9]  # the sampled token 7 is not in its own set
+    with pytest.raises(ValueError, match="not in its own kept set"):
+        t.validate()
+    plain = Trajectory()
+    plain.extend([5], TokenOrigin.PROMPT, 0)
+    plain.extend([7], TokenOrigin.SAMPLED, 1, logprobs=[-0.1], version=0)
+    with pytest.raises(ValueError, match="follow tokens sampled without"):
+        plain.extend([8], TokenOrigin.SAMPLED, 1, logprobs=[-0.1], version=0, kept_sets=[[8]])
+    assert plain.kept_sets == []
+
+
+def test_sampling_params_know_when_they_truncate_the_vocabulary() -> None:
+    assert not SamplingParams().truncates
+    assert SamplingParams(top_p=0.9).truncates and SamplingParams(top_k=20).truncates
+    assert SamplingParams(min_p=0.05).truncates
+    assert not SamplingParams(temperature=0.0, top_k=20).truncates  # greedy is never replayed
+    with pytest.raises(ValueError, match="min_p"):
+        SamplingParams(min_p=1.0)

@@ -180,3 +180,21 @@ def test_model_dtype_reaches_the_hf_engine(assets: Path) -> None:
         HFEngine("m", dtype="fp8")
     with pytest.raises(SystemExit):
         hf_main(["--model", "m", "--port", "1", "--dtype", "fp8"])
+
+
+@pytest.mark.parametrize("setting", ["rollout.top_p=0.9", "rollout.top_k=20", "rollout.min_p=0.05"])
+def test_truncated_sampling_on_an_engine_that_cannot_return_kept_sets_is_refused(
+    capsys: pytest.CaptureFixture[str], setting: str
+) -> None:
+    # SGLang answers no kept sets: the trainer could not score the tokens under their distribution.
+    err = refusal(capsys, "env=arithmetic", "inference.engine=sglang", setting)
+    assert f"{setting}: inference.engine 'sglang' cannot return the kept set" in err
+    assert "Use inference.engine=vllm or hf" in err
+
+
+def test_truncated_sampling_on_an_engine_that_returns_kept_sets_validates(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["validate", "env=arithmetic", "inference.engine=hf", "rollout.top_p=0.9", "rollout.top_k=20",
+                 "rollout.min_p=0.05"]) == 0
+    capsys.readouterr()
+    # The full vocabulary on SGLang: nothing to replay, nothing refused.
+    assert main(["validate", "env=arithmetic", "inference.engine=sglang"]) == 0
