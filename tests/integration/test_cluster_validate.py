@@ -137,7 +137,7 @@ async def main():
     # the driver's own converted directory is not on the worker: the server must not be handed it
     service = await start_placed_servers(config, reservation, "/tmp/work/driver-only/smollm2", log_dir="/tmp/work")
     try:
-        return service.urls()
+        return service.urls
     finally:
         await service.aclose()
 

@@ -116,3 +116,13 @@ def test_the_readme_layout_names_every_package_and_each_says_its_layer() -> None
         folder = folders.get(package, package.replace(".", "/"))
         doc = ast.get_docstring(ast.parse((REPO / folder / "__init__.py").read_text())) or ""
         assert "Layer L" in doc, f"{folder}/__init__.py's docstring does not say which layer it sits in"
+
+
+def test_no_two_test_modules_share_a_name() -> None:
+    """pytest imports test modules by their file name (the folders are not packages): a second
+    `test_x.py` anywhere stops the whole collection with "import file mismatch"."""
+    from collections import Counter
+
+    tests = Path(__file__).resolve().parents[1]
+    names = Counter(p.name for p in tests.rglob("test_*.py") if "__pycache__" not in p.parts)
+    assert [n for n, count in names.items() if count > 1] == []
