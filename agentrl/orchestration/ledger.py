@@ -209,8 +209,9 @@ class PromptLedger:
         self.entries[ref.key] = entry
         self._append({**asdict(entry), "status": "taken"})
 
-    def trained(self, ref: PromptRef, step: int) -> None:
-        self._close(ref, "trained", step=step)
+    def trained(self, ref: PromptRef, step: int, note: str = "") -> None:
+        """`ref` was trained at `step`; `note` says what of it was not (sequences the on-policy gate masked)."""
+        self._close(ref, "trained", step=step, reason=note)
 
     def filtered(self, ref: PromptRef, reason: str, step: int | None = None) -> None:
         self._close(ref, "filtered", step=step, reason=reason)

@@ -35,6 +35,12 @@ from agentrl.orchestration.ledger import (
     close_orphans,
     next_session,
 )
+from agentrl.orchestration.onpolicy_gate import (
+    allowed_staleness,
+    check_gated_share,
+    gated_groups,
+    take_gated_rows,
+)
 from agentrl.orchestration.prompt_length import PromptMeter
 from agentrl.orchestration.run_commands import resume_command
 from agentrl.orchestration.schedule import GroupResult, Scheduler, StepRecord, Verdict, default_classify
@@ -198,7 +204,15 @@ class TrainingSteps:
         self.books.infra.check()  # a run whose episodes fail for infrastructure reasons stops before training
         # Infrastructure failures are masked out of the loss: they never reach the trainer at all.
         trajectories = [t for g in groups for t in g.trajectories if t.trainable]
-        metrics: dict[str, float] = await self.trainer.train(trajectories)
+        metrics: dict[str, float] = await self.trainer.train(trajectories, self.scheduler.trainer_version,
+                                                             allowed_staleness(self.config))
+        # The on-policy gate: the sequences the trainer masked go into each group's ledger line, and
+        # a step where too many tripped stops the run (its groups are closed as unfinished).
+        gated = take_gated_rows(metrics)
+        sizes = [sum(t.trainable for t in g.trajectories) for g in groups]
+        for g, note in zip(groups, gated_groups(sizes, gated), strict=True):
+            g.note = note
+        check_gated_share(self.config, metrics, step, self.books.run_dir)
         if not self.colocated:  # colocated: the engine takes the trainer's tensors at the push, in memory
             _path, export_s = await self.trainer.export(self.scheduler.trainer_version + 1)
             metrics["time/export_s"] = export_s

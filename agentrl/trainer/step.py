@@ -38,6 +38,7 @@ from agentrl.errors import ConfigError
 from agentrl.registry import ADVANTAGE_ESTIMATORS
 from agentrl.trainer import algos
 from agentrl.trainer.backend import CriticBatch, PolicyBatch, TrainerBackend, UpdateResult
+from agentrl.trainer.mismatch_gate import gate_sequences
 from agentrl.trainer.packing import PaddedBatch, pad_trajectories
 from agentrl.types import FinishReason, Trajectory
 
@@ -64,6 +65,8 @@ def train_step(
     temperature: float = 1.0,
     max_response_tokens: int | None = None,
     kl_controller: KLController | None = None,
+    policy_version: int | None = None,
+    allowed_staleness: int = 0,
 ) -> dict[str, float]:
     """Train the backend's policy (and critic) on one batch; return the step's metrics.
 
@@ -75,6 +78,8 @@ def train_step(
     `make_kl_controller`, kept by the caller across steps and saved with its checkpoints) gives
     this step's KL coefficient and is updated at the end; it is required when
     `algorithm.kl_target` is set, and without it the coefficient is `algorithm.kl_coef`.
+    `policy_version` (the trainer version this step trains at) and `allowed_staleness` (how many
+    versions older a sampled token may be) let the mismatch gate check the ledger's versions.
     """
     kl_coef = _kl_coefficient(algorithm, kl_controller)
     start = time.perf_counter()
@@ -85,7 +90,8 @@ def train_step(
     scores = _shaped_scores(trajs, algorithm, max_response_tokens, metrics)
     layout = pad_trajectories(trajs)
 
-    in_update = backend.scores_old_logprobs(trainer) and not _needs_old_logprobs_first(algorithm)
+    gate = algorithm.mismatch_gate
+    in_update = backend.scores_old_logprobs(trainer) and not _needs_old_logprobs_first(algorithm) and not gate.enabled
     metrics["batch/scored_in_update"] = float(in_update)
     old_logprobs = None if in_update else backend.compute_logprobs(trajs, temperature=temperature)
     ref_logprobs = backend.compute_ref_logprobs(trajs, temperature=temperature) if algorithm.kl_coef > 0 else None
@@ -96,6 +102,7 @@ def train_step(
     policy_batch, critic_batch = _update_batches(
         trajs, layout, advantages, returns, values, old_logprobs, ref_logprobs, algorithm, metrics,
         temperature=temperature, max_len=max_response_tokens,
+        gate=(policy_version, allowed_staleness),
     )  # fmt: skip
     # The backend reads the loss's KL weight from the config: hand it this step's coefficient.
     step_algorithm = algorithm if kl_coef == algorithm.kl_coef else algorithm.model_copy(update={"kl_coef": kl_coef})
@@ -261,13 +268,20 @@ def _update_batches(
     trajs: list[Trajectory], layout: PaddedBatch, advantages: torch.Tensor, returns: torch.Tensor,
     values: torch.Tensor | None, old_logprobs: torch.Tensor | None, ref_logprobs: torch.Tensor | None,
     algorithm: AlgorithmConfig, metrics: dict[str, float], *, temperature: float, max_len: int | None,
+    gate: tuple[int | None, int] = (None, 0),
 ) -> tuple[PolicyBatch, CriticBatch | None]:  # fmt: skip
-    """The policy batch (with the rollout correction when the old logprobs are known) and, for
-    GAE, the critic batch. `max_len` None: the batch's longest response."""
+    """The policy batch (with the rollout correction and the mismatch gate when the old logprobs
+    are known) and, for GAE, the critic batch. `max_len` None: the batch's longest response.
+    `gate`: (the policy version this step trains at, the staleness it allows)."""
     mask = layout.loss_mask
     is_weights, loss_mask = None, mask
     if old_logprobs is not None:
         is_weights, loss_mask = _rollout_mismatch(metrics, old_logprobs, layout.rollout_logprobs, mask, algorithm)
+        if algorithm.mismatch_gate.enabled:
+            decision = gate_sequences(trajs, old_logprobs, layout.rollout_logprobs, mask, algorithm.mismatch_gate,
+                                      policy_version=gate[0], allowed_staleness=gate[1])
+            metrics.update(decision.metrics)
+            loss_mask = loss_mask * decision.keep[:, None].to(loss_mask.dtype)
     max_len = max_len or max(1, int(mask.sum(-1).max().item()))
     policy = PolicyBatch(
         trajectories=trajs, loss_mask=loss_mask, advantages=advantages, old_logprobs=old_logprobs,
