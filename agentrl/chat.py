@@ -551,7 +551,7 @@ def _as_sampled(template: ChatTemplate, trajectory: Trajectory) -> list[Message]
         if m.get("role") == "assistant":
             content = m.get("content")
             if k < len(sampled) and isinstance(content, str) and sampled[k].strip() == content.strip():
-                m = {**m, "content": sampled[k]}  # type: ignore[typeddict-item]
+                m = {**m, "content": sampled[k]}
             k += 1
         out.append(m)
     return out

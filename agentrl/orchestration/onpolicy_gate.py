@@ -102,17 +102,17 @@ def check_gated_share(config: AgentRLConfig, metrics: dict[str, float], step: in
     gate = config.algorithm.mismatch_gate
     if not gate.enabled:
         return
-    share = metrics.get("onpolicy/gated_share")
-    disagreement = metrics.get(KEPT_SET_METRIC)
+    share, max_share = metrics.get("onpolicy/gated_share"), gate.max_gated_share
+    disagreement, max_disagreement = metrics.get(KEPT_SET_METRIC), gate.max_kept_set_disagreement
     counts = {r: int(metrics.get(f"onpolicy/gated_sequences/{r}", 0)) for r in _REASONS}
-    if disagreement is not None and disagreement > gate.max_kept_set_disagreement:
+    if disagreement is not None and disagreement > max_disagreement:
         cause, what = "kept_set", (f"{disagreement:.3f} of the sampled tokens are outside the trainer's kept set "
-                                   f"(algorithm.mismatch_gate.max_kept_set_disagreement={gate.max_kept_set_disagreement:g})")
-    elif share is not None and share > gate.max_gated_share:
+                                   f"(algorithm.mismatch_gate.max_kept_set_disagreement={max_disagreement:g})")
+    elif share is not None and share > max_share:
         cause = max(counts, key=lambda r: counts[r])
         total = int(metrics.get("onpolicy/gated_sequences", 0))
         what = (f"{total} of {int(metrics.get('batch/trajectories', 0)) or '?'} sequences ({share:.0%}) failed the "
-                f"on-policy gate, more than algorithm.mismatch_gate.max_gated_share={gate.max_gated_share:g} "
+                f"on-policy gate, more than algorithm.mismatch_gate.max_gated_share={max_share:g} "
                 f"(by figure: {', '.join(f'{r} {c}' for r, c in counts.items() if c)}; largest token gap "
                 f"{metrics.get('onpolicy/logprob_gap_max', 0.0):.3g}, largest mean gap "
                 f"{metrics.get('onpolicy/mean_logprob_gap_max', 0.0):.3g}, batch ESS "
