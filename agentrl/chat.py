@@ -511,9 +511,9 @@ def render_difference(
     """Why the ledger differs from a full re-render of its conversation ("" when it does not).
 
     Token for token first. Where the ids differ, the ledger still agrees when both decode to the
-    same text and the first differing id is a sampled one: sampled text need not re-tokenise to the
-    ids the model sampled (a model may sample " a", "b" where the tokenizer would write " ab"), and
-    the ledger rightly keeps what was sampled. An assistant message is rendered with the text its
+    same text (after the tokenizer's normaliser) and the first differing id is a sampled one: sampled
+    text need not re-tokenise to the ids the model sampled (a model may sample " a", "b" where the
+    tokenizer would write " ab"), and the ledger rightly keeps what was sampled. An assistant message is rendered with the text its
     turn sampled (`decode_turn`) when that differs from its content only in surrounding whitespace
     (parsers strip whitespace the model did sample). `prefix`: the ledger may stop before the
     re-render does (an episode that ends on a sampled turn, whose closing the template adds).
@@ -529,12 +529,23 @@ def render_difference(
     decode = template.tokenizer.decode
     text_ledger = decode(ledger, skip_special_tokens=False, clean_up_tokenization_spaces=False)
     text_full = decode(full, skip_special_tokens=False, clean_up_tokenization_spaces=False)
-    same_text = text_full == text_ledger or (prefix and text_full.startswith(text_ledger))
+    norm_ledger, norm_full = _normalised(template, text_ledger), _normalised(template, text_full)
+    same_text = norm_full == norm_ledger or (prefix and norm_full.startswith(norm_ledger))
     if same_text and pos < len(ledger) and trajectory.origins[pos] == TokenOrigin.SAMPLED:
         return ""
     at = _common_prefix_len(text_ledger, text_full)
     return (f"ledger has {len(ledger)} ids, re-render {len(full)}; first difference at id {pos}, character {at}: "
             f"ledger {text_ledger[at:at + 24]!r} vs re-render {text_full[at:at + 24]!r}")
+
+
+def _normalised(template: ChatTemplate, text: str) -> str:
+    """`text` as the tokenizer's normaliser sees it (NFC for Qwen): a model may sample a character the
+    tokenizer would write in another form (U+FB44 for U+05E4 U+05BC); both are the same text to it."""
+    backend = getattr(template.tokenizer, "backend_tokenizer", None)
+    normalizer = getattr(backend, "normalizer", None)
+    if normalizer is None:
+        return text
+    return str(normalizer.normalize_str(text))
 
 
 def _as_sampled(template: ChatTemplate, trajectory: Trajectory) -> list[Message]:
