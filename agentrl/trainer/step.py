@@ -6,8 +6,9 @@ overlong penalty, stop-properly penalty for episodes truncated at the length lim
 batch with the current policy (old logprobs, unless the update scores them itself), the reference
 (when `kl_coef > 0`) and the critic (GAE); put the KL penalty in the reward if asked; form
 advantages with the configured estimator (`ADVANTAGE_ESTIMATORS`); weigh the rollout/trainer
-mismatch; then hand the batch to the backend's update loop (`TrainerBackend.update`). It returns
-the metrics an RL practitioner watches, named `group/metric`. The KL coefficient comes from a
+mismatch and mask the sequences the on-policy gate finds too far off (`mismatch_gate`, which then
+needs the old logprobs before the update); then hand the batch to the backend's update loop
+(`TrainerBackend.update`). It returns the metrics an RL practitioner watches, named `group/metric`. The KL coefficient comes from a
 controller (`make_kl_controller`) that the caller keeps across steps: fixed, or adaptive when
 `algorithm.kl_target` is set, updated after each step with the batch's KL to the reference.
 
