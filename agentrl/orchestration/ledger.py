@@ -6,7 +6,8 @@ were in flight when a run stopped). Rows skipped as malformed (`data.skip_bad_ro
 numbers and are never handed out. Its `state()` is the data position a checkpoint stores, so a
 resumed run takes exactly the prompts the uninterrupted run would have taken next.
 
-`PromptLedger` records what became of each prompt *attempt*: `trained` (at which step),
+`PromptLedger` records what became of each prompt *attempt*: `trained` (at which step; its reason
+says which sequences the on-policy gate masked, if any),
 `filtered` (why: equal rewards under dynamic filtering, prompt too long), `requeued` (its episodes
 failed for infrastructure reasons; the prompt goes back to the sampler), `failed` (it failed
 `max_attempts` times), or `unfinished` (still in flight or queued when the run ended; a resumed run
