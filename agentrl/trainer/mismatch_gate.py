@@ -2,8 +2,9 @@
 
 `gate_sequences` reads only the token ledger (`Trajectory`: rollout logprobs, policy versions, the
 chat-template mismatches `rollout.verify_template` counted) and the trainer's old logprobs, and
-computes per sequence, over its sampled tokens: the max and mean |rollout - trainer| logprob gap,
-the spread (max - min) of the log importance ratios and their normalised effective sample size
+computes per sequence, over its sampled tokens (those sampled by the version being trained, when
+the step says which; older ones differ by the policy's own change): the max and mean |rollout -
+trainer| logprob gap, the spread (max - min) of the log importance ratios and their normalised effective sample size
 (ESS, 1 when every ratio is equal); per batch, the ESS over the sequences it keeps; and how many
 tokens carry a policy version outside the window the run's staleness allows. A sequence over a
 threshold of `algorithm.mismatch_gate` gets a reason (the first figure that tripped, in the order
@@ -65,8 +66,17 @@ def gate_sequences(
     reasons: list[str | None] = []
     stale_tokens = 0
     log_ratio_all = (old_logprobs.float() - rollout_logprobs.float()).detach()
+    width = mask.shape[1]
+    used: list[torch.Tensor] = []  # per row, the positions the figures are computed over
     for i, t in enumerate(trajectories):
         row = mask[i] > 0
+        if policy_version is not None:
+            # Engine and trainer can only agree where they had the same weights: a token sampled by an
+            # older version (as async modes allow) differs by the policy's own change, which the IS
+            # correction weighs. Position j of the padded batch scores token j + 1.
+            shifted = torch.tensor([*t.versions[1:], -1][:width] + [-1] * max(0, width - len(t.versions)))
+            row = row & (shifted == policy_version)
+        used.append(row)
         r = log_ratio_all[i][row]
         stale = 0
         if policy_version is not None:
@@ -97,7 +107,7 @@ def gate_sequences(
     kept_rows = [i for i, reason in enumerate(reasons) if reason is None]
     batch_ess = 1.0
     if kept_rows:
-        seq_log_ratio = torch.stack([log_ratio_all[i][mask[i] > 0].sum() for i in kept_rows])
+        seq_log_ratio = torch.stack([log_ratio_all[i][used[i]].sum() for i in kept_rows])
         batch_ess = _ess(seq_log_ratio)
         if batch_ess < config.min_ess:
             for i in kept_rows:

@@ -62,7 +62,7 @@ def test_each_figure_gates_only_its_sequence_with_its_reason():
         traj([-1.0, -1.0], version=2, template_mismatch=1.0),  # template re-render differed
         traj([-1.0, -1.0], version=3),  # sampled by a version outside the window [1, 2]
         traj([-1.0, -1.0, -1.0], version=2),  # one token 2.5 nats off
-        traj([-1.0, -1.0, -1.0], version=1),  # every token 0.3 nats off
+        traj([-1.0, -1.0, -1.0], version=2),  # every token 0.3 nats off
         traj([-1.0, -1.0], version=2),  # healthy
     ]
     d = gate(trajs, shift={2: [0.0, 2.5, 0.0], 3: [0.3, 0.3, 0.3]}, policy_version=2, allowed_staleness=1)
@@ -130,3 +130,13 @@ def test_batch_ess_gates_weights_piled_on_one_sequence():
     d = gate([traj([-1.0] * 60) for _ in range(3)], shift={0: [0.05] * 60})
     assert d.metrics["onpolicy/batch_ess"] < 0.5 and d.reasons == ["ess", "ess", "ess"]
     assert d.metrics["onpolicy/ess_min"] == pytest.approx(1.0, abs=1e-4)  # each sequence alone is even
+
+
+def test_tokens_of_an_older_allowed_version_do_not_count_as_mismatch():
+    """Async modes train on tokens one version old: their gap is the policy's own change (the IS
+    correction weighs it), so only tokens of the trained version count toward the gap figures."""
+    stale = traj([-1.0, -1.0, -1.0], version=1)
+    d = gate([stale, traj([-1.0, -1.0], version=2)], shift={0: [0.5, 0.5, 0.5]}, policy_version=2,
+             allowed_staleness=1)
+    assert d.reasons == [None, None] and d.metrics["onpolicy/mean_logprob_gap_max"] == 0.0
+    assert gate([stale], shift={0: [0.5, 0.5, 0.5]}).reasons == ["mean_logprob_gap"]  # versions unknown: all count
