@@ -69,7 +69,7 @@ from agentrl.errors import ChatTemplateError
 from agentrl.segments import SegmentEncoder
 from agentrl.types import Generation, Message, TokenOrigin, ToolSchema, Trajectory
 
-__all__ = ["ChatTemplate", "ConversationTokenizer", "TokenDelta"]
+__all__ = ["ChatTemplate", "ConversationTokenizer", "TokenDelta", "render_difference"]
 
 log = logging.getLogger(__name__)
 
@@ -505,6 +505,69 @@ def _common_prefix_len(a: Sequence[Any], b: Sequence[Any]) -> int:
     return n
 
 
+def render_difference(
+    template: ChatTemplate, trajectory: Trajectory, tools: Sequence[ToolSchema] | None = None, *, prefix: bool = False
+) -> str:
+    """Why the ledger differs from a full re-render of its conversation ("" when it does not).
+
+    Token for token first. Where the ids differ, the ledger still agrees when both decode to the
+    same text (after the tokenizer's normaliser) and the first differing id is a sampled one: sampled
+    text need not re-tokenise to the ids the model sampled (a model may sample " a", "b" where the
+    tokenizer would write " ab"), and the ledger rightly keeps what was sampled. An assistant message is rendered with the text its
+    turn sampled (`decode_turn`) when that differs from its content only in surrounding whitespace
+    (parsers strip whitespace the model did sample). `prefix`: the ledger may stop before the
+    re-render does (an episode that ends on a sampled turn, whose closing the template adds).
+    """
+    ledger = trajectory.token_ids
+    try:
+        full = template.encode_prompt(_as_sampled(template, trajectory), tools, add_generation_prompt=not prefix)
+    except ChatTemplateError as exc:
+        return f"re-render failed: {exc}"
+    if full == ledger or (prefix and full[: len(ledger)] == ledger):
+        return ""
+    pos = _common_prefix_len(ledger, full)
+    decode = template.tokenizer.decode
+    text_ledger = decode(ledger, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+    text_full = decode(full, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+    norm_ledger, norm_full = _normalised(template, text_ledger), _normalised(template, text_full)
+    same_text = norm_full == norm_ledger or (prefix and norm_full.startswith(norm_ledger))
+    if same_text and pos < len(ledger) and trajectory.origins[pos] == TokenOrigin.SAMPLED:
+        return ""
+    at = _common_prefix_len(text_ledger, text_full)
+    return (f"ledger has {len(ledger)} ids, re-render {len(full)}; first difference at id {pos}, character {at}: "
+            f"ledger {text_ledger[at:at + 24]!r} vs re-render {text_full[at:at + 24]!r}")
+
+
+def _normalised(template: ChatTemplate, text: str) -> str:
+    """`text` as the tokenizer's normaliser sees it (NFC for Qwen): a model may sample a character the
+    tokenizer would write in another form (U+FB44 for U+05E4 U+05BC); both are the same text to it."""
+    backend = getattr(template.tokenizer, "backend_tokenizer", None)
+    normalizer = getattr(backend, "normalizer", None)
+    if normalizer is None:
+        return text
+    return str(normalizer.normalize_str(text))
+
+
+def _as_sampled(template: ChatTemplate, trajectory: Trajectory) -> list[Message]:
+    """The conversation with each assistant message's content as its turn sampled it, where the two
+    differ only in surrounding whitespace (a template that drops reasoning still differs)."""
+    by_turn: dict[int, list[int]] = {}
+    for tok, origin, turn in zip(trajectory.token_ids, trajectory.origins, trajectory.turns, strict=True):
+        if origin == TokenOrigin.SAMPLED:
+            by_turn.setdefault(turn, []).append(tok)
+    sampled = [template.decode_turn(ids) for _turn, ids in sorted(by_turn.items())]
+    out: list[Message] = []
+    k = 0
+    for m in trajectory.messages:
+        if m.get("role") == "assistant":
+            content = m.get("content")
+            if k < len(sampled) and isinstance(content, str) and sampled[k].strip() == content.strip():
+                m = {**m, "content": sampled[k]}
+            k += 1
+        out.append(m)
+    return out
+
+
 class ConversationTokenizer:
     """One episode's conversation and its token ledger, kept in step.
 
@@ -593,23 +656,16 @@ class ConversationTokenizer:
             self.check()
         return list(self.trajectory.token_ids)
 
-    def check(self) -> bool:
+    def check(self, *, prefix: bool = False) -> bool:
         """Compare the ledger with a full re-render of the conversation; count a disagreement.
 
         Returns True when they agree. A template that cannot render the whole conversation
-        (Mistral refuses some role orders) counts as a disagreement too.
+        (Mistral refuses some role orders) counts as a disagreement too. `prefix`: the episode
+        ended on a sampled turn, so the ledger may stop before the re-render's closing.
         """
-        ledger = self.trajectory.token_ids
-        reason = ""
-        try:
-            full = self.template.encode_prompt(self.trajectory.messages, self.tools)
-        except ChatTemplateError as exc:
-            full, reason = [], f"re-render failed: {exc}"
-        if not reason and full == ledger:
-            return True
+        reason = render_difference(self.template, self.trajectory, self.tools, prefix=prefix)
         if not reason:
-            pos = _common_prefix_len(ledger, full)
-            reason = f"ledger has {len(ledger)} ids, re-render {len(full)}; first difference at {pos}"
+            return True
         m = self.trajectory.metrics
         m["template_mismatch"] = m.get("template_mismatch", 0.0) + 1.0
         self.trajectory.info.setdefault("template_mismatches", []).append(

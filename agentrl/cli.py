@@ -1,5 +1,5 @@
 """The `agentrl` command line: run, eval, plot, view, serve, gateway, sandbox, swe, envs, tools, config, validate,
-doctor, version.
+doctor, check, version.
 
 Each subcommand parses its arguments, builds what it needs from the layers below, and turns any
 `AgentRLError` into one readable message and exit status 1 (2 for a command-line usage error). A run
@@ -132,6 +132,15 @@ def build_parser() -> argparse.ArgumentParser:
     tsub = p.add_subparsers(dest="tools_command", metavar="SUBCOMMAND")
     tsub.add_parser("list", help="list registered tools")
     tsub.add_parser("parsers", help="list tool-call parsers")
+
+    p = sub.add_parser("check", help="conformance checks of a config before paying for a run")
+    csub = p.add_subparsers(dest="check_command", metavar="SUBCOMMAND")
+    cp = csub.add_parser("onpolicy", help="roll out a few rows on the config's engine and check the trainer "
+                         "scores them on-policy (template, logprob gap, kept set, cache, dtype)")
+    cp.add_argument("args", nargs="*", metavar="CONFIG_OR_OVERRIDE", help=_CONFIG_HELP)
+    cp.add_argument("--rows", type=int, default=4, help="dataset rows to roll out, one episode each (default: 4)")
+    cp.add_argument("--json", action="store_true", help="print the report as JSON")
+    cp.add_argument("--no-dtype", action="store_true", help="skip the bf16 vs fp32 scoring check")
 
     sub.add_parser("version", help="print the agentrl version")
     return parser
@@ -553,6 +562,17 @@ def cmd_tools(ns: argparse.Namespace) -> int:
     return EXIT_USAGE
 
 
+def cmd_check(ns: argparse.Namespace) -> int:
+    if ns.check_command != "onpolicy":
+        print("usage: agentrl check onpolicy [CONFIG] key=value ... [--rows N] [--json]", file=sys.stderr)
+        return EXIT_USAGE
+    from agentrl.orchestration.onpolicy_check import run_onpolicy_check
+
+    report = run_onpolicy_check(_load(ns.args), rows=ns.rows, bf16_vs_fp32=not ns.no_dtype)
+    print(report.to_json() if ns.json else report.text())
+    return 0 if report.passed else EXIT_ERROR
+
+
 def cmd_version(ns: argparse.Namespace) -> int:
     from agentrl import __version__
 
@@ -574,6 +594,7 @@ _COMMANDS = {
     "swe": cmd_swe,
     "envs": cmd_envs,
     "tools": cmd_tools,
+    "check": cmd_check,
     "version": cmd_version,
 }
 

@@ -34,6 +34,7 @@ __all__ = [
     "EnvConfig",
     "EvalConfig",
     "InferenceConfig",
+    "MismatchGateConfig",
     "ModelConfig",
     "RewardConfig",
     "RoleResourcesConfig",
@@ -257,6 +258,32 @@ class SandboxConfig(_Section):
     """Keyword arguments for the backend (limits, image, URL, token...)."""
 
 
+class MismatchGateConfig(_Section):
+    """The fail-closed on-policy gate (`agentrl.trainer.mismatch_gate`): per sequence, the rollout
+    engine's logprobs against the trainer's old logprobs, the template check and the policy versions;
+    a sequence over a threshold is masked out of the loss, and a step where more than
+    `max_gated_share` of the sequences trip stops the run (docs/onpolicy.md)."""
+
+    enabled: bool = True
+    """Gate every training batch (needs the old logprobs before the update: one scoring pass)."""
+    max_logprob_gap: float = Field(2.0, gt=0.0)
+    """Largest |rollout - trainer| logprob gap of one sampled token a sequence may have (nats)."""
+    max_mean_logprob_gap: float = Field(0.1, gt=0.0)
+    """Largest mean |rollout - trainer| logprob gap over a sequence's sampled tokens (nats)."""
+    max_log_ratio_spread: float = Field(3.0, gt=0.0)
+    """Largest spread (max - min) of a sequence's per-token log importance ratios (nats)."""
+    min_ess: float = Field(0.5, gt=0.0, le=1.0)
+    """Smallest normalised effective sample size of a sequence's token importance weights, and of
+    the batch's (1 = every weight equal)."""
+    max_template_mismatches: int = Field(0, ge=0)
+    """Chat-template re-render mismatches a sequence may have (counted with `rollout.verify_template`)."""
+    max_kept_set_disagreement: float = Field(0.05, ge=0.0, le=1.0)
+    """Largest step share of sampled tokens outside the trainer's kept set (kept-set replay's
+    `onpolicy/kept_set_disagreement`, when the trainer reports it)."""
+    max_gated_share: float = Field(0.25, ge=0.0, le=1.0)
+    """Share of a step's sequences that may be gated before the run stops."""
+
+
 class AlgorithmConfig(_Section):
     advantage: str = "grpo"
     """Advantage estimator: `gae`, `grpo`, `dr_grpo`, `rloo`, `reinforce_pp`, `reinforce_pp_baseline`."""
@@ -300,6 +327,8 @@ class AlgorithmConfig(_Section):
     [0, 1] on their score (0 zeroes it), or a negative constant that replaces it. None disables it."""
     filter_groups: bool = False
     """DAPO dynamic sampling: drop groups whose rewards are all equal."""
+    mismatch_gate: MismatchGateConfig = Field(default_factory=MismatchGateConfig)
+    """The on-policy mismatch gate: thresholds per sequence and the share that stops the run."""
 
 
 class TrainerConfig(_Section):

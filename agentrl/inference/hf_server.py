@@ -100,9 +100,11 @@ class HFEngine(ServerEngine):
 
         if self.num_threads:
             torch.set_num_threads(self.num_threads)
+        # AGENTRL_HF_DEVICE=cuda puts the model on the GPU (bench/onpolicy_gpu.py); the default is the CPU.
+        self.device = torch.device(os.environ.get("AGENTRL_HF_DEVICE", "cpu"))
         self.model = AutoModelForCausalLM.from_pretrained(
             self.model_path, dtype=self.torch_dtype(), trust_remote_code=self.trust_remote_code
-        ).eval()
+        ).eval().to(self.device)
         eos: Any = None
         try:
             eos = GenerationConfig.from_pretrained(self.model_path).eos_token_id
@@ -132,14 +134,15 @@ class HFEngine(ServerEngine):
         room = self.max_len - len(request.prompt_ids)
         if room <= 0:
             return ids, lps, kept_sets, "length"
-        inputs = torch.tensor([request.prompt_ids], dtype=torch.long)
+        device = getattr(self, "device", torch.device("cpu"))
+        inputs = torch.tensor([request.prompt_ids], dtype=torch.long, device=device)
         past = None
         while True:
             if self._abort_epoch != epoch:
                 return ids, lps, kept_sets, "abort"
             out = self.model(input_ids=inputs, past_key_values=past, use_cache=True)
             past = out.past_key_values
-            token, lp, kept = sample_token(out.logits[0, -1], s.temperature, s.top_p, s.top_k, gen,
+            token, lp, kept = sample_token(out.logits[0, -1].cpu(), s.temperature, s.top_p, s.top_k, gen,
                                            min_p=s.min_p, max_kept_set=s.max_kept_set)
             ids.append(token)
             lps.append(lp)
@@ -149,7 +152,7 @@ class HFEngine(ServerEngine):
                 return ids, lps, kept_sets, "stop"
             if len(ids) >= min(s.max_tokens, room):
                 return ids, lps, kept_sets, "length"
-            inputs = torch.tensor([[token]], dtype=torch.long)
+            inputs = torch.tensor([[token]], dtype=torch.long, device=device)
 
     async def abort_all(self) -> None:
         self._abort_epoch += 1

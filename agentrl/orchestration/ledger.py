@@ -6,7 +6,8 @@ were in flight when a run stopped). Rows skipped as malformed (`data.skip_bad_ro
 numbers and are never handed out. Its `state()` is the data position a checkpoint stores, so a
 resumed run takes exactly the prompts the uninterrupted run would have taken next.
 
-`PromptLedger` records what became of each prompt *attempt*: `trained` (at which step),
+`PromptLedger` records what became of each prompt *attempt*: `trained` (at which step; its reason
+says which sequences the on-policy gate masked, if any),
 `filtered` (why: equal rewards under dynamic filtering, prompt too long), `requeued` (its episodes
 failed for infrastructure reasons; the prompt goes back to the sampler), `failed` (it failed
 `max_attempts` times), or `unfinished` (still in flight or queued when the run ended; a resumed run
@@ -226,8 +227,9 @@ class PromptLedger:
         self.entries[ref.key] = entry
         self._append({**asdict(entry), "status": "taken"})
 
-    def trained(self, ref: PromptRef, step: int) -> None:
-        self._close(ref, "trained", step=step)
+    def trained(self, ref: PromptRef, step: int, note: str = "") -> None:
+        """`ref` was trained at `step`; `note` says what of it was not (sequences the on-policy gate masked)."""
+        self._close(ref, "trained", step=step, reason=note)
 
     def filtered(self, ref: PromptRef, reason: str, step: int | None = None) -> None:
         self._close(ref, "filtered", step=step, reason=reason)

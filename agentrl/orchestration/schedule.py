@@ -59,6 +59,8 @@ class GroupResult:
     trajectories: list[Trajectory]
     version: int
     seconds: float = 0.0
+    note: str = ""
+    """What the update left out of the group (sequences the on-policy gate masked), for its ledger line."""
 
     @property
     def token_versions(self) -> list[int]:
@@ -219,7 +221,7 @@ class Scheduler:
         if groups:
             metrics = await self._train(step, groups)
             for g in groups:
-                self.ledger.trained(g.prompt, step)
+                self.ledger.trained(g.prompt, step, g.note)
             self.max_staleness_seen = max([self.max_staleness_seen, *(self.trainer_version - g.version for g in groups)])
         else:
             metrics = {"batch/skipped": 1.0}

@@ -176,7 +176,8 @@ class TrainerWorker:
             return {"backend": "http", "location": self.http.url, "token": self.http.token, "nonce": self.nonce}
         return {"backend": "files", "location": str(self.files.directory), "token": None, "nonce": self.nonce}
 
-    def train(self, trajectories: list[Trajectory]) -> dict[str, float]:
+    def train(self, trajectories: list[Trajectory], policy_version: int | None = None,
+              allowed_staleness: int = 0) -> dict[str, float]:
         from agentrl.inference.kept_set import kept_set_rule
         from agentrl.trainer.step import train_step_with_tokens
 
@@ -187,6 +188,7 @@ class TrainerWorker:
             self.backend, trajectories, self.config.algorithm, self.config.trainer,
             temperature=self.config.rollout.temperature, max_response_tokens=self.max_response_tokens,
             kl_controller=self.kl_controller, kept_rule=kept_set_rule(self.config),
+            policy_version=policy_version, allowed_staleness=allowed_staleness,
         )  # fmt: skip
         self.last_tokens = tokens if self.rank == 0 else None
         return metrics
@@ -331,7 +333,8 @@ class ColocatedTrainerWorker:
     async def weight_endpoint(self) -> dict[str, Any]:
         return self.trainer.weight_endpoint()
 
-    async def train(self, trajectories: list[Trajectory]) -> dict[str, float]:
+    async def train(self, trajectories: list[Trajectory], policy_version: int | None = None,
+                    allowed_staleness: int = 0) -> dict[str, float]:
         from agentrl.inference.colocated import trim_heap
 
         start = time.perf_counter()
@@ -342,7 +345,7 @@ class ColocatedTrainerWorker:
         waited = time.perf_counter() - start
         await self.server.sleep(weights=self.release_weights)
         try:
-            metrics = await asyncio.to_thread(self.trainer.train, trajectories)
+            metrics = await asyncio.to_thread(self.trainer.train, trajectories, policy_version, allowed_staleness)
         finally:
             trim_heap()  # the activations' pages go back before the engine takes its KV cache again
             if not self.release_weights:
@@ -594,8 +597,10 @@ class TrainerGroup:
                    "the servers must reach the trainer node's address over TCP (firewall, routes)")
             raise WeightSyncError(f"weights.backend={self.weights}: {exc}. Fix: {fix}.") from exc
 
-    async def train(self, trajectories: list[Trajectory]) -> dict[str, float]:
-        return await self._all("train", trajectories)
+    async def train(self, trajectories: list[Trajectory], policy_version: int | None = None,
+                    allowed_staleness: int = 0) -> dict[str, float]:
+        """One update on every rank; `policy_version` and `allowed_staleness` feed the on-policy gate."""
+        return await self._all("train", trajectories, policy_version, allowed_staleness)
 
     async def export(self, version: int) -> tuple[str, float]:
         return await self._all("export", version)

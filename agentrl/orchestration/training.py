@@ -39,6 +39,12 @@ from agentrl.orchestration.ledger import (
     close_orphans,
     next_session,
 )
+from agentrl.orchestration.onpolicy_gate import (
+    allowed_staleness,
+    check_gated_share,
+    gated_groups,
+    take_gated_rows,
+)
 from agentrl.orchestration.progress import ProgressTicker
 from agentrl.orchestration.prompt_length import PromptMeter
 from agentrl.orchestration.run_commands import resume_command
@@ -229,7 +235,15 @@ class TrainingSteps:
         self.ticker.begin(f"step {step + 1}/{self.config.run.total_steps}: training on {len(trajectories)} episodes")
         # Where each trajectory sits in the trainer's batch: the kept ones' per-token values are fetched by it.
         self._trained_rows = (step, {id(t): i for i, t in enumerate(trajectories)})
-        metrics: dict[str, float] = await self.trainer.train(trajectories)
+        metrics: dict[str, float] = await self.trainer.train(trajectories, self.scheduler.trainer_version,
+                                                             allowed_staleness(self.config))
+        # The on-policy gate: the sequences the trainer masked go into each group's ledger line, and
+        # a step where too many tripped stops the run (its groups are closed as unfinished).
+        gated = take_gated_rows(metrics)
+        sizes = [sum(t.trainable for t in g.trajectories) for g in groups]
+        for g, note in zip(groups, gated_groups(sizes, gated), strict=True):
+            g.note = note
+        check_gated_share(self.config, metrics, step, self.books.run_dir)
         if not self.colocated:  # colocated: the engine takes the trainer's tensors at the push, in memory
             _path, export_s = await self.trainer.export(self.scheduler.trainer_version + 1)
             metrics["time/export_s"] = export_s

@@ -60,6 +60,7 @@ from agentrl.types import (
     Generation,
     Message,
     SamplingParams,
+    TokenOrigin,
     Trajectory,
 )
 
@@ -361,6 +362,9 @@ class AgentLoop:
         t.metrics["turns"] = float(ep.turns)
         t.metrics["sampled_tokens"] = float(t.num_sampled)
         t.metrics["total_tokens"] = float(len(t))
+        if ep.conv.verify and t.origins and t.origins[-1] == TokenOrigin.SAMPLED:
+            # The last turn was sampled and never followed by a delta, so no re-render covered it yet.
+            ep.conv.check(prefix=True)
 
     async def _close_env(self, ep: _Episode) -> None:
         try:

@@ -6,8 +6,9 @@ overlong penalty, stop-properly penalty for episodes truncated at the length lim
 batch with the current policy (old logprobs, unless the update scores them itself), the reference
 (when `kl_coef > 0`) and the critic (GAE); put the KL penalty in the reward if asked; form
 advantages with the configured estimator (`ADVANTAGE_ESTIMATORS`); weigh the rollout/trainer
-mismatch; then hand the batch to the backend's update loop (`TrainerBackend.update`). It returns
-the metrics an RL practitioner watches, named `group/metric`. The KL coefficient comes from a
+mismatch and mask the sequences the on-policy gate finds too far off (`mismatch_gate`, which then
+needs the old logprobs before the update); then hand the batch to the backend's update loop
+(`TrainerBackend.update`). It returns the metrics an RL practitioner watches, named `group/metric`. The KL coefficient comes from a
 controller (`make_kl_controller`) that the caller keeps across steps: fixed, or adaptive when
 `algorithm.kl_target` is set, updated after each step with the batch's KL to the reference.
 
@@ -46,6 +47,7 @@ from agentrl.inference.kept_set import KeptSetRule
 from agentrl.registry import ADVANTAGE_ESTIMATORS
 from agentrl.trainer import algos
 from agentrl.trainer.backend import CriticBatch, PolicyBatch, TrainerBackend, UpdateResult
+from agentrl.trainer.mismatch_gate import gate_sequences
 from agentrl.trainer.packing import PaddedBatch, pad_trajectories
 from agentrl.types import FinishReason, Trajectory
 
@@ -107,6 +109,8 @@ def train_step(
     max_response_tokens: int | None = None,
     kl_controller: KLController | None = None,
     kept_rule: KeptSetRule | None = None,
+    policy_version: int | None = None,
+    allowed_staleness: int = 0,
 ) -> dict[str, float]:
     """Train the backend's policy (and critic) on one batch; return the step's metrics.
 
@@ -115,7 +119,8 @@ def train_step(
     """
     metrics, _ = _train_step(backend, trajectories, algorithm, trainer, temperature=temperature,
                              max_response_tokens=max_response_tokens, kl_controller=kl_controller,
-                             kept_rule=kept_rule, with_tokens=False)
+                             kept_rule=kept_rule, policy_version=policy_version,
+                             allowed_staleness=allowed_staleness, with_tokens=False)
     return metrics
 
 
@@ -129,6 +134,8 @@ def train_step_with_tokens(
     max_response_tokens: int | None = None,
     kl_controller: KLController | None = None,
     kept_rule: KeptSetRule | None = None,
+    policy_version: int | None = None,
+    allowed_staleness: int = 0,
 ) -> tuple[dict[str, float], StepTokens | None]:
     """`train_step`, and what the trainer computed per token (None when nothing was trained).
 
@@ -144,16 +151,19 @@ def train_step_with_tokens(
     tokens outside the kept set the trainer's own logits give is measured where the old logprobs
     are scored (`onpolicy/kept_set_disagreement`). Tokens are scored over the kept sets their
     trajectories recorded whether or not it is given (`Trajectory.kept_sets`).
+    `policy_version` (the trainer version this step trains at) and `allowed_staleness` (how many
+    versions older a sampled token may be) let the mismatch gate check the ledger's versions.
     """
     return _train_step(backend, trajectories, algorithm, trainer, temperature=temperature,
                        max_response_tokens=max_response_tokens, kl_controller=kl_controller,
-                       kept_rule=kept_rule, with_tokens=True)
+                       kept_rule=kept_rule, policy_version=policy_version,
+                       allowed_staleness=allowed_staleness, with_tokens=True)
 
 
 def _train_step(
     backend: TrainerBackend, trajectories: Sequence[Trajectory], algorithm: AlgorithmConfig, trainer: TrainerConfig,
     *, temperature: float, max_response_tokens: int | None, kl_controller: KLController | None,
-    kept_rule: KeptSetRule | None, with_tokens: bool,
+    kept_rule: KeptSetRule | None, policy_version: int | None, allowed_staleness: int, with_tokens: bool,
 ) -> tuple[dict[str, float], StepTokens | None]:  # fmt: skip
     kl_coef = _kl_coefficient(algorithm, kl_controller)
     start = time.perf_counter()
@@ -164,7 +174,8 @@ def _train_step(
     scores = _shaped_scores(trajs, algorithm, max_response_tokens, metrics)
     layout = pad_trajectories(trajs)
 
-    in_update = backend.scores_old_logprobs(trainer) and not _needs_old_logprobs_first(algorithm)
+    gate = algorithm.mismatch_gate
+    in_update = backend.scores_old_logprobs(trainer) and not _needs_old_logprobs_first(algorithm) and not gate.enabled
     metrics["batch/scored_in_update"] = float(in_update)
     metrics.update(kept_set_metrics(trajs))
     rule = kept_rule if kept_rule is not None and kept_rule.truncates else None
@@ -180,6 +191,7 @@ def _train_step(
     policy_batch, critic_batch = _update_batches(
         trajs, layout, advantages, returns, values, old_logprobs, ref_logprobs, algorithm, metrics,
         temperature=temperature, max_len=max_response_tokens, kept_rule=rule if in_update else None,
+        gate=(policy_version, allowed_staleness),
     )  # fmt: skip
     # The backend reads the loss's KL weight from the config: hand it this step's coefficient.
     step_algorithm = algorithm if kl_coef == algorithm.kl_coef else algorithm.model_copy(update={"kl_coef": kl_coef})
@@ -389,13 +401,20 @@ def _update_batches(
     values: torch.Tensor | None, old_logprobs: torch.Tensor | None, ref_logprobs: torch.Tensor | None,
     algorithm: AlgorithmConfig, metrics: dict[str, float], *, temperature: float, max_len: int | None,
     kept_rule: KeptSetRule | None = None,
+    gate: tuple[int | None, int] = (None, 0),
 ) -> tuple[PolicyBatch, CriticBatch | None]:  # fmt: skip
-    """The policy batch (with the rollout correction when the old logprobs are known) and, for
-    GAE, the critic batch. `max_len` None: the batch's longest response."""
+    """The policy batch (with the rollout correction and the mismatch gate when the old logprobs
+    are known) and, for GAE, the critic batch. `max_len` None: the batch's longest response.
+    `gate`: (the policy version this step trains at, the staleness it allows)."""
     mask = layout.loss_mask
     is_weights, loss_mask = None, mask
     if old_logprobs is not None:
         is_weights, loss_mask = _rollout_mismatch(metrics, old_logprobs, layout.rollout_logprobs, mask, algorithm)
+        if algorithm.mismatch_gate.enabled:
+            decision = gate_sequences(trajs, old_logprobs, layout.rollout_logprobs, mask, algorithm.mismatch_gate,
+                                      policy_version=gate[0], allowed_staleness=gate[1])
+            metrics.update(decision.metrics)
+            loss_mask = loss_mask * decision.keep[:, None].to(loss_mask.dtype)
     max_len = max_len or max(1, int(mask.sum(-1).max().item()))
     policy = PolicyBatch(
         trajectories=trajs, loss_mask=loss_mask, advantages=advantages, old_logprobs=old_logprobs,

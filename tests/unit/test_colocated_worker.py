@@ -21,7 +21,8 @@ class FakeTrainer:
     def _note(self, name: str, detail: Any) -> None:
         self.calls.append((name, detail, threading.current_thread().name))
 
-    def train(self, trajectories: list[Any]) -> dict[str, float]:
+    def train(self, trajectories: list[Any], policy_version: int | None = None,
+              allowed_staleness: int = 0) -> dict[str, float]:
         self._note("train", len(trajectories))
         return {"loss": 1.0}
 

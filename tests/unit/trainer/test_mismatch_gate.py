@@ -1,0 +1,142 @@
+"""The on-policy mismatch gate: which sequences it masks, why, and when the run stops.
+
+Guards: a sequence whose rollout logprobs, template re-render or policy versions do not match is
+masked out of the loss with its reason (and only that sequence); the reasons reach each group's
+ledger text; a step where more than `max_gated_share` trip raises with the likely cause and the
+`agentrl check onpolicy` command; a healthy batch (equal logprobs) trips nothing.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_step import FakeBackend
+
+from agentrl.config import AgentRLConfig, AlgorithmConfig, MismatchGateConfig, TrainerConfig
+from agentrl.orchestration.onpolicy_gate import _REASONS as ORCHESTRATION_REASONS
+from agentrl.orchestration.onpolicy_gate import (
+    LIKELY_CAUSES,
+    OnPolicyMismatchError,
+    allowed_staleness,
+    check_gated_share,
+    gated_groups,
+    take_gated_rows,
+)
+from agentrl.trainer.mismatch_gate import GATE_REASONS, gate_sequences
+from agentrl.trainer.packing import pad_trajectories
+from agentrl.trainer.step import train_step
+from agentrl.types import TokenOrigin, Trajectory
+
+
+def traj(logprobs: list[float], *, version: int = 0, template_mismatch: float | None = None) -> Trajectory:
+    t = Trajectory(reward=float(len(logprobs) % 2), group_id="g")
+    t.extend([1, 2], TokenOrigin.PROMPT, 0)
+    t.extend([5] * len(logprobs), TokenOrigin.SAMPLED, 1, logprobs=logprobs, version=version)
+    if template_mismatch is not None:
+        t.metrics["template_mismatch"] = template_mismatch
+    return t
+
+
+def gate(trajs: list[Trajectory], shift: dict[int, list[float]] | None = None, **kw):
+    layout = pad_trajectories(trajs)
+    old = layout.rollout_logprobs.clone()
+    for row, deltas in (shift or {}).items():
+        old[row, : len(deltas)] += torch.tensor(deltas)
+    return gate_sequences(trajs, old, layout.rollout_logprobs, layout.loss_mask, MismatchGateConfig(), **kw)
+
+
+def test_the_orchestration_reads_the_reasons_the_trainer_writes():
+    assert ORCHESTRATION_REASONS == GATE_REASONS
+    assert set(GATE_REASONS) <= set(LIKELY_CAUSES)
+
+
+def test_a_healthy_batch_trips_nothing():
+    d = gate([traj([-1.0, -2.0, -0.5]) for _ in range(4)], shift={0: [1e-5, -1e-5]}, policy_version=0)
+    assert d.reasons == [None] * 4
+    assert d.metrics["onpolicy/gated_sequences"] == 0.0 and d.metrics["onpolicy/batch_ess"] == pytest.approx(1.0)
+    assert d.metrics["onpolicy/logprob_gap_max"] == pytest.approx(1e-5, rel=1e-2)
+
+
+def test_each_figure_gates_only_its_sequence_with_its_reason():
+    trajs = [
+        traj([-1.0, -1.0], version=2, template_mismatch=1.0),  # template re-render differed
+        traj([-1.0, -1.0], version=3),  # sampled by a version outside the window [1, 2]
+        traj([-1.0, -1.0, -1.0], version=2),  # one token 2.5 nats off
+        traj([-1.0, -1.0, -1.0], version=2),  # every token 0.3 nats off
+        traj([-1.0, -1.0], version=2),  # healthy
+    ]
+    d = gate(trajs, shift={2: [0.0, 2.5, 0.0], 3: [0.3, 0.3, 0.3]}, policy_version=2, allowed_staleness=1)
+    assert d.reasons == ["template", "version", "logprob_gap", "mean_logprob_gap", None]
+    assert d.keep.tolist() == [0.0, 0.0, 0.0, 0.0, 1.0]
+    assert d.metrics["onpolicy/out_of_window_tokens"] == 2.0
+    assert d.metrics["onpolicy/gated_sequences/template"] == 1.0
+    assert d.metrics["onpolicy/gated_share"] == pytest.approx(0.8)
+    assert take_gated_rows(dict(d.metrics)) == {0: "template", 1: "version", 2: "logprob_gap", 3: "mean_logprob_gap"}
+
+
+def test_versions_inside_the_staleness_window_pass():
+    d = gate([traj([-1.0], version=1), traj([-1.0], version=2)], policy_version=2, allowed_staleness=1)
+    assert d.reasons == [None, None]
+    assert gate([traj([-1.0], version=1)], policy_version=2).reasons == ["version"]  # sync: no lag allowed
+
+
+def test_allowed_staleness_follows_the_mode():
+    assert allowed_staleness(AgentRLConfig()) == 0
+    assert allowed_staleness(AgentRLConfig.model_validate({"run": {"mode": "one_step_off"}})) == 1
+    assert allowed_staleness(AgentRLConfig.model_validate({"run": {"mode": "async", "max_staleness": 3}})) == 3
+
+
+def test_train_step_masks_the_gated_sequence_out_of_the_loss():
+    backend = FakeBackend()
+    trajs = [traj([-1.0, -1.0]) for _ in range(3)] + [traj([-1.0, -1.0], template_mismatch=2.0)]
+    m = train_step(backend, trajs, AlgorithmConfig(), TrainerConfig(), policy_version=0)
+    (batch,) = backend.policy_batches
+    assert batch.loss_mask.sum(-1).tolist() == [2.0, 2.0, 2.0, 0.0]
+    assert m["onpolicy/gated_sequences"] == 1.0 and m["onpolicy/gated_sequences/template"] == 1.0
+    assert m["batch/scored_in_update"] == 0.0  # the gate needs the old logprobs before the update
+    assert take_gated_rows(m) == {3: "template"} and not any(k.startswith("onpolicy/gated_row") for k in m)
+
+
+def test_ledger_text_names_the_gated_sequences_per_group():
+    assert gated_groups([2, 3], {1: "template", 3: "version", 4: "version"}) == [
+        "gated: 1 of 2 sequences masked out of the loss (template 1)",
+        "gated: 2 of 3 sequences masked out of the loss (version 2)",
+    ]
+    assert gated_groups([2], {}) == [""]
+
+
+def test_too_many_gated_sequences_stop_the_run_naming_the_cause_and_the_check(tmp_path):
+    config = AgentRLConfig()
+    metrics = {"onpolicy/gated_share": 0.75, "onpolicy/gated_sequences": 3.0, "batch/trajectories": 4.0,
+               "onpolicy/gated_sequences/template": 3.0}
+    with pytest.raises(OnPolicyMismatchError) as err:
+        check_gated_share(config, metrics, 5, tmp_path / "run")
+    text = str(err.value)
+    assert "template re-tokenisation" in text and f"agentrl check onpolicy {tmp_path / 'run' / 'config.yaml'}" in text
+    assert "Step 5: 3 of 4 sequences (75%)" in text
+    check_gated_share(config, {**metrics, "onpolicy/gated_share": 0.25}, 5, tmp_path)  # at the threshold: runs on
+    off = AgentRLConfig.model_validate({"algorithm": {"mismatch_gate": {"enabled": False}}})
+    check_gated_share(off, metrics, 5, tmp_path)
+
+
+def test_kept_set_disagreement_over_its_threshold_stops_the_run(tmp_path):
+    with pytest.raises(OnPolicyMismatchError, match="kept set.*Likely cause: sampling settings"):
+        check_gated_share(AgentRLConfig(), {"onpolicy/kept_set_disagreement": 0.2}, 1, tmp_path)
+    check_gated_share(AgentRLConfig(), {"onpolicy/kept_set_disagreement": 0.01}, 1, tmp_path)
+
+
+def test_batch_ess_gates_weights_piled_on_one_sequence():
+    # 0.05 nats on each of 60 tokens passes every per-sequence figure, but puts e^3 on one of three
+    d = gate([traj([-1.0] * 60) for _ in range(3)], shift={0: [0.05] * 60})
+    assert d.metrics["onpolicy/batch_ess"] < 0.5 and d.reasons == ["ess", "ess", "ess"]
+    assert d.metrics["onpolicy/ess_min"] == pytest.approx(1.0, abs=1e-4)  # each sequence alone is even
+
+
+def test_tokens_of_an_older_allowed_version_do_not_count_as_mismatch():
+    """Async modes train on tokens one version old: their gap is the policy's own change (the IS
+    correction weighs it), so only tokens of the trained version count toward the gap figures."""
+    stale = traj([-1.0, -1.0, -1.0], version=1)
+    d = gate([stale, traj([-1.0, -1.0], version=2)], shift={0: [0.5, 0.5, 0.5]}, policy_version=2,
+             allowed_staleness=1)
+    assert d.reasons == [None, None] and d.metrics["onpolicy/mean_logprob_gap_max"] == 0.0
+    assert gate([stale], shift={0: [0.5, 0.5, 0.5]}).reasons == ["mean_logprob_gap"]  # versions unknown: all count
