@@ -4,7 +4,8 @@
 steps): the training steps whose rollouts were kept (`rollouts/step-N.jsonl`), the held-out
 evaluations (`eval/step-N/trajectories.jsonl`), the episodes of an `agentrl eval` directory
 (`trajectories.jsonl` beside `report.json`), or the file it was given. A run directory that
-holds nothing to look at yet (only `config.yaml`, or nothing at all) is `waiting`: it is looked at
+holds nothing to look at yet, only what a run writes first (`config.yaml`, its lock, its identity,
+its ledger), is `waiting`: it is looked at
 again at every request, and becomes a run or an evaluation once one writes there. It serves the dashboard
 curves (`metrics.jsonl`, `eval.jsonl`, drawn as `agentrl plot` draws them), a short summary of
 each episode of a source for the list and its filters, and whole episodes. Files are parsed once
@@ -69,8 +70,10 @@ def _kind_of(root: Path) -> Kind:
 
 
 def _run_starting(root: Path) -> bool:
-    """Whether a folder with nothing to look at yet is a run that has only started (or an empty one)."""
-    return any((root / name).exists() for name in _RUN_START_FILES) or not any(root.iterdir())
+    """Whether a folder with nothing to look at yet is a run that has only started. An empty folder
+    is not: a run writes its config.yaml as it makes its directory, and a mistyped or unrelated
+    empty folder would otherwise be waited on forever."""
+    return any((root / name).exists() for name in _RUN_START_FILES)
 
 
 def _step_of(name: str) -> int | None:

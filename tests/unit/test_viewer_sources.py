@@ -124,7 +124,8 @@ def test_what_is_not_a_run_is_refused_with_what_to_give(tmp_path: Path) -> None:
 def test_a_run_that_has_written_only_its_config_waits_and_fills_in(run_dir: Path, tmp_path: Path) -> None:
     empty = tmp_path / "empty"
     empty.mkdir()
-    assert RunReader(empty).kind == "waiting"  # a run directory made before the run writes anything
+    with pytest.raises(ConfigError, match="holds no run"):  # a run writes its config.yaml as it starts
+        RunReader(empty)
     starting = tmp_path / "starting"
     starting.mkdir()
     (starting / "config.yaml").write_text((run_dir / "config.yaml").read_text())
