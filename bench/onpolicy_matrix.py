@@ -29,7 +29,8 @@ TEMPLATES = {
     "qwen3": [f"model.tokenizer={ASSETS / 'qwen3-0.6b'}"],
     "mistral-nemo": [f"model.tokenizer={ASSETS / 'mistral-nemo-instruct-2407'}"],
 }
-SAMPLING = {"top_p=0.9": ["rollout.top_p=0.9"], "top_k=20": ["rollout.top_k=20"], "full": []}
+SAMPLING = {"top_p=0.9": ["rollout.top_p=0.9"], "top_k=20": ["rollout.top_k=20"],
+            "top_p=0.9+top_k=20": ["rollout.top_p=0.9", "rollout.top_k=20"], "full": []}
 REPO = Path(__file__).resolve().parents[1]
 
 

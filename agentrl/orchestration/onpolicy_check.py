@@ -107,9 +107,9 @@ def run_onpolicy_check(config: AgentRLConfig, *, rows: int = 4, bf16_vs_fp32: bo
                 trajs, tools, cache = asyncio.run(_on_servers(job, service, picked, Path(tmp)))
                 report.checks.append(_check_template(job, trajs, tools))
                 backend = _backend(config, job.model_path, config.model.dtype)
-                old = _score(backend, trajs, config.rollout.temperature)
+                old, disagreement = _score(backend, trajs, config)
                 report.checks.append(_check_rescore("rescore", config, trajs, old))
-                report.checks.append(_check_kept_set(config, trajs, old))
+                report.checks.append(_check_kept_set(config, trajs, old, disagreement))
                 report.checks.append(cache)
             finally:
                 service.stop()
@@ -183,8 +183,17 @@ def _backend(config: AgentRLConfig, model_path: str, dtype: str) -> Any:
     return make_backend(cfg, model_path)
 
 
-def _score(backend: Any, trajs: list[Trajectory], temperature: float) -> Any:
-    return backend.compute_logprobs(trajs, temperature=temperature)
+def _score(backend: Any, trajs: list[Trajectory], config: AgentRLConfig) -> tuple[Any, float | None]:
+    """The trainer's logprobs of the sampled ids (over each token's recorded kept set, when the
+    rollout truncated sampling) and the share of sampled tokens outside the kept set the trainer's
+    own logits give under the rollout's rule (None when sampling is not truncated)."""
+    from agentrl.inference.kept_set import kept_set_rule
+
+    rule = kept_set_rule(config)
+    if rule is None:
+        return backend.compute_logprobs(trajs, temperature=config.rollout.temperature), None
+    old = backend.compute_logprobs(trajs, temperature=config.rollout.temperature, kept_rule=rule)
+    return old, backend.take_kept_set_disagreement()
 
 
 def _gaps(trajs: list[Trajectory], a: Any, b: Any) -> tuple[Any, Any]:
@@ -222,7 +231,8 @@ def _check_rescore(name: str, config: AgentRLConfig, trajs: list[Trajectory], ol
     return CheckResult(name, "PASS", figures, f"within {limits}")
 
 
-def _check_kept_set(config: AgentRLConfig, trajs: list[Trajectory], old: Any) -> CheckResult:
+def _check_kept_set(config: AgentRLConfig, trajs: list[Trajectory], old: Any,
+                    disagreement: float | None = None) -> CheckResult:
     restricted = {k: v for k, v in {"top_p": config.rollout.top_p, **_restrictions(config)}.items()
                   if (k == "top_p" and v < 1.0) or (k == "top_k" and v not in (None, -1, 0))
                   or (k == "min_p" and v not in (None, 0.0))}
@@ -230,9 +240,15 @@ def _check_kept_set(config: AgentRLConfig, trajs: list[Trajectory], old: Any) ->
         return CheckResult("kept_set", "SKIP", detail="sampling is not restricted (top_p=1, no top_k/min_p): "
                            "no kept set to replay")
     result = _check_rescore("kept_set", config, trajs, old)
-    result.detail = (f"sampling restricted by {restricted}; {result.detail}. The trainer's kept-set "
-                     "disagreement is reported per training step (onpolicy/kept_set_disagreement) by kept-set "
-                     "replay; this check does not compute it.")
+    limit = config.algorithm.mismatch_gate.max_kept_set_disagreement
+    if disagreement is not None:
+        result.figures["kept_set_disagreement"] = disagreement
+        if disagreement > limit:
+            result.status = "FAIL"
+    said = ("not measured (no kept set came back)" if disagreement is None else
+            f"{disagreement:.3g} of sampled tokens lie outside the trainer's own kept set (the gate's limit: "
+            f"max_kept_set_disagreement={limit:g})")
+    result.detail = f"sampling restricted by {restricted}; {result.detail}; kept-set disagreement {said}"
     return result
 
 
@@ -290,11 +306,11 @@ def _next_token_logprob(model: Any, prefix: list[int], token: int, temperature: 
 
 def _check_dtype(config: AgentRLConfig, model_path: str, trajs: list[Trajectory], backend: Any) -> CheckResult:
     """The same sampled tokens scored by the trainer in bfloat16 and in float32."""
-    t = config.rollout.temperature
     own = config.model.dtype
     scores = {}
     for dtype in ("float32", "bfloat16"):
-        scores[dtype] = _score(backend, trajs, t) if own == dtype else _score(_backend(config, model_path, dtype), trajs, t)
+        scorer = backend if own == dtype else _backend(config, model_path, dtype)
+        scores[dtype] = _score(scorer, trajs, config)[0]
     figures = _gap_figures(*_gaps(trajs, scores["bfloat16"], scores["float32"]))
     gate = config.algorithm.mismatch_gate
     note = (f"model.dtype={own}; a gap this size between engine and trainer trips the gate"
