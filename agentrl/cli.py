@@ -259,7 +259,10 @@ def _log_to_console() -> None:
 
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("%(asctime)s %(message)s", datefmt="%H:%M:%S"))
+    handler._agentrl_console = True  # type: ignore[attr-defined]
     root = logging.getLogger("agentrl")
+    for old in [h for h in root.handlers if getattr(h, "_agentrl_console", False)]:
+        root.removeHandler(old)  # one console handler, on the stderr of now (main() may run again in a process)
     root.addHandler(handler)
     root.setLevel(logging.INFO)
 

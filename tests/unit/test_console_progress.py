@@ -68,8 +68,14 @@ def test_a_worker_logs_everything_to_its_file_and_only_what_needs_the_user_to_th
     monkeypatch.delenv("VLLM_CONFIGURE_LOGGING", raising=False)
     monkeypatch.delenv("TQDM_DISABLE", raising=False)
     monkeypatch.delenv("HF_HUB_DISABLE_PROGRESS_BARS", raising=False)
-    root = logging.getLogger()
-    before, level = list(root.handlers), root.level
+    root, ours = logging.getLogger(), logging.getLogger("agentrl")
+    before, level, ours_before = list(root.handlers), root.level, list(ours.handlers)
+    # a worker process starts with no handler: those earlier tests left (the CLI's console handler,
+    # some on streams pytest has closed since) are set aside so they cannot write into this test's stderr
+    for handler in before:
+        root.removeHandler(handler)
+    for handler in ours_before:
+        ours.removeHandler(handler)
     try:
         path = route_worker_logs(tmp_path / "logs", "trainer-0")
         assert route_worker_logs(tmp_path / "logs", "trainer-0") is None  # once per process
@@ -82,9 +88,12 @@ def test_a_worker_logs_everything_to_its_file_and_only_what_needs_the_user_to_th
     finally:
         logging.captureWarnings(False)
         for handler in root.handlers[:]:
-            if handler not in before:
-                root.removeHandler(handler)
-                handler.close()
+            root.removeHandler(handler)
+            handler.close()
+        for handler in before:
+            root.addHandler(handler)
+        for handler in ours_before:
+            ours.addHandler(handler)
         root.setLevel(level)
     import os
 
