@@ -188,3 +188,16 @@ def ns_cluster():
         yield cluster
     finally:
         cluster.stop()
+
+
+@pytest.fixture(autouse=True)
+def _no_console_handler_outlives_its_test():
+    """`agentrl.cli.main` puts a console handler on the `agentrl` logger, bound to the stderr of the
+    moment: in a test that is pytest's capture stream, closed when the test ends. Taken off after
+    each test, so a later test's `agentrl.*` records do not hit a closed stream ("Logging error")."""
+    yield
+    import logging
+
+    ours = logging.getLogger("agentrl")
+    for handler in [h for h in ours.handlers if getattr(h, "_agentrl_console", False)]:
+        ours.removeHandler(handler)

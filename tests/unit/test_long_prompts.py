@@ -54,7 +54,8 @@ class Fakes:
         self.rolled_out.append(row)
         return [await self.loop.run_episode(self.job.make_env(), row=row, group_id=group_id) for _ in range(n)]
 
-    async def train(self, trajectories: list[Trajectory]) -> dict[str, float]:
+    async def train(self, trajectories: list[Trajectory], policy_version: int | None = None,
+                    allowed_staleness: int = 0) -> dict[str, float]:
         self.trained.extend(trajectories)
         return {"loss": 0.0}
 
