@@ -149,7 +149,9 @@ def stdio_argv(server: MCPServerConfig, isolation: Isolation) -> tuple[list[str]
         argv = bwrap_argv(bwrap, privileged=False, extra_ro=shown, tmpfs_bytes=256 << 20, setenv=inner_env,
                           network=server.network)
         cwd = os.path.realpath(os.getcwd())
-        if any(cwd == p or cwd.startswith(p.rstrip("/") + "/") for p in shown[2:]):
+        given = [os.path.realpath(p) for p in server.ro_paths]  # not `shown[2:]`: outside a venv the
+        # interpreter's two prefixes are one and the same, and `shown` holds it once
+        if any(cwd == p or cwd.startswith(p.rstrip("/") + "/") for p in given):
             # the driver's directory is visible (in ro_paths): start there, so relative paths in
             # `args` mean what they mean to the user; else in the private /workspace
             argv[argv.index("--chdir") + 1] = cwd
