@@ -18,8 +18,16 @@ from typing import Any
 import pytest
 import torch
 
-from agentrl.config import AlgorithmConfig, TrainerConfig
+from agentrl.config import AlgorithmConfig as _AlgorithmConfig
+from agentrl.config import TrainerConfig
 from agentrl.types import TokenOrigin, Trajectory
+
+
+def AlgorithmConfig(**kw: Any) -> _AlgorithmConfig:
+    """The algorithm config with the on-policy gate off: the toy batches carry made-up rollout
+    logprobs, which the gate would rightly mask (tests/unit/trainer/test_mismatch_gate.py tests it)."""
+    return _AlgorithmConfig(**{"mismatch_gate": {"enabled": False}, **kw})
+
 
 TINY_QWEN2 = Path("/work/shared/assets/tiny-random-qwen2")
 pytestmark = [
