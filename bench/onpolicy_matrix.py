@@ -68,6 +68,8 @@ def figure(report: dict, name: str) -> str:
         shown = f"{int(f.get('mismatched', 0))}/{int(f.get('episodes', 0))} differ"
     elif name == "cache":
         shown = f"Δ={abs(f.get('after', 0) - f.get('before', 0)):.2g}" if f else ""
+    elif f and "max_gap" not in f:  # nothing could be scored (every kept set overflowed the cap)
+        shown = f"no token scored ({int(f.get('kept_set_overflow', 0))} kept sets overflowed)"
     elif f:
         shown = f"max {f['max_gap']:.3g} p99 {f['p99_gap']:.3g} seq-mean {f['max_seq_mean_gap']:.3g}"
     else:

@@ -219,7 +219,15 @@ def _check_rescore(name: str, config: AgentRLConfig, trajs: list[Trajectory], ol
     from agentrl.trainer.packing import pad_trajectories
 
     rollout = pad_trajectories(trajs).rollout_logprobs
-    figures = _gap_figures(*_gaps(trajs, old, rollout))
+    gap, per_seq = _gaps(trajs, old, rollout)
+    if gap.numel() == 0:  # every sampled token is out of the loss: its kept set overflowed the cap
+        overflowed = sum(1 for t in trajs for k in t.kept_sets if not k)
+        return CheckResult(name, "FAIL", {"tokens": 0.0, "kept_set_overflow": float(overflowed)}, (
+            f"no sampled token can be scored: all {overflowed} kept sets overflowed rollout.max_kept_set="
+            f"{config.rollout.max_kept_set} (they are masked out of the loss, so a run would train on nothing). "
+            "Restrict sampling further (rollout.top_k) or raise rollout.max_kept_set."))
+    per_seq = per_seq[~per_seq.isnan()]  # sequences with no scored token have no mean
+    figures = _gap_figures(gap, per_seq)
     gate = config.algorithm.mismatch_gate
     over = figures["max_gap"] > gate.max_logprob_gap or figures["max_seq_mean_gap"] > gate.max_mean_logprob_gap
     limits = (f"the gate's limits: max_logprob_gap={gate.max_logprob_gap:g}, "
@@ -311,7 +319,11 @@ def _check_dtype(config: AgentRLConfig, model_path: str, trajs: list[Trajectory]
     for dtype in ("float32", "bfloat16"):
         scorer = backend if own == dtype else _backend(config, model_path, dtype)
         scores[dtype] = _score(scorer, trajs, config)[0]
-    figures = _gap_figures(*_gaps(trajs, scores["bfloat16"], scores["float32"]))
+    gap, per_seq = _gaps(trajs, scores["bfloat16"], scores["float32"])
+    if gap.numel() == 0:
+        return CheckResult("dtype", "SKIP", detail="no sampled token is in the loss (every kept set overflowed "
+                           "rollout.max_kept_set): nothing to compare")
+    figures = _gap_figures(gap, per_seq[~per_seq.isnan()])
     gate = config.algorithm.mismatch_gate
     note = (f"model.dtype={own}; a gap this size between engine and trainer trips the gate"
             if figures["max_seq_mean_gap"] > gate.max_mean_logprob_gap else f"model.dtype={own}")
