@@ -1,7 +1,9 @@
 """Faults of the driver and the trainer, met as a user meets them.
 
 Ctrl-C and SIGKILL of the driver run in both placements (split: a server process beside the trainer
-actor; colocated: the vLLM engine inside the trainer actor, whose runs start their own engine). The
+actor; colocated: the vLLM engine inside the trainer actor, whose runs start their own engine). In
+colocated placement the two are one run: interrupted with Ctrl-C, resumed as a process that is then
+SIGKILLed, resumed again to the end (each fault checked as in split; one engine start fewer). The
 trainer's death is tested in each placement by its own test, since colocated it is the engine's too.
 
 - Ctrl-C (SIGINT) of `agentrl run` in the middle of a step: it exits 130 saying how to continue,
@@ -49,13 +51,22 @@ pytestmark = pytest.mark.slow
 
 
 
-def wait_for_open_attempts_after_a_checkpoint(proc: subprocess.Popen[str], run_dir: Path, timeout_s: float) -> None:
-    """Until a checkpoint exists and the ledger shows prompts taken and not yet closed (mid-step)."""
+def _latest_step(run_dir: Path) -> int:
+    """The step of the run's newest checkpoint (`checkpoints/latest` names `step-00000N`), -1 for none."""
+    latest = run_dir / "checkpoints" / "latest"
+    text = latest.read_text().strip() if latest.is_file() else ""
+    return int(text.rpartition("-")[2]) if text.rpartition("-")[2].isdigit() else -1
+
+
+def wait_for_open_attempts_after_a_checkpoint(proc: subprocess.Popen[str], run_dir: Path, timeout_s: float,
+                                              after_step: int = -1) -> int:
+    """Until a checkpoint newer than `after_step` exists and the ledger shows prompts taken and not yet
+    closed (mid-step); returns that checkpoint's step."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise AssertionError(f"the run ended early ({proc.returncode}): {proc.stderr.read()[-3000:]}")
-        if (run_dir / "checkpoints" / "latest").is_file():
+        if _latest_step(run_dir) > after_step:
             open_ = {}
             for e in lines(run_dir / "ledger.jsonl"):
                 if e["status"] == "taken":
@@ -63,36 +74,62 @@ def wait_for_open_attempts_after_a_checkpoint(proc: subprocess.Popen[str], run_d
                 else:
                     open_.pop(e["key"], None)
             if open_:
-                return
+                return _latest_step(run_dir)
         time.sleep(0.2)
     proc.kill()
     raise AssertionError("the run never got past its first checkpoint with prompts in flight")
 
 
-@pytest.mark.parametrize("placement", ["split", "colocated"])
-def test_ctrl_c_closes_every_prompt_leaves_nothing_running_and_resumes(
-    tmp_path: Path, shared_url: str, assets: Path, placement: str
-) -> None:
-    from agentrl.orchestration.driver import run_training
-
-    shutdown_ray()
-    where, url = placed(placement, shared_url)
-    args = overrides(tmp_path, "sigint", assets, "run.total_steps=4", *where, url=url)
-    proc = start_cli(tmp_path, args)
-    run_dir = tmp_path / "sigint"
-    wait_for_open_attempts_after_a_checkpoint(proc, run_dir, timeout_s=1200)
+def interrupt_with_ctrl_c(proc: subprocess.Popen[str], run_dir: Path, name: str, placement: str) -> None:
+    """SIGINT to the running `agentrl run` (mid-step): it exits 130 with the resume command, its
+    in-flight prompts closed `unfinished` (interrupted), and nothing it started left running."""
     started = descendants(proc.pid)
     sent = time.monotonic()
     proc.send_signal(signal.SIGINT)
     _, stderr = proc.communicate(timeout=300)
     print(f"measured ({placement}): exited {time.monotonic() - sent:.1f} s after SIGINT")  # for the README, with -rP
     assert proc.returncode == 130, stderr[-3000:]
-    assert "the run was interrupted" in stderr and "resume=true run.name=sigint" in stderr
+    assert "the run was interrupted" in stderr and f"resume=true run.name={name}" in stderr
     books = check_books(run_dir)  # balanced as it stands: the interrupted run closed its own books
     assert books["unfinished"] >= 1
     unfinished = [e for e in lines(run_dir / "ledger.jsonl") if e["status"] == "unfinished"]
     assert all("interrupted" in e["reason"] for e in unfinished)
     assert wait_until_gone(started) == []
+
+
+def sigkill_the_driver(proc: subprocess.Popen[str], run_dir: Path, placement: str) -> None:
+    """SIGKILL of the running `agentrl run` (mid-step): within seconds nothing it started is left,
+    and its books are left open (the resume closes them)."""
+    started = descendants(proc.pid)
+    names = " ".join(" ".join(p.cmdline()) for p in started)
+    assert "raylet" in names
+    if placement == "split":
+        assert "agentrl.inference.vllm_server" in names
+        engine = [p for p in started if p.name().startswith("VLLM::EngineCor") or "EngineCore" in " ".join(p.cmdline())]
+        assert engine, "the vLLM engine core runs as a process of its own"
+    else:  # the engine is inside the trainer actor: no server process, no engine core of its own
+        assert "ray::ColocatedTrainerWorker" in names and "agentrl.inference.vllm_server" not in names
+    killed_at = time.monotonic()
+    proc.kill()
+    proc.communicate(timeout=60)
+    assert wait_until_gone(started, timeout_s=90) == [], "nothing the killed driver started may survive it"
+    print(f"measured ({placement}): all gone {time.monotonic() - killed_at:.1f} s after SIGKILL")  # for the README
+    with pytest.raises(Exception, match="never closed"):
+        check_books(run_dir)  # the killed run could not close its books ...
+
+
+def test_ctrl_c_closes_every_prompt_leaves_nothing_running_and_resumes(
+    tmp_path: Path, shared_url: str, assets: Path
+) -> None:
+    from agentrl.orchestration.driver import run_training
+
+    shutdown_ray()
+    where, url = placed("split", shared_url)
+    args = overrides(tmp_path, "sigint", assets, "run.total_steps=4", *where, url=url)
+    proc = start_cli(tmp_path, args)
+    run_dir = tmp_path / "sigint"
+    wait_for_open_attempts_after_a_checkpoint(proc, run_dir, timeout_s=1200)
+    interrupt_with_ctrl_c(proc, run_dir, "sigint", "split")
 
     resumed = run_training(make_config(tmp_path, "sigint", assets, "run.total_steps=4", *where, "resume=true", url=url))
     assert resumed.steps_done == 4 and resumed.policy_version == 4
@@ -121,37 +158,20 @@ def test_sigterm_is_handled_as_ctrl_c_and_exits_143_with_the_resume_command(
     assert wait_until_gone(started) == []
 
 
-@pytest.mark.parametrize("placement", ["split", "colocated"])
 def test_sigkill_of_the_driver_leaves_nothing_behind_and_the_resume_closes_its_books(
-    tmp_path: Path, vllm_ready: str, shared_url: str, assets: Path, placement: str
+    tmp_path: Path, vllm_ready: str, shared_url: str, assets: Path
 ) -> None:
     from agentrl.orchestration.driver import run_training
 
     shutdown_ray()
-    where, url = placed(placement, shared_url)
-    args = overrides(tmp_path, "sigkill", assets, "run.total_steps=4", *where)  # starts a vLLM engine of its own
+    args = overrides(tmp_path, "sigkill", assets, "run.total_steps=4")  # starts a vLLM server of its own
     proc = start_cli(tmp_path, args)
     run_dir = tmp_path / "sigkill"
     wait_for_open_attempts_after_a_checkpoint(proc, run_dir, timeout_s=2400)
-    started = descendants(proc.pid)
-    names = " ".join(" ".join(p.cmdline()) for p in started)
-    assert "raylet" in names
-    if placement == "split":
-        assert "agentrl.inference.vllm_server" in names
-        engine = [p for p in started if p.name().startswith("VLLM::EngineCor") or "EngineCore" in " ".join(p.cmdline())]
-        assert engine, "the vLLM engine core runs as a process of its own"
-    else:  # the engine is inside the trainer actor: no server process, no engine core of its own
-        assert "ray::ColocatedTrainerWorker" in names and "agentrl.inference.vllm_server" not in names
-    killed_at = time.monotonic()
-    proc.kill()
-    proc.communicate(timeout=60)
-    assert wait_until_gone(started, timeout_s=90) == [], "nothing the killed driver started may survive it"
-    print(f"measured ({placement}): all gone {time.monotonic() - killed_at:.1f} s after SIGKILL")  # for the README
-    with pytest.raises(Exception, match="never closed"):
-        check_books(run_dir)  # the killed run could not close its books ...
+    sigkill_the_driver(proc, run_dir, "split")
 
-    resumed = run_training(make_config(tmp_path, "sigkill", assets, "run.total_steps=4", *where, "resume=true",
-                                       url=url))
+    resumed = run_training(make_config(tmp_path, "sigkill", assets, "run.total_steps=4", "resume=true",
+                                       url=shared_url))
     assert resumed.steps_done == 4 and resumed.policy_version == 4
     books = check_books(run_dir)  # ... the resumed one did, before it continued
     killed = [e for e in lines(run_dir / "ledger.jsonl") if e["status"] == "unfinished" and e["session"] == 0]
@@ -159,6 +179,38 @@ def test_sigkill_of_the_driver_leaves_nothing_behind_and_the_resume_closes_its_b
     assert books["trained"] >= 12 and sorted(trained_by_step(run_dir)) == [0, 1, 2, 3]
     log = (run_dir / "driver.log").read_text()
     assert "resuming" in log and "session 1" in log
+
+
+def test_colocated_ctrl_c_then_a_sigkill_of_the_resumed_driver_and_the_last_resume_loses_nothing(
+    tmp_path: Path, vllm_ready: str, assets: Path
+) -> None:
+    """Colocated, both driver faults on one run: Ctrl-C mid-step, a resume (a process) SIGKILLed
+    mid-step, and a second resume that closes the killed session's books and finishes."""
+    from agentrl.orchestration.driver import run_training
+
+    shutdown_ray()
+    args = overrides(tmp_path, "colofaults", assets, "run.total_steps=5", "placement=colocated")
+    run_dir = tmp_path / "colofaults"
+    proc = start_cli(tmp_path, args)
+    interrupted_after = wait_for_open_attempts_after_a_checkpoint(proc, run_dir, timeout_s=1200)
+    interrupt_with_ctrl_c(proc, run_dir, "colofaults", "colocated")
+
+    proc = start_cli(tmp_path, [*args, "resume=true"])
+    wait_for_open_attempts_after_a_checkpoint(proc, run_dir, timeout_s=1200, after_step=interrupted_after)
+    sigkill_the_driver(proc, run_dir, "colocated")
+
+    resumed = run_training(make_config(tmp_path, "colofaults", assets, "run.total_steps=5", "placement=colocated",
+                                       "resume=true"))
+    assert resumed.steps_done == 5 and resumed.policy_version == 5
+    books = check_books(run_dir)  # ... the last resume closed the killed session's books, then finished
+    ledger = lines(run_dir / "ledger.jsonl")
+    interrupted = [e for e in ledger if e["status"] == "unfinished" and e["session"] == 0]
+    killed = [e for e in ledger if e["status"] == "unfinished" and e["session"] == 1]
+    assert interrupted and all("interrupted" in e["reason"] for e in interrupted)
+    assert killed and all("killed while it was in flight" in e["reason"] for e in killed)
+    assert books["trained"] >= 15 and sorted(trained_by_step(run_dir)) == [0, 1, 2, 3, 4]
+    log = (run_dir / "driver.log").read_text()
+    assert "session 1" in log and "session 2" in log
 
 
 def test_a_killed_trainer_stops_the_run_and_it_resumes_with_nothing_lost(
