@@ -195,6 +195,10 @@ ENVS = Registry(
             "agentrl.envs.mcp_env:McpEnv",
             "Tools from MCP servers (stdio or streamable HTTP, env.kwargs.servers) over your dataset rows.",
         ),
+        "openenv": (
+            "agentrl.envs.openenv_env:OpenEnvEnv",
+            "An OpenEnv environment server (env.kwargs.url, or a command agentrl starts per episode).",
+        ),
         "retool": (
             "agentrl.envs.retool:RetoolEnv",
             "Math problems solved with a sandboxed Python interpreter (ReTool); answers checked exactly.",
