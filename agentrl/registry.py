@@ -191,6 +191,10 @@ ENVS = Registry(
             "agentrl.envs.arithmetic:ArithmeticEnv",
             "Multi-step arithmetic word problems solved with a calculator tool.",
         ),
+        "gym": (
+            "agentrl.envs.gym_env:GymTextEnv",
+            "A Gymnasium text environment by registered id (env.kwargs.id; 'module:Id' imports the module).",
+        ),
         "mcp": (
             "agentrl.envs.mcp_env:McpEnv",
             "Tools from MCP servers (stdio or streamable HTTP, env.kwargs.servers) over your dataset rows.",

@@ -20,10 +20,19 @@ def _call(name: str, **arguments: Any) -> ToolCall:
     return ToolCall(name, arguments, id=f"call_{name}")
 
 
-# env=mcp starts a real MCP server process at every reset: seconds each, so it is in the slow tier
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n == "mcp" else n for n in ENVS.names()])
+# env=mcp starts a real MCP server process at every reset, env=openenv one OpenEnv server (the example's):
+# seconds each, so they are in the slow tier. The adapters of other standards are given what they adapt.
+_SLOW_ENVS = ("mcp", "openenv")
+_ENV_KWARGS: dict[str, dict[str, Any]] = {
+    "gym": {"id": "gym_text.guess_text_env:GuessText-v0"},  # tests/ is on sys.path (its conftest)
+    "openenv": {"command": ["python", "examples/openenv_guess_server.py", "--port", "{port}"]},
+}
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in _SLOW_ENVS else n
+                                  for n in ENVS.names()])
 def test_every_registered_env_passes_check_env(name: str) -> None:
-    check_env(make_env(name))
+    check_env(make_env(name, **_ENV_KWARGS.get(name, {})))
 
 
 @pytest.mark.parametrize("kwargs", [{}, {"tool_format": "code", "few_shot": 1}])
