@@ -211,6 +211,10 @@ ENVS = Registry(
             "agentrl.envs.swe:SweEnv",
             "Fix a bug in a repository inside a sandbox (bash, editor, submit); rewarded by hidden tests.",
         ),
+        "verifiers": (
+            "agentrl.envs.verifiers_env:VerifiersEnv",
+            "A verifiers (0.4) taskset: its rows, prompts and rewards (env.kwargs.id: a taskset id or .py file).",
+        ),
     },
 )
 

@@ -42,6 +42,7 @@ import tempfile
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
+import gymnasium
 import httpx
 
 from agentrl.envs.core import Env
@@ -194,6 +195,7 @@ class OpenEnvEnv(Env):
     async def areset(
         self, *, seed: int | None = None, options: dict[str, Any] | None = None
     ) -> tuple[list[Message], dict[str, Any]]:
+        gymnasium.Env.reset(self, seed=seed)  # seeds self.np_random the standard way
         await self._end_session()
         row = (options or {}).get("row") or self.make_row(seed or 0, self.instructions)
         extra = row.get("extra_info") or {}

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import re
 import string
-from typing import Any
+from typing import Any, ClassVar
 
 import gymnasium as gym
 from gymnasium import spaces
@@ -15,7 +15,7 @@ ID = "GuessText-v0"
 
 
 class GuessTextEnv(gym.Env):
-    metadata = {"render_modes": []}
+    metadata: ClassVar[dict[str, Any]] = {"render_modes": []}
 
     def __init__(self, max_guesses: int = 3) -> None:
         self.observation_space = spaces.Text(max_length=200, charset=string.printable)

@@ -11,8 +11,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 
-import openenv_guess_server as example  # noqa: E402
-from openenv.core.env_server.http_server import create_app  # noqa: E402
+import openenv_guess_server as example
+from openenv.core.env_server.http_server import create_app
 
 DYING_SEED = 13
 
