@@ -37,6 +37,7 @@ import logging
 import os
 import signal
 import socket
+import subprocess
 import sys
 import tempfile
 from collections.abc import Sequence
@@ -86,18 +87,18 @@ class _ServerProcess:
         self.argv = [sys.executable if c == "python" else c.replace("{port}", str(self.port)) for c in command]
         self.startup_timeout_s = startup_timeout_s
         self.url = f"http://127.0.0.1:{self.port}"
-        self.proc: asyncio.subprocess.Process | None = None
+        self.proc: subprocess.Popen[bytes] | None = None
         self.log_file: Any = None
 
     async def start(self) -> None:
         self.log_file = tempfile.TemporaryFile()
-        self.proc = await asyncio.create_subprocess_exec(
-            *lifeline_argv(self.argv, grace_s=5.0), stdin=asyncio.subprocess.DEVNULL, stdout=self.log_file,
-            stderr=self.log_file, start_new_session=True)
+        # a plain Popen, not an asyncio subprocess: the episode may end on another event loop than it began
+        self.proc = subprocess.Popen(lifeline_argv(self.argv, grace_s=5.0), stdin=subprocess.DEVNULL,
+                                     stdout=self.log_file, stderr=self.log_file, start_new_session=True)
         deadline = asyncio.get_running_loop().time() + self.startup_timeout_s
         async with httpx.AsyncClient(timeout=2.0, trust_env=False) as client:
             while True:
-                if self.proc.returncode is not None:
+                if self.proc.poll() is not None:
                     raise EnvServerError(f"the OpenEnv server {self.argv} exited with code {self.proc.returncode} "
                                          f"before it answered; its output ends:\n{self.log_tail()}")
                 with contextlib.suppress(httpx.HTTPError):
@@ -118,15 +119,17 @@ class _ServerProcess:
 
     async def stop(self) -> None:
         proc, self.proc = self.proc, None
-        if proc is not None and proc.returncode is None:
+        if proc is not None and proc.poll() is None:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                await asyncio.wait_for(proc.wait(), 10.0)
-            except TimeoutError:
+            for _ in range(100):  # up to 10 s for the lifeline to stop the server gracefully
+                if proc.poll() is not None:
+                    break
+                await asyncio.sleep(0.1)
+            else:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(proc.pid, signal.SIGKILL)
-                await proc.wait()
+                await asyncio.to_thread(proc.wait)
         if self.log_file is not None:
             self.log_file.close()
             self.log_file = None
@@ -176,6 +179,7 @@ class OpenEnvEnv(Env):
         self.message_timeout_s = message_timeout_s
         self._server: _ServerProcess | None = None
         self._client: Any = None
+        self._client_loop: asyncio.AbstractEventLoop | None = None
         self._done = True
         self._steps = 0
 
@@ -212,6 +216,7 @@ class OpenEnvEnv(Env):
             assert url is not None  # one of url/command is set, checked in __init__
             self._client = self._client_cls(base_url=url, connect_timeout_s=min(10.0, self.message_timeout_s),
                                             message_timeout_s=self.message_timeout_s)
+            self._client_loop = asyncio.get_running_loop()
             result = await self._call(self._client.reset(**reset_kwargs), "reset")
         except BaseException:
             await self._end_session()
@@ -275,7 +280,7 @@ class OpenEnvEnv(Env):
     def _failure(self, what: str, where: str | None, exc: BaseException) -> str:
         message = f"the OpenEnv server at {where} failed during {what}: {type(exc).__name__}: {exc}"
         server = self._server
-        if server is not None and server.proc is not None and server.proc.returncode is not None:
+        if server is not None and server.proc is not None and server.proc.poll() is not None:
             message += f" (it exited with code {server.proc.returncode}; its output ends:\n{server.log_tail()})"
         return message
 
@@ -296,7 +301,13 @@ class OpenEnvEnv(Env):
 
     async def _end_session(self) -> None:
         client, self._client = self._client, None
-        if client is not None:
+        if client is not None and self._client_loop is not asyncio.get_running_loop():
+            # the session was opened on an event loop that has ended (sync and async calls mixed): its
+            # socket cannot be closed politely from here, so it is dropped (the server ends the session)
+            transport = getattr(getattr(client, "_ws", None), "transport", None)
+            if transport is not None:
+                transport.abort()
+        elif client is not None:
             try:
                 await asyncio.wait_for(client.close(), 10.0)
             except Exception as exc:  # the session may be gone with its server; closing goes on

@@ -18,6 +18,7 @@ import pytest
 
 from agentrl.chat import ChatTemplate
 from agentrl.config import load_config
+from agentrl.envs import check_env, make_env
 from agentrl.errors import InfraFailureError
 from agentrl.inference.protocol import Generation, SamplingParams
 from agentrl.orchestration.evaluate import run_eval
@@ -75,7 +76,7 @@ def test_eval_of_an_openenv_server_scores_its_rewards_and_masks_a_server_that_di
         seed = next(s for s in (1, 2, DYING_SEED) if f"Seed {s}." in json.dumps(episode["messages"]))
         episodes[seed] = episode
     won, lost, died = episodes[1], episodes[2], episodes[DYING_SEED]
-    assert [(m["role"], m["content"]) for m in won["messages"][2:]] == [  # the reset observation, then the guess
+    assert [(m["role"], m["content"]) for m in won["messages"][1:]] == [  # the reset observation, then the guess
         ("user", "I picked a number from 1 to 10. Guess it: answer with one number. You have 4 tries."),
         ("assistant", str(secret(1)))]
     assert (won["reward"], won["fault"], won["finish_reason"]) == (1.0, None, "done")
@@ -85,3 +86,7 @@ def test_eval_of_an_openenv_server_scores_its_rewards_and_masks_a_server_that_di
     assert (lost["reward"], lost["fault"], lost["finish_reason"]) == (0.0, None, "done")
     assert died["fault"] == "infra" and "OpenEnv server" in died["error"]
     assert _guess_servers() == []  # every server agentrl started is gone
+
+
+def test_the_openenv_adapter_passes_check_env_against_a_running_server(openenv_guess_url: str) -> None:
+    check_env(make_env("openenv", url=openenv_guess_url))
