@@ -9,7 +9,8 @@ assistant turn's text is the action given to `step`, and each step's observation
 message; rewards are summed and the episode ends when the env terminates or truncates. agentrl
 generates the turns itself (token in, token out); the Gymnasium env only sees text. Numbers in the
 last step's `info` are kept as the trajectory's metrics. A non-string observation is refused with a
-message (this adapter is for text environments). An exception raised by the env is recorded by the
+message (this adapter is for text environments), and an env whose declared observation space is not
+`spaces.Text` is refused when it is built, before any episode. An exception raised by the env is recorded by the
 AgentLoop as an infrastructure fault (masked), never as a reward of 0.
 
 Rows: the env makes its own (`dataset_rows`: one per seed); rows of yours may carry
@@ -58,7 +59,18 @@ class GymTextEnv(Env):
         self.make_kwargs = dict(make_kwargs or {})
         self.system_prompt = system_prompt
         self.instructions = instructions
-        self._inner: gymnasium.Env | None = None
+        try:
+            self._inner: gymnasium.Env | None = gymnasium.make(id, **self.make_kwargs)
+        except TypeError as exc:
+            raise ConfigError(f"env.kwargs.make_kwargs {sorted(self.make_kwargs)} do not fit '{id}': {exc}") from exc
+        space = self._inner.observation_space
+        if space is not None and not isinstance(space, gymnasium.spaces.Text):
+            self._inner.close()
+            raise ConfigError(
+                f"env.kwargs.id '{id}' observes a {type(space).__name__} space, not text: env=gym plays text "
+                "environments (string observations and actions). Wrap it to render its observations as text "
+                "(a gymnasium.ObservationWrapper with a spaces.Text observation space)."
+            )
         self._open = False
 
     @classmethod

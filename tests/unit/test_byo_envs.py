@@ -59,10 +59,10 @@ def test_gym_refuses_an_unknown_id_and_non_text_observations(guess_id: str) -> N
         make_env("gym", id="NoSuchGame-v9")
     with pytest.raises(ConfigError, match="cannot be imported"):
         make_env("gym", id="no_such_module_anywhere:Game-v0")
-    env = make_env("gym", id="CartPole-v1")
-    with pytest.raises(EnvError, match="text environments"):
-        env.reset(seed=0)
-    env.close()
+    with pytest.raises(ConfigError, match="observes a Box space, not text"):
+        make_env("gym", id="CartPole-v1")
+    with pytest.raises(ConfigError, match="do not fit"):
+        make_env("gym", id=guess_id, make_kwargs={"no_such_argument": 1})
 
 
 def test_openenv_refuses_configurations_that_cannot_work() -> None:
