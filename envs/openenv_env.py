@@ -17,7 +17,8 @@ group, under a lifeline that also ends it if agentrl dies) when the episode ends
 started outlives the episode. Every session is closed when its episode ends.
 
 What is infrastructure, never a score: a server that does not start, dies, closes the session,
-answers an error or does not answer within `message_timeout_s`, and a final step without a reward.
+answers an error or does not answer within `message_timeout_s` (the WebSocket handshake included),
+and a final step without a reward.
 Each raises `EnvServerError`, which the AgentLoop records as fault "infra": the episode is masked
 and counted, the others go on. Rows: the env makes its own (`dataset_rows`: one per seed, as
 OpenEnv envs draw their tasks at reset); rows of yours may carry `extra_info.seed` and
@@ -214,7 +215,7 @@ class OpenEnvEnv(Env):
                 await self._server.start()
                 url = self._server.url
             assert url is not None  # one of url/command is set, checked in __init__
-            self._client = self._client_cls(base_url=url, connect_timeout_s=min(10.0, self.message_timeout_s),
+            self._client = self._client_cls(base_url=url, connect_timeout_s=self.message_timeout_s,
                                             message_timeout_s=self.message_timeout_s)
             self._client_loop = asyncio.get_running_loop()
             result = await self._call(self._client.reset(**reset_kwargs), "reset")
