@@ -9,7 +9,8 @@ This module holds no logic beyond the classes; it is imported by everything and 
     │   └── UnknownNameError         a registry name or key matched nothing (carries suggestions)
     ├── FeatureUnavailableError      a part that is not built yet, or whose optional extra is missing
     ├── EnvError                     an environment was used against its contract
-    │   └── EnvContractError         `check_env` found a violation
+    │   ├── EnvContractError         `check_env` found a violation
+    │   └── EnvServerError           what an env of another standard runs on failed (its server, its rubric)
     ├── ToolError                    a tool failed; `fault` says whose fault it was
     │   ├── ToolArgumentError        the model passed arguments that do not fit the schema
     │   └── ToolInfrastructureError  the machinery behind the tool failed (sandbox down, timeout)
@@ -44,6 +45,7 @@ __all__ = [
     "DatasetError",
     "EnvContractError",
     "EnvError",
+    "EnvServerError",
     "FeatureUnavailableError",
     "GradingError",
     "InferenceError",
@@ -96,6 +98,11 @@ class EnvError(AgentRLError):
 
 class EnvContractError(EnvError):
     """`agentrl.envs.check_env` found that an environment breaks the Env contract."""
+
+
+class EnvServerError(EnvError):
+    """The machinery an adapted environment runs on failed: an OpenEnv server died or did not answer, a
+    verifiers rubric raised or timed out. The AgentLoop records the episode as fault "infra" (masked)."""
 
 
 class ToolError(AgentRLError):

@@ -191,9 +191,17 @@ ENVS = Registry(
             "agentrl.envs.arithmetic:ArithmeticEnv",
             "Multi-step arithmetic word problems solved with a calculator tool.",
         ),
+        "gym": (
+            "agentrl.envs.gym_env:GymTextEnv",
+            "A Gymnasium text environment by registered id (env.kwargs.id; 'module:Id' imports the module).",
+        ),
         "mcp": (
             "agentrl.envs.mcp_env:McpEnv",
             "Tools from MCP servers (stdio or streamable HTTP, env.kwargs.servers) over your dataset rows.",
+        ),
+        "openenv": (
+            "agentrl.envs.openenv_env:OpenEnvEnv",
+            "An OpenEnv environment server (env.kwargs.url, or a command agentrl starts per episode).",
         ),
         "retool": (
             "agentrl.envs.retool:RetoolEnv",
@@ -202,6 +210,10 @@ ENVS = Registry(
         "swe": (
             "agentrl.envs.swe:SweEnv",
             "Fix a bug in a repository inside a sandbox (bash, editor, submit); rewarded by hidden tests.",
+        ),
+        "verifiers": (
+            "agentrl.envs.verifiers_env:VerifiersEnv",
+            "A verifiers (0.4) taskset: its rows, prompts and rewards (env.kwargs.id: a taskset id or .py file).",
         ),
     },
 )

@@ -449,7 +449,10 @@ def _rows(config: AgentRLConfig, env_cls: type[Env], split: str) -> LoadedRows:
             log.warning("data.skip_bad_rows: skipping %s row %d (dataset row %d): %s",
                         bad.file, bad.row, bad.index, bad.reason)
         return loaded
-    rows = env_cls.dataset_rows(split)
+    # an env whose rows depend on its arguments (env=verifiers: the taskset env.kwargs.id names) takes them
+    dataset_rows: Callable[..., Any] = env_cls.dataset_rows
+    takes_kwargs = "env_kwargs" in inspect.signature(dataset_rows).parameters
+    rows = dataset_rows(split, env_kwargs=dict(config.env.kwargs)) if takes_kwargs else dataset_rows(split)
     if rows is None:
         key = "data.train_files" if split == "train" else "data.val_files"
         raise ConfigError(f"{key}: env '{config.env.name}' ships no dataset; give {key}=[path.jsonl or .parquet].")

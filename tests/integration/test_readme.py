@@ -74,6 +74,10 @@ COMMANDS: dict[str, How] = {
         How("SIZED", EVAL_SIZE),
     "python examples/mcp_tools.py": How("QUICK"),
     "agentrl eval env=mcp inference.engine=hf": How("SIZED", EVAL_SIZE),
+    "agentrl eval env=verifiers env.kwargs.id=examples/verifiers_arith.py inference.engine=hf":
+        How("SIZED", EVAL_SIZE.replace("eval.k=2", "eval.k=1")),
+    """agentrl eval env=openenv 'env.kwargs.command=[python, examples/openenv_guess_server.py, --port, "{port}"]' """
+    "inference.engine=hf": How("SIZED", EVAL_SIZE.replace("eval.k=2", "eval.k=1")),  # one server start per episode
     "agentrl view runs/mine": How("SERVES"),
     "agentrl view runs/eval-retool-20261122-101500": How("SERVES"),
     "agentrl run  env=agent env.kwargs.agent=my_agent.py:solve data.train_files=[train.jsonl]": How("SHARED", RUN_SIZE),
@@ -317,6 +321,27 @@ def test_mcp_example(tmp_path: Path) -> None:
 def test_eval_of_the_mcp_env_with_the_hf_engine(tmp_path: Path) -> None:
     done = run("agentrl eval env=mcp inference.engine=hf", tmp_path)
     _check_eval(done, tmp_path, 4)  # four episodes, each with its own calculator server, none infra-failed
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+def test_eval_of_a_verifiers_taskset_with_the_hf_engine(tmp_path: Path) -> None:
+    pytest.importorskip("verifiers.v1")  # not in the dev extra: verifiers 0.4 pins openai<3
+    command = next(c for c in COMMANDS if c.startswith("agentrl eval env=verifiers"))
+    # run in a scratch directory (its runs/), the example named by its path in the repository
+    done = run(command, tmp_path, filled=command.replace("examples/", f"{REPO}/examples/"))
+    _check_eval(done, tmp_path, 2)  # the taskset's rubric scored both episodes
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+def test_eval_of_an_openenv_server_agentrl_starts_with_the_hf_engine(tmp_path: Path) -> None:
+    pytest.importorskip("openenv.core")
+    command = next(c for c in COMMANDS if c.startswith("agentrl eval env=openenv"))
+    done = run(command, tmp_path, filled=command.replace("examples/", f"{REPO}/examples/"))
+    _check_eval(done, tmp_path, 2)  # two servers started, played and stopped
+    ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
+    assert f"{REPO}/examples/openenv_guess_server.py" not in ps
 
 
 @pytest.fixture(scope="module")

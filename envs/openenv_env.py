@@ -1,0 +1,318 @@
+"""`openenv`: an OpenEnv environment (PyPI `openenv-core`) played over OpenEnv's own protocol.
+
+    agentrl eval env=openenv env.kwargs.url=http://127.0.0.1:8000      # a server that runs already
+    agentrl eval env=openenv 'env.kwargs.command=[python, my_server.py, --port, "{port}"]'
+
+Each episode opens its own OpenEnv session (the package's `GenericEnvClient`: a WebSocket to the
+server's `/ws`, where the server keeps one environment instance per session), resets it with the
+row's seed and plays it: the reset observation is the first user message (after `system_prompt`
+and the row's `prompt`), each assistant turn's text becomes the action (`{action_field: text}`),
+and each step's observation is the next user message. Rewards are the server's, summed over the
+steps; the episode ends when the server says `done`. agentrl generates every turn itself (token in,
+token out); the server only sees text.
+
+With `command` instead of `url`, agentrl starts the server for each episode on a free port (the
+`{port}` placeholder of the command), waits for its `/health`, and stops it (its whole process
+group, under a lifeline that also ends it if agentrl dies) when the episode ends, so nothing it
+started outlives the episode. Every session is closed when its episode ends.
+
+What is infrastructure, never a score: a server that does not start, dies, closes the session,
+answers an error or does not answer within `message_timeout_s` (the WebSocket handshake included),
+and a final step without a reward.
+Each raises `EnvServerError`, which the AgentLoop records as fault "infra": the episode is masked
+and counted, the others go on. Rows: the env makes its own (`dataset_rows`: one per seed, as
+OpenEnv envs draw their tasks at reset); rows of yours may carry `extra_info.seed` and
+`extra_info.reset_kwargs` (passed to the server's `reset`).
+
+Not covered: OpenEnv's MCP "production" mode (tools listed by the server), Docker/HF-Space
+providers (`from_docker_image`, `from_env`: start the container yourself and give its `url`), and
+typed action models other than one text field.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+from collections.abc import Sequence
+from typing import Any, ClassVar
+
+import gymnasium
+import httpx
+
+from agentrl.envs.core import Env
+from agentrl.errors import ConfigError, EnvError, EnvServerError, FeatureUnavailableError
+from agentrl.lifeline import lifeline_argv
+from agentrl.types import Action, Message
+
+__all__ = ["OpenEnvEnv", "require_openenv"]
+
+log = logging.getLogger(__name__)
+
+DEFAULT_INSTRUCTIONS = (
+    "You are acting in an environment. Each user message is what the environment shows you; "
+    "answer with your next action only."
+)
+
+
+def require_openenv() -> Any:
+    """The `openenv` package's generic client class, or an error that says how to install it."""
+    try:
+        from openenv.core.generic_client import GenericEnvClient
+    except ImportError as exc:
+        raise FeatureUnavailableError(
+            f"env=openenv needs the OpenEnv client (PyPI 'openenv-core'): {exc}. Install it with "
+            "pip install 'agentrl[dev]' or pip install openenv-core."
+        ) from exc
+    return GenericEnvClient
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class _ServerProcess:
+    """One OpenEnv server agentrl started: its process group, its log, its address."""
+
+    def __init__(self, command: Sequence[str], startup_timeout_s: float) -> None:
+        self.port = _free_port()
+        self.argv = [sys.executable if c == "python" else c.replace("{port}", str(self.port)) for c in command]
+        self.startup_timeout_s = startup_timeout_s
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.log_file: Any = None
+
+    async def start(self) -> None:
+        self.log_file = tempfile.TemporaryFile()
+        # a plain Popen, not an asyncio subprocess: the episode may end on another event loop than it began
+        self.proc = subprocess.Popen(lifeline_argv(self.argv, grace_s=5.0), stdin=subprocess.DEVNULL,
+                                     stdout=self.log_file, stderr=self.log_file, start_new_session=True)
+        deadline = asyncio.get_running_loop().time() + self.startup_timeout_s
+        async with httpx.AsyncClient(timeout=2.0, trust_env=False) as client:
+            while True:
+                if self.proc.poll() is not None:
+                    raise EnvServerError(f"the OpenEnv server {self.argv} exited with code {self.proc.returncode} "
+                                         f"before it answered; its output ends:\n{self.log_tail()}")
+                with contextlib.suppress(httpx.HTTPError):
+                    if (await client.get(f"{self.url}/health")).status_code == 200:
+                        return
+                if asyncio.get_running_loop().time() > deadline:
+                    raise EnvServerError(
+                        f"the OpenEnv server {self.argv} did not answer {self.url}/health within "
+                        f"{self.startup_timeout_s:.0f} s; raise env.kwargs.startup_timeout_s if it starts slowly. "
+                        f"Its output ends:\n{self.log_tail()}")
+                await asyncio.sleep(0.2)
+
+    def log_tail(self, chars: int = 2000) -> str:
+        if self.log_file is None:
+            return ""
+        self.log_file.seek(0)
+        return self.log_file.read().decode(errors="replace")[-chars:]
+
+    async def stop(self) -> None:
+        proc, self.proc = self.proc, None
+        if proc is not None and proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGTERM)
+            for _ in range(100):  # up to 10 s for the lifeline to stop the server gracefully
+                if proc.poll() is not None:
+                    break
+                await asyncio.sleep(0.1)
+            else:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                await asyncio.to_thread(proc.wait)
+        if self.log_file is not None:
+            self.log_file.close()
+            self.log_file = None
+
+
+class OpenEnvEnv(Env):
+    """An OpenEnv environment over its protocol (see the module docstring)."""
+
+    requires_ground_truth: ClassVar[bool] = False
+
+    def __init__(
+        self,
+        *,
+        url: str | None = None,
+        command: Sequence[str] | None = None,
+        action_field: str = "message",
+        observation_field: str | None = None,
+        system_prompt: str | None = None,
+        instructions: str = DEFAULT_INSTRUCTIONS,
+        startup_timeout_s: float = 60.0,
+        message_timeout_s: float = 60.0,
+    ) -> None:
+        if (url is None) == (command is None):
+            raise ConfigError(
+                "env=openenv needs exactly one of env.kwargs.url (a running OpenEnv server, e.g. "
+                "http://127.0.0.1:8000) or env.kwargs.command (a command that serves one on the port "
+                "'{port}', e.g. [python, server.py, --port, '{port}'])."
+            )
+        if command is not None:
+            if isinstance(command, str) or not command:
+                raise ConfigError(f"env.kwargs.command must be a non-empty list of arguments, got {command!r}.")
+            if not any("{port}" in c for c in command):
+                raise ConfigError(
+                    f"env.kwargs.command {list(command)} has no '{{port}}' placeholder: agentrl starts one server "
+                    "per episode on a free port and needs to tell it which, e.g. [python, server.py, --port, '{port}']."
+                )
+        if url is not None and not url.startswith(("http://", "https://", "ws://", "wss://")):
+            raise ConfigError(f"env.kwargs.url '{url}' is not an http(s):// or ws(s):// address.")
+        self._client_cls = require_openenv()
+        self.url = url.rstrip("/") if url else None
+        self.command = list(command) if command is not None else None
+        self.action_field = action_field
+        self.observation_field = observation_field
+        self.system_prompt = system_prompt
+        self.instructions = instructions
+        self.startup_timeout_s = startup_timeout_s
+        self.message_timeout_s = message_timeout_s
+        self._server: _ServerProcess | None = None
+        self._client: Any = None
+        self._client_loop: asyncio.AbstractEventLoop | None = None
+        self._done = True
+        self._steps = 0
+
+    @classmethod
+    def dataset_rows(cls, split: str) -> list[dict[str, Any]]:
+        """One row per seed (train and test disjoint): OpenEnv envs draw their task at reset."""
+        offset = {"train": 0, "test": 1_000_000}[split]
+        return [cls.make_row(offset + i) for i in range(200)]
+
+    @staticmethod
+    def make_row(seed: int, instructions: str | None = None) -> dict[str, Any]:
+        """A row that resets the server with `seed`."""
+        return {"prompt": [{"role": "user", "content": instructions or DEFAULT_INSTRUCTIONS}],
+                "data_source": "openenv", "extra_info": {"seed": seed}}
+
+    # ── the contract ────────────────────────────────────────────────────────────────────────
+    async def areset(
+        self, *, seed: int | None = None, options: dict[str, Any] | None = None
+    ) -> tuple[list[Message], dict[str, Any]]:
+        gymnasium.Env.reset(self, seed=seed)  # seeds self.np_random the standard way
+        await self._end_session()
+        row = (options or {}).get("row") or self.make_row(seed or 0, self.instructions)
+        extra = row.get("extra_info") or {}
+        reset_kwargs = dict(extra.get("reset_kwargs") or {})
+        episode_seed = extra.get("seed", seed)
+        if episode_seed is not None:
+            reset_kwargs["seed"] = int(episode_seed)
+        try:
+            url = self.url
+            if self.command is not None:
+                self._server = _ServerProcess(self.command, self.startup_timeout_s)
+                await self._server.start()
+                url = self._server.url
+            assert url is not None  # one of url/command is set, checked in __init__
+            self._client = self._client_cls(base_url=url, connect_timeout_s=self.message_timeout_s,
+                                            message_timeout_s=self.message_timeout_s)
+            self._client_loop = asyncio.get_running_loop()
+            result = await self._call(self._client.reset(**reset_kwargs), "reset")
+        except BaseException:
+            await self._end_session()
+            raise
+        self._done, self._steps = False, 0
+        messages: list[Message] = []
+        if self.system_prompt:
+            messages.append({"role": "system", "content": self.system_prompt})
+        prompt = row.get("prompt")
+        if isinstance(prompt, str):
+            messages.append({"role": "user", "content": prompt})
+        elif isinstance(prompt, list):
+            messages.extend(dict(m) for m in prompt)  # type: ignore[misc]
+        messages.append({"role": "user", "content": self._observation_text(result.observation)})
+        return messages, {"tools": [], "seed": reset_kwargs.get("seed")}
+
+    async def astep(self, action: Action) -> tuple[list[Message], float, bool, bool, dict[str, Any]]:
+        if self._client is None or self._done:
+            raise EnvError("OpenEnvEnv.step was called without an open episode; call reset first.")
+        if not isinstance(action, Action):
+            raise EnvError(f"step expects an agentrl.types.Action, got {type(action).__name__}.")
+        self._steps += 1
+        try:
+            result = await self._call(self._client.step({self.action_field: action.text}), "step")
+            if result.done and result.reward is None:
+                raise EnvServerError("the OpenEnv server ended the episode without a reward: it could not be scored.")
+        except BaseException:
+            self._done = True
+            await self._end_session()
+            raise
+        done = bool(result.done)
+        info: dict[str, Any] = {"metrics": {"openenv_steps": float(self._steps)}}
+        if done:
+            self._done = True
+            await self._end_session()
+        reward = float(result.reward or 0.0)
+        return [{"role": "user", "content": self._observation_text(result.observation)}], reward, done, False, info
+
+    async def atruncate(self, reason: str) -> tuple[float, dict[str, Any]]:
+        self._done = True
+        await self._end_session()
+        return 0.0, {"metrics": {"openenv_steps": float(self._steps)}}
+
+    async def aclose(self) -> None:
+        self._done = True
+        await self._end_session()
+
+    # ── internals ───────────────────────────────────────────────────────────────────────────
+    async def _call(self, coro: Any, what: str) -> Any:
+        where = self._server.url if self._server is not None else self.url
+        try:
+            return await coro
+        except (ConnectionError, OSError, RuntimeError, TimeoutError) as exc:
+            # websockets' ConnectionClosed is a ConnectionError subclass only in some versions
+            raise EnvServerError(self._failure(what, where, exc)) from exc
+        except Exception as exc:
+            if type(exc).__module__.startswith("websockets"):
+                raise EnvServerError(self._failure(what, where, exc)) from exc
+            raise
+
+    def _failure(self, what: str, where: str | None, exc: BaseException) -> str:
+        message = f"the OpenEnv server at {where} failed during {what}: {type(exc).__name__}: {exc}"
+        server = self._server
+        if server is not None and server.proc is not None and server.proc.poll() is not None:
+            message += f" (it exited with code {server.proc.returncode}; its output ends:\n{server.log_tail()})"
+        return message
+
+    def _observation_text(self, observation: Any) -> str:
+        if not isinstance(observation, dict):
+            return str(observation)
+        fields = {k: v for k, v in observation.items() if k not in ("done", "reward", "metadata")}
+        if self.observation_field is not None:
+            if self.observation_field not in fields:
+                raise EnvServerError(
+                    f"the OpenEnv observation has no field '{self.observation_field}' (env.kwargs.observation_field); "
+                    f"it has {sorted(fields)}.")
+            return str(fields[self.observation_field])
+        texts = [v for v in fields.values() if isinstance(v, str)]
+        if len(fields) == 1 and texts:
+            return texts[0]
+        return json.dumps(fields, default=str)
+
+    async def _end_session(self) -> None:
+        client, self._client = self._client, None
+        if client is not None and self._client_loop is not asyncio.get_running_loop():
+            # the session was opened on an event loop that has ended (sync and async calls mixed): its
+            # socket cannot be closed politely from here, so it is dropped (the server ends the session)
+            transport = getattr(getattr(client, "_ws", None), "transport", None)
+            if transport is not None:
+                transport.abort()
+        elif client is not None:
+            try:
+                await asyncio.wait_for(client.close(), 10.0)
+            except Exception as exc:  # the session may be gone with its server; closing goes on
+                log.debug("closing the OpenEnv session: %s", exc)
+        server, self._server = self._server, None
+        if server is not None:
+            await server.stop()
