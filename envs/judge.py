@@ -34,6 +34,7 @@ from typing import Any
 import httpx
 
 from agentrl.config import JudgeConfig
+from agentrl.envs.rewards import ground_truth_of
 from agentrl.errors import ConfigError, RewardMissingError
 
 __all__ = ["DEFAULT_RUBRIC", "JudgeReward", "parse_verdict", "question_of"]
@@ -167,10 +168,7 @@ class JudgeReward:
     async def ascore(self, row: Mapping[str, Any], answer: str) -> tuple[float, dict[str, Any]]:
         """The judge's score of `answer` to `row` and the record of the exchange; raises
         `RewardMissingError` (with the record) when no verdict can be had."""
-        truth = (row.get("reward_model") or {}).get("ground_truth")
-        if hasattr(truth, "tolist") and not isinstance(truth, str):
-            truth = truth.tolist()  # numpy values, as pandas-read parquet gives them
-        truth_text = " or ".join(map(str, truth)) if isinstance(truth, (list, tuple)) else str(truth or "")
+        truth_text = " or ".join(ground_truth_of((row.get("reward_model") or {}).get("ground_truth")))
         content = self.rubric.format(question=question_of(row), answer=answer, ground_truth=truth_text)
         body = {"model": self.model, "messages": [{"role": "user", "content": content}],
                 "max_tokens": self.max_tokens, "temperature": self.temperature}

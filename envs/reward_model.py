@@ -6,17 +6,16 @@ plus the answer as the assistant's turn, rendered with the reward model's chat t
 tokenizer's; without one, the messages' contents joined by blank lines). A conversation longer than
 `reward.model.max_length` tokens is a missing reward with cause `truncated`, never cut and scored.
 
-The model runs in a child process (`python -m agentrl.envs.reward_model`, under a lifeline, so it
-dies with the process that started it), started on the first request and answering JSON lines on
-its stdin/stdout one request at a time; torch is imported there only, so this module stays
-torch-free. A process that dies, fails to start within `startup_timeout_s` or answers nothing within
+The model runs in a child process (`python -m agentrl.inference.reward_model_server`, under a
+lifeline, so it dies with the process that started it), started on the first request and answering
+JSON lines on its stdin/stdout one request at a time; torch is imported there only, so this module
+stays torch-free. A process that dies, fails to start within `startup_timeout_s` or answers nothing within
 `timeout_s` gives a missing reward (`infra`, `timeout`), which masks the episode. The scorer pickles
 as its config; each process that scores starts its own child.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import atexit
 import concurrent.futures
@@ -76,7 +75,7 @@ class RewardModelScorer:
         with self._lock:
             if self._ready is not None and self._dead is None:
                 return self._ready
-            command = [sys.executable, "-m", "agentrl.envs.reward_model", "--path", self.path,
+            command = [sys.executable, "-m", "agentrl.inference.reward_model_server", "--path", self.path,
                        "--max-length", str(self.max_length)]
             self._dead = None
             self._ready = concurrent.futures.Future()
@@ -166,56 +165,3 @@ class RewardModelScorer:
                                      f"{where}: {answer_msg['error']}", record)
         record["tokens"] = answer_msg.get("tokens")
         return float(answer_msg["score"]), record
-
-
-# ── the child: `python -m agentrl.envs.reward_model --path DIR --max-length N` ───────────────
-
-
-def _serve(path: str, max_length: int) -> int:
-    import torch
-    from transformers import AutoModelForSequenceClassification, AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForSequenceClassification.from_pretrained(path, dtype=torch.float32).eval()
-    if model.config.pad_token_id is None:
-        model.config.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    out = sys.stdout
-    out.write(json.dumps({"ready": True, "num_labels": model.config.num_labels}) + "\n")
-    out.flush()
-    for line in sys.stdin:
-        if not line.strip():
-            continue
-        request = json.loads(line)
-        reply: dict[str, Any] = {"id": request["id"]}
-        try:
-            messages = request["messages"]
-            if tokenizer.chat_template:
-                ids = tokenizer.apply_chat_template(messages, tokenize=True)
-                if isinstance(ids, Mapping):  # newer transformers return a BatchEncoding
-                    ids = ids["input_ids"]
-            else:
-                ids = tokenizer("\n\n".join(m["content"] for m in messages))["input_ids"]
-            if len(ids) > max_length:
-                reply.update(error=f"the conversation has {len(ids)} tokens, over reward.model.max_length="
-                                   f"{max_length}", cause="truncated")
-            else:
-                with torch.no_grad():
-                    logits = model(input_ids=torch.tensor([list(ids)])).logits
-                reply.update(score=float(logits[0, 0]), tokens=len(ids))
-        except Exception as exc:  # one bad request must not end the process: report it as that request's
-            reply.update(error=f"{type(exc).__name__}: {exc}", cause="infra")
-        out.write(json.dumps(reply) + "\n")
-        out.flush()
-    return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="Serve a sequence-classification reward model over stdin/stdout.")
-    parser.add_argument("--path", required=True)
-    parser.add_argument("--max-length", type=int, required=True)
-    ns = parser.parse_args(argv)
-    return _serve(ns.path, ns.max_length)
-
-
-if __name__ == "__main__":
-    sys.exit(main())
