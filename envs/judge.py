@@ -28,6 +28,7 @@ import logging
 import math
 import os
 import re
+import weakref
 from collections.abc import Mapping
 from typing import Any
 
@@ -142,7 +143,9 @@ class JudgeReward:
         self.max_concurrency = config.max_concurrency
         self.max_tokens = config.max_tokens
         self.temperature = config.temperature
-        self._per_loop: dict[int, tuple[httpx.AsyncClient, asyncio.Semaphore]] = {}
+        self._per_loop: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop,
+                                                  tuple[httpx.AsyncClient, asyncio.Semaphore]] = (
+            weakref.WeakKeyDictionary())
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (JudgeReward, (self.config,))
@@ -152,16 +155,16 @@ class JudgeReward:
 
     def _client(self) -> tuple[httpx.AsyncClient, asyncio.Semaphore]:
         loop = asyncio.get_running_loop()
-        held = self._per_loop.get(id(loop))
+        held = self._per_loop.get(loop)
         if held is None or held[0].is_closed:
             client = httpx.AsyncClient(headers=self.headers, timeout=httpx.Timeout(self.timeout_s),
                                        limits=httpx.Limits(max_connections=self.max_concurrency))
-            held = self._per_loop[id(loop)] = (client, asyncio.Semaphore(self.max_concurrency))
+            held = self._per_loop[loop] = (client, asyncio.Semaphore(self.max_concurrency))
         return held
 
     async def aclose(self) -> None:
         """Close the HTTP client of the running event loop (the others close with their loops)."""
-        held = self._per_loop.pop(id(asyncio.get_running_loop()), None)
+        held = self._per_loop.pop(asyncio.get_running_loop(), None)
         if held is not None:
             await held[0].aclose()
 

@@ -1,9 +1,9 @@
 """`agentrl eval` with a judged reward: the real eval path (config, job, AgentLoop, arithmetic env,
 report and trajectory log) with a reward of rule + judge, the judge a real loopback HTTP server. The
 policy is a scripted stand-in (right on even problems, wrong on odd ones); the judge answers with
-a verdict that depends on the answer it is shown. A judge that is down stops the evaluation with a
-message naming its URL and the fix, after the report and every episode (with its missing cause)
-were written.
+a verdict that depends on the answer it is shown. A judge that is down stops the evaluation in
+pre-flight, before anything starts; one whose replies hold no verdict stops it with a message naming
+its URL and the fix, after the report and every episode (with its missing cause) were written.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import pytest
 
 from agentrl.chat import ChatTemplate
 from agentrl.config import load_config
-from agentrl.errors import InfraFailureError
+from agentrl.errors import InfraFailureError, PreflightError
 from agentrl.inference.protocol import Generation, SamplingParams
 from agentrl.orchestration.evaluate import run_eval
 from agentrl.tools.calculator import evaluate_expression, format_number
@@ -45,7 +45,8 @@ class HalfRightPolicy:
 
 @pytest.fixture
 def judge_url() -> Iterator[str]:
-    """A judge that gives 0.8 to a boxed answer other than 7, and 0.2 to 7."""
+    """A judge that gives 0.8 to a boxed answer other than 7, and 0.2 to 7; at a URL ending in
+    /mumble/v1 it mumbles (no verdict)."""
 
     class Handler(BaseHTTPRequestHandler):
         def log_message(self, *args: Any) -> None:
@@ -56,6 +57,8 @@ def judge_url() -> Iterator[str]:
             answer = body["messages"][0]["content"].split("Student's answer:")[1]
             score = 0.2 if "\\boxed{7}" in answer else 0.8
             text = json.dumps({"score": score, "reason": "checked"})
+            if self.path.startswith("/mumble/"):
+                text = "hmm, hard to say"
             data = json.dumps({"choices": [{"message": {"role": "assistant", "content": text},
                                             "finish_reason": "stop"}]}).encode()
             self.send_response(200)
@@ -93,16 +96,27 @@ def test_eval_scores_with_rule_and_judge_and_keeps_each_verdict(assets: Path, tm
         assert "Compute" in judge["request"]  # the question went to the judge
 
 
-def test_eval_stops_when_the_judge_is_down_and_names_it(assets: Path, tmp_path: Path) -> None:
+def test_a_judge_that_is_down_stops_the_eval_before_it_starts(assets: Path, tmp_path: Path) -> None:
     with ThreadingHTTPServer(("127.0.0.1", 0), BaseHTTPRequestHandler) as probe:
         url = f"http://127.0.0.1:{probe.server_address[1]}/v1"  # closed when the block ends: nothing listens
+    config = _config(assets, tmp_path / "eval", url)
+    policy = HalfRightPolicy(ChatTemplate.from_pretrained(config.model.path).tokenizer)
+    with pytest.raises(PreflightError, match=rf"reward judge \({re.escape(url)}\).*cannot be reached") as info:
+        run_eval(config, client=policy)
+    assert "fix: start the judge server, or fix reward.judge.url" in str(info.value)
+    assert not (tmp_path / "eval").exists()  # nothing was started
+
+
+def test_a_judge_without_verdicts_stops_the_eval_naming_it(assets: Path, tmp_path: Path, judge_url: str) -> None:
+    url = judge_url.replace("/v1", "/mumble/v1")
     config = _config(assets, tmp_path / "eval", url)
     policy = HalfRightPolicy(ChatTemplate.from_pretrained(config.model.path).tokenizer)
     with pytest.raises(InfraFailureError) as info:
         run_eval(config, client=policy)
     message = str(info.value)
-    assert "6 of 6 evaluation episodes failed" in message and url in message
+    assert "6 of 6 evaluation episodes failed" in message and url in message and "no readable verdict" in message
     assert "Fix: the reward judge (reward.judge.url, named above) is down" in message
     episodes = [json.loads(line) for line in (tmp_path / "eval" / "trajectories.jsonl").read_text().splitlines()]
-    assert [e["info"]["reward_missing"]["cause"] for e in episodes] == ["infra"] * 6
+    assert [e["info"]["reward_missing"]["cause"] for e in episodes] == ["parse"] * 6
     assert {e["reward"] for e in episodes} == {None}  # not measured: no number, not 0
+    assert {e["info"]["reward"]["parts"]["judge"]["reply"] for e in episodes} == {"hmm, hard to say"}
