@@ -84,7 +84,7 @@ def _config(assets: Path, out: Path, url: str) -> Any:
 def test_eval_scores_with_rule_and_judge_and_keeps_each_verdict(assets: Path, tmp_path: Path, judge_url: str) -> None:
     config = _config(assets, tmp_path / "eval", judge_url)
     report = run_eval(config, client=HalfRightPolicy(ChatTemplate.from_pretrained(config.model.path).tokenizer))
-    assert (report.episodes, report.infra_failed_episodes) == (6, 0)
+    assert (report.episodes, report.infra_failed_episodes, report.reward_missing) == (6, 0, {})
     episodes = [json.loads(line) for line in (tmp_path / "eval" / "trajectories.jsonl").read_text().splitlines()]
     rewards = sorted(e["reward"] for e in episodes)
     right = sum(r == pytest.approx(0.5 + 0.4) for r in rewards)
@@ -118,5 +118,7 @@ def test_a_judge_without_verdicts_stops_the_eval_naming_it(assets: Path, tmp_pat
     assert "Fix: the reward judge (reward.judge.url, named above) is down" in message
     episodes = [json.loads(line) for line in (tmp_path / "eval" / "trajectories.jsonl").read_text().splitlines()]
     assert [e["info"]["reward_missing"]["cause"] for e in episodes] == ["parse"] * 6
+    report = json.loads((tmp_path / "eval" / "report.json").read_text())
+    assert (report["reward_missing"], report["infra_failed_episodes"], report["mean_reward"]) == ({"parse": 6}, 6, None)
     assert {e["reward"] for e in episodes} == {None}  # not measured: no number, not 0
     assert {e["info"]["reward"]["parts"]["judge"]["reply"] for e in episodes} == {"hmm, hard to say"}

@@ -359,13 +359,14 @@ def test_swe_eval(tmp_path: Path) -> None:
 @pytest.mark.timeout(900)
 def test_judged_reward_example(assets: Path) -> None:
     # the tiny random model as the judge: a real server answers, its noise is no verdict, so every
-    # reward is missing with its cause (the reply cut at reward.judge.max_tokens), never scored 0
+    # reward is missing with its cause (the reply cut at reward.judge.max_tokens, or unreadable), never 0
     command = "python examples/judged_reward.py --judge /path/to/hf/model"
     filled = command.replace("/path/to/hf/model", str(assets / "tiny-random-qwen2"))
     out = run(command, REPO, filled=filled, timeout=600).stdout.splitlines()
     assert out[-1] == "4/4 answers scored by rule + judge or recorded with the cause"
     answers = [line for line in out if " answer: " in line]
-    assert len(answers) == 4 and all("reward missing (truncated); the judge replied '" in a for a in answers)
+    assert len(answers) == 4
+    assert all(re.search(r"answer: reward missing \((truncated|parse)\); the judge replied .", a) for a in answers)
     assert any(line.startswith("overrides: reward.judge.url=http://127.0.0.1:") for line in out)
 
 
