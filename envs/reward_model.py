@@ -9,9 +9,11 @@ tokenizer's; without one, the messages' contents joined by blank lines). A conve
 The model runs in a child process (`python -m agentrl.inference.reward_model_server`, under a
 lifeline, so it dies with the process that started it), started on the first request and answering
 JSON lines on its stdin/stdout one request at a time; torch is imported there only, so this module
-stays torch-free. A process that dies, fails to start within `startup_timeout_s` or answers nothing within
-`timeout_s` gives a missing reward (`infra`, `timeout`), which masks the episode. The scorer pickles
-as its config; each process that scores starts its own child.
+stays torch-free. A process that fails to start within `startup_timeout_s` or answers nothing within
+`timeout_s` gives a missing reward (`infra`, `timeout`), which masks the episode. One that died is
+not restarted: every later reward is missing (`infra`, naming its exit code), so the run stops past
+`run.max_infra_failure_rate` with the cause instead of training on a reward model that comes and
+goes. The scorer pickles as its config; each process that scores starts its own child.
 """
 
 from __future__ import annotations
@@ -73,11 +75,10 @@ class RewardModelScorer:
     # ── the child process ───────────────────────────────────────────────────────────────────
     def _start(self) -> concurrent.futures.Future[dict[str, Any]]:
         with self._lock:
-            if self._ready is not None and self._dead is None:
+            if self._ready is not None:  # started once: a process that died stays dead (see the module)
                 return self._ready
             command = [sys.executable, "-m", "agentrl.inference.reward_model_server", "--path", self.path,
                        "--max-length", str(self.max_length)]
-            self._dead = None
             self._ready = concurrent.futures.Future()
             self._proc = subprocess.Popen(lifeline_argv(command, keep_stdin=True), stdin=subprocess.PIPE,
                                           stdout=subprocess.PIPE, text=True, bufsize=1, start_new_session=True)

@@ -78,9 +78,9 @@ def test_a_reward_model_scores_in_its_own_process(tiny_reward_model: Path) -> No
         assert scorer._proc is not None
         os.killpg(scorer._proc.pid, signal.SIGKILL)  # the process (and its lifeline) dies
         scorer._proc.wait()
-        with pytest.raises(RewardMissingError) as dead:
-            for _ in range(50):  # the reader sees the pipe close right after the kill
+        for _ in range(2):  # a dead process is not restarted: every later reward is missing
+            with pytest.raises(RewardMissingError) as dead:
                 asyncio.run(ascore_row(reward, ROW, "\\boxed{1}"))
-        assert dead.value.cause == "infra"
+            assert dead.value.cause == "infra"
     finally:
         scorer.close()
