@@ -141,6 +141,55 @@ class EnvConfig(_Section):
     """Keyword arguments for the environment's constructor."""
 
 
+class JudgeConfig(_Section):
+    url: str | None = None
+    """The judge's OpenAI-compatible base URL (ending in `/v1`; `agentrl gateway`, `vllm serve`, any
+    chat-completions API). None would mean the run's own inference servers, which is not built yet."""
+    model: str = "judge"
+    """The model name sent with each request (servers of one model, such as `agentrl gateway`,
+    accept any; `vllm serve` wants its served model name)."""
+    api_key_env: str | None = None
+    """The environment variable holding the API key sent as a bearer token (None: no key)."""
+    prompt: str | None = None
+    """The rubric: a template with {question}, {answer} and {ground_truth} (and {{ }} for literal
+    braces), sent as the user message. None: the built-in rubric, which asks for a JSON verdict
+    `{"score": <0..1>, "reason": "..."}`."""
+    verdict_regex: str | None = None
+    """How the verdict is read: None parses the last JSON object of the reply as
+    `{"score": float in [0, 1], "reason": str}`; a regular expression instead takes the score from its
+    group named `score` (or its first group), which must be a number in [0, 1]."""
+    max_concurrency: int = Field(8, ge=1)
+    """Judge requests in flight at once per process; more wait their turn."""
+    timeout_s: float = Field(60.0, gt=0)
+    """Deadline of one judge request (waiting for a free slot included); past it the reward is
+    missing with cause `timeout` and the episode is masked."""
+    max_tokens: int = Field(256, ge=1)
+    """Most tokens of the judge's reply; a reply cut there with no readable verdict is missing with
+    cause `truncated`."""
+    temperature: float = Field(0.0, ge=0.0)
+    """The judge's sampling temperature."""
+
+
+class RewardModelConfig(_Section):
+    path: str
+    """A Hugging Face directory of an `AutoModelForSequenceClassification` whose first logit is the
+    reward (num_labels=1, as trained reward models are)."""
+    max_length: int = Field(2048, ge=8)
+    """Most tokens of the scored conversation (question and answer, in the model's chat template);
+    a longer one is missing with cause `truncated` (never cut and scored)."""
+    timeout_s: float = Field(60.0, gt=0)
+    """Deadline of one scoring request to the reward-model process."""
+    startup_timeout_s: float = Field(300.0, gt=0)
+    """Deadline for the reward-model process to load the model and answer its first request."""
+
+
+class RewardPartConfig(_Section):
+    source: Literal["rule", "judge", "model"]
+    """`rule` (reward.function), `judge` (reward.judge) or `model` (reward.model)."""
+    weight: float = 1.0
+    """This part's weight in the sum."""
+
+
 class RewardConfig(_Section):
     function: str | None = None
     """The reward function, with verl's signature `fn(data_source, solution_str, ground_truth,
@@ -151,6 +200,46 @@ class RewardConfig(_Section):
     final answer (retool, arithmetic)."""
     kwargs: dict[str, Any] = Field(default_factory=dict)
     """Extra keyword arguments passed to `function` on every call (verl's `reward_kwargs`)."""
+    judge: JudgeConfig | None = None
+    """An LLM judge that scores the final answer against the ground truth with a rubric, served by an
+    OpenAI-compatible server (`agentrl.envs.judge`). Its sub-keys: `url`, `model`, `api_key_env`,
+    `prompt` (a template with {question}, {answer} and {ground_truth}), `verdict_regex`,
+    `max_concurrency`, `timeout_s`, `max_tokens`, `temperature`; e.g.
+    `reward.judge.url=http://127.0.0.1:8400/v1`. None: no judge."""
+    model: RewardModelConfig | None = None
+    """A Hugging Face sequence-classification reward model scored in a process of its own
+    (`agentrl.envs.reward_model`). Its sub-keys: `path`, `max_length`, `timeout_s`,
+    `startup_timeout_s`; e.g. `reward.model.path=/models/my-rm`. None: no reward model."""
+    combine: list[RewardPartConfig] = Field(default_factory=list)
+    """How the sources make the reward: a weighted sum, e.g.
+    `[{source: rule, weight: 0.5}, {source: judge, weight: 0.5}]` (`rule` is `function`, `judge` is
+    `judge`, `model` is `model`). Each source at most once; each configured judge or model must be
+    named. If any part's reward is missing, the whole reward is missing with that part's cause (the
+    episode is masked). Empty: the one configured source alone (the judge, else the model, else the
+    rule function)."""
+
+    @pydantic.model_validator(mode="after")
+    def _sources_are_used(self) -> RewardConfig:
+        named = [part.source for part in self.combine]
+        if len(set(named)) != len(named):
+            raise ValueError(f"reward.combine names a source twice ({named}); give each source once with its weight")
+        configured = {"judge": self.judge is not None, "model": self.model is not None}
+        if not self.combine and all(configured.values()):
+            raise ValueError("reward.judge and reward.model are both set; say how they make the reward with "
+                             "reward.combine=[{source: judge, weight: 0.5}, {source: model, weight: 0.5}]")
+        for source, is_set in configured.items():
+            if self.combine and source in named and not is_set:
+                raise ValueError(f"reward.combine names '{source}' but reward.{source} is not set; configure it "
+                                 f"or drop it from reward.combine")
+            if self.combine and is_set and source not in named:
+                raise ValueError(f"reward.{source} is set but reward.combine does not name it, so it would do "
+                                 f"nothing; add {{source: {source}, weight: W}} or remove reward.{source}")
+        rule_used = "rule" in named if self.combine else not any(configured.values())
+        if not rule_used and (self.function is not None or self.kwargs):
+            raise ValueError("reward.function / reward.kwargs are set but the reward does not use the rule "
+                             "source, so they would do nothing; add {source: rule, weight: W} to reward.combine "
+                             "or remove them")
+        return self
 
     @pydantic.field_validator("function")
     @classmethod

@@ -23,6 +23,7 @@ This module holds no logic beyond the classes; it is imported by everything and 
     ├── InferenceError               an LLM server or the router failed
     │   ├── ServerUnavailableError   no healthy server answered in time
     │   └── InferenceRequestError    a server refused one request (HTTP 4xx: too long, bad parameters)
+    ├── RewardMissingError           an episode's reward could not be measured; `cause` names why
     ├── DatasetError                 a dataset file or row is malformed
     ├── TrainerError                 the trainer cannot proceed
     ├── CheckpointError              a checkpoint cannot be written, or none intact can be read
@@ -52,6 +53,7 @@ __all__ = [
     "InferenceRequestError",
     "InfraFailureError",
     "PreflightError",
+    "RewardMissingError",
     "RunWriteError",
     "SandboxClosedError",
     "SandboxError",
@@ -235,6 +237,26 @@ class ChecksumError(WeightSyncError):
 
 class InfraFailureError(AgentRLError):
     """Too many episodes failed for infrastructure reasons for a run or an evaluation to mean anything."""
+
+
+class RewardMissingError(AgentRLError):
+    """An episode's reward could not be measured (a rule function raised, a judge was down, slow or
+    unreadable, a reward model failed). The episode is masked like an infrastructure failure, never
+    scored 0. `cause` is one of `CAUSES`; `record` holds what was asked and answered (for the
+    trajectory's `info["reward"]`)."""
+
+    CAUSES = ("infra", "timeout", "parse", "truncated")
+
+    def __init__(self, cause: str, message: str, record: dict | None = None) -> None:
+        if cause not in self.CAUSES:
+            raise ValueError(f"unknown reward-missing cause {cause!r}; use one of {self.CAUSES}")
+        super().__init__(f"reward missing ({cause}): {message}")
+        self.cause = cause
+        self.detail = message
+        self.record = dict(record or {})
+
+    def __reduce__(self) -> tuple:
+        return (type(self), (self.cause, self.detail, self.record))
 
 
 class PreflightError(AgentRLError):

@@ -8,7 +8,9 @@ data source, `agentrl/arithmetic`, also accepts the last number when nothing is 
 is 1.0 when that answer equals the exact value, else 0.0. The reward comes from `reward_fn` (verl's
 signature, see `agentrl.envs.rewards`; the run passes `reward.function`), by default
 `rewards.compute_score`, which chooses the answer format by the row's `data_source`, so GSM8K or
-DAPO-Math rows are scored in their own formats. It needs no sandbox and no network.
+DAPO-Math rows are scored in their own formats; with `reward.judge`, `reward.model` or
+`reward.combine` it is the run's combined reward (`agentrl.envs.reward_sources`), whose record
+goes into the trajectory's `info["reward"]`. It needs no sandbox and no network.
 """
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ from __future__ import annotations
 import random
 from typing import Any
 
-from agentrl.envs.rewards import RewardFn, compute_score, score_row
+from agentrl.envs.reward_sources import ascore_row
+from agentrl.envs.rewards import RewardFn, RewardResult, compute_score, score_row
 from agentrl.envs.tool_env import ToolEnv
 from agentrl.tools.calculator import calculator, evaluate_expression, format_number
 from agentrl.tools.core import ToolContext
@@ -54,6 +57,9 @@ def make_arithmetic_row(seed: int, *, num_terms: int = 3, digits: int = 4) -> di
 class ArithmeticEnv(ToolEnv):
     """Arithmetic word problems with a calculator tool (see the module docstring)."""
 
+    recorded_info = ("reward",)
+    """A combined reward's record (each source's score; a judge's request and verdict)."""
+
     def __init__(self, *, max_turns: int = 6, num_terms: int = 3, digits: int = 4,
                  tool_timeout_s: float = 10.0, reward_fn: RewardFn | None = None) -> None:
         super().__init__([calculator], max_turns=max_turns, tool_timeout_s=tool_timeout_s)
@@ -71,6 +77,13 @@ class ArithmeticEnv(ToolEnv):
         return make_arithmetic_row(seed or 0, num_terms=self.num_terms, digits=self.digits)
 
     def score(self, final_text: str, row: dict[str, Any], ctx: ToolContext) -> float:
-        result = score_row(self.reward_fn, row, final_text, default_data_source=DATA_SOURCE)
+        return self._keep(score_row(self.reward_fn, row, final_text, default_data_source=DATA_SOURCE), ctx)
+
+    async def ascore(self, final_text: str, row: dict[str, Any], ctx: ToolContext) -> float:
+        return self._keep(await ascore_row(self.reward_fn, row, final_text, default_data_source=DATA_SOURCE), ctx)
+
+    def _keep(self, result: RewardResult, ctx: ToolContext) -> float:
         ctx.state["score_info"] = {"metrics": result.metrics(), "reward_extra": result.extra}
+        if result.record:
+            ctx.state["score_info"]["reward"] = result.record
         return result.score

@@ -8,7 +8,9 @@ final reply against the row's `reward_model.ground_truth` (verl's signature, see
 `agentrl.envs.rewards`; the run passes `reward.function`). The default, `rewards.compute_score`,
 gives 1.0 when the answer in the row's `data_source` format (the shipped rows: `\\boxed{}`; DAPO
 rows: `Answer:`; GSM8K rows: `####`) matches (exact rational equality, or symbolic equivalence
-through math-verify), else 0.0. Optional shaping for a wrong answer: with `format_reward` > 0 a
+through math-verify), else 0.0; with `reward.judge`, `reward.model` or `reward.combine` it is the
+run's combined reward (`agentrl.envs.reward_sources`; its record goes into the trajectory's
+`info["reward"]`). Optional shaping for a wrong answer: with `format_reward` > 0 a
 well-formed final answer (one the source's format finds) earns that much, and with `tool_reward` >
 0 a well-formed answer after code that ran without error at least once earns that much (the
 larger applies, and never lowers the function's own score; a correct answer earns 1.0). Shaping
@@ -39,7 +41,8 @@ from functools import cache
 from typing import Any, Literal
 
 from agentrl.envs.retool_data import shipped_path
-from agentrl.envs.rewards import RewardFn, answer_format, compute_score, score_row
+from agentrl.envs.reward_sources import ascore_row
+from agentrl.envs.rewards import RewardFn, RewardResult, answer_format, compute_score, score_row
 from agentrl.envs.tool_env import ToolEnv
 from agentrl.tools.core import ToolContext
 from agentrl.tools.python import PythonTool
@@ -70,6 +73,9 @@ def shipped_rows(split: str) -> tuple[dict[str, Any], ...]:
 
 class RetoolEnv(ToolEnv):
     """Math with a sandboxed Python tool (see the module docstring)."""
+
+    recorded_info = ("reward",)
+    """A combined reward's record (each source's score; a judge's request and verdict)."""
 
     def __init__(
         self,
@@ -136,8 +142,15 @@ class RetoolEnv(ToolEnv):
         return rows[(seed or 0) % len(rows)]
 
     def score(self, final_text: str, row: dict[str, Any], ctx: ToolContext) -> float:
-        result = score_row(self.reward_fn, row, final_text)
+        return self._shaped(score_row(self.reward_fn, row, final_text), final_text, row, ctx)
+
+    async def ascore(self, final_text: str, row: dict[str, Any], ctx: ToolContext) -> float:
+        return self._shaped(await ascore_row(self.reward_fn, row, final_text), final_text, row, ctx)
+
+    def _shaped(self, result: RewardResult, final_text: str, row: dict[str, Any], ctx: ToolContext) -> float:
         ctx.state["score_info"] = {"metrics": result.metrics(), "reward_extra": result.extra}
+        if result.record:
+            ctx.state["score_info"]["reward"] = result.record
         if result.score >= 1.0 or not (self.format_reward or self.tool_reward):
             return result.score
         if answer_format(row.get("data_source")).extract(final_text) is None:

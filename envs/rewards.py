@@ -27,7 +27,8 @@ accepts any of its items.
 A user function is named in the config (`reward.function`, with `reward.kwargs`; verl's
 `custom_reward_function.path`/`.name` and `reward_kwargs`) and resolved by `RewardFunction`, which
 raises `ConfigError` naming the key for a missing module, file or function or a signature that
-cannot take verl's arguments. `check_ground_truths` is the pre-flight check: each row's ground truth,
+cannot take verl's arguments. Judges, reward models and weighted combinations of sources are built
+from the rest of the `reward` section by `agentrl.envs.reward_sources`. `check_ground_truths` is the pre-flight check: each row's ground truth,
 written as a correct answer in its source's format, must score 1.0, and an answerless reply must
 not. This module does not run episodes, and it never executes model text.
 """
@@ -325,6 +326,9 @@ class RewardResult:
 
     score: float
     extra: dict[str, Any] = field(default_factory=dict)
+    record: dict[str, Any] = field(default_factory=dict)
+    """How a combined reward was made (each source's score; a judge's request and verdict), for the
+    trajectory's `info["reward"]`; empty for a rule function alone (`agentrl.envs.reward_sources`)."""
 
     def metrics(self) -> dict[str, float]:
         """The numeric extra fields, as `reward/<name>` episode metrics."""

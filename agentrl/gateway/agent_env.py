@@ -61,7 +61,8 @@ import gymnasium
 
 from agentrl.envs.arithmetic import ArithmeticEnv, make_arithmetic_row
 from agentrl.envs.core import Env, EpisodeLoop, ExternalAgentEnv
-from agentrl.envs.rewards import RewardFn, compute_score, score_row
+from agentrl.envs.reward_sources import ascore_row
+from agentrl.envs.rewards import RewardFn, compute_score
 from agentrl.errors import ConfigError, EnvError
 from agentrl.gateway.server import Gateway, SharedGateway
 from agentrl.gateway.session import GatewaySession
@@ -203,8 +204,9 @@ class AgentEnv(Env, ExternalAgentEnv):
 
     async def ascore(self, answer: str, row: dict[str, Any]) -> tuple[float, dict[str, float]]:
         """The reward of `answer` on `row` (the run's `reward_fn`, verl's contract), and the extra
-        numbers it returned as `reward/<name>` metrics. Raises when the row has no ground truth."""
-        result = score_row(self.reward_fn, row, answer)
+        numbers it returned as `reward/<name>` metrics. Raises when the row has no ground truth, and
+        `RewardMissingError` when a source of a combined reward (a judge, a reward model) cannot score."""
+        result = await ascore_row(self.reward_fn, row, answer)
         return result.score, result.metrics()
 
     # ── without an agent: one turn, the model answers directly ─────────────────────────────

@@ -38,6 +38,7 @@ from agentrl.chat import ChatTemplate
 from agentrl.config import AgentRLConfig
 from agentrl.datasets import LoadedRows, SkippedRow, check_row, load_rows
 from agentrl.envs import Env
+from agentrl.envs.reward_sources import CombinedReward, build_reward
 from agentrl.envs.rewards import RewardFunction
 from agentrl.errors import AgentRLError, ConfigError, DatasetError, SandboxUnavailableError
 from agentrl.gateway.server import SharedGateway
@@ -166,6 +167,8 @@ def build_job(config: AgentRLConfig, purpose: Purpose, *, own_client: bool = Fal
     stop_ids = set(end_of_turn_ids(template.tokenizer)) | set(config.rollout.extra_stop_token_ids)
     env_cls, env_kwargs = env_arguments(config)
     reward_fn = env_kwargs.get("reward_fn")
+    if isinstance(reward_fn, CombinedReward):
+        reward_fn = reward_fn.rule  # pre-flight checks the rows with the rule part only (None: no rule)
     sandbox = None
     if env_takes(env_cls, "sandbox"):
         sandbox = build_sandbox(config)
@@ -325,12 +328,14 @@ def env_arguments(config: AgentRLConfig) -> tuple[type[Env], dict[str, Any]]:
                 f"env.kwargs.{name}: the run sets this for every env through {key}; set {key} "
                 "instead (one knob per budget)."
             )
+    reward = config.reward
     if env_takes(env_cls, "reward_fn"):
-        kwargs["reward_fn"] = RewardFunction(config.reward.function, config.reward.kwargs)
-    elif config.reward.function is not None or config.reward.kwargs:
+        kwargs["reward_fn"] = build_reward(reward)
+    elif reward.function is not None or reward.kwargs or reward.judge or reward.model or reward.combine:
         raise ConfigError(
             f"reward.function: env '{config.env.name}' scores its episodes itself (its constructor takes no "
-            "reward_fn), so a reward function would do nothing; remove reward.function and reward.kwargs."
+            "reward_fn), so a reward function would do nothing; remove reward.function, reward.kwargs, "
+            "reward.judge, reward.model and reward.combine."
         )
     if env_takes(env_cls, "tool_timeout_s"):
         kwargs["tool_timeout_s"] = config.rollout.tool_timeout_s

@@ -81,6 +81,9 @@ class EvalReport:
     by_data_source: dict[str, dict[str, float | None]] = field(default_factory=dict)
     resolved_rate: float | None = None
     output_dir: str = ""
+    reward_missing: dict[str, int] = field(default_factory=dict)
+    """Episodes whose reward could not be measured, by cause (`infra`, `timeout`, `parse`,
+    `truncated`; counted in `infra_failed_episodes` too: masked, never scored 0)."""
 
     @property
     def measured(self) -> bool:
@@ -158,6 +161,8 @@ def summarise(
         resolved_rate=(sum(t.metrics.get("resolved", 0.0) for t in valid) / len(valid)
                        if valid and (reports_resolved or any("resolved" in t.metrics for t in trajs)) else None),
         output_dir=out_dir,
+        reward_missing=dict(Counter(str(t.info["reward_missing"].get("cause")) for t in trajs
+                                    if isinstance(t.info.get("reward_missing"), dict))),
     )
 
 

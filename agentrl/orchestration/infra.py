@@ -23,6 +23,13 @@ __all__ = ["InfraMonitor", "describe_infra_failures", "fix_for"]
 
 # What to do about the commonest causes, found by what their error text says.
 _FIXES: tuple[tuple[str, str], ...] = (
+    (r"the reward judge at", "the reward judge (reward.judge.url, named above) is down, too slow or answers in a "
+                             "form its verdict schema cannot read: check that its server is up at that URL, "
+                             "reward.judge.model, reward.judge.timeout_s and reward.judge.verdict_regex / prompt"),
+    (r"the reward model ", "the reward model process (reward.model.path) failed: see the error above and the "
+                           "driver log; check reward.model.path, max_length and timeout_s"),
+    (r"reward missing \(infra\): the reward function",
+     "the reward function (reward.function) raised: fix it, and check it with 'agentrl validate'"),
     (r"test command could not start",
      "an SWE instance's test command does not run in its sandbox (a missing runner or conda env): run "
      "'agentrl swe check' on the instances to list the broken ones"),

@@ -12,6 +12,10 @@ cheap (seconds):
   written in their source's format) as correct: a sample of up to 64 rows, every data source
   included. A user's `reward.function` may score some of them below 1 by its own rules; it is
   refused only when it scores none of them as correct. A mis-keyed dataset or a broken `reward.function` is found here, not after training.
+- `reward judge`: with `reward.judge`, the judge answers one request (a row's own ground truth as
+  the answer) within its deadline; a judge that cannot be reached, answers an HTTP error or times
+  out is refused here, one whose verdict cannot be read is named as a warning (its episodes would be
+  masked, `reward/missing_parse`).
 - `prompt lengths`: rows whose first prompt (rendered as the AgentLoop renders it at reset) leaves
   no room under `rollout.max_total_tokens`, on a sample of up to 512 rows: named as a warning (they
   will be filtered, never rolled out), refused when every row checked is too long.
@@ -37,8 +41,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from agentrl.envs.rewards import check_ground_truths
-from agentrl.errors import AgentRLError, PreflightError
+from agentrl.envs.rewards import check_ground_truths, render_answer
+from agentrl.errors import AgentRLError, PreflightError, RewardMissingError
 from agentrl.orchestration.build import Job, build_sandbox
 from agentrl.orchestration.placement import VLLM_RUNTIME_GB
 from agentrl.orchestration.prompt_length import PromptMeter
@@ -86,7 +90,8 @@ def preflight(job: Job) -> list[Check]:
 
 def run_checks(job: Job) -> list[Check]:
     """Every pre-flight check of `job`, passed or not (see the module docstring)."""
-    checks = [_check_sandbox(job), _check_inference(job), _check_rows(job), _check_prompt_lengths(job)]
+    checks = [_check_sandbox(job), _check_inference(job), _check_rows(job), _check_judge(job),
+              _check_prompt_lengths(job)]
     if job.purpose == "run":
         checks.append(_check_disk(job))
     if job.plan is None or job.plan.cluster is None:  # on a cluster, Ray's reservation checks memory
@@ -248,6 +253,33 @@ def _check_rows(job: Job) -> Check:
                      "check each row's data_source and reward_model.ground_truth, or name a reward "
                      "function that reads them (reward.function=module:fn)")
     return Check("dataset", True, f"{detail}; {len(picked)} rows' own answers score 1.0 with {job.reward_fn!r}")
+
+
+def _check_judge(job: Job) -> Check | None:
+    reward = job.env_kwargs.get("reward_fn")
+    judges = [scorer for source, _, scorer in getattr(reward, "parts", ()) if source == "judge"]
+    rows = job.val_rows if job.purpose == "eval" else [r for r in job.train_rows if r is not None]
+    if not judges or not rows:
+        return None
+    judge, row = judges[0], rows[0]
+    name = f"reward judge ({judge.url})"
+    answer = render_answer(row.get("data_source"), (row.get("reward_model") or {}).get("ground_truth"))
+
+    async def ask() -> float:
+        try:
+            return (await judge.ascore(row, answer))[0]
+        finally:
+            await judge.aclose()
+
+    try:
+        score = asyncio.run(ask())
+    except RewardMissingError as exc:
+        if exc.cause in ("infra", "timeout"):
+            return Check(name, False, exc.detail, "start the judge server, or fix reward.judge.url / model / "
+                         "api_key_env / timeout_s")
+        return Check(name, True, f"answered, but {exc.detail}; such episodes are masked (reward/missing_"
+                     f"{exc.cause}): fix reward.judge.prompt / verdict_regex or use a stronger judge", warning=True)
+    return Check(name, True, f"scored a row's own answer {score:g}")
 
 
 def _check_prompt_lengths(job: Job) -> Check | None:

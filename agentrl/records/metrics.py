@@ -3,7 +3,8 @@
 `episode_metrics` turns the groups of one step into the numbers an RL practitioner watches:
 reward mean/std and solve rate, the fraction of groups with zero reward variance (they teach
 GRPO nothing), response length, truncation rate and finish reasons, tool calls per episode and
-tool error rates by class (model / infrastructure), staleness in policy versions, and the time
+tool error rates by class (model / infrastructure), episodes whose reward is missing by cause
+(`reward/missing_<cause>`, from the trajectory's `info["reward_missing"]`), staleness in policy versions, and the time
 episodes spent generating and in the environment. `segment_metrics` adds, for episodes an external
 agent played through the gateway, its segments, rewrites and model calls per episode. The trainer's own numbers (KL, entropy, clip
 fraction, grad norm, rollout/trainer mismatch) come from `train_step` and are merged in as they are.
@@ -27,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from agentrl.errors import ConfigError
+from agentrl.errors import ConfigError, RewardMissingError
 from agentrl.records.run_files import append_text, replace_text
 from agentrl.types import FinishReason, Trajectory, final_segments
 
@@ -97,6 +98,9 @@ PANELS: tuple[Panel, ...] = (
           always=True),
     Panel("Infrastructure failures", ("tools/error_rate_infra", "episodes/infra_failed_frac", "episodes/infra_rate"),
           "tool calls / episodes that failed for infrastructure reasons: masked, never trained", always=True),
+    Panel("Missing rewards", ("reward/missing_*",),
+          "episodes whose reward could not be measured, by cause (judge down, timeout, unreadable verdict, "
+          "truncated): masked, never trained", stacked=True),
     Panel("Tool use", ("tools/calls_per_episode", "tools/used_frac"), "calls per episode; share of episodes with one"),
     Panel("Model's tool errors", ("tools/error_rate_model", "tools/parse_errors_per_episode"),
           "calls that failed by the model's fault; malformed calls per episode"),
@@ -229,6 +233,10 @@ def episode_metrics(
         "episodes/infra_failed_frac": sum(t.fault == "infra" for t in trajs) / len(trajs),
         "episodes/refused": float(sum(t.fault == "request" for t in trajs)),
     }
+    missing = Counter(t.info["reward_missing"].get("cause") for t in trajs
+                      if isinstance(t.info.get("reward_missing"), dict))
+    for cause in RewardMissingError.CAUSES:  # masked like infrastructure failures, counted by cause
+        out[f"reward/missing_{cause}"] = float(missing.get(cause, 0))
     if rewards:  # with no valid episode nothing was measured: no reward, rather than a reward of 0
         out["episodes/reward_mean"] = _mean(rewards)
         out["episodes/reward_std"] = statistics.pstdev(rewards) if len(rewards) > 1 else 0.0

@@ -24,6 +24,10 @@ key (`rollout.max_turns`, `rollout.max_total_tokens`, `rollout.max_tokens_per_tu
 awaits `env.atruncate(that key)` under its own deadline (`truncate_timeout_s`, not the episode's),
 so an env that judges work done (SWE) grades the state it was left in; its reward and metrics
 count as a last step's, and its failure is an infrastructure fault (masked), never a reward of 0.
+A reward that could not be measured (`RewardMissingError` from the env's step or truncation: a
+judge down, slow or unreadable, a rule function that raised) is such a fault too; the trajectory's
+`info["reward_missing"]` holds its cause and message, `info["reward"]` what the sources said, and its
+reward is None.
 
 Of the env's info the trajectory keeps the numbers of `info["metrics"]`, `truncated_by`, and the
 keys the env class names in `recorded_info` (SWE's `info["swe"]`: per-test statuses and the
@@ -49,7 +53,7 @@ from typing import Any
 
 from agentrl.chat import ChatTemplate, ConversationTokenizer
 from agentrl.config import RolloutConfig
-from agentrl.errors import AgentRLError, InferenceRequestError
+from agentrl.errors import AgentRLError, InferenceRequestError, RewardMissingError
 from agentrl.rollout.pacing import CpuGate
 from agentrl.types import (
     Action,
@@ -306,6 +310,7 @@ class AgentLoop:
         except TimeoutError:
             raise self._timeout_or_error(ep, what, timeout) from None
         except AgentRLError as exc:
+            _note_reward_missing(ep.trajectory, exc)
             raise _EpisodeOver(FinishReason.ERROR, "infra", f"{what} failed: {exc}") from exc
 
     def _timeout_or_error(self, ep: _Episode, what: str, timeout: float) -> _EpisodeOver:
@@ -334,6 +339,7 @@ class AgentLoop:
             return _EpisodeOver(over.reason, "infra", f"the env did not settle the episode ended by {over.budget} "
                                 f"within {limit:g} s", over.budget)
         except Exception as exc:  # an env failure while grading is never the policy's: mask the episode
+            _note_reward_missing(ep.trajectory, exc)
             if not isinstance(exc, AgentRLError):
                 log.exception("env.atruncate failed for episode %s", ep.trajectory.episode_id)
             return _EpisodeOver(over.reason, "infra", f"the env could not settle the episode ended by {over.budget}: "
@@ -351,7 +357,7 @@ class AgentLoop:
         t.finish_reason = reason
         t.fault = fault
         t.error = error
-        t.reward = ep.reward
+        t.reward = None if "reward_missing" in t.info else ep.reward  # not measured: no number, not 0
         env_metrics = ep.last_info.get("metrics", {}) if isinstance(ep.last_info, dict) else {}
         t.metrics.update({k: float(v) for k, v in env_metrics.items() if isinstance(v, (int, float))})
         if isinstance(ep.last_info, dict):
@@ -373,6 +379,14 @@ class AgentLoop:
         except Exception as exc:  # closing must never lose the trajectory
             log.warning("closing the env of episode %s failed: %s", ep.trajectory.episode_id, exc)
             ep.trajectory.metrics["env_close_failed"] = 1.0
+
+
+def _note_reward_missing(trajectory: Trajectory, exc: BaseException) -> None:
+    """Keep why an episode's reward could not be measured, and what its sources said, in its info."""
+    if isinstance(exc, RewardMissingError):
+        trajectory.info["reward_missing"] = {"cause": exc.cause, "message": exc.detail}
+        if exc.record:
+            trajectory.info["reward"] = exc.record
 
 
 def prompt_too_long(tokens: int, max_total_tokens: int) -> str:

@@ -73,6 +73,7 @@ COMMANDS: dict[str, How] = {
     "agentrl eval env=retool inference.engine=external inference.urls=[http://127.0.0.1:8000]":
         How("SIZED", EVAL_SIZE),
     "python examples/mcp_tools.py": How("QUICK"),
+    "python examples/judged_reward.py --judge /path/to/hf/model": How("QUICK"),
     "agentrl eval env=mcp inference.engine=hf": How("SIZED", EVAL_SIZE),
     "agentrl eval env=verifiers env.kwargs.id=examples/verifiers_arith.py inference.engine=hf":
         How("SIZED", EVAL_SIZE.replace("eval.k=2", "eval.k=1")),
@@ -377,6 +378,21 @@ def test_eval_against_an_external_openai_server(openai_vllm_server, tmp_path: Pa
 def test_swe_eval(tmp_path: Path) -> None:
     report = _check_eval(run("agentrl eval env=swe", tmp_path), tmp_path, 1)
     assert report["resolved_rate"] is not None
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_judged_reward_example(assets: Path) -> None:
+    # the tiny random model as the judge: a real server answers, its noise is no verdict, so every
+    # reward is missing with its cause (the reply cut at reward.judge.max_tokens, or unreadable), never 0
+    command = "python examples/judged_reward.py --judge /path/to/hf/model"
+    filled = command.replace("/path/to/hf/model", str(assets / "tiny-random-qwen2"))
+    out = run(command, REPO, filled=filled, timeout=600).stdout.splitlines()
+    assert out[-1] == "4/4 answers scored by rule + judge or recorded with the cause"
+    answers = [line for line in out if " answer: " in line]
+    assert len(answers) == 4
+    assert all(re.search(r"answer: reward missing \((truncated|parse)\); the judge replied .", a) for a in answers)
+    assert any(line.startswith("overrides: reward.judge.url=http://127.0.0.1:") for line in out)
 
 
 # ── serving commands ───────────────────────────────────────────────────────────────────────────
