@@ -134,6 +134,10 @@ class PlacedServer:
             ) from exc
         except ray.exceptions.RayTaskError as exc:
             cause = getattr(exc, "cause", None)
+            if isinstance(cause, ServerUnavailableError):
+                # The server's own account (it exited, or never answered; its log's last lines) names
+                # no node, and its log path is on the server's node, not the driver's: say which.
+                raise ServerUnavailableError(f"server {self.index} on node {self.node_ip}: {cause}") from None
             if isinstance(cause, AgentRLError):
                 raise cause from None
             raise ServerUnavailableError(

@@ -151,6 +151,50 @@ def test_a_server_actor_that_died_is_reported_with_its_own_error_and_node() -> N
                                           "The actor's worker process was killed by SIGABRT")
 
 
+def test_a_server_that_fails_to_start_on_its_node_is_reported_with_the_node_and_its_own_account() -> None:
+    import asyncio
+
+    import ray.exceptions
+
+    from agentrl.errors import ServerUnavailableError, StartupError
+    from agentrl.orchestration.server_actor import PlacedServer
+    from agentrl.orchestration.startup import starting
+
+    said = ServerUnavailableError(
+        "The vllm server exited with code 1 before it became healthy; command: python -m "
+        "agentrl.inference.vllm_server\nlast lines of /tmp/work/runs/r/logs/vllm-1.log:\nRuntimeError: no memory")
+
+    class Method:
+        def __init__(self, result: object) -> None:
+            self.result = result
+
+        def remote(self, *args: object) -> object:
+            async def answer() -> object:
+                if isinstance(self.result, BaseException):
+                    raise self.result
+                return self.result
+
+            return answer()
+
+    class Actor:  # the actor started, and its server process died before /health answered
+        url = Method("http://10.0.0.2:8000")
+        wait_healthy = Method(ray.exceptions.RayTaskError("wait_healthy", "Traceback ...", said))
+
+    server = PlacedServer(lambda port: Actor(), 1, "10.0.0.2", "/tmp/work/runs/r/logs/vllm-1.log")
+
+    async def start() -> None:
+        with starting("the inference engine (vllm, model.path=m)", "Check the engine"):
+            await server.started(60.0)
+
+    with pytest.raises(StartupError) as raised:
+        asyncio.run(start())
+    message = str(raised.value)
+    assert message.startswith("Could not start the inference engine (vllm, model.path=m): server 1 on node 10.0.0.2: "
+                              "The vllm server exited with code 1 before it became healthy")
+    assert "last lines of /tmp/work/runs/r/logs/vllm-1.log:\nRuntimeError: no memory" in message
+    assert message.endswith("Check the engine.")
+
+
 def test_gpu_processes_that_reserve_no_gpu_are_warned_about_and_cuda_is_checked_on_the_node() -> None:
     from agentrl.config import load_config
     from agentrl.orchestration.cluster import gpu_sharing_warnings, model_on_node
