@@ -213,3 +213,57 @@ def test_gpu_processes_that_reserve_no_gpu_are_warned_about_and_cuda_is_checked_
     if not torch.cuda.is_available():
         assert model_on_node("smollm2-135m-instruct", need_cuda=True) == (
             "trainer.device=cuda but no CUDA device is visible on this node; use auto or cpu")
+
+
+@pytest.mark.parametrize(("model", "handed"), [
+    ("smollm2-135m-instruct", "smollm2-135m-instruct"),  # a built-in: each node converts it into its own cache
+    ("/models/mine", "/driver/resolved/mine"),  # a directory: the one build_job resolved, at the same path there
+])  # fmt: skip
+def test_placed_servers_are_handed_a_built_in_model_by_name_not_the_drivers_directory(
+    model: str, handed: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import asyncio
+
+    import ray
+
+    from agentrl.errors import ServerUnavailableError
+    from agentrl.orchestration.server_actor import start_placed_servers
+
+    made: list[tuple] = []
+
+    class Handle:  # the actor does not answer: the test is over once it was made
+        class url:  # an actor method, as the handle has it
+            @staticmethod
+            def remote() -> object:
+                async def gone() -> None:
+                    raise ServerUnavailableError("no server here")
+
+                return gone()
+
+        class stop:
+            @staticmethod
+            def remote() -> None:
+                return None
+
+    class ActorClass:
+        def options(self, **opts: object) -> ActorClass:
+            return self
+
+        def remote(self, *args: object) -> Handle:
+            made.append(args)
+            return Handle()
+
+    class Reservation:
+        def options(self, role: str, i: int) -> dict:
+            return {}
+
+        def node_ip(self, role: str, i: int) -> str:
+            return "10.0.0.2"
+
+    monkeypatch.setattr(ray, "remote", lambda **kw: lambda cls: ActorClass())
+    monkeypatch.setattr(ray, "get", lambda *a, **kw: None)  # no Ray here: nothing to start or stop
+    monkeypatch.setattr(ray, "kill", lambda *a, **kw: None)
+    config = two_by_two(f"model.path={model}", "inference.num_servers=1")
+    with pytest.raises(ServerUnavailableError):
+        asyncio.run(start_placed_servers(config, Reservation(), "/driver/resolved/mine", log_dir="/tmp/x"))
+    assert [args[1] for args in made] == [handed]
