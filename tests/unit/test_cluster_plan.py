@@ -195,6 +195,43 @@ def test_a_server_that_fails_to_start_on_its_node_is_reported_with_the_node_and_
     assert message.endswith("Check the engine.")
 
 
+def test_a_server_killed_for_lack_of_memory_while_starting_is_reported_with_its_node_and_memory() -> None:
+    import asyncio
+
+    import ray.exceptions
+
+    from agentrl.errors import StartupError
+    from agentrl.orchestration.server_actor import PlacedServer
+    from agentrl.orchestration.startup import starting
+
+    ray_said = ("Task was killed due to the node running low on memory. Memory on the node (IP: 10.0.0.2, ID: ab) "
+                "was 22.20GB used / 23.54GB limit (0.943177).\nRefer to the documentation on how to address the out "
+                "of memory issue: https://docs.ray.io/en/latest/ray-observability/user-guides/debug-apps/debug-memory.html.")
+
+    class Actor:
+        class wait_healthy:  # the actor's method, as its handle has it
+            @staticmethod
+            def remote(*args: object) -> object:
+                async def killed() -> None:
+                    raise ray.exceptions.OutOfMemoryError(ray_said)
+
+                return killed()
+
+    server = PlacedServer(lambda port: Actor(), 1, "10.0.0.2", "/tmp/work/runs/r/logs/vllm-1.log")
+
+    async def wait() -> None:
+        with starting("the inference engine (vllm, model.path=m)", "Check the engine"):
+            await server._call("wait_healthy", 60.0)
+
+    with pytest.raises(StartupError) as raised:
+        asyncio.run(wait())
+    message = str(raised.value)
+    assert message.startswith("Could not start the inference engine (vllm, model.path=m): server 1 on node 10.0.0.2: "
+                              "its actor was killed for lack of memory during wait_healthy (Task was killed due to the "
+                              "node running low on memory. Memory on the node (IP: 10.0.0.2, ID: ab) was 22.20GB used")
+    assert "cluster.server.memory_gb" in message and "docs.ray.io" not in message
+
+
 def test_gpu_processes_that_reserve_no_gpu_are_warned_about_and_cuda_is_checked_on_the_node() -> None:
     from agentrl.config import load_config
     from agentrl.orchestration.cluster import gpu_sharing_warnings, model_on_node
