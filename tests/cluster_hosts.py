@@ -2,8 +2,10 @@
 
 Each host is a network namespace (`ip netns`) joined to the other by a veth pair with private
 addresses (10.77.0.1 for the head, 10.77.0.2 for the worker; nothing else is routed), and a mount
-and UTS namespace of its own (`unshare -m -u`): a private tmpfs on /tmp and /dev/shm, a working
-directory `/tmp/work` inside it, and its own host name. So the hosts share nothing but the
+and UTS namespace of its own (`unshare -m -u`): a private /tmp (a fresh directory on this
+machine's disk, bind-mounted: on a tmpfs the models, weights and checkpoints a run writes would
+take the memory its processes need), a private tmpfs on /dev/shm, a working directory `/tmp/work`
+inside /tmp, and its own host name. So the hosts share nothing but the
 read-only code under /work and the python install: a file one host writes in /tmp (a run
 directory, Ray's session files, weights) is not there for the other, and a process on one host
 reaches the other only over the veth. A small keeper process (`sleep infinity`) holds each host's
@@ -29,6 +31,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 
@@ -53,6 +56,7 @@ class Host:
     ip: str
     env: dict[str, str] = field(default_factory=dict)
     keeper: subprocess.Popen[bytes] | None = None
+    root: str = ""  # the directory on this machine's disk that is the host's /tmp
 
     @property
     def workdir(self) -> str:
@@ -200,8 +204,9 @@ class NamespaceCluster:
             _sh("ip", "-n", host.netns, "link", "set", dev, "up")
 
     def _keep(self, host: Host) -> None:
+        host.root = tempfile.mkdtemp(prefix=f"arl-{self.tag}-{host.name}-", dir="/var/tmp")
         script = (
-            f"mount -t tmpfs -o size=8g tmpfs /tmp && mount -t tmpfs -o size=8g tmpfs /dev/shm && "
+            f"mount --bind {host.root} /tmp && mount -t tmpfs -o size=8g tmpfs /dev/shm && "
             f"mkdir -p {WORKDIR} && cd {WORKDIR} && hostname {host.name} && echo ready && exec sleep infinity"
         )
         host.keeper = subprocess.Popen(
@@ -300,6 +305,8 @@ class NamespaceCluster:
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     host.keeper.wait(timeout=10)
             _sh("ip", "netns", "del", host.netns, check=False)
+            if host.root:
+                shutil.rmtree(host.root, ignore_errors=True)
         with contextlib.suppress(Exception):  # gone with the namespace already, unless moving it failed
             _sh("ip", "link", "del", self.veth[0], check=False)
         self.started = False

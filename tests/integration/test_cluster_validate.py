@@ -4,7 +4,6 @@ stops before anything starts, naming the role and the resource."""
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 from pathlib import Path
@@ -118,43 +117,3 @@ def test_validate_checks_the_model_on_every_node_that_loads_it(ns_cluster, asset
     # SPREAD puts two of the four processes on the worker: each is named; the head's two load it
     assert len(named) == 2 and all(ln.startswith(f"node {ns_cluster.worker.ip} (") for ln in named), named
     assert all("model.path '/tmp/work/head-only-model' is not a directory here" in ln for ln in named)
-
-
-BUILTIN_SERVER = """
-import asyncio, json
-import ray
-from agentrl.config import load_config
-from agentrl.orchestration.cluster import build_cluster_plan, reserve
-from agentrl.orchestration.server_actor import start_placed_servers
-
-config = load_config(None, ["env=arithmetic", "model.path=smollm2-135m-instruct", "inference.engine=hf",
-    "trainer.device=cpu", "cluster.address={address}", "cluster.strategy=SPREAD", "cluster.trainer.cpus=2",
-    "cluster.server.cpus=1", "inference.num_servers=1"])
-ray.init(address=config.cluster.address, logging_level="ERROR")
-reservation = reserve(build_cluster_plan(config))
-
-async def main():
-    # the driver's own converted directory is not on the worker: the server must not be handed it
-    service = await start_placed_servers(config, reservation, "/tmp/work/driver-only/smollm2", log_dir="/tmp/work")
-    try:
-        return service.urls
-    finally:
-        await service.aclose()
-
-try:
-    urls = asyncio.run(main())
-finally:
-    reservation.release()
-print("RESULT", json.dumps({{"server": reservation.nodes[1], "urls": urls}}))
-"""
-
-
-def test_a_server_on_a_node_that_never_converted_the_built_in_model_converts_it_there(ns_cluster) -> None:
-    done = ns_cluster.head.python(BUILTIN_SERVER.format(address=ns_cluster.address), timeout=900)
-    line = next(x for x in done.stdout.splitlines() if x.startswith("RESULT "))
-    out = json.loads(line[len("RESULT ") :])
-    worker = ns_cluster.worker
-    assert out["server"] == worker.ip and out["urls"][0].startswith(f"http://{worker.ip}:")
-    # converted into the worker's own cache (its HOME), from the package installed there
-    converted = worker.run(["ls", "/tmp/work/.cache/agentrl/models/smollm2-135m-instruct"]).stdout.split()
-    assert "config.json" in converted and "agentrl_conversion.json" in converted

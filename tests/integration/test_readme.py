@@ -102,10 +102,13 @@ COMMANDS: dict[str, How] = {
         "ELSEWHERE", where="tests/cluster_hosts.py joins a worker this way from a second namespace host"),
     "agentrl validate env=retool cluster.address=HEAD_IP:6379 cluster.strategy=SPREAD trainer.num_processes=2 "
     "inference.num_servers=2": How(
-        "ELSEWHERE", where="tests/integration/test_cluster_validate.py validates this plan on the namespace cluster"),
+        "ELSEWHERE", where="tests/e2e/test_cluster_run.py::test_the_readme_cluster_run_trains_the_built_in_model_"
+        "on_two_fresh_hosts runs it as written on two fresh namespace hosts, before the run below"),
     "agentrl run env=retool cluster.address=HEAD_IP:6379 cluster.strategy=SPREAD trainer.num_processes=2 "
     "inference.num_servers=2": How(
-        "ELSEWHERE", where="tests/e2e/test_cluster_run.py runs this plan (tiny model, parity env) across two hosts"),
+        "ELSEWHERE", where="tests/e2e/test_cluster_run.py::test_the_readme_cluster_run_trains_the_built_in_model_"
+        "on_two_fresh_hosts runs it as written, RUN_SIZE appended, on two fresh namespace hosts with token auth "
+        "(the built-in model converted on each, both vLLM servers pushed to), then resumes it"),
 }
 
 

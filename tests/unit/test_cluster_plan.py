@@ -151,6 +151,87 @@ def test_a_server_actor_that_died_is_reported_with_its_own_error_and_node() -> N
                                           "The actor's worker process was killed by SIGABRT")
 
 
+def test_a_server_that_fails_to_start_on_its_node_is_reported_with_the_node_and_its_own_account() -> None:
+    import asyncio
+
+    import ray.exceptions
+
+    from agentrl.errors import ServerUnavailableError, StartupError
+    from agentrl.orchestration.server_actor import PlacedServer
+    from agentrl.orchestration.startup import starting
+
+    said = ServerUnavailableError(
+        "The vllm server exited with code 1 before it became healthy; command: python -m "
+        "agentrl.inference.vllm_server\nlast lines of /tmp/work/runs/r/logs/vllm-1.log:\nRuntimeError: no memory")
+
+    class Method:
+        def __init__(self, result: object) -> None:
+            self.result = result
+
+        def remote(self, *args: object) -> object:
+            async def answer() -> object:
+                if isinstance(self.result, BaseException):
+                    raise self.result
+                return self.result
+
+            return answer()
+
+    class Actor:  # the actor started, and its server process died before /health answered
+        url = Method("http://10.0.0.2:8000")
+        wait_healthy = Method(ray.exceptions.RayTaskError("wait_healthy", "Traceback ...", said))
+
+    server = PlacedServer(lambda port: Actor(), 1, "10.0.0.2", "/tmp/work/runs/r/logs/vllm-1.log")
+
+    async def start() -> None:
+        with starting("the inference engine (vllm, model.path=m)", "Check the engine"):
+            await server.started(60.0)
+
+    with pytest.raises(StartupError) as raised:
+        asyncio.run(start())
+    message = str(raised.value)
+    assert message.startswith("Could not start the inference engine (vllm, model.path=m): server 1 on node 10.0.0.2: "
+                              "The vllm server exited with code 1 before it became healthy")
+    assert "last lines of /tmp/work/runs/r/logs/vllm-1.log:\nRuntimeError: no memory" in message
+    assert message.endswith("Check the engine.")
+
+
+def test_a_server_killed_for_lack_of_memory_while_starting_is_reported_with_its_node_and_memory() -> None:
+    import asyncio
+
+    import ray.exceptions
+
+    from agentrl.errors import StartupError
+    from agentrl.orchestration.server_actor import PlacedServer
+    from agentrl.orchestration.startup import starting
+
+    ray_said = ("Task was killed due to the node running low on memory. Memory on the node (IP: 10.0.0.2, ID: ab) "
+                "was 22.20GB used / 23.54GB limit (0.943177).\nRefer to the documentation on how to address the out "
+                "of memory issue: https://docs.ray.io/en/latest/ray-observability/user-guides/debug-apps/debug-memory.html.")
+
+    class Actor:
+        class wait_healthy:  # the actor's method, as its handle has it
+            @staticmethod
+            def remote(*args: object) -> object:
+                async def killed() -> None:
+                    raise ray.exceptions.OutOfMemoryError(ray_said)
+
+                return killed()
+
+    server = PlacedServer(lambda port: Actor(), 1, "10.0.0.2", "/tmp/work/runs/r/logs/vllm-1.log")
+
+    async def wait() -> None:
+        with starting("the inference engine (vllm, model.path=m)", "Check the engine"):
+            await server._call("wait_healthy", 60.0)
+
+    with pytest.raises(StartupError) as raised:
+        asyncio.run(wait())
+    message = str(raised.value)
+    assert message.startswith("Could not start the inference engine (vllm, model.path=m): server 1 on node 10.0.0.2: "
+                              "its actor was killed for lack of memory during wait_healthy (Task was killed due to the "
+                              "node running low on memory. Memory on the node (IP: 10.0.0.2, ID: ab) was 22.20GB used")
+    assert "cluster.server.memory_gb" in message and "docs.ray.io" not in message
+
+
 def test_gpu_processes_that_reserve_no_gpu_are_warned_about_and_cuda_is_checked_on_the_node() -> None:
     from agentrl.config import load_config
     from agentrl.orchestration.cluster import gpu_sharing_warnings, model_on_node
@@ -169,3 +250,57 @@ def test_gpu_processes_that_reserve_no_gpu_are_warned_about_and_cuda_is_checked_
     if not torch.cuda.is_available():
         assert model_on_node("smollm2-135m-instruct", need_cuda=True) == (
             "trainer.device=cuda but no CUDA device is visible on this node; use auto or cpu")
+
+
+@pytest.mark.parametrize(("model", "handed"), [
+    ("smollm2-135m-instruct", "smollm2-135m-instruct"),  # a built-in: each node converts it into its own cache
+    ("/models/mine", "/driver/resolved/mine"),  # a directory: the one build_job resolved, at the same path there
+])  # fmt: skip
+def test_placed_servers_are_handed_a_built_in_model_by_name_not_the_drivers_directory(
+    model: str, handed: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import asyncio
+
+    import ray
+
+    from agentrl.errors import ServerUnavailableError
+    from agentrl.orchestration.server_actor import start_placed_servers
+
+    made: list[tuple] = []
+
+    class Handle:  # the actor does not answer: the test is over once it was made
+        class url:  # an actor method, as the handle has it
+            @staticmethod
+            def remote() -> object:
+                async def gone() -> None:
+                    raise ServerUnavailableError("no server here")
+
+                return gone()
+
+        class stop:
+            @staticmethod
+            def remote() -> None:
+                return None
+
+    class ActorClass:
+        def options(self, **opts: object) -> ActorClass:
+            return self
+
+        def remote(self, *args: object) -> Handle:
+            made.append(args)
+            return Handle()
+
+    class Reservation:
+        def options(self, role: str, i: int) -> dict:
+            return {}
+
+        def node_ip(self, role: str, i: int) -> str:
+            return "10.0.0.2"
+
+    monkeypatch.setattr(ray, "remote", lambda **kw: lambda cls: ActorClass())
+    monkeypatch.setattr(ray, "get", lambda *a, **kw: None)  # no Ray here: nothing to start or stop
+    monkeypatch.setattr(ray, "kill", lambda *a, **kw: None)
+    config = two_by_two(f"model.path={model}", "inference.num_servers=1")
+    with pytest.raises(ServerUnavailableError):
+        asyncio.run(start_placed_servers(config, Reservation(), "/driver/resolved/mine", log_dir="/tmp/x"))
+    assert [args[1] for args in made] == [handed]

