@@ -9,11 +9,12 @@ Ray CPUs, each process takes 1). The hosts share no /tmp, so the run directory e
 only: the worker host's server gets every new version over HTTP from trainer rank 0's endpoint,
 and the worker's trainer rank ships its checkpoint shard to the head. Checked: where each process
 ran, that both servers load the new version (every bucket verified), that the ledger balances,
-that the checkpoint holds both ranks' shards and the run resumes from it on the cluster.
+and that the checkpoint holds both ranks' shards.
 
 The second (a tiny model and the hf engine, for speed) kills the worker host's server in the
 middle of the run: no episode is lost (the server is restarted on its node, re-synced, and every
-prompt taken is trained).
+prompt taken is trained); then the run resumes from its checkpoint on the cluster (the worker's
+rank gets the checkpoint's files from the head) for one more step.
 """
 
 from __future__ import annotations
@@ -149,22 +150,12 @@ def test_the_readme_cluster_run_trains_the_built_in_model_on_two_fresh_hosts(ns_
     assert "checkpoints" not in on_worker and "driver.log" not in on_worker
     assert "vllm-" in on_worker  # only the log of the server that ran there
 
-    # Resume on the cluster: the worker's rank gets the checkpoint's files from the head, one more step.
-    again = agentrl_line(head, f"{command} run.name={name} resume=true run.total_steps=2", timeout=1500)
-    log = read(head, f"{run_dir}/driver.log")
-    assert again.returncode == 0, log[-8000:] + again.stderr[-4000:]
-    assert re.search(rf"resuming .*{name} from step-0*1: step 1, policy version 1", log), log[-3000:]
-    result = json.loads(read(head, f"{run_dir}/result.json"))
-    assert result["steps_done"] == 2 and result["policy_version"] == 2
-    assert sorted(pushes(log)) == [1, 2]  # version 1 pushed again at the resume, then version 2
-    assert result["ledger"]["in_flight"] == 0
-
 
 def test_killing_the_worker_hosts_server_mid_run_loses_no_episode(ns_cluster, assets: Path) -> None:
     head, worker = ns_cluster.head, ns_cluster.worker
     run_dir = "/tmp/work/runs/kill"
     driver = head.popen(
-        run_args(assets, ns_cluster.address, "kill", 4),
+        run_args(assets, ns_cluster.address, "kill", 6),
         env=env(),
         stdout=open("/dev/null", "w"),
         stderr=open("/dev/null", "w"),
@@ -196,12 +187,22 @@ def test_killing_the_worker_hosts_server_mid_run_loses_no_episode(ns_cluster, as
     assert back, log[-4000:]
     result = json.loads(read(head, f"{run_dir}/result.json"))
     ledger = result["ledger"]
-    assert result["steps_done"] == 4
+    assert result["steps_done"] == 6
     assert ledger["failed"] == 0 and ledger["unfinished"] == 0 and ledger["in_flight"] == 0
-    assert ledger["trained"] + ledger["filtered"] == 16  # every prompt of the 4 steps, none lost
+    assert ledger["trained"] + ledger["filtered"] == 24  # every prompt of the 6 steps, none lost
     # After its restart the worker's server got the weights pushed last before it was back (re-synced),
     # and every version pushed after that reached both servers.
     seen = pushes(log)
     before, after = pushes(log[: back.start()]), pushes(log[back.end():])
     assert int(back.group(1)) == max(before), (back.group(0), sorted(before))
     assert all(len(seen[v]) == 2 for v in after), seen
+
+    # Resume on the cluster: the worker's rank gets the checkpoint's files from the head, one more step.
+    again = head.run(run_args(assets, ns_cluster.address, "kill", 7, "resume=true"), env=env(), check=False,
+                     timeout=1500)
+    log = read(head, f"{run_dir}/driver.log")
+    assert again.returncode == 0, log[-8000:] + again.stderr[-4000:]
+    assert re.search(r"resuming .*kill from step-0*6: step 6, policy version 6", log), log[-3000:]
+    result = json.loads(read(head, f"{run_dir}/result.json"))
+    assert result["steps_done"] == 7 and result["policy_version"] == 7 and result["ledger"]["in_flight"] == 0
+    assert sorted(pushes(log[log.rindex("resuming"):])) == [6, 7]  # the checkpoint's version pushed again, then 7
