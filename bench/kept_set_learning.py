@@ -33,8 +33,9 @@ SETTINGS = {
 # The small config: the arithmetic preset (SmolLM2-135M-Instruct), fewer prompts and turns.
 BASE = [
     "env=arithmetic", "data.prompts_per_step=4", "rollout.samples_per_prompt=4", "rollout.max_turns=2",
-    "rollout.max_tokens_per_turn=96", "rollout.max_total_tokens=768", "run.eval_every=0", "eval.max_rows=4",
-    "eval.k=2", "run.save_every=0", "run.loggers=[jsonl]",
+    "rollout.max_tokens_per_turn=96", "rollout.max_total_tokens=768", "run.eval_every=0", "data.num_val_rows=4",
+    "eval.k=1", "run.save_every=0", "run.loggers=[jsonl]", "trainer.micro_batch_tokens=2048",
+    "trainer.gradient_checkpointing=true", "inference.cpu_kv_cache_gb=0.5",
 ]  # fmt: skip
 # (column title, metric key) shown per step and setting.
 COLUMNS = (
