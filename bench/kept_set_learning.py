@@ -14,6 +14,7 @@ at 1, gaps at float noise, nothing gated) and that its reward and entropy stay i
 unrestricted run's, not that the two converge alike.
 
     python bench/kept_set_learning.py --seeds 0 1 --steps 5 --out /tmp/kept_set.md
+    python bench/kept_set_learning.py --env retool --seeds 0 --steps 3 --run-dir runs/kept_set_retool
 """
 
 from __future__ import annotations
@@ -30,13 +31,19 @@ SETTINGS = {
     "top_p=0.9+top_k=20": ["rollout.top_p=0.9", "rollout.top_k=20"],
     "top_p=1": ["rollout.top_p=1.0", "rollout.top_k=0"],
 }
-# The small config: the arithmetic preset (SmolLM2-135M-Instruct), fewer prompts and turns.
-BASE = [
-    "env=arithmetic", "data.prompts_per_step=4", "rollout.samples_per_prompt=4", "rollout.max_turns=2",
-    "rollout.max_tokens_per_turn=96", "rollout.max_total_tokens=768", "run.eval_every=0", "data.num_val_rows=4",
-    "eval.k=1", "run.save_every=0", "run.loggers=[jsonl]", "trainer.micro_batch_tokens=2048",
-    "trainer.gradient_checkpointing=true", "inference.cpu_kv_cache_gb=0.5",
-]  # fmt: skip
+# The small configs, both with SmolLM2-135M-Instruct: the arithmetic preset with fewer prompts and
+# turns (the 135M model solves none of its problems: every reward is 0, so GRPO has no signal), and
+# the retool preset as it is (its shaped reward gives signal from the first step), each with a
+# held-out evaluation of 4 problems before and after instead of the preset's.
+ENVS = {
+    "arithmetic": [
+        "env=arithmetic", "data.prompts_per_step=4", "rollout.samples_per_prompt=4", "rollout.max_turns=2",
+        "rollout.max_tokens_per_turn=96", "rollout.max_total_tokens=768", "trainer.micro_batch_tokens=2048",
+        "trainer.gradient_checkpointing=true", "inference.cpu_kv_cache_gb=0.5",
+    ],
+    "retool": ["env=retool"],
+}
+COMMON = ["run.eval_every=0", "data.num_val_rows=4", "eval.k=1", "run.save_every=0", "run.loggers=[jsonl]"]
 # (column title, metric key) shown per step and setting.
 COLUMNS = (
     ("reward", "episodes/reward_mean"),
@@ -54,17 +61,29 @@ COLUMNS = (
 )
 
 
-def run_one(setting: str, seed: int, steps: int, out_dir: Path, extra: list[str], timeout_s: float) -> dict:
+def run_name(setting: str, seed: int) -> str:
+    return f"kept-{setting.replace('=', '').replace('+', '-').replace('.', '')}-s{seed}"
+
+
+def run_one(env: str, setting: str, seed: int, steps: int, out_dir: Path, extra: list[str],
+            timeout_s: float) -> dict:
     """One `agentrl run`; returns its per-step metrics (or the error that stopped it)."""
-    name = f"kept-{setting.replace('=', '').replace('+', '-').replace('.', '')}-s{seed}"
-    args = [*BASE, *SETTINGS[setting], f"run.seed={seed}", f"run.total_steps={steps}",
+    name = run_name(setting, seed)
+    args = [*ENVS[env], *COMMON, *SETTINGS[setting], f"run.seed={seed}", f"run.total_steps={steps}",
             f"run.output_dir={out_dir}", f"run.name={name}", *extra]  # fmt: skip
     start = time.perf_counter()
     log_path = out_dir / f"{name}.log"
     with log_path.open("w") as log:
         done = subprocess.run([sys.executable, "-m", "agentrl.cli", "run", *args], stdout=log, stderr=subprocess.STDOUT,
                               timeout=timeout_s, cwd=REPO)  # fmt: skip
-    seconds = time.perf_counter() - start
+    return read_run(setting, seed, out_dir, seconds=time.perf_counter() - start, returncode=done.returncode)
+
+
+def read_run(setting: str, seed: int, out_dir: Path, *, seconds: float | None = None,
+             returncode: int | None = None) -> dict:
+    """A run's per-step metrics from its `metrics.jsonl` (and the last log line when it failed)."""
+    name = run_name(setting, seed)
+    log_path = out_dir / f"{name}.log"
     metrics_path = out_dir / name / "metrics.jsonl"
     steps_seen: dict[int, dict] = {}
     if metrics_path.exists():
@@ -72,11 +91,11 @@ def run_one(setting: str, seed: int, steps: int, out_dir: Path, extra: list[str]
             if line.strip():
                 record = json.loads(line)
                 steps_seen[int(record.get("step", -1))] = record
-    result = {"setting": setting, "seed": seed, "seconds": seconds, "returncode": done.returncode,
+    result = {"setting": setting, "seed": seed, "seconds": seconds, "returncode": returncode,
               "log": str(log_path), "steps": [steps_seen[s] for s in sorted(steps_seen)]}  # fmt: skip
-    if done.returncode != 0:
-        tail = log_path.read_text().strip().splitlines()[-1:] or [f"exit {done.returncode}"]
-        result["error"] = tail[0][:300]
+    if returncode:
+        tail = log_path.read_text().strip().splitlines()[-1:] if log_path.exists() else []
+        result["error"] = (tail or [f"exit {returncode}"])[0][:300]
     return result
 
 
@@ -124,11 +143,14 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--seeds", nargs="+", type=int, default=[0, 1])
     p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--env", default="arithmetic", choices=list(ENVS), help="which small config to train")
     p.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=list(SETTINGS))
     p.add_argument("--run-dir", default="runs/kept_set_learning", help="parent of the runs and their logs")
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds per run")
     p.add_argument("--out", default=None, help="write the markdown tables here too")
     p.add_argument("--json", default=None, help="write every run's per-step metrics here")
+    p.add_argument("--report-only", action="store_true",
+                   help="run nothing: write the tables from the runs already under --run-dir")
     p.add_argument("overrides", nargs="*", help="more key=value overrides for every run")
     ns = p.parse_args(argv)
     out_dir = Path(ns.run_dir).resolve()
@@ -136,9 +158,12 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     for seed in ns.seeds:
         for setting in ns.settings:
-            r = run_one(setting, seed, ns.steps, out_dir, ns.overrides, ns.timeout)
+            if ns.report_only:
+                results.append(read_run(setting, seed, out_dir))
+                continue
+            r = run_one(ns.env, setting, seed, ns.steps, out_dir, ns.overrides, ns.timeout)
             results.append(r)
-            print(f"{setting} seed {seed}: {len(r['steps'])} steps in {r['seconds']:.0f} s"
+            print(f"{setting} seed {seed}: {len(r['steps'])} steps in {r['seconds'] or 0:.0f} s"
                   + (f", error: {r['error']}" if "error" in r else ""), file=sys.stderr, flush=True)  # fmt: skip
             if ns.json:
                 Path(ns.json).write_text(json.dumps(results, indent=1))
