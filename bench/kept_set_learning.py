@@ -52,7 +52,7 @@ COLUMNS = (
     ("IS mean", "rollout/is_ratio_mean"),
     ("IS min", "rollout/is_ratio_min"),
     ("IS max", "rollout/is_ratio_max"),
-    ("|gap| mean", "rollout/logprob_abs_diff"),
+    ("gap mean", "rollout/logprob_abs_diff"),
     ("gap max", "onpolicy/logprob_gap_max"),
     ("kept-set disagr.", "onpolicy/kept_set_disagreement"),
     ("overflow", "onpolicy/kept_set_overflow_share"),
