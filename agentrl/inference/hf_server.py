@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import os
 import time
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -161,6 +162,22 @@ class HFEngine(ServerEngine):
     async def load_weights(self, source: str, *, version: int, token: str | None) -> WeightLoadReport:
         async with self._lock:
             return await asyncio.to_thread(self._load_weights, source, version, token)
+
+    async def load_tensors(self, open_stream: Callable[[], Iterable[tuple[str, Any]]]) -> int:
+        """Load the weights `open_stream()` yields (Hugging Face names) in place, when this engine
+        lives in the trainer's process (an in-memory push, as `colocated.InProcessVLLM.load_tensors`);
+        return how many tensors came. A name the model does not have is an error."""
+        from agentrl.weights import load_into_module
+
+        async with self._lock:
+            report = await asyncio.to_thread(load_into_module, self.model, open_stream(), strict=False,
+                                             allow_cast=True)
+        if report.unexpected or report.missing:
+            raise WeightLoadError(
+                f"the in-memory push does not match the model: {len(report.unexpected)} pushed tensors match no "
+                f"parameter (e.g. {report.unexpected[:3]}), {len(report.missing)} parameters got nothing (e.g. "
+                f"{report.missing[:3]}); trainer and engine must hold the same architecture", touched=bool(report.loaded))
+        return len(report.loaded)
 
     def _load_weights(self, source: str, version: int, token: str | None) -> WeightLoadReport:
         """Stream verified buckets from `source` into the model (`load_into_module`, cast to its dtype)."""

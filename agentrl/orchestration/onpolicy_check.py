@@ -13,7 +13,9 @@ dataset rows are rolled out on the configured engine at `rollout.temperature`/`t
   same gap over the restricted run, and the trainer's kept-set disagreement when it reports one;
 - (d) `cache`: the same prefix sampled before and after pushing perturbed weights: the logprob of
   the first sampled token must change, and agree with the perturbed model (no stale prefix cache);
-- (e) `placement`: colocated vs split; skipped (the reason says how to compare by hand);
+- (e) `placement`: the same seeded probes sampled in split placement (the server process) and in
+  colocated placement (the engine built in this process, given the trainer's tensors by an
+  in-memory push): the logprob gap over the tokens both drew (`placement_check`);
 - (f) `dtype`: trainer scoring in bfloat16 vs float32 over the same tokens.
 
 Each check is PASS, FAIL or SKIP with its figures; the run fails when any check fails. It writes
@@ -36,8 +38,18 @@ from agentrl.chat import render_difference
 from agentrl.config import AgentRLConfig
 from agentrl.errors import ConfigError
 from agentrl.orchestration.build import Job, build_job
+from agentrl.orchestration.placement_check import (
+    PlacementProbe,
+    compare_placements,
+    engine_dtype,
+    generate_colocated,
+    generate_split,
+    placement_probes,
+    placement_skip_reason,
+    placement_tolerance,
+)
 from agentrl.rollout import RolloutWorker
-from agentrl.types import Trajectory
+from agentrl.types import Generation, Trajectory
 
 __all__ = ["CheckResult", "OnPolicyReport", "run_onpolicy_check"]
 
@@ -84,8 +96,10 @@ def _fmt(v: float) -> str:
     return f"{v:.4g}" if isinstance(v, float) else str(v)
 
 
-def run_onpolicy_check(config: AgentRLConfig, *, rows: int = 4, bf16_vs_fp32: bool = True) -> OnPolicyReport:
-    """Run every check on the first `rows` training rows (one episode each); return the report."""
+def run_onpolicy_check(config: AgentRLConfig, *, rows: int = 4, bf16_vs_fp32: bool = True,
+                       placement: bool = True) -> OnPolicyReport:
+    """Run every check on the first `rows` training rows (one episode each); return the report.
+    `bf16_vs_fp32` False skips (f), `placement` False skips (e)."""
     from agentrl.inference.serve import serve_from_config
 
     if rows < 1:
@@ -104,7 +118,9 @@ def run_onpolicy_check(config: AgentRLConfig, *, rows: int = 4, bf16_vs_fp32: bo
         with tempfile.TemporaryDirectory(prefix="agentrl-check-") as tmp:
             service = serve_from_config(config, log_dir=Path(tmp) / "logs", model_path=job.model_path)
             try:
-                trajs, tools, cache = asyncio.run(_on_servers(job, service, picked, Path(tmp)))
+                skip_placement = "--no-placement was given" if not placement else placement_skip_reason(config)
+                trajs, tools, cache, probes, split = asyncio.run(
+                    _on_servers(job, service, picked, Path(tmp), compare_placement=skip_placement is None))
                 report.checks.append(_check_template(job, trajs, tools))
                 backend = _backend(config, job.model_path, config.model.dtype)
                 old, disagreement = _score(backend, trajs, config)
@@ -113,9 +129,8 @@ def run_onpolicy_check(config: AgentRLConfig, *, rows: int = 4, bf16_vs_fp32: bo
                 report.checks.append(cache)
             finally:
                 service.stop()
-        report.checks.append(CheckResult("placement", "SKIP", detail=(
-            "colocated vs split is not compared here: it starts a second engine inside the trainer's process. "
-            "Run this check with placement=colocated and with placement=split and compare the (rescore) figures.")))
+        report.checks.append(CheckResult("placement", "SKIP", detail=skip_placement) if skip_placement else
+                             _check_placement(config, job.model_path, backend, probes, split))
         report.checks.append(_check_dtype(config, job.model_path, trajs, backend) if bf16_vs_fp32 else
                              CheckResult("dtype", "SKIP", detail="--no-dtype was given"))
     finally:
@@ -130,17 +145,20 @@ def _restrictions(config: AgentRLConfig) -> dict[str, Any]:
 
 
 async def _on_servers(
-    job: Job, service: Any, rows: list[dict[str, Any]], tmp: Path
-) -> tuple[list[Trajectory], list[Any], CheckResult]:
-    """Everything that needs the servers, on one event loop: the rollouts, then the cache check."""
+    job: Job, service: Any, rows: list[dict[str, Any]], tmp: Path, *, compare_placement: bool
+) -> tuple[list[Trajectory], list[Any], CheckResult, list[PlacementProbe], list[Generation]]:
+    """Everything that needs the servers, on one event loop: the rollouts, the split side of the
+    placement check (before the cache check pushes other weights), then the cache check."""
     await service.start()
     try:
         trajs, tools = await _roll_out(job, service, rows)
+        probes = placement_probes(job.config, trajs) if compare_placement else []
+        split = await generate_split(service.client, probes)
         cache = await _check_cache(job.config, job, service.client, trajs, tmp)
     finally:
         await service.stop_supervising()
         await service.client.aclose()
-    return trajs, tools, cache
+    return trajs, tools, cache, probes, split
 
 
 async def _roll_out(job: Job, service: Any, rows: list[dict[str, Any]]) -> tuple[list[Trajectory], list[Any]]:
@@ -283,6 +301,19 @@ async def _check_cache(config: AgentRLConfig, job: Job, router: Any, trajs: list
                            f"{'did not change' if not changed else 'does not match the pushed weights'}: it serves "
                            "stale weights or a stale prefix cache. Check inference.prefix_caching and the weight push.")
     return CheckResult("cache", "PASS", figures, "the pushed weights reached the server, prefix cache included")
+
+
+def _check_placement(config: AgentRLConfig, model_path: str, backend: Any, probes: list[PlacementProbe],
+                     split: list[Generation]) -> CheckResult:
+    """(e): the split answers against the same probes on the engine in this process (after an
+    in-memory push of the trainer's tensors)."""
+    colocated, pushed = asyncio.run(generate_colocated(config, model_path, backend, probes))
+    dtype = engine_dtype(config, model_path)
+    result = compare_placements(split, colocated, placement_tolerance(dtype))
+    result.figures["pushed_tensors"] = float(pushed)
+    return CheckResult("placement", result.status, result.figures,
+                       f"{config.inference.engine} ({dtype}) as a server process vs in this process after an "
+                       f"in-memory push of the trainer's tensors; {result.detail}")
 
 
 def _perturbed_copy(model_path: str, out: Path, seed: int) -> tuple[Any, Path]:

@@ -3,7 +3,9 @@
 The planted template renders a past assistant message with one extra space after its role line, so
 a re-render of any conversation no longer gives the tokens the model sampled. Guards: the check's
 (a) catches it and the command exits non-zero, while the same config with the right template
-passes (a) and (b) with the trainer's logprobs within 1e-4 of the hf engine's (fp32 on CPU); a
+passes (a) and (b) with the trainer's logprobs within 1e-4 of the hf engine's (fp32 on CPU), and
+(e): the hf engine in the check's process, after an in-memory push of the trainer's tensors, draws
+the same ids with the same logprobs (within 1e-4) as the server process from the same seeded probes; a
 healthy run trips nothing, and with the stop threshold at 100% the planted run trains on with every
 sequence masked and the reason in each prompt's ledger line; and a real training run (`agentrl run`, hf engine, Ray trainer, `rollout.verify_template=true`) with the
 planted template stops at its first step, non-zero, naming template re-tokenisation and the check
@@ -57,13 +59,17 @@ def test_check_passes_the_right_template_and_fails_the_planted_one(tmp_path: Pat
     assert checks["template"]["status"] == "PASS" and checks["template"]["figures"]["mismatched"] == 0
     assert checks["rescore"]["status"] == "PASS" and checks["rescore"]["figures"]["max_gap"] < 1e-4
     assert checks["cache"]["status"] == "PASS" and checks["cache"]["figures"]["after"] != checks["cache"]["figures"]["before"]
-    assert checks["kept_set"]["status"] == "SKIP" and checks["placement"]["status"] == "SKIP"
+    assert checks["kept_set"]["status"] == "SKIP"
+    placement = checks["placement"]["figures"]
+    assert checks["placement"]["status"] == "PASS" and placement["identical"] == placement["probes"] == 2
+    assert placement["compared_tokens"] > 0 and placement["max_gap"] < 1e-4 and placement["pushed_tensors"] > 0
 
-    bad = agentrl(["check", "onpolicy", *base_args(assets, planted_template(tmp_path)), "--rows", "2", "--no-dtype"],
-                  tmp_path)
+    bad = agentrl(["check", "onpolicy", *base_args(assets, planted_template(tmp_path)), "--rows", "2", "--no-dtype",
+                   "--no-placement"], tmp_path)
     assert bad.returncode == 1, bad.stdout + bad.stderr[-2000:]
     assert "FAIL  (template) episodes=2 mismatched=2" in bad.stdout
     assert "PASS  (rescore)" in bad.stdout  # the ids are scored right; only the re-render differs
+    assert "SKIP  (placement)" in bad.stdout and "--no-placement was given" in bad.stdout
 
 
 def run_args(tmp_path: Path, name: str) -> list[str]:
