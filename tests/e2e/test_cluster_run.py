@@ -102,8 +102,12 @@ def test_the_readme_cluster_run_trains_the_built_in_model_on_two_fresh_hosts(ns_
     validate, command = readme_cluster_commands(head.ip)
     checked = agentrl_line(head, validate, timeout=600)
     assert checked.returncode == 0, checked.stdout[-3000:] + checked.stderr[-6000:]
-    nodes = [line.rsplit(" ", 1)[1] for line in checked.stdout.splitlines() if " -> node " in line]
+    lines = checked.stdout.splitlines()  # validate prints where each process will run
+    assert "placement split on cpu (placement=split on a cluster (cluster.address))" in lines, checked.stdout
+    assert f"  trainer rank 0: 1 CPU -> node {head.ip}" in lines, checked.stdout  # pinned to the driver's node
+    nodes = [line.rsplit(" ", 1)[1] for line in lines if " -> node " in line]
     assert sorted(nodes) == sorted([head.ip] * 2 + [worker.ip] * 2), checked.stdout
+    assert any("one placement group of 4 bundles, strategy SPREAD" in line for line in lines), checked.stdout
     assert "without an auth token" not in checked.stdout + checked.stderr  # token auth is on
     runs_before = set(head.run(["sh", "-c", "ls /tmp/work/runs 2>/dev/null || true"]).stdout.split())
     started = time.monotonic()

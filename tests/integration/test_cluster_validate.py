@@ -1,6 +1,8 @@
 """The cluster plan against a real cluster, the namespace cluster of `tests/cluster_hosts.py`:
-`agentrl validate` prints the node each process would run on, and a run the cluster cannot hold
-stops before anything starts, naming the role and the resource."""
+a run the cluster cannot hold stops before anything starts, naming the role and the resource; a
+model or a shared directory a node lacks is named with the node; a process that dies at start on the
+worker is named with its node and its own error. (What `agentrl validate` prints for the README's
+plan is checked by tests/e2e/test_cluster_run.py, which runs that command.)"""
 
 from __future__ import annotations
 
@@ -20,18 +22,6 @@ def base(assets: Path, address: str) -> list[str]:
         "trainer.num_processes=2", "inference.num_servers=2", f"cluster.address={address}",
         "run.output_dir=/tmp/work/runs",
     ]  # fmt: skip
-
-
-def test_validate_prints_where_each_process_runs(ns_cluster, assets: Path) -> None:
-    argv = base(assets, ns_cluster.address)
-    argv.insert(3, "validate")
-    out = ns_cluster.head.run([*argv, "cluster.strategy=SPREAD"], timeout=300).stdout
-    lines = out.splitlines()
-    assert "placement split on cpu (placement=split on a cluster (cluster.address))" in lines
-    assert f"  trainer rank 0: 1 CPU -> node {ns_cluster.head.ip}" in lines  # pinned to the driver's node
-    nodes = [line.rsplit(" ", 1)[1] for line in lines if " -> node " in line]
-    assert sorted(nodes) == sorted([ns_cluster.head.ip] * 2 + [ns_cluster.worker.ip] * 2)
-    assert any("one placement group of 4 bundles, strategy SPREAD" in line for line in lines)
 
 
 def test_a_plan_the_cluster_cannot_hold_stops_before_anything_starts(ns_cluster, assets: Path) -> None:
@@ -117,3 +107,26 @@ def test_validate_checks_the_model_on_every_node_that_loads_it(ns_cluster, asset
     # SPREAD puts two of the four processes on the worker: each is named; the head's two load it
     assert len(named) == 2 and all(ln.startswith(f"node {ns_cluster.worker.ip} (") for ln in named), named
     assert all("model.path '/tmp/work/head-only-model' is not a directory here" in ln for ln in named)
+
+
+def test_a_process_that_fails_to_start_on_the_worker_is_named_with_its_node_and_its_own_error(
+    ns_cluster, assets: Path
+) -> None:
+    """A model directory both hosts hold (so validate passes) whose config the worker's copy breaks:
+    the processes placed on the worker die as they start, and the run says which node, which process
+    and the process's own error (not only that an actor is gone)."""
+    model = "/tmp/work/broken-on-worker"
+    for host in ns_cluster.hosts:
+        host.run(["cp", "-r", str(assets / "tiny-random-qwen2"), model])
+    ns_cluster.worker.run(["sh", "-c", f"printf '{{\"model_type\": \"no-such-architecture\"}}' > {model}/config.json"])
+    argv = base(assets, ns_cluster.address)
+    argv.insert(3, "run")
+    argv = [a if not a.startswith("model.path=") else f"model.path={model}" for a in argv]
+    done = ns_cluster.head.run(
+        [*argv, "cluster.strategy=SPREAD", "run.name=broken-worker", "env=parity_env:ParityEnv", "run.total_steps=1"],
+        env={"PYTHONPATH": str(Path(__file__).parents[1] / "e2e")}, timeout=900, check=False,
+    )
+    assert done.returncode != 0, done.stdout[-2000:]
+    worker = ns_cluster.worker.ip
+    assert f"node {worker}" in done.stderr, done.stderr[-4000:]
+    assert "no-such-architecture" in done.stderr, done.stderr[-4000:]  # the process's own message
