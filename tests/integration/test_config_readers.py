@@ -67,13 +67,14 @@ def test_every_config_field_is_read_by_run_or_eval(tmp_path: Path, vllm_server, 
         "rollout.max_turns=1", "rollout.max_total_tokens=128", "trainer.device=cpu", "data.num_val_rows=2",
         "eval.k=1", f"run.output_dir={tmp_path / 'runs'}", "rollout.extra_stop_token_ids=[0,10,20]",
     ]  # fmt: skip
-    # A: sync GRPO with a KL controller and shaping, on a server the run starts; then resumed.
+    # A: sync GRPO with a KL controller and shaping, on a server the run starts; then resumed (on the shared one).
     sync = [*common, "run.name=sync", "inference.max_model_len=256", "inference.cpu_kv_cache_gb=0.25",
             "algorithm.kl_coef=0.01", "algorithm.kl_target=0.05", "algorithm.rollout_is=icepop",
             "algorithm.overlong_buffer_tokens=2", "algorithm.stop_properly_penalty=0.5",
             "run.save_every=1", "run.eval_every=1", "run.loggers=[console,jsonl,tensorboard]"]
     _run(["run", *sync, "run.total_steps=1"], trace, tmp_path)
-    _run(["run", *sync, "run.total_steps=2", "resume=true"], trace, tmp_path)
+    # (the resume reads what only a resume reads; it needs no server of its own: the shared one serves it)
+    _run(["run", *sync, "run.total_steps=2", "resume=true", f"inference.urls=[{vllm_server.url}]"], trace, tmp_path)
     # B: async GAE with a critic and LoRA on the shared server.
     _run(["run", *common, "run.name=async", f"inference.urls=[{vllm_server.url}]", "run.mode=async",
           "run.partial_rollout=true", "run.max_staleness=2", "algorithm.advantage=gae", "trainer.lora_rank=4",
