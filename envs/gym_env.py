@@ -28,11 +28,23 @@ from agentrl.envs.core import Env
 from agentrl.errors import ConfigError, EnvError
 from agentrl.types import Action, Message
 
-__all__ = ["GymTextEnv"]
+__all__ = ["GymTextEnv", "seed_row", "seed_rows"]
 
 DEFAULT_INSTRUCTIONS = (
     "You are playing a text game. Each user message is what the game shows you; answer with your next move only."
 )
+
+
+def seed_row(seed: int, data_source: str, instructions: str) -> dict[str, Any]:
+    """A row that resets an env which draws its task at reset (Gymnasium, OpenEnv) with `seed`."""
+    return {"prompt": [{"role": "user", "content": instructions}], "data_source": data_source,
+            "extra_info": {"seed": seed}}
+
+
+def seed_rows(split: str, data_source: str, instructions: str, n: int = 200) -> list[dict[str, Any]]:
+    """`n` seed rows of `split`, train and test disjoint."""
+    offset = {"train": 0, "test": 1_000_000}[split]
+    return [seed_row(offset + i, data_source, instructions) for i in range(n)]
 
 
 class GymTextEnv(Env):
@@ -76,14 +88,12 @@ class GymTextEnv(Env):
     @classmethod
     def dataset_rows(cls, split: str) -> list[dict[str, Any]]:
         """One row per seed (train and test disjoint): Gymnasium envs draw their task at reset."""
-        offset = {"train": 0, "test": 1_000_000}[split]
-        return [cls.make_row(offset + i) for i in range(200)]
+        return seed_rows(split, "gym", DEFAULT_INSTRUCTIONS)
 
     @staticmethod
     def make_row(seed: int, instructions: str | None = None) -> dict[str, Any]:
         """A row that resets the env with `seed`."""
-        return {"prompt": [{"role": "user", "content": instructions or DEFAULT_INSTRUCTIONS}],
-                "data_source": "gym", "extra_info": {"seed": seed}}
+        return seed_row(seed, "gym", instructions or DEFAULT_INSTRUCTIONS)
 
     def reset(
         self, *, seed: int | None = None, options: dict[str, Any] | None = None

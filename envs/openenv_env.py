@@ -48,6 +48,7 @@ import gymnasium
 import httpx
 
 from agentrl.envs.core import Env
+from agentrl.envs.gym_env import seed_row, seed_rows
 from agentrl.errors import ConfigError, EnvError, EnvServerError, FeatureUnavailableError
 from agentrl.lifeline import lifeline_argv
 from agentrl.types import Action, Message
@@ -187,14 +188,12 @@ class OpenEnvEnv(Env):
     @classmethod
     def dataset_rows(cls, split: str) -> list[dict[str, Any]]:
         """One row per seed (train and test disjoint): OpenEnv envs draw their task at reset."""
-        offset = {"train": 0, "test": 1_000_000}[split]
-        return [cls.make_row(offset + i) for i in range(200)]
+        return seed_rows(split, "openenv", DEFAULT_INSTRUCTIONS)
 
     @staticmethod
     def make_row(seed: int, instructions: str | None = None) -> dict[str, Any]:
         """A row that resets the server with `seed`."""
-        return {"prompt": [{"role": "user", "content": instructions or DEFAULT_INSTRUCTIONS}],
-                "data_source": "openenv", "extra_info": {"seed": seed}}
+        return seed_row(seed, "openenv", instructions or DEFAULT_INSTRUCTIONS)
 
     # ── the contract ────────────────────────────────────────────────────────────────────────
     async def areset(
