@@ -513,7 +513,8 @@ def render_difference(
     Token for token first. Where the ids differ, the ledger still agrees when both decode to the
     same text (after the tokenizer's normaliser) and the first differing id is a sampled one: sampled
     text need not re-tokenise to the ids the model sampled (a model may sample " a", "b" where the
-    tokenizer would write " ab"), and the ledger rightly keeps what was sampled. An assistant message is rendered with the text its
+    tokenizer would write " ab"), and the ledger rightly keeps what was sampled; the same holds where
+    the template's last id before a sampled turn merges with its first sampled character. An assistant message is rendered with the text its
     turn sampled (`decode_turn`) when that differs from its content only in surrounding whitespace
     (parsers strip whitespace the model did sample). `prefix`: the ledger may stop before the
     re-render does (an episode that ends on a sampled turn, whose closing the template adds).
@@ -531,7 +532,10 @@ def render_difference(
     text_full = decode(full, skip_special_tokens=False, clean_up_tokenization_spaces=False)
     norm_ledger, norm_full = _normalised(template, text_ledger), _normalised(template, text_full)
     same_text = norm_full == norm_ledger or (prefix and norm_full.startswith(norm_ledger))
-    if same_text and pos < len(ledger) and trajectory.origins[pos] == TokenOrigin.SAMPLED:
+    # The first differing id is sampled, or is the template's last id before a sampled one that
+    # re-tokenising merges with it ("assistant\n" then a sampled "\n" is one "\n\n" id).
+    near = trajectory.origins[pos:pos + 2]
+    if same_text and TokenOrigin.SAMPLED in near:
         return ""
     at = _common_prefix_len(text_ledger, text_full)
     return (f"ledger has {len(ledger)} ids, re-render {len(full)}; first difference at id {pos}, character {at}: "

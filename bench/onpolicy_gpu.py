@@ -11,7 +11,7 @@ which are missing and exits 3 instead of reporting anything it did not measure.
 
     python bench/onpolicy_gpu.py --assets /path/to/assets            # scripts/gpu_onpolicy.sh wraps it
 
-It has not run yet: no GPU was available where it was written (docs/onpolicy.md).
+It has not run on a GPU yet (docs/onpolicy.md); `--device cpu` is its dry run here.
 """
 
 from __future__ import annotations
@@ -23,12 +23,26 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 NEEDED = ("torch", "transformers", "pydantic", "yaml", "httpx", "fastapi", "uvicorn", "jinja2", "gymnasium",
           "safetensors", "numpy")
 PLUGIN_FOLDERS = ("envs", "tools", "sandboxes", "configs")
+SAMPLINGS = {
+    "t1.0": ("rollout.temperature=1.0",),
+    "t0.7-p0.9-k20": ("rollout.temperature=0.7", "rollout.top_p=0.9", "rollout.top_k=20"),
+}
+"""Sampling settings per dtype: plain sampling, and a kept set the trainer must replay."""
+
+
+def where(torch, device: str) -> str:
+    """The device, torch and transformers versions the figures were measured with."""
+    import transformers
+
+    name = torch.cuda.get_device_name(0) if device == "cuda" else "cpu"
+    return f"{name}, torch {torch.__version__}, transformers {transformers.__version__}"
 
 
 def source_tree(root: Path) -> Path:
@@ -60,6 +74,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=os.environ.get("OUT", "gpu-onpolicy"))
     p.add_argument("--rows", type=int, default=4)
     p.add_argument("--timeout", type=float, default=200.0, help="seconds per dtype")
+    p.add_argument("--trainer-bench", action="store_true",
+                   help="then bench/trainer.py on the tiny model (FSDP2 update_policy's memory per token on the device)")
+    p.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
+                   help="cpu: a dry run of this same script where no GPU is (its figures are the CPU column's)")
     ns = p.parse_args(argv)
     out = Path(ns.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -71,46 +89,57 @@ def main(argv: list[str] | None = None) -> int:
         return 3
     import torch
 
-    if not torch.cuda.is_available():
+    if ns.device == "cuda" and not torch.cuda.is_available():
         print("no CUDA device: this script measures the GPU column only; run `agentrl check onpolicy` on CPU.",
               file=sys.stderr)
         return 3
     tiny = Path(ns.assets) / "tiny-random-qwen2"
     rows = []
     with tempfile.TemporaryDirectory(prefix="agentrl-src-") as tmp:
-        env = {**os.environ, "PYTHONPATH": str(source_tree(Path(tmp))), "AGENTRL_HF_DEVICE": "cuda",
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(source_tree(Path(tmp))), os.environ.get("PYTHONPATH")])), "AGENTRL_HF_DEVICE": ns.device,
                "AGENTRL_ASSETS": str(ns.assets)}
         for dtype in ("bfloat16", "float32"):
-            args = ["env=arithmetic", f"model.path={tiny}", "model.chat_template=chatml-tools", "inference.engine=hf",
-                    "trainer.device=cuda", f"model.dtype={dtype}", "rollout.max_tokens_per_turn=32",
-                    "rollout.max_turns=1", "rollout.max_total_tokens=512"]
-            try:
-                done = subprocess.run([sys.executable, "-m", "agentrl.cli", "check", "onpolicy", *args, "--rows",
-                                       str(ns.rows), "--json"], capture_output=True, text=True, env=env,
-                                      timeout=ns.timeout, cwd=tmp)
-            except subprocess.TimeoutExpired:
-                rows.append((dtype, None, f"timed out after {ns.timeout:.0f} s"))
-                continue
-            (out / f"check-{dtype}.stderr.txt").write_text(done.stderr[-20000:])
-            try:
-                report = json.loads(done.stdout)
-            except json.JSONDecodeError:
-                rows.append((dtype, None, (done.stderr.strip().splitlines() or ["no output"])[-1][:300]))
-                continue
-            (out / f"check-{dtype}.json").write_text(json.dumps(report, indent=2))
-            rows.append((dtype, report, ""))
-    lines = ["| dtype | check | status | figures |", "|---|---|---|---|"]
-    for dtype, report, error in rows:
+            for sampling, overrides in SAMPLINGS.items():
+                name = f"{dtype}-{sampling}"
+                args = ["env=arithmetic", f"model.path={tiny}", "model.chat_template=chatml-tools",
+                        "inference.engine=hf", f"trainer.device={ns.device}", f"model.dtype={dtype}",
+                        "rollout.max_tokens_per_turn=32", "rollout.max_turns=1", "rollout.max_total_tokens=512",
+                        *overrides]
+                started = time.monotonic()
+                try:
+                    done = subprocess.run([sys.executable, "-m", "agentrl.cli", "check", "onpolicy", *args, "--rows",
+                                           str(ns.rows), "--json"], capture_output=True, text=True, env=env,
+                                          timeout=ns.timeout, cwd=tmp)
+                except subprocess.TimeoutExpired:
+                    rows.append((dtype, sampling, None, f"timed out after {ns.timeout:.0f} s"))
+                    continue
+                (out / f"check-{name}.stderr.txt").write_text(done.stderr[-20000:])
+                try:
+                    report = json.loads(done.stdout)
+                except json.JSONDecodeError:
+                    rows.append((dtype, sampling, None, (done.stderr.strip().splitlines() or ["no output"])[-1][:300]))
+                    continue
+                report["wall_s"] = round(time.monotonic() - started, 1)
+                (out / f"check-{name}.json").write_text(json.dumps(report, indent=2))
+                rows.append((dtype, sampling, report, ""))
+        if ns.trainer_bench:
+            bench = subprocess.run([sys.executable, str(REPO / "bench" / "trainer.py"), "--prefix-model", "tiny",
+                                    "--repeats", "1"], capture_output=True, text=True, env=env, timeout=ns.timeout,
+                                   cwd=tmp)
+            (out / "trainer_bench.txt").write_text(f"exit {bench.returncode}\n{bench.stdout}\n{bench.stderr[-8000:]}")
+    lines = [f"device: {where(torch, ns.device)}", "",
+             "| dtype | sampling | check | status | figures |", "|---|---|---|---|---|"]
+    for dtype, sampling, report, error in rows:
         if report is None:
-            lines.append(f"| {dtype} | - | ERROR | {error} |")
+            lines.append(f"| {dtype} | {sampling} | - | ERROR | {error} |")
             continue
         for c in report["checks"]:
             figures = " ".join(f"{k}={v:.3g}" for k, v in c["figures"].items())
-            lines.append(f"| {dtype} | {c['name']} | {c['status']} | {figures} |")
+            lines.append(f"| {dtype} | {sampling} | {c['name']} | {c['status']} | {figures} |")
     table = "\n".join(lines) + "\n"
     (out / "gpu_onpolicy.md").write_text(table)
     sys.stdout.write(table)
-    return 0 if all(r is not None and r["passed"] for _d, r, _e in rows) else 1
+    return 0 if all(r is not None and r["passed"] for _d, _s, r, _e in rows) else 1
 
 
 if __name__ == "__main__":

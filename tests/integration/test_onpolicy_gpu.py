@@ -23,9 +23,9 @@ def test_gpu_column_reports_both_dtypes_and_fp32_is_on_policy(tmp_path: Path, as
     done = subprocess.run([sys.executable, str(REPO / "bench" / "onpolicy_gpu.py"), "--assets", str(assets),
                            "--out", str(tmp_path), "--rows", "2"], capture_output=True, text=True, timeout=480)
     assert json.loads((tmp_path / "imports.json").read_text())["missing"] == [], done.stderr[-2000:]
-    fp32 = json.loads((tmp_path / "check-float32.json").read_text())
-    bf16 = json.loads((tmp_path / "check-bfloat16.json").read_text())
+    fp32 = json.loads((tmp_path / "check-float32-t1.0.json").read_text())
+    bf16 = json.loads((tmp_path / "check-bfloat16-t1.0.json").read_text())
     status = {c["name"]: c["status"] for c in fp32["checks"]}
     assert status["template"] == "PASS" and status["rescore"] == "PASS" and status["cache"] == "PASS"
     assert {c["name"] for c in bf16["checks"]} == set(status)
-    assert "| float32 | rescore | PASS |" in (tmp_path / "gpu_onpolicy.md").read_text()
+    assert "| float32 | t1.0 | rescore | PASS |" in (tmp_path / "gpu_onpolicy.md").read_text()

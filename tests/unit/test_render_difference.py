@@ -2,7 +2,8 @@
 
 Guards: a ledger whose sampled ids re-tokenise differently but decode to the same text agrees with
 the re-render (the ledger keeps what was sampled); a parser that stripped whitespace the model
-sampled is not a template mismatch; a template that renders the assistant turn with an extra space
+sampled is not a template mismatch, nor is a sampled newline that re-tokenises into the generation
+prompt's last id; a template that renders the assistant turn with an extra space
 is one, and the reason says where.
 """
 
@@ -39,6 +40,16 @@ def test_non_canonical_sampled_ids_and_stripped_whitespace_agree() -> None:
     assert [i for p in split for i in p] != enc(" hello world")
     assert render_difference(template, t, prefix=True) == ""
     assert render_difference(template, t) != ""  # without prefix the re-render's closing is missing
+
+
+def test_a_turn_that_starts_with_a_sampled_newline_agrees() -> None:
+    """Re-tokenised, the generation prompt's closing newline and the sampled one are one id."""
+    template = ChatTemplate.from_pretrained(TINY, TOOL_CHATML_TEMPLATE)
+    enc = template.encode
+    for text in ("\nhello", "\n\nhello"):
+        t = episode(template, [enc(text[:1]), enc(text[1:])], text.strip())
+        assert t.token_ids != template.encode_prompt(t.messages, None, add_generation_prompt=False)[: len(t.token_ids)]
+        assert render_difference(template, t, prefix=True) == ""
 
 
 def test_a_template_that_adds_a_space_to_the_assistant_turn_differs() -> None:
