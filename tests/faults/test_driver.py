@@ -1,10 +1,9 @@
 """Faults of the driver and the trainer, met as a user meets them.
 
-Ctrl-C and SIGKILL of the driver run in both placements (split: a server process beside the trainer
-actor; colocated: the vLLM engine inside the trainer actor, whose runs start their own engine). In
-colocated placement the two are one run: interrupted with Ctrl-C, resumed as a process that is then
-SIGKILLed, resumed again to the end (each fault checked as in split; one engine start fewer). The
-trainer's death is tested in each placement by its own test, since colocated it is the engine's too.
+An interruption and a SIGKILL of the driver run in both placements, each as one run (split: a
+server process beside the trainer actor; colocated: the vLLM engine inside the trainer actor):
+interrupted mid-step, resumed as a process that is then SIGKILLed, resumed again to the end. Split
+is interrupted with SIGTERM, colocated with Ctrl-C (one handler serves both).
 
 - Ctrl-C (SIGINT) of `agentrl run` in the middle of a step: it exits 130 saying how to continue,
   every prompt it took already has its final state in the ledger (the in-flight ones as
@@ -12,9 +11,9 @@ trainer's death is tested in each placement by its own test, since colocated it 
 - SIGTERM (what a scheduler sends) of `agentrl run` mid-step is handled as Ctrl-C is: it exits 143
   (128 + 15) saying it was SIGTERM and with the command that continues it, the in-flight prompts are
   `unfinished` in the ledger, and nothing it started is left running.
-- SIGKILL of `agentrl run` (which started its own vLLM server): within seconds nothing it started
-  is left (the vLLM server, its engine core, Ray's processes, the trainer actor); the resumed run
-  closes the dead run's in-flight prompts as `unfinished` before it continues, and finishes.
+- SIGKILL of `agentrl run` (split: the resume started its own vLLM server): within seconds nothing it
+  started is left (the vLLM server, its engine core, Ray's processes, the trainer actor); the resumed
+  run closes the dead run's in-flight prompts as `unfinished` before it continues, and finishes.
 - The trainer actor is SIGKILLed between steps: the run stops with a message naming the trainer,
   loses no prompt, and resumes to the end.
 - The colocated trainer actor (trainer and vLLM engine in one process) is SIGKILLed while step 1's
@@ -118,39 +117,16 @@ def sigkill_the_driver(proc: subprocess.Popen[str], run_dir: Path, placement: st
         check_books(run_dir)  # the killed run could not close its books ...
 
 
-def test_ctrl_c_closes_every_prompt_leaves_nothing_running_and_resumes(
-    tmp_path: Path, shared_url: str, assets: Path
-) -> None:
-    from agentrl.orchestration.driver import run_training
-
-    shutdown_ray()
-    where, url = placed("split", shared_url)
-    args = overrides(tmp_path, "sigint", assets, "run.total_steps=4", *where, url=url)
-    proc = start_cli(tmp_path, args)
-    run_dir = tmp_path / "sigint"
-    wait_for_open_attempts_after_a_checkpoint(proc, run_dir, timeout_s=1200)
-    interrupt_with_ctrl_c(proc, run_dir, "sigint", "split")
-
-    resumed = run_training(make_config(tmp_path, "sigint", assets, "run.total_steps=4", *where, "resume=true", url=url))
-    assert resumed.steps_done == 4 and resumed.policy_version == 4
-    assert check_books(run_dir)["trained"] >= 12
-    assert sorted(trained_by_step(run_dir)) == [0, 1, 2, 3]
-
-
-def test_sigterm_is_handled_as_ctrl_c_and_exits_143_with_the_resume_command(
-    tmp_path: Path, shared_url: str, assets: Path
-) -> None:
-    shutdown_ray()
-    args = overrides(tmp_path, "sigterm", assets, "run.total_steps=4", url=shared_url)
-    proc = start_cli(tmp_path, args)
-    run_dir = tmp_path / "sigterm"
-    wait_for_open_attempts_after_a_checkpoint(proc, run_dir, timeout_s=1200)
+def terminate_with_sigterm(proc: subprocess.Popen[str], run_dir: Path, name: str, output_dir: Path) -> None:
+    """SIGTERM (what a scheduler sends) to the running `agentrl run` (mid-step): handled as Ctrl-C,
+    it exits 143 (not Ray's exit 15) naming SIGTERM with the command that continues the run, its
+    in-flight prompts closed `unfinished` (interrupted), and nothing it started left running."""
     started = descendants(proc.pid)
     proc.send_signal(signal.SIGTERM)
     _, stderr = proc.communicate(timeout=300)
-    assert proc.returncode == 143, stderr[-3000:]  # not Ray's exit 15
-    command = shlex.join(["agentrl", "run", f"{run_dir}/config.yaml", "resume=true", "run.name=sigterm",
-                          f"run.output_dir={tmp_path}"])
+    assert proc.returncode == 143, stderr[-3000:]
+    command = shlex.join(["agentrl", "run", f"{run_dir}/config.yaml", "resume=true", f"run.name={name}",
+                          f"run.output_dir={output_dir}"])
     assert "the run was interrupted (SIGTERM)" in stderr and command in stderr, stderr[-3000:]
     check_books(run_dir)  # balanced as it stands: the interrupted run closed its own books
     unfinished = [e for e in lines(run_dir / "ledger.jsonl") if e["status"] == "unfinished"]
@@ -158,27 +134,35 @@ def test_sigterm_is_handled_as_ctrl_c_and_exits_143_with_the_resume_command(
     assert wait_until_gone(started) == []
 
 
-def test_sigkill_of_the_driver_leaves_nothing_behind_and_the_resume_closes_its_books(
+def test_split_sigterm_then_a_sigkill_of_the_resumed_driver_and_the_last_resume_loses_nothing(
     tmp_path: Path, vllm_ready: str, shared_url: str, assets: Path
 ) -> None:
+    """Split, both driver faults on one run: SIGTERM mid-step (on the session's server), a resume (a
+    process that starts a vLLM server of its own) SIGKILLed mid-step, and a second resume that closes
+    the killed session's books and finishes."""
     from agentrl.orchestration.driver import run_training
 
     shutdown_ray()
-    args = overrides(tmp_path, "sigkill", assets, "run.total_steps=4")  # starts a vLLM server of its own
-    proc = start_cli(tmp_path, args)
-    run_dir = tmp_path / "sigkill"
-    wait_for_open_attempts_after_a_checkpoint(proc, run_dir, timeout_s=2400)
+    name, run_dir = "splitfaults", tmp_path / "splitfaults"
+    proc = start_cli(tmp_path, overrides(tmp_path, name, assets, "run.total_steps=5", url=shared_url))
+    interrupted_after = wait_for_open_attempts_after_a_checkpoint(proc, run_dir, timeout_s=1200)
+    terminate_with_sigterm(proc, run_dir, name, tmp_path)
+
+    proc = start_cli(tmp_path, [*overrides(tmp_path, name, assets, "run.total_steps=5"), "resume=true"])
+    wait_for_open_attempts_after_a_checkpoint(proc, run_dir, timeout_s=2400, after_step=interrupted_after)
     sigkill_the_driver(proc, run_dir, "split")
 
-    resumed = run_training(make_config(tmp_path, "sigkill", assets, "run.total_steps=4", "resume=true",
-                                       url=shared_url))
-    assert resumed.steps_done == 4 and resumed.policy_version == 4
-    books = check_books(run_dir)  # ... the resumed one did, before it continued
-    killed = [e for e in lines(run_dir / "ledger.jsonl") if e["status"] == "unfinished" and e["session"] == 0]
+    resumed = run_training(make_config(tmp_path, name, assets, "run.total_steps=5", "resume=true", url=shared_url))
+    assert resumed.steps_done == 5 and resumed.policy_version == 5
+    books = check_books(run_dir)  # ... the last resume closed the killed session's books, then finished
+    ledger = lines(run_dir / "ledger.jsonl")
+    interrupted = [e for e in ledger if e["status"] == "unfinished" and e["session"] == 0]
+    killed = [e for e in ledger if e["status"] == "unfinished" and e["session"] == 1]
+    assert interrupted and all("interrupted" in e["reason"] for e in interrupted)
     assert killed and all("killed while it was in flight" in e["reason"] for e in killed)
-    assert books["trained"] >= 12 and sorted(trained_by_step(run_dir)) == [0, 1, 2, 3]
+    assert books["trained"] >= 15 and sorted(trained_by_step(run_dir)) == [0, 1, 2, 3, 4]
     log = (run_dir / "driver.log").read_text()
-    assert "resuming" in log and "session 1" in log
+    assert "session 1" in log and "session 2" in log
 
 
 def test_colocated_ctrl_c_then_a_sigkill_of_the_resumed_driver_and_the_last_resume_loses_nothing(
