@@ -36,7 +36,6 @@ from fault_common import (
     lines,
     make_config,
     overrides,
-    placed,
     procs_matching,
     shutdown_ray,
     start_cli,
