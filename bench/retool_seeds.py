@@ -1,6 +1,6 @@
 """The README's headline, measured the way a user meets it: `agentrl run env=retool` over several seeds.
 
-    python bench/retool_seeds.py                      # seeds 1..5, one after the other
+    python bench/retool_seeds.py                      # seeds 0..4 (0 is the default), one after the other
     python bench/retool_seeds.py --seeds 1 2 3        # chosen seeds
     python bench/retool_seeds.py --report runs-seeds  # re-read finished runs, run nothing
 
@@ -73,7 +73,7 @@ def table(rows: list[dict]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3, 4, 5])
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
     parser.add_argument("--out", type=Path, default=Path("runs-seeds"))
     parser.add_argument("--report", type=Path, help="read the runs in this directory; run nothing")
     parser.add_argument("overrides", nargs="*", help="extra key=value overrides for every run")

@@ -1,0 +1,115 @@
+"""`agentrl run` (the command, as a user types it) trains on environments agentrl's authors did not
+write: an OpenEnv server agentrl starts per episode, a Gymnasium text env registered by id, and the
+tools of an MCP server from PyPI, each with the tiny random Qwen2 served by the hf engine.
+
+Guards: each run exits 0 with a balanced ledger, trains its steps and writes their episodes; on the
+OpenEnv run, a server that dies mid-episode (the seed-13 row) makes that row's episodes
+infrastructure failures, masked and never trained or scored 0, while the others train; no env server
+or MCP server process outlives the run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+TESTS = Path(__file__).resolve().parents[1]
+REPO = TESTS.parent
+DYING_SERVER = TESTS / "openenv" / "dying_guess_server.py"
+DYING_SEED = 13
+# The random model seldom samples its end-of-turn token: the first 20,000 ids end a turn too, so
+# most turns end and reach the env as actions instead of running into the token budget.
+STOPS = f"rollout.extra_stop_token_ids=[{','.join(str(i) for i in range(20000))}]"
+
+
+def lines(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
+
+
+def agentrl_run(tmp_path: Path, name: str, assets: Path, *args: str) -> tuple[subprocess.CompletedProcess[str], Path]:
+    command = [sys.executable, "-m", "agentrl.cli", "run", *args, f"model.path={assets / 'tiny-random-qwen2'}",
+               "model.chat_template=chatml-tools", "inference.engine=hf", "trainer.device=cpu",
+               "data.prompts_per_step=2", "rollout.samples_per_prompt=2", "rollout.max_tokens_per_turn=16",
+               "data.num_val_rows=1", "eval.k=1", "run.eval_every=0", "run.loggers=[jsonl]",
+               f"run.output_dir={tmp_path}", f"run.name={name}"]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, f"exit {done.returncode}:\n{done.stdout[-2000:]}\n{done.stderr[-6000:]}"
+    return done, tmp_path / name
+
+
+def check_trained(run_dir: Path, steps: int) -> list[dict]:
+    """The run's books balance and it trained `steps` steps; returns every episode it logged."""
+    from agentrl.orchestration.ledger import journal_balance
+
+    books = journal_balance(run_dir / "ledger.jsonl")
+    assert books["trained"] >= 1 and books.get("in_flight", 0) == 0
+    assert [m["step"] for m in lines(run_dir / "metrics.jsonl")] == list(range(steps))
+    episodes = [e for f in sorted((run_dir / "rollouts").glob("step-*.jsonl")) for e in lines(f)]
+    assert episodes and any(e["trained"] for e in episodes)
+    return episodes
+
+
+def processes_running(marker: str) -> list[str]:
+    ps = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout
+    return [line for line in ps.splitlines() if marker in line and "pytest" not in line]
+
+
+def test_run_trains_on_an_openenv_server_and_masks_the_episodes_of_one_that_dies(
+        assets: Path, tmp_path: Path) -> None:
+    pytest.importorskip("openenv.core")
+    rows = tmp_path / "rows.jsonl"
+    with rows.open("w") as f:
+        for seed in (1, 2, DYING_SEED, 4):
+            f.write(json.dumps({"prompt": [{"role": "user", "content": f"Seed {seed}. Play the game."}],
+                                "data_source": "openenv", "extra_info": {"seed": seed}}) + "\n")
+    _, run_dir = agentrl_run(
+        tmp_path, "openenv", assets, "env=openenv", f"data.train_files=[{rows}]", f"data.val_files=[{rows}]",
+        f"env.kwargs.command=[python, {DYING_SERVER}, --port, '{{port}}']", "env.kwargs.message_timeout_s=30",
+        "env.kwargs.startup_timeout_s=120", "rollout.max_turns=3", "run.total_steps=2",
+        "run.max_infra_failure_rate=0.6", STOPS)
+    episodes = check_trained(run_dir, 2)
+    died = [e for e in episodes if f"Seed {DYING_SEED}." in json.dumps(e["messages"])]
+    others = [e for e in episodes if e not in died]
+    assert len(died) == 2, "both samples of the seed-13 row met the dying server"
+    for e in died:
+        assert e["fault"] == "infra" and "OpenEnv server" in (e["error"] or "") and not e["trained"]
+    assert others and all(e["fault"] is None for e in others)
+    assert any(e["trained"] for e in others)
+    assert sum(m["episodes/infra_failed"] for m in lines(run_dir / "metrics.jsonl")) == 2
+    assert processes_running(str(DYING_SERVER)) == []
+
+
+def test_run_trains_on_a_gymnasium_text_env_registered_by_id(assets: Path, tmp_path: Path) -> None:
+    _, run_dir = agentrl_run(tmp_path, "gym", assets, "env=gym", "env.kwargs.id=gym_text.guess_text_env:GuessText-v0",
+                             "rollout.max_turns=3", "run.total_steps=2", STOPS)
+    episodes = check_trained(run_dir, 2)
+    assert all(e["fault"] is None for e in episodes)
+    assert all(e["messages"][1]["content"] == "Guess my number from 1 to 10 in 3 tries." for e in episodes)
+
+
+def test_run_trains_with_the_tools_of_mcp_servers_one_per_episode_and_one_from_pypi_shared(
+        assets: Path, tmp_path: Path) -> None:
+    pytest.importorskip("mcp_server_time")
+    rows = tmp_path / "rows.jsonl"
+    with rows.open("w") as f:
+        for a, b in ((2, 3), (7, 5), (4, 4), (9, 1)):
+            f.write(json.dumps({"prompt": [{"role": "user", "content": f"What is {a} + {b}?"}],
+                                "data_source": "mcp-test", "reward_model": {"style": "rule",
+                                                                            "ground_truth": str(a + b)}}) + "\n")
+    calculator = REPO / "envs" / "data" / "mcp_calculator.py"
+    servers = (f"[{{name: calculator, command: python, args: [{calculator}], ro_paths: [{calculator.parent}]}}, "
+               "{name: time, command: python, args: [-m, mcp_server_time], per_episode: false}]")
+    _, run_dir = agentrl_run(tmp_path, "mcp", assets, "env=mcp", f"env.kwargs.servers={servers}",
+                                f"data.train_files=[{rows}]", f"data.val_files=[{rows}]", "rollout.max_turns=2",
+                                "run.total_steps=1", STOPS)
+    episodes = check_trained(run_dir, 1)
+    assert all(e["fault"] is None for e in episodes)
+    assert processes_running(str(calculator)) == [] and processes_running("mcp_server_time") == []
