@@ -11,8 +11,8 @@ run's `result.json` it reads held-out pass@1 before and after training and the w
 a Markdown table with every run and the spread: how many gained at least +0.10, the smallest gain,
 the median. A run that fails is a row saying so, never a gain of 0.
 
-Targets for the README's headline: a gain of at least +0.10 in at least 4 of 5 runs, none below +0.05, each run
-within 15 minutes on an idle machine. Run it with nothing else running.
+Targets for the README's headline: a median gain of at least +0.15 over seeds 0-4, none below +0.05,
+each run within 15 minutes on an idle machine. Run it with nothing else running.
 """
 
 from __future__ import annotations
