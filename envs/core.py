@@ -138,6 +138,13 @@ class Env(gymnasium.Env[list, Action]):
         starting an episode (no context, no sandbox); None when the env cannot tell without a reset."""
         return None
 
+    async def apreflight(self) -> str | None:
+        """Pre-flight (`agentrl run`, `eval`, `doctor`): check, in seconds and before anything starts,
+        what this env needs from outside the process (a server it connects to); return what was
+        checked, or None when there is nothing to check (the default). Raise `EnvServerError`
+        naming the address and the fix when it cannot be reached."""
+        return None
+
     # ── async twins: default to running the sync methods in a thread ────────────────────────
     async def areset(
         self, *, seed: int | None = None, options: dict[str, Any] | None = None

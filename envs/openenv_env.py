@@ -195,6 +195,25 @@ class OpenEnvEnv(Env):
         """A row that resets the server with `seed`."""
         return seed_row(seed, "openenv", instructions or DEFAULT_INSTRUCTIONS)
 
+    async def apreflight(self) -> str | None:
+        """With `url`: the server answers its /health within `startup_timeout_s` (at most 10 s here).
+        A `command`'s server starts per episode, so there is nothing running to ask."""
+        if self.url is None:
+            return None
+        import httpx
+
+        health = self.url.replace("ws://", "http://", 1).replace("wss://", "https://", 1) + "/health"
+        try:
+            async with httpx.AsyncClient(timeout=min(self.startup_timeout_s, 10.0)) as client:
+                answer = await client.get(health)
+        except httpx.HTTPError as exc:
+            raise EnvServerError(f"the OpenEnv server at {self.url} did not answer {health}: "
+                                 f"{type(exc).__name__}: {exc}") from exc
+        if answer.status_code != 200:
+            raise EnvServerError(f"the OpenEnv server at {self.url} answered {health} with HTTP "
+                                 f"{answer.status_code}: {answer.text[:200]}")
+        return f"the OpenEnv server at {self.url} answers {health}"
+
     # ── the contract ────────────────────────────────────────────────────────────────────────
     async def areset(
         self, *, seed: int | None = None, options: dict[str, Any] | None = None

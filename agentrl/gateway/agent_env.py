@@ -63,7 +63,7 @@ from agentrl.envs.arithmetic import ArithmeticEnv, make_arithmetic_row
 from agentrl.envs.core import Env, EpisodeLoop, ExternalAgentEnv
 from agentrl.envs.reward_sources import ascore_row
 from agentrl.envs.rewards import RewardFn, compute_score
-from agentrl.errors import ConfigError, EnvError
+from agentrl.errors import ConfigError, EnvError, RewardMissingError
 from agentrl.gateway.server import Gateway, SharedGateway
 from agentrl.gateway.session import GatewaySession
 from agentrl.registry import import_object
@@ -149,6 +149,8 @@ def load_callable(spec: str | Callable[..., Any], what: str) -> Callable[..., An
 class AgentEnv(Env, ExternalAgentEnv):
     """Runs a user's OpenAI-API agent as an environment (see the module docstring)."""
 
+    recorded_info = ("reward",)  # what the reward's sources said (judge verdicts), for the viewer
+
     def __init__(
         self,
         agent: str | Callable[[AgentTask], Any] | None = None,
@@ -206,8 +208,14 @@ class AgentEnv(Env, ExternalAgentEnv):
         """The reward of `answer` on `row` (the run's `reward_fn`, verl's contract), and the extra
         numbers it returned as `reward/<name>` metrics. Raises when the row has no ground truth, and
         `RewardMissingError` when a source of a combined reward (a judge, a reward model) cannot score."""
+        score, metrics, _record = await self._score(answer, row)
+        return score, metrics
+
+    async def _score(self, answer: str, row: dict[str, Any]) -> tuple[float, dict[str, float], dict[str, Any]]:
+        """`ascore`, plus what the reward's sources said (judge verdicts, reward-model scores), kept
+        in the trajectory's `info["reward"]`."""
         result = await ascore_row(self.reward_fn, row, answer)
-        return result.score, result.metrics()
+        return result.score, result.metrics(), result.record
 
     # ── without an agent: one turn, the model answers directly ─────────────────────────────
     async def areset(self, *, seed: int | None = None, options: dict[str, Any] | None = None
@@ -227,8 +235,8 @@ class AgentEnv(Env, ExternalAgentEnv):
         if not isinstance(action, Action):
             raise EnvError(f"step expects an agentrl.types.Action, got {type(action).__name__}.")
         row, self._row = self._row, None
-        reward, extra = await self.ascore(action.text, row)
-        return [], reward, True, False, {"metrics": extra}
+        reward, extra, record = await self._score(action.text, row)
+        return [], reward, True, False, {"metrics": extra, **({"reward": record} if record else {})}
 
     # ── with an agent: the agent drives the episode through the gateway ────────────────────
     async def arun_episode(self, loop: EpisodeLoop, *, row: dict[str, Any] | None, seed: int | None,
@@ -292,8 +300,16 @@ class AgentEnv(Env, ExternalAgentEnv):
                      "client at OPENAI_BASE_URL / AgentTask.base_url")
         if fault is None and reward is None:
             try:
-                reward, scored = await self.ascore(answer or "", row)
+                reward, scored, record = await self._score(answer or "", row)
                 extra.update(scored)
+                if record:
+                    info["reward"] = record
+            except RewardMissingError as exc:  # a judge or reward model could not score: masked, with its cause
+                reason, fault, reward = FinishReason.ERROR, "infra", None
+                error = f"the reward could not be measured ({exc.cause}): {exc.detail}"
+                info["reward_missing"] = {"cause": exc.cause, "message": exc.detail}
+                if exc.record:
+                    info["reward"] = exc.record
             except Exception as exc:  # a broken reward function must not score the episode 0
                 reason, fault, reward = FinishReason.ERROR, "infra", None
                 error = f"the reward function failed: {type(exc).__name__}: {exc}"

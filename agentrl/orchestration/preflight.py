@@ -8,6 +8,8 @@ cheap (seconds):
   the env has a `python` tool), on an instance of its own that is closed afterwards.
 - `inference`: the engine can start here (vLLM importable by the python that will run it and, on
   CPU, a C++ compiler and Python headers for the kernels it compiles), or the external servers answer.
+- `env`: what the env connects to answers (`Env.apreflight`: an OpenEnv server's /health at
+  `env.kwargs.url`); an env with nothing outside its process adds no line.
 - `rows`: the dataset has rows, and the reward function scores rows' own answers (ground truths
   written in their source's format) as correct: a sample of up to 64 rows, every data source
   included. A user's `reward.function` may score some of them below 1 by its own rules; it is
@@ -41,8 +43,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from agentrl.envs.core import Env
 from agentrl.envs.rewards import check_ground_truths, render_answer
-from agentrl.errors import AgentRLError, PreflightError, RewardMissingError
+from agentrl.errors import AgentRLError, EnvServerError, PreflightError, RewardMissingError
 from agentrl.orchestration.build import Job, build_sandbox
 from agentrl.orchestration.placement import VLLM_RUNTIME_GB
 from agentrl.orchestration.prompt_length import PromptMeter
@@ -90,7 +93,7 @@ def preflight(job: Job) -> list[Check]:
 
 def run_checks(job: Job) -> list[Check]:
     """Every pre-flight check of `job`, passed or not (see the module docstring)."""
-    checks = [_check_sandbox(job), _check_inference(job), _check_rows(job), _check_judge(job),
+    checks = [_check_sandbox(job), _check_inference(job), _check_env(job), _check_rows(job), _check_judge(job),
               _check_prompt_lengths(job)]
     if job.purpose == "run":
         checks.append(_check_disk(job))
@@ -253,6 +256,27 @@ def _check_rows(job: Job) -> Check:
                      "check each row's data_source and reward_model.ground_truth, or name a reward "
                      "function that reads them (reward.function=module:fn)")
     return Check("dataset", True, f"{detail}; {len(picked)} rows' own answers score 1.0 with {job.reward_fn!r}")
+
+
+def _check_env(job: Job) -> Check | None:
+    """The env's own pre-flight (`Env.apreflight`): a server it connects to answers. Only an env
+    class that has one is built here (building some envs starts what a run shares)."""
+    if job.env_cls.apreflight is Env.apreflight:
+        return None
+    env = job.make_env()
+
+    async def ask() -> str | None:
+        try:
+            return await env.apreflight()
+        finally:
+            await env.aclose()
+
+    name = f"env ({job.config.env.name})"
+    try:
+        checked = asyncio.run(ask())
+    except EnvServerError as exc:
+        return Check(name, False, str(exc), "start the env's server, or fix its address in env.kwargs")
+    return Check(name, True, checked) if checked else None
 
 
 def _check_judge(job: Job) -> Check | None:

@@ -3,8 +3,9 @@
 The rollout worker plays each episode by running the agent, which calls the gateway with the
 official `openai` client; the model is scripted (real tokenizer, real template and parser) so that
 the agents' paths are reproducible: tool calls, a history rewrite, a crash, a timeout, a refused
-call. Checked: every episode returns its trajectories (segments flattened into the group), the
-reward comes from the row, and failures are classified (infra: masked; budgets: trained, reward 0).
+call, a judge that is down. Checked: every episode returns its trajectories (segments flattened
+into the group), the reward comes from the row, and failures are classified (infra: masked;
+budgets: trained, reward 0; a reward that cannot be measured: missing with its cause, never 0).
 """
 
 from __future__ import annotations
@@ -257,3 +258,23 @@ def test_the_job_owns_the_gateway_its_envs_share(assets: Path) -> None:
         return status, job.gateway.started  # type: ignore[union-attr]
 
     assert asyncio.run(go()) == (200, False)
+
+
+def test_a_judge_that_is_down_leaves_the_agents_episode_unscored_with_its_cause(template: ChatTemplate) -> None:
+    """A reward the judge cannot give is missing (cause `infra`, what was asked kept), never 0."""
+    import socket
+
+    from agentrl.config import JudgeConfig, RewardConfig
+    from agentrl.envs.reward_sources import build_reward
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        closed = s.getsockname()[1]
+    reward = build_reward(RewardConfig(judge=JudgeConfig(url=f"http://127.0.0.1:{closed}/v1", timeout_s=5)))
+    trajs, _ = _run(template, lambda: AgentEnv(tool_agent, reward_fn=reward))
+    assert len(trajs) == 2
+    for t in trajs:
+        assert (t.reward, t.fault, t.finish_reason) == (None, "infra", FinishReason.ERROR)
+        assert t.info["reward_missing"]["cause"] == "infra" and "cannot be reached" in t.info["reward_missing"]["message"]
+        assert t.info["reward"]["parts"]["judge"]["missing"] == "infra"
+        assert t.error is not None and t.error.startswith("the reward could not be measured (infra)")

@@ -117,3 +117,39 @@ def test_rows_whose_prompt_leaves_no_room_to_sample_are_named_before_anything_st
     fits = checks_by_name(job_for(tmp_path, f"data.train_files=[{path}]", "rollout.max_total_tokens=2048"))
     assert fits["prompt lengths"].ok and not fits["prompt lengths"].warning
     assert fits["prompt lengths"].detail.endswith(f"is {lengths[2]} tokens, under rollout.max_total_tokens=2048")
+
+
+def test_an_openenv_server_that_does_not_answer_is_named_before_anything_starts(tmp_path: Path) -> None:
+    """`env.kwargs.url` is asked for /health at pre-flight; an env with nothing outside adds no line."""
+    import socket
+    import threading
+    from http.server import BaseHTTPRequestHandler, HTTPServer
+
+    pytest.importorskip("openenv.core")
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        closed = s.getsockname()[1]
+    job = job_for(tmp_path, "env=openenv", f"env.kwargs.url=http://127.0.0.1:{closed}", "inference.engine=hf")
+    check = checks_by_name(job)["env (openenv)"]
+    assert not check.ok and f"the OpenEnv server at http://127.0.0.1:{closed} did not answer" in check.detail
+    with pytest.raises(PreflightError, match="start the env's server, or fix its address in env.kwargs"):
+        preflight(job)
+
+    class Health(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(200 if self.path == "/health" else 404)
+            self.end_headers()
+            self.wfile.write(b'{"status": "healthy"}')
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = HTTPServer(("127.0.0.1", 0), Health)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"ws://127.0.0.1:{server.server_address[1]}"
+        check = checks_by_name(job_for(tmp_path, "env=openenv", f"env.kwargs.url={url}", "inference.engine=hf"))
+        assert check["env (openenv)"].ok and "/health" in check["env (openenv)"].detail
+    finally:
+        server.shutdown()
+    assert "env (arithmetic)" not in checks_by_name(job_for(tmp_path))
