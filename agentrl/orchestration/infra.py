@@ -39,6 +39,13 @@ _FIXES: tuple[tuple[str, str], ...] = (
     (r"bubblewrap|bwrap", "install bubblewrap ('bash scripts/install.sh' does, or 'apt-get install "
                           "bubblewrap'), or pick another sandbox with sandbox=docker"),
     (r"docker", "start the Docker daemon ('bash scripts/install.sh docker' does) or use sandbox=local"),
+    (r"the OpenEnv server", "the env's OpenEnv server (named above) died, closed its session or stopped "
+                            "answering: see its output in the error, check env.kwargs.url / command and "
+                            "env.kwargs.message_timeout_s"),
+    (r"MCP server '", "an MCP tool server (env.kwargs.servers, named above) crashed, hung or broke the protocol: "
+                      "run its command by hand to see why; raise rollout.tool_timeout_s for slow tools"),
+    (r"the verifiers rubric|the verifiers rewards", "the verifiers taskset's reward code failed or hung (named "
+                                                    "above): fix it, or raise env.kwargs.score_timeout_s"),
     (r"did not answer within|deadline|ran out of time|did not finish within",
      "a tool or generation took longer than its deadline: raise rollout.tool_timeout_s / "
      "rollout.request_timeout_s, or lower the load (rollout.max_concurrent_episodes)"),

@@ -27,7 +27,9 @@ count as a last step's, and its failure is an infrastructure fault (masked), nev
 A reward that could not be measured (`RewardMissingError` from the env's step or truncation: a
 judge down, slow or unreadable, a rule function that raised) is such a fault too; the trajectory's
 `info["reward_missing"]` holds its cause and message, `info["reward"]` what the sources said, and its
-reward is None.
+reward is None, as is that of every episode that failed for infrastructure reasons or on a refused
+request before the env graded it (whatever rewards its earlier steps had given: the episode was not
+measured to its end).
 
 Of the env's info the trajectory keeps the numbers of `info["metrics"]`, `truncated_by`, and the
 keys the env class names in `recorded_info` (SWE's `info["swe"]`: per-test statuses and the
@@ -115,6 +117,7 @@ class _Episode:
     """The env has been reset and has not ended the episode itself."""
     turns: int = 0
     reward: float = 0.0
+    graded: bool = False  # the env settled an episode a loop budget ended (`atruncate`): its reward was measured
     last_info: dict[str, Any] = field(default_factory=dict)
     timings: dict[str, float] = field(default_factory=lambda: {"generate_s": 0.0, "env_s": 0.0})
 
@@ -347,6 +350,7 @@ class AgentLoop:
         finally:
             ep.timings["env_s"] += time.perf_counter() - t0
         ep.reward += float(reward)
+        ep.graded = True
         if isinstance(info, dict):
             metrics = {**ep.last_info.get("metrics", {}), **info.get("metrics", {})}
             ep.last_info = {**ep.last_info, **info, "metrics": metrics}
@@ -357,7 +361,11 @@ class AgentLoop:
         t.finish_reason = reason
         t.fault = fault
         t.error = error
-        t.reward = None if "reward_missing" in t.info else ep.reward  # not measured: no number, not 0
+        # Not measured (a reward source failed, or the episode broke for infrastructure reasons or on a
+        # refused request before the env graded it, whatever it had collected): no number, never 0. An
+        # episode the env graded after a budget ended it keeps that grade, masked or not.
+        unmeasured = "reward_missing" in t.info or (fault in ("infra", "request") and not ep.graded)
+        t.reward = None if unmeasured else ep.reward
         env_metrics = ep.last_info.get("metrics", {}) if isinstance(ep.last_info, dict) else {}
         t.metrics.update({k: float(v) for k, v in env_metrics.items() if isinstance(v, (int, float))})
         if isinstance(ep.last_info, dict):

@@ -379,5 +379,5 @@ def test_the_agent_loop_masks_an_episode_whose_test_command_cannot_start(assets:
     env = SweEnv()
     loop = AgentLoop(_ScriptedModel(template.tokenizer, fix=False), template, HermesParser())
     traj = run(lambda: loop.run_episode(env, row=task_row(broken)), env)
-    assert (traj.finish_reason, traj.fault, traj.trainable, traj.reward) == (FinishReason.ERROR, "infra", False, 0.0)
+    assert (traj.finish_reason, traj.fault, traj.trainable, traj.reward) == (FinishReason.ERROR, "infra", False, None)
     assert "The test command could not start" in (traj.error or "") and "swe" not in traj.info

@@ -61,6 +61,10 @@ def test_the_fix_is_chosen_by_the_error_text() -> None:
     assert "bubblewrap" in fix_for("LocalSandbox needs bubblewrap (the 'bwrap' binary)")
     assert "tool_timeout_s" in fix_for("tool 'python' failed: did not answer within 30 s")
     assert "driver.log" in fix_for("something nobody foresaw")
+    # an env's own server is named as such, not as an LLM server
+    openenv = fix_for("env step failed: the OpenEnv server at http://127.0.0.1:1 failed during step: ConnectionClosed")
+    assert "env.kwargs.url / command" in openenv and "LLM server" not in openenv
+    assert "env.kwargs.servers" in fix_for("MCP server 'calc' did not answer within 30 s (rollout.tool_timeout_s)")
     cause, count = describe_infra_failures([infra("a 0123456789abcdef0123 b"), infra("a fedcba98765432100000 b"), ok()])
     assert (cause, count) == ("a <id> b", 2)
 
