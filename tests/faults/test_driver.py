@@ -116,6 +116,20 @@ def sigkill_the_driver(proc: subprocess.Popen[str], run_dir: Path, placement: st
         check_books(run_dir)  # the killed run could not close its books ...
 
 
+def check_the_chain(run_dir: Path) -> None:
+    """After an interruption (session 0), a SIGKILL (session 1) and a last resume to 5 steps: the last
+    resume closed the killed session's books, then finished, and each fault left its own reason."""
+    books = check_books(run_dir)
+    ledger = lines(run_dir / "ledger.jsonl")
+    interrupted = [e for e in ledger if e["status"] == "unfinished" and e["session"] == 0]
+    killed = [e for e in ledger if e["status"] == "unfinished" and e["session"] == 1]
+    assert interrupted and all("interrupted" in e["reason"] for e in interrupted)
+    assert killed and all("killed while it was in flight" in e["reason"] for e in killed)
+    assert books["trained"] >= 15 and sorted(trained_by_step(run_dir)) == [0, 1, 2, 3, 4]
+    log = (run_dir / "driver.log").read_text()
+    assert "session 1" in log and "session 2" in log
+
+
 def terminate_with_sigterm(proc: subprocess.Popen[str], run_dir: Path, name: str, output_dir: Path) -> None:
     """SIGTERM (what a scheduler sends) to the running `agentrl run` (mid-step): handled as Ctrl-C,
     it exits 143 (not Ray's exit 15) naming SIGTERM with the command that continues the run, its
@@ -153,15 +167,7 @@ def test_split_sigterm_then_a_sigkill_of_the_resumed_driver_and_the_last_resume_
 
     resumed = run_training(make_config(tmp_path, name, assets, "run.total_steps=5", "resume=true", url=shared_url))
     assert resumed.steps_done == 5 and resumed.policy_version == 5
-    books = check_books(run_dir)  # ... the last resume closed the killed session's books, then finished
-    ledger = lines(run_dir / "ledger.jsonl")
-    interrupted = [e for e in ledger if e["status"] == "unfinished" and e["session"] == 0]
-    killed = [e for e in ledger if e["status"] == "unfinished" and e["session"] == 1]
-    assert interrupted and all("interrupted" in e["reason"] for e in interrupted)
-    assert killed and all("killed while it was in flight" in e["reason"] for e in killed)
-    assert books["trained"] >= 15 and sorted(trained_by_step(run_dir)) == [0, 1, 2, 3, 4]
-    log = (run_dir / "driver.log").read_text()
-    assert "session 1" in log and "session 2" in log
+    check_the_chain(run_dir)
 
 
 def test_colocated_ctrl_c_then_a_sigkill_of_the_resumed_driver_and_the_last_resume_loses_nothing(
@@ -185,15 +191,7 @@ def test_colocated_ctrl_c_then_a_sigkill_of_the_resumed_driver_and_the_last_resu
     resumed = run_training(make_config(tmp_path, "colofaults", assets, "run.total_steps=5", "placement=colocated",
                                        "resume=true"))
     assert resumed.steps_done == 5 and resumed.policy_version == 5
-    books = check_books(run_dir)  # ... the last resume closed the killed session's books, then finished
-    ledger = lines(run_dir / "ledger.jsonl")
-    interrupted = [e for e in ledger if e["status"] == "unfinished" and e["session"] == 0]
-    killed = [e for e in ledger if e["status"] == "unfinished" and e["session"] == 1]
-    assert interrupted and all("interrupted" in e["reason"] for e in interrupted)
-    assert killed and all("killed while it was in flight" in e["reason"] for e in killed)
-    assert books["trained"] >= 15 and sorted(trained_by_step(run_dir)) == [0, 1, 2, 3, 4]
-    log = (run_dir / "driver.log").read_text()
-    assert "session 1" in log and "session 2" in log
+    check_the_chain(run_dir)
 
 
 def test_a_killed_trainer_stops_the_run_and_it_resumes_with_nothing_lost(
