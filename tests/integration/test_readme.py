@@ -406,7 +406,8 @@ def _serve_and_fetch(line: str, cwd: Path) -> str:
     import urllib.request
 
     bin_dir = str(Path(sys.executable).parent)
-    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}"}
+    # PYTHONFAULTHANDLER: a server that does not stop on Ctrl-C is sent SIGABRT, and prints where each thread is
+    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}", "PYTHONFAULTHANDLER": "1"}
     proc = subprocess.Popen(["bash", "-c", f"exec {line}"], cwd=cwd, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     try:
@@ -417,7 +418,12 @@ def _serve_and_fetch(line: str, cwd: Path) -> str:
             body = page.read().decode()
     finally:
         proc.send_signal(signal.SIGINT)
-        _, err = proc.communicate(timeout=60)
+        try:
+            _, err = proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.send_signal(signal.SIGABRT)
+            _, err = proc.communicate(timeout=30)
+            raise AssertionError(f"`{line}` did not stop within 60 s of Ctrl-C; where it was: {err[-6000:]}") from None
     assert proc.returncode == 0, f"`{line}` exited {proc.returncode} on Ctrl-C: {err[-2000:]}"
     return body
 
