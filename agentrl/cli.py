@@ -605,6 +605,17 @@ _COMMANDS = {
 }
 
 
+def _take_ctrl_c() -> None:
+    """Ctrl-C (SIGINT) stops every command, also one started as a script's background job, for which
+    the shell ignores SIGINT and Python, seeing it ignored, installs no KeyboardInterrupt of its own
+    (`agentrl view` then could not be stopped but by a kill). `agentrl run` sets its own handler."""
+    import signal
+    import threading
+
+    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `agentrl` console script; returns the exit status."""
     parser = build_parser()
@@ -614,6 +625,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_USAGE
     from agentrl.errors import AgentRLError, ConfigError, FeatureUnavailableError
 
+    _take_ctrl_c()
     try:
         return _COMMANDS[ns.command](ns)
     except FeatureUnavailableError as exc:
