@@ -204,16 +204,11 @@ class AgentEnv(Env, ExternalAgentEnv):
         raise EnvError(f"Dataset row has no usable 'prompt' (got {type(prompt).__name__}); a row needs 'prompt' "
                        "as a list of chat messages or a string.")
 
-    async def ascore(self, answer: str, row: dict[str, Any]) -> tuple[float, dict[str, float]]:
-        """The reward of `answer` on `row` (the run's `reward_fn`, verl's contract), and the extra
-        numbers it returned as `reward/<name>` metrics. Raises when the row has no ground truth, and
-        `RewardMissingError` when a source of a combined reward (a judge, a reward model) cannot score."""
-        score, metrics, _record = await self._score(answer, row)
-        return score, metrics
-
-    async def _score(self, answer: str, row: dict[str, Any]) -> tuple[float, dict[str, float], dict[str, Any]]:
-        """`ascore`, plus what the reward's sources said (judge verdicts, reward-model scores), kept
-        in the trajectory's `info["reward"]`."""
+    async def ascore(self, answer: str, row: dict[str, Any]) -> tuple[float, dict[str, float], dict[str, Any]]:
+        """The reward of `answer` on `row` (the run's `reward_fn`, verl's contract), the extra numbers
+        it returned as `reward/<name>` metrics, and what the reward's sources said (judge verdicts,
+        reward-model scores) for the trajectory's `info["reward"]`. Raises when the row has no ground
+        truth, and `RewardMissingError` when a source of a combined reward cannot score."""
         result = await ascore_row(self.reward_fn, row, answer)
         return result.score, result.metrics(), result.record
 
@@ -235,7 +230,7 @@ class AgentEnv(Env, ExternalAgentEnv):
         if not isinstance(action, Action):
             raise EnvError(f"step expects an agentrl.types.Action, got {type(action).__name__}.")
         row, self._row = self._row, None
-        reward, extra, record = await self._score(action.text, row)
+        reward, extra, record = await self.ascore(action.text, row)
         return [], reward, True, False, {"metrics": extra, **({"reward": record} if record else {})}
 
     # ── with an agent: the agent drives the episode through the gateway ────────────────────
@@ -300,7 +295,7 @@ class AgentEnv(Env, ExternalAgentEnv):
                      "client at OPENAI_BASE_URL / AgentTask.base_url")
         if fault is None and reward is None:
             try:
-                reward, scored, record = await self._score(answer or "", row)
+                reward, scored, record = await self.ascore(answer or "", row)
                 extra.update(scored)
                 if record:
                     info["reward"] = record
