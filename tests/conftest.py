@@ -89,7 +89,12 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, exitstatu
         terminalreporter.write_line(f"durations of every test: {path}")
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own, which reads the xdist_group marks
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if getattr(config.option, "dist", "no") == "loadgroup":  # .ci/run's slow tier, on both cores
+        from worker_groups import group_for_two_workers
+
+        group_for_two_workers(items)
     probes = {"gpu": _no_cuda, "docker": _no_docker}
     missing: dict[str, str | None] = {}
     for item in items:

@@ -29,6 +29,7 @@ import re
 import signal
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -124,19 +125,23 @@ def readme_commands() -> list[str]:
 
 
 def run(command: str, cwd: Path, *, filled: str | None = None, server: str | None = None,
-        timeout: float = 1800) -> subprocess.CompletedProcess[str]:
+        timeout: float = 1800, tag: str = "") -> subprocess.CompletedProcess[str]:
     """The README's `command` as a user's shell runs it: `filled` (the command with its placeholders
     filled) or the command itself, then its size overrides (and, for a SHARED one, the `server`)."""
     how = COMMANDS[command]
     if (how.rule == "SHARED") != (server is not None):
         raise ValueError(f"`{command}` is {how.rule}: pass server= exactly for SHARED commands")
     shared = f"inference.urls=[{server}]" if server else ""
-    return run_line(f"{filled or command} {how.size} {shared}".strip(), cwd, timeout=timeout)
+    return run_line(f"{filled or command} {how.size} {shared}".strip(), cwd, timeout=timeout, tag=tag)
 
 
-def run_line(line: str, cwd: Path, *, timeout: float = 1800) -> subprocess.CompletedProcess[str]:
+def run_line(line: str, cwd: Path, *, timeout: float = 1800, tag: str = "") -> subprocess.CompletedProcess[str]:
+    """`line` through `bash -c`; with `tag`, every process it starts carries AGENTRL_TEST_TAG=tag in its
+    environment (`tagged_processes` finds those still running)."""
     bin_dir = str(Path(sys.executable).parent)
     env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}", "PYTHONWARNINGS": "ignore"}
+    if tag:
+        env["AGENTRL_TEST_TAG"] = tag
     proc = subprocess.Popen(["bash", "-c", line], cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, start_new_session=True)
     try:
@@ -153,6 +158,20 @@ def run_line(line: str, cwd: Path, *, timeout: float = 1800) -> subprocess.Compl
     done = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
     assert done.returncode == 0, f"`{line}` exited {done.returncode}:\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
     return done
+
+
+def tagged_processes(tag: str) -> list[str]:
+    """Command lines of the live processes whose environment has AGENTRL_TEST_TAG=`tag` (`run_line`):
+    what one command left running, told apart from what other tests run on the machine meanwhile."""
+    needle = f"AGENTRL_TEST_TAG={tag}".encode()
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if needle in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
+                found.append(Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace"))
+        except OSError:  # gone, or not ours to read
+            continue
+    return found
 
 
 def lines(path: Path) -> list[dict]:
@@ -342,10 +361,10 @@ def test_eval_of_a_verifiers_taskset_with_the_hf_engine(tmp_path: Path) -> None:
 def test_eval_of_an_openenv_server_agentrl_starts_with_the_hf_engine(tmp_path: Path) -> None:
     pytest.importorskip("openenv.core")
     command = next(c for c in COMMANDS if c.startswith("agentrl eval env=openenv"))
-    done = run(command, tmp_path, filled=command.replace("examples/", f"{REPO}/examples/"))
+    tag = f"openenv-eval-{os.getpid()}-{time.monotonic_ns()}"
+    done = run(command, tmp_path, filled=command.replace("examples/", f"{REPO}/examples/"), tag=tag)
     _check_eval(done, tmp_path, 2)  # two servers started, played and stopped
-    ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
-    assert f"{REPO}/examples/openenv_guess_server.py" not in ps
+    assert tagged_processes(tag) == []  # nothing the command started is left (other tests' servers may run)
 
 
 @pytest.fixture(scope="module")
