@@ -36,7 +36,7 @@ from typing import IO, Any
 from agentrl.errors import ConfigError, EnvError, EnvServerError, FeatureUnavailableError
 from agentrl.lifeline import lifeline_argv
 
-__all__ = ["INSTALL_HINT", "VerifiersWorker", "checked_answer", "require_verifiers", "verifiers_folder"]
+__all__ = ["INSTALL_HINT", "WORKER_PATH", "VerifiersWorker", "checked_answer", "require_verifiers", "verifiers_folder"]
 
 log = logging.getLogger(__name__)
 
