@@ -38,18 +38,19 @@ Runtimes (`setup`/`finalize` in a container) and `@vf.stop` hooks are not run.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
 
 import gymnasium
 
 from agentrl.envs.core import Env
 from agentrl.envs.verifiers_process import VerifiersWorker, checked_answer
 from agentrl.errors import ConfigError, EnvError, EnvServerError
-from agentrl.types import Action, Message
+from agentrl.types import Action, Message, Role
 
 __all__ = ["VerifiersEnv"]
 
 _TASK_KEY = "verifiers_task"
+_ROLES = ("system", "user", "assistant", "tool")
 _WEDGED_GRACE_S = 10.0
 """How long past `score_timeout_s` the worker may take to answer before it is taken to be wedged."""
 
@@ -73,7 +74,11 @@ def _prompt(data: dict[str, Any]) -> list[Message]:
         messages.append({"role": "user", "content": prompt})
     else:
         for m in prompt or []:
-            messages.append({"role": str(m["role"]), "content": _text(m.get("content"))})
+            role = m.get("role") if isinstance(m, dict) else None
+            if role not in _ROLES:
+                raise EnvError(f"verifiers task {_label(data)} has a prompt message of role {role!r}; env=verifiers "
+                               f"takes {', '.join(_ROLES)}.")
+            messages.append({"role": cast(Role, role), "content": _text(m.get("content"))})
     if not messages:
         raise EnvError(f"verifiers task {_label(data)} has no prompt (the user opens the conversation: a user "
                        "simulator env, which env=verifiers does not run).")

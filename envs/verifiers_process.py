@@ -190,6 +190,9 @@ class VerifiersWorker:
             if future is not None and not future.done():
                 future.set_result(answer)
         process.proc.stdout.close()
+        with contextlib.suppress(OSError, ValueError), process.write_lock:
+            if process.proc.stdin is not None:
+                process.proc.stdin.close()  # BrokenPipe now: no one reads it
         code = process.proc.wait()
         how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
         error = EnvServerError(f"the verifiers worker (pid {process.pid}) {how}; its stderr ends:\n"

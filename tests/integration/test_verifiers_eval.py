@@ -5,13 +5,15 @@ It guards that the rows are the taskset's tasks with their system prompt, that t
 `@vf.reward` of the model's reply (1 right, 0 wrong) with its metrics, that a rubric that raises or
 hangs past `score_timeout_s` masks the episode (fault infra), and that a worker SIGKILLed while it
 scores an episode masks that episode while the later ones are scored by a fresh worker, with no
-worker process left once the eval is over."""
+worker process left once the eval is over, nor once a driver that started one is SIGKILLed."""
 
 from __future__ import annotations
 
 import json
 import re
 import subprocess
+import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -74,3 +76,37 @@ def test_eval_of_a_verifiers_taskset_scores_with_its_rubric_and_masks_broken_rub
     # the episodes after it were scored by a fresh worker; none is left now the eval is over
     ps = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout
     assert [line for line in ps.splitlines() if WORKER_PATH in line] == []
+
+
+DRIVER = """
+import sys, time
+from agentrl.envs.verifiers_process import VerifiersWorker
+worker = VerifiersWorker()
+tasks = worker.tasks(sys.argv[1], {}, 3)
+print(len(tasks), worker.pid, flush=True)
+time.sleep(600)
+"""
+
+
+def _alive(pid: str) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state != "Z"  # a zombie is dead, waiting for whoever adopted it to reap it
+
+
+def test_the_worker_dies_with_a_driver_killed_by_sigkill() -> None:
+    driver = subprocess.Popen([sys.executable, "-c", DRIVER, str(TASKSET)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert driver.stdout is not None
+        count, pid = driver.stdout.readline().split()
+        assert count == "3" and _alive(pid)
+        driver.kill()  # SIGKILL: no cleanup of its own runs
+        driver.wait()
+        deadline = time.monotonic() + 10
+        while _alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not _alive(pid), "the verifiers worker outlived its driver"
+    finally:
+        driver.kill()
