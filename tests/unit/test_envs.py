@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -10,7 +12,7 @@ import pytest
 from agentrl.envs import Env, ToolEnv, check_env, make_env
 from agentrl.envs.answers import answers_match, extract_boxed, final_answer
 from agentrl.envs.arithmetic import ArithmeticEnv, make_arithmetic_row
-from agentrl.errors import ConfigError, EnvContractError, EnvError, UnknownNameError
+from agentrl.errors import ConfigError, EnvContractError, EnvError, FeatureUnavailableError, UnknownNameError
 from agentrl.registry import ENVS
 from agentrl.tools import Tool, ToolContext, tool
 from agentrl.types import Action, ToolCall
@@ -263,3 +265,12 @@ def test_check_env_holds_envs_to_their_ground_truth_declaration() -> None:
 
     with pytest.raises(EnvContractError, match="requires_ground_truth must be a bool class attribute, got 'no'"):
         check_env(Odd())
+
+
+def test_verifiers_without_its_own_folder_names_the_command_that_installs_it(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setattr(sys, "prefix", str(tmp_path))  # an environment where install.sh verifiers never ran
+    with pytest.raises(FeatureUnavailableError) as caught:
+        make_env("verifiers", id="examples/verifiers_arith.py")
+    assert str(tmp_path / "agentrl-extras" / "verifiers") in str(caught.value)
+    assert "Install it with: bash scripts/install.sh verifiers" in str(caught.value)
