@@ -17,6 +17,16 @@ What agentrl does: it generates the turns itself (token in, token out) and ends 
 model's first answer. A rubric that raises, times out (`score_timeout_s`) or leaves a reward unscored
 is an infrastructure failure (`EnvServerError`: the episode is masked, never scored 0).
 
+Where verifiers runs: never in agentrl's process. verifiers 0.4 pins `openai<3` and `mcp==2.0.0`,
+which agentrl's own environment does not allow, so `bash scripts/install.sh verifiers` (and `dev`)
+installs it with its pinned dependencies into a folder of its own beside the environment
+(`<sys.prefix>/agentrl-extras/verifiers`), and the taskset is loaded and scored in a worker process
+whose `sys.path` starts with that folder (`agentrl.envs.verifiers_process`). A run's envs share the
+job's one worker (`verifiers_worker`, which the job gives them and closes); an env built alone
+starts its own and stops it in `aclose`. The worker dies with agentrl (a lifeline); a worker that
+dies mid-episode fails the episodes it was scoring as infrastructure, and the next episode gets a
+fresh one. Without the folder, building the env raises `FeatureUnavailableError` naming the command.
+
 Not covered, and refused with this reason (`FeatureUnavailableError`): verifiers 0.4 has no
 `MultiTurnEnv`/`ToolEnv`/`Parser` classes any more; its tools are MCP `Toolset` servers and its
 multi-turn episodes are played by a harness program against an intercepted OpenAI endpoint (and a
@@ -27,69 +37,56 @@ Runtimes (`setup`/`finalize` in a container) and `@vf.stop` hooks are not run.
 
 from __future__ import annotations
 
-import asyncio
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
 
 import gymnasium
 
 from agentrl.envs.core import Env
-from agentrl.errors import ConfigError, EnvError, EnvServerError, FeatureUnavailableError
-from agentrl.types import Action, Message
+from agentrl.envs.verifiers_process import VerifiersWorker, checked_answer
+from agentrl.errors import ConfigError, EnvError, EnvServerError
+from agentrl.types import Action, Message, Role
 
-__all__ = ["VerifiersEnv", "load_verifiers_taskset"]
+__all__ = ["VerifiersEnv"]
 
 _TASK_KEY = "verifiers_task"
-
-
-def _vf() -> Any:
-    try:
-        import verifiers.v1 as vf
-    except ImportError as exc:
-        raise FeatureUnavailableError(
-            f"env=verifiers needs the 'verifiers' package (0.4, with its verifiers.v1 API): {exc}. Install it with "
-            "pip install verifiers==0.4.0 (it pins openai<3; install it in an environment where that is allowed)."
-        ) from exc
-    return vf
-
-
-def load_verifiers_taskset(id: str, taskset_kwargs: dict[str, Any] | None = None) -> Any:
-    """The verifiers `Taskset` that `id` names (a package id or a `.py` file), built with its config."""
-    vf = _vf()
-    from verifiers.v1.utils.generic import concrete_type
-    from verifiers.v1.utils.loaders import _plugin_class, file_module, taskset_class
-
-    try:
-        if id.endswith(".py"):
-            if not Path(id).is_file():
-                raise ConfigError(f"env.kwargs.id '{id}' is not a file (from {Path.cwd()}).")
-            cls = _plugin_class(file_module(id), vf.Taskset, "taskset")
-        else:
-            cls = taskset_class(id)
-    except ConfigError:
-        raise
-    except (ImportError, AttributeError, TypeError, ValueError) as exc:
-        raise ConfigError(f"env.kwargs.id '{id}' names no verifiers taskset: {exc}") from exc
-    config_cls = concrete_type(cls, vf.TasksetConfig, origin=vf.Taskset) or vf.TasksetConfig
-    try:
-        config = config_cls(**({"id": id} if not id.endswith(".py") else {}), **(taskset_kwargs or {}))
-    except Exception as exc:  # pydantic's ValidationError: the user's taskset_kwargs
-        raise ConfigError(f"env.kwargs.taskset_kwargs do not fit {config_cls.__name__}: {exc}") from exc
-    taskset = cls(config)
-    if cls.toolsets(config) or cls.task_type().toolsets(config.task):
-        raise FeatureUnavailableError(
-            f"the verifiers taskset '{id}' declares tool servers (Toolsets); env=verifiers does not run them yet "
-            "(see agentrl.envs.verifiers_env). Serve them with env=mcp, or run its harness through env=agent."
-        )
-    return taskset
+_ROLES = ("system", "user", "assistant", "tool")
+_WEDGED_GRACE_S = 10.0
+"""How long past `score_timeout_s` the worker may take to answer before it is taken to be wedged."""
 
 
 def _text(content: Any) -> str:
     if isinstance(content, str):
         return content
     if isinstance(content, list):
-        return "".join(str(p.get("text", "")) if isinstance(p, dict) else str(getattr(p, "text", "")) for p in content)
+        return "".join(str(p.get("text", "")) if isinstance(p, dict) else "" for p in content)
     return "" if content is None else str(content)
+
+
+def _prompt(data: dict[str, Any]) -> list[Message]:
+    """The messages a task opens with: its `system_prompt` (the taskset's override already applied
+    when the task was loaded), then its `prompt` (a string, or messages)."""
+    messages: list[Message] = []
+    if data.get("system_prompt"):
+        messages.append({"role": "system", "content": str(data["system_prompt"])})
+    prompt = data.get("prompt")
+    if isinstance(prompt, str):
+        messages.append({"role": "user", "content": prompt})
+    else:
+        for m in prompt or []:
+            role = m.get("role") if isinstance(m, dict) else None
+            if role not in _ROLES:
+                raise EnvError(f"verifiers task {_label(data)} has a prompt message of role {role!r}; env=verifiers "
+                               f"takes {', '.join(_ROLES)}.")
+            messages.append({"role": cast(Role, role), "content": _text(m.get("content"))})
+    if not messages:
+        raise EnvError(f"verifiers task {_label(data)} has no prompt (the user opens the conversation: a user "
+                       "simulator env, which env=verifiers does not run).")
+    return messages
+
+
+def _label(data: dict[str, Any]) -> str:
+    return str(data.get("id") or data.get("idx"))
 
 
 class VerifiersEnv(Env):
@@ -98,15 +95,25 @@ class VerifiersEnv(Env):
     requires_ground_truth: ClassVar[bool] = False
 
     def __init__(self, *, id: str, taskset_kwargs: dict[str, Any] | None = None, max_rows: int = 1000,
-                 score_timeout_s: float = 60.0) -> None:
+                 score_timeout_s: float = 60.0, verifiers_worker: VerifiersWorker | None = None) -> None:
         if not isinstance(id, str) or not id:
             raise ConfigError("env=verifiers needs env.kwargs.id: a verifiers taskset id or a .py file exporting one.")
-        self.vf = _vf()
+        if id.endswith(".py"):
+            if not Path(id).is_file():
+                raise ConfigError(f"env.kwargs.id '{id}' is not a file (from {Path.cwd()}).")
+            self.taskset_id = str(Path(id).resolve())  # the worker may run elsewhere than the cwd one day
+        else:
+            self.taskset_id = id
+        if taskset_kwargs is not None and not isinstance(taskset_kwargs, dict):
+            raise ConfigError(f"env.kwargs.taskset_kwargs must be a mapping of the taskset's config fields, "
+                              f"got {taskset_kwargs!r}.")
         self.id = id
-        self.taskset = load_verifiers_taskset(id, taskset_kwargs)
+        self.taskset_kwargs = dict(taskset_kwargs or {})
         self.max_rows = max_rows
         self.score_timeout_s = score_timeout_s
-        self._task: Any = None
+        self._own_worker = verifiers_worker is None
+        self.worker = verifiers_worker if verifiers_worker is not None else VerifiersWorker()
+        self._data: dict[str, Any] | None = None
         self._messages: list[Message] = []
 
     @classmethod
@@ -115,43 +122,37 @@ class VerifiersEnv(Env):
         kwargs = dict(env_kwargs or {})
         if "id" not in kwargs:
             return None
-        return cls(**{k: v for k, v in kwargs.items() if k in ("id", "taskset_kwargs", "max_rows")}).rows()
+        env = cls(**{k: v for k, v in kwargs.items() if k in ("id", "taskset_kwargs", "max_rows", "verifiers_worker")})
+        try:
+            return env.rows()
+        finally:
+            if env._own_worker:  # not env.close(): this may run inside an event loop
+                env.worker.close()
 
     def rows(self) -> list[dict[str, Any]]:
-        """The taskset's first `max_rows` tasks as verl-format rows."""
-        return [self._row(task) for task in self.taskset.take(self.max_rows)]
+        """The taskset's first `max_rows` tasks as verl-format rows (loaded by the worker)."""
+        return self._rows(self.worker.tasks(self.taskset_id, self.taskset_kwargs, self.max_rows))
 
-    def _row(self, task: Any) -> dict[str, Any]:
-        data = task.data.model_dump(mode="json", exclude_none=True)
-        return {"prompt": self._prompt(task), "data_source": f"verifiers/{Path(self.id).stem}",
-                "extra_info": {_TASK_KEY: data, "task_id": task.data.id, "task_key": task.key}}
-
-    def _prompt(self, task: Any) -> list[Message]:
-        data = task.data
-        messages: list[Message] = []
-        if data.system_prompt:
-            messages.append({"role": "system", "content": data.system_prompt})
-        if isinstance(data.prompt, str):
-            messages.append({"role": "user", "content": data.prompt})
-        else:
-            for m in data.prompt or []:
-                dumped = m.model_dump(mode="json") if hasattr(m, "model_dump") else dict(m)
-                messages.append({"role": dumped["role"], "content": _text(dumped.get("content"))})
-        if not messages:
-            raise EnvError(f"verifiers task {data.id or data.idx} has no prompt (the user opens the conversation: "
-                           "a user simulator env, which env=verifiers does not run).")
-        return messages
+    def _rows(self, tasks: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        return [{"prompt": _prompt(t["data"]), "data_source": f"verifiers/{Path(self.id).stem}",
+                 "extra_info": {_TASK_KEY: t["data"], "task_id": t["data"].get("id"), "task_key": t["key"]}}
+                for t in tasks]
 
     def first_prompt(self, row: dict[str, Any]) -> tuple[list[Message], list[Any]]:
-        return self._prompt(self._task_of(row)), []
+        return _prompt(self._data_of(row)), []
 
-    def _task_of(self, row: dict[str, Any]) -> Any:
+    def _data_of(self, row: dict[str, Any]) -> dict[str, Any]:
         data = (row.get("extra_info") or {}).get(_TASK_KEY)
         if not isinstance(data, dict):
             raise EnvError(f"env=verifiers rows carry their task in extra_info.{_TASK_KEY}; this row has none. "
                            "Use the env's own rows (leave data.*_files unset).")
-        task_cls = type(self.taskset).task_type()
-        return task_cls(task_cls.data_type().model_validate(data), self.taskset.config.task)
+        return data
+
+    async def apreflight(self) -> str | None:
+        """The worker starts and loads the taskset (its first `max_rows` tasks)."""
+        tasks = await self.worker.atasks(self.taskset_id, self.taskset_kwargs, self.max_rows)
+        return (f"verifiers {self.worker.version} ({self.worker.folder}) loaded the taskset '{self.id}': "
+                f"{len(tasks)} tasks")
 
     # ── the contract ────────────────────────────────────────────────────────────────────────
     async def areset(
@@ -160,47 +161,43 @@ class VerifiersEnv(Env):
         gymnasium.Env.reset(self, seed=seed)  # seeds self.np_random the standard way
         row = (options or {}).get("row")
         if row is None:
-            tasks = self.rows()
+            tasks = self._rows(await self.worker.atasks(self.taskset_id, self.taskset_kwargs, self.max_rows))
+            if not tasks:
+                raise EnvError(f"the verifiers taskset '{self.id}' has no tasks.")
             row = tasks[(seed or 0) % len(tasks)]
-        self._task = self._task_of(row)
-        self._messages = self._prompt(self._task)
+        self._data = self._data_of(row)
+        self._messages = _prompt(self._data)
         return list(self._messages), {"tools": []}
 
     async def astep(self, action: Action) -> tuple[list[Message], float, bool, bool, dict[str, Any]]:
-        if self._task is None:
+        if self._data is None:
             raise EnvError("VerifiersEnv.step was called without an open episode; call reset first.")
         if not isinstance(action, Action):
             raise EnvError(f"step expects an agentrl.types.Action, got {type(action).__name__}.")
-        task, self._task = self._task, None
-        trace = self._trace(task, [*self._messages, {"role": "assistant", "content": action.text}])
+        data, self._data = self._data, None
+        request = {"op": "score", "taskset": self.taskset_id, "kwargs": self.taskset_kwargs, "data": data,
+                   "messages": [*self._messages, {"role": "assistant", "content": action.text}],
+                   "timeout_s": self.score_timeout_s}
         try:
-            await asyncio.wait_for(task.score(trace), self.score_timeout_s)
-        except TimeoutError as exc:
-            raise EnvServerError(f"the verifiers rubric of task {task.data.id or task.data.idx} did not finish "
-                                 f"within {self.score_timeout_s:.0f} s (env.kwargs.score_timeout_s).") from exc
-        except Exception as exc:  # the task's own reward code: whatever it raises, the episode was not scored
-            raise EnvServerError(f"the verifiers rubric of task {task.data.id or task.data.idx} failed: "
-                                 f"{type(exc).__name__}: {exc}") from exc
-        unscored = sorted(name for name, r in trace.rewards.items() if r is None)
-        if unscored:
-            raise EnvServerError(f"the verifiers rewards {unscored} of task {task.data.id or task.data.idx} were not "
-                                 "scored.")
-        metrics = {f"reward/{name}": float(r.score) for name, r in trace.rewards.items() if r is not None}
-        metrics.update({name: float(v) for name, v in trace.metrics.items() if isinstance(v, int | float)})
-        return [], float(trace.reward), True, False, {"metrics": metrics}
+            answer = await self.worker.arequest(request, self.score_timeout_s + _WEDGED_GRACE_S)
+        except EnvServerError as exc:
+            raise EnvServerError(f"the verifiers rubric of task {_label(data)} was not scored: {exc}") from exc
+        if not answer.get("ok"):
+            if answer.get("kind") == "timeout":
+                raise EnvServerError(f"the verifiers rubric of task {_label(data)} did not finish within "
+                                     f"{self.score_timeout_s:.0f} s (env.kwargs.score_timeout_s).")
+            if answer.get("kind") == "failed":
+                raise EnvServerError(f"the verifiers rubric of task {_label(data)} failed: {answer.get('message')}")
+            checked_answer(answer)  # raises what its kind stands for (a wrong taskset, a row that does not fit it)
+        rewards: dict[str, float | None] = answer["rewards"]
+        unscored = sorted(name for name, r in rewards.items() if r is None)
+        if unscored or answer.get("reward") is None:
+            raise EnvServerError(f"the verifiers rewards {unscored} of task {_label(data)} were not scored.")
+        metrics = {f"reward/{name}": float(r) for name, r in rewards.items() if r is not None}
+        metrics.update({name: float(v) for name, v in answer["metrics"].items()})
+        return [], float(answer["reward"]), True, False, {"metrics": metrics}
 
     async def aclose(self) -> None:
-        self._task = None
-
-    def _trace(self, task: Any, messages: list[Message]) -> Any:
-        vf = self.vf
-        from verifiers.v1.graph import MessageNode
-
-        kinds = {"system": vf.SystemMessage, "user": vf.UserMessage, "assistant": vf.AssistantMessage}
-        kept = [m for m in messages if m["role"] in kinds]
-        nodes = [MessageNode(message=kinds[m["role"]](content=m.get("content") or ""), parent=i - 1 if i else None,
-                             sampled=i == len(kept) - 1)  # the one turn the model sampled: the last
-                 for i, m in enumerate(kept)]
-        return vf.Trace(task=vf.TraceTask(type=type(task).__name__, data=task.data, key=task.key, hash=task.hash),
-                        agent=vf.AgentInfo(config=vf.AgentConfig()), nodes=nodes)
-
+        self._data = None
+        if self._own_worker:
+            await self.worker.aclose()

@@ -5,7 +5,8 @@ by `__all__`. `agentrl eval env=verifiers` runs it with agentrl generating every
     agentrl eval env=verifiers env.kwargs.id=examples/verifiers_arith.py
 
 Each task asks for a sum in `\\boxed{}`; the reward is 1.0 when the model's last reply boxes it.
-Nothing here knows agentrl.
+Nothing here knows agentrl, and agentrl's process never imports it: it runs in env=verifiers' worker
+process, over verifiers installed in a folder of its own (`bash scripts/install.sh verifiers`).
 """
 
 from __future__ import annotations

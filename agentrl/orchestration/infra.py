@@ -44,6 +44,9 @@ _FIXES: tuple[tuple[str, str], ...] = (
                             "env.kwargs.message_timeout_s"),
     (r"MCP server '", "an MCP tool server (env.kwargs.servers, named above) crashed, hung or broke the protocol: "
                       "run its command by hand to see why; raise rollout.tool_timeout_s for slow tools"),
+    (r"the verifiers worker", "the verifiers worker process (which loads and scores the taskset) died or hung "
+                              "(killed, out of memory, a reward that exits or blocks its event loop): see its "
+                              "stderr in the error; the next episode gets a fresh worker"),
     (r"the verifiers rubric|the verifiers rewards", "the verifiers taskset's reward code failed or hung (named "
                                                     "above): fix it, or raise env.kwargs.score_timeout_s"),
     (r"did not answer within|deadline|ran out of time|did not finish within",

@@ -1,12 +1,13 @@
 """`agentrl run` (the command, as a user types it) trains on environments agentrl's authors did not
-write: an OpenEnv server agentrl starts per episode, a Gymnasium text env registered by id, and the
-tools of an MCP server from PyPI, each with the tiny random Qwen2 served by the hf engine.
+write: an OpenEnv server agentrl starts per episode, a Gymnasium text env registered by id, the
+tools of an MCP server from PyPI, and a verifiers taskset (scored in verifiers' own worker process),
+each with the tiny random Qwen2 served by the hf engine.
 
 Guards: each run exits 0 with a balanced ledger, trains its steps and writes their episodes; on the
 OpenEnv run, a server that dies mid-episode (the seed-13 row) makes that row's episodes
 infrastructure failures, masked and never trained or scored 0 (the row is requeued, as any prompt
-whose every episode failed), while the others train; no env server or MCP server process outlives
-the run.
+whose every episode failed), while the others train; no env server, MCP server or verifiers worker
+process outlives the run.
 """
 
 from __future__ import annotations
@@ -118,3 +119,21 @@ def test_run_trains_with_the_tools_of_mcp_servers_one_per_episode_and_one_from_p
     episodes = check_trained(run_dir, 1)
     assert all(e["fault"] is None for e in episodes)
     assert processes_running(str(calculator)) == [] and processes_running("mcp_server_time") == []
+
+
+@pytest.mark.verifiers  # installed in a folder of its own: bash scripts/install.sh verifiers (dev does)
+def test_run_trains_on_a_verifiers_taskset_scored_in_its_worker(assets: Path, tmp_path: Path) -> None:
+    from agentrl.envs.verifiers_process import WORKER_PATH
+
+    _, run_dir = agentrl_run(tmp_path, "verifiers", assets, "env=verifiers",
+                             f"env.kwargs.id={REPO / 'examples' / 'verifiers_arith.py'}", "rollout.max_turns=1",
+                             "run.total_steps=1", STOPS)
+    episodes = check_trained(run_dir, 1)
+    assert all(e["fault"] is None and e["reward"] in (0.0, 1.0) for e in episodes)
+    assert all(e["messages"][0]["content"] == "Answer with the result only, as \\boxed{NUMBER}." for e in episodes)
+    # an episode the model ended was scored by the taskset's @vf.reward (by name); one that ran into the
+    # token budget never reached it (reward 0 from the loop, no rubric metric)
+    answered = [e for e in episodes if e["finish_reason"] == "done"]
+    assert answered and all(e["metrics"]["reward/correct"] == e["reward"] for e in answered)
+    assert all("reward/correct" not in e["metrics"] for e in episodes if e not in answered)
+    assert processes_running(WORKER_PATH) == []

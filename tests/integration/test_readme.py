@@ -347,9 +347,9 @@ def test_eval_of_the_mcp_env_with_the_hf_engine(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.verifiers  # installed in a folder of its own: bash scripts/install.sh verifiers (dev does)
 @pytest.mark.timeout(1800)
 def test_eval_of_a_verifiers_taskset_with_the_hf_engine(tmp_path: Path) -> None:
-    pytest.importorskip("verifiers.v1")  # not in the dev extra: verifiers 0.4 pins openai<3
     command = next(c for c in COMMANDS if c.startswith("agentrl eval env=verifiers"))
     # run in a scratch directory (its runs/), the example named by its path in the repository
     done = run(command, tmp_path, filled=command.replace("examples/", f"{REPO}/examples/"))

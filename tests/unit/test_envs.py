@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -10,7 +12,7 @@ import pytest
 from agentrl.envs import Env, ToolEnv, check_env, make_env
 from agentrl.envs.answers import answers_match, extract_boxed, final_answer
 from agentrl.envs.arithmetic import ArithmeticEnv, make_arithmetic_row
-from agentrl.errors import ConfigError, EnvContractError, EnvError, UnknownNameError
+from agentrl.errors import ConfigError, EnvContractError, EnvError, FeatureUnavailableError, UnknownNameError
 from agentrl.registry import ENVS
 from agentrl.tools import Tool, ToolContext, tool
 from agentrl.types import Action, ToolCall
@@ -21,23 +23,32 @@ def _call(name: str, **arguments: Any) -> ToolCall:
 
 
 # env=mcp starts a real MCP server process at every reset: seconds each, so it is in the slow tier, with
-# env=verifiers (importing verifiers takes seconds). The adapters of other standards are given what they adapt;
-# env=openenv needs a server, and tests/integration/test_openenv_eval.py checks it against the session's one.
+# env=verifiers (its worker process imports verifiers: seconds). The adapters of other standards are given
+# what they adapt; env=openenv needs a server, and tests/integration/test_openenv_eval.py checks it against
+# the session's one.
 _SLOW_ENVS = ("mcp", "verifiers")
 _ENV_KWARGS: dict[str, dict[str, Any]] = {
     "gym": {"id": "gym_text.guess_text_env:GuessText-v0"},  # tests/ is on sys.path (its conftest)
     "verifiers": {"id": "examples/verifiers_arith.py"},
 }
-_NEEDS = {"verifiers": "verifiers.v1"}  # not in every install: verifiers pins openai<3
+_NEEDS = {"verifiers": pytest.mark.verifiers}  # verifiers 0.4 in its own folder: bash scripts/install.sh verifiers
 
 
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in _SLOW_ENVS else n
-                                  for n in ENVS.names()])
+@pytest.mark.parametrize("name", [pytest.param(n, marks=[pytest.mark.slow] * (n in _SLOW_ENVS) + (
+    [_NEEDS[n]] if n in _NEEDS else [])) for n in ENVS.names()])
 def test_every_registered_env_passes_check_env(name: str) -> None:
     if name == "openenv":
         pytest.skip("checked against a running server by tests/integration/test_openenv_eval.py")
-    if name in _NEEDS:
-        pytest.importorskip(_NEEDS[name])
+    if name == "verifiers":
+        from agentrl.envs.verifiers_process import VerifiersWorker
+
+        # one worker for every env check_env makes and closes, as a run's envs share the job's
+        worker = VerifiersWorker()
+        try:
+            check_env(make_env(name, **_ENV_KWARGS[name], verifiers_worker=worker))
+        finally:
+            worker.close()
+        return
     check_env(make_env(name, **_ENV_KWARGS.get(name, {})))
 
 
@@ -254,3 +265,12 @@ def test_check_env_holds_envs_to_their_ground_truth_declaration() -> None:
 
     with pytest.raises(EnvContractError, match="requires_ground_truth must be a bool class attribute, got 'no'"):
         check_env(Odd())
+
+
+def test_verifiers_without_its_own_folder_names_the_command_that_installs_it(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setattr(sys, "prefix", str(tmp_path))  # an environment where install.sh verifiers never ran
+    with pytest.raises(FeatureUnavailableError) as caught:
+        make_env("verifiers", id="examples/verifiers_arith.py")
+    assert str(tmp_path / "agentrl-extras" / "verifiers") in str(caught.value)
+    assert "Install it with: bash scripts/install.sh verifiers" in str(caught.value)
