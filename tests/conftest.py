@@ -101,7 +101,8 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, exitstatu
 
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own, which reads the xdist_group marks
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if getattr(config.option, "dist", "no") == "loadgroup":  # .ci/run's slow tier, on both cores
+    # .ci/run's slow tier, on both cores; in a worker xdist has set `dist` to "no" and `loadgroup` to True
+    if getattr(config.option, "loadgroup", False) or getattr(config.option, "dist", "no") == "loadgroup":
         from worker_groups import group_for_two_workers
 
         group_for_two_workers(items)

@@ -32,11 +32,11 @@ ONE_WORKER_FIXTURES: dict[str, str] = {
 # README runs when they shared it), and gain little anyway: decoding it on CPU is bound by memory
 # bandwidth (two README-sized runs at once took 85 s against 96 s one after the other, where two
 # runs of the tiny model took 35 s against 58). The other worker meanwhile runs the tiny-model tests.
+# Two more modules run it, each in a group of its own that keeps it apart from the others' runs:
+# tests/e2e/test_cluster_run.py (the namespace cluster's) and tests/e2e/test_fresh_machine.py (Docker's).
 ONE_WORKER_MODULES: tuple[str, ...] = (
     "tests/integration/test_readme.py",
     "tests/integration/test_default_model.py",
-    "tests/e2e/test_cluster_run.py",
-    "tests/e2e/test_fresh_machine.py",
 )
 _BUILT_IN_MODEL = "built_in_model"
 

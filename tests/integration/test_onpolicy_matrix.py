@@ -12,11 +12,16 @@ one row each. Guards, cell by cell, the figures docs/onpolicy_matrix.md publishe
   the check says nothing could be scored instead of comparing over the full vocabulary;
 - (d) after a weight push every server's logprobs moved; (f) bf16 vs fp32 scoring passes;
 - no cell errors or is skipped.
+
+Under `.ci/run` the table is kept beside the durations (`$AGENTRL_CI_OUT/onpolicy_matrix.md`), to
+publish.
 """
 
 from __future__ import annotations
 
+import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -41,6 +46,8 @@ def test_the_pairwise_matrix_passes_what_it_should_and_names_what_it_cannot(tmp_
     done = subprocess.run([sys.executable, str(REPO / "bench" / "onpolicy_matrix.py"), "--pairwise", "--rows", "1",
                            "--timeout", "600", "--out", str(out)], capture_output=True, text=True, timeout=3000)
     assert done.returncode == 0, done.stderr[-2000:]
+    if os.environ.get("AGENTRL_CI_OUT"):
+        shutil.copy(out, Path(os.environ["AGENTRL_CI_OUT"]) / "onpolicy_matrix.md")
     cells = [dict(zip(COLUMNS, (c.strip() for c in line.strip("|").split("|")), strict=True))
              for line in out.read_text().splitlines()[2:]]
     dimensions = [["hf", "vllm"], ["float32", "bfloat16"], ["1", "0.7"], ["top_p=0.9", "top_k=20", "top_p=0.9+top_k=20"],
