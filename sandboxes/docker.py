@@ -85,6 +85,11 @@ KEEPER_UID = 65534
 _ETC = ("ld.so.cache", "ld.so.conf", "ld.so.conf.d", "alternatives", "localtime", "nsswitch.conf",
         "hosts", "protocols", "services", "mime.types", "ssl/certs")
 _FSIZE_BLOCKS = 131072  # ulimit -f counts 512- or 1024-byte blocks depending on the shell: 64-128 MiB
+_CONTROL_TIMEOUT_S = 30.0
+"""Deadline of the short control execs (wipe, kill). Every exec goes through `_Container.run`, whose
+reads have a deadline: docker-py's own `exec_start` (not a socket) waits for the answer in `poll()`
+with no timeout, so an exec the daemon never finishes (its container gone under it) would hang a
+thread, and with it the event loop's shutdown, for ever."""
 _INLINE_CODE = 100_000  # longer programs go through a file: one argv string is capped at 128 KiB
 _reaped = False
 
@@ -225,8 +230,12 @@ class _Container:
 
     # ── exec ────────────────────────────────────────────────────────────────────────────────
     def run(self, argv: list[str], stdin: bytes, timeout_s: float, max_output: int, *,
-            env: dict[str, str] | None, kill_after: bool = True) -> tuple[bytes, bytes, int | None, str | None]:
-        """One `docker exec`; returns stdout, stderr, exit code and why it was killed (or None)."""
+            env: dict[str, str] | None, kill_after: bool = True,
+            control: bool = False) -> tuple[bytes, bytes, int | None, str | None]:
+        """One `docker exec`; returns stdout, stderr, exit code and why it was killed (or None).
+
+        The container's jobs are killed afterwards (`kill_jobs`) when `kill_after`, or when the exec
+        hit its deadline or output cap; never after a `control` exec (the wipe, or the kill itself)."""
         eid = self.api.exec_create(self.id, argv, stdin=True, user=self.spec.user, workdir=self.spec.workdir,
                                    environment=env)["Id"]
         sock = self.api.exec_start(eid, socket=True)
@@ -273,7 +282,7 @@ class _Container:
         finally:
             with contextlib.suppress(OSError):
                 raw.close()
-        if kill_after or killed:
+        if not control and (kill_after or killed):
             self.kill_jobs()
         exit_code = None
         for _ in range(200):
@@ -306,16 +315,14 @@ class _Container:
                 return
             except PermissionError:
                 pass
-        eid = self.api.exec_create(self.id, ["/bin/sh", "-c", "kill -9 -1 2>/dev/null; exit 0"],
-                                   user=self.spec.user)["Id"]
-        self.api.exec_start(eid)
+        self.run(["/bin/sh", "-c", "kill -9 -1 2>/dev/null; exit 0"], b"", _CONTROL_TIMEOUT_S, 4096, env=None,
+                 control=True)
 
     def wipe(self) -> bool:
         """Empty the work dir, /tmp and /dev/shm of a one-shot container; False if that failed."""
-        eid = self.api.exec_create(self.id, ["/bin/sh", "-c", _WIPE, "wipe", self.spec.workdir, "/tmp", "/dev/shm"],
-                                   user=self.spec.user)["Id"]
-        self.api.exec_start(eid)
-        return self.api.exec_inspect(eid).get("ExitCode") == 0
+        _, _, code, killed = self.run(["/bin/sh", "-c", _WIPE, "wipe", self.spec.workdir, "/tmp", "/dev/shm"], b"",
+                                      _CONTROL_TIMEOUT_S, 65536, env=None, control=True)
+        return killed is None and code == 0
 
     def remove(self) -> None:
         self.healthy = False
