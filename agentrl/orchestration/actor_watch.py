@@ -22,13 +22,17 @@ imports nothing of Ray (the watch itself is `TrainerGroup.watch`).
 from __future__ import annotations
 
 import asyncio
+import logging
 import re
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 __all__ = ["death_cause", "run_watched"]
 
 T = TypeVar("T")
+
+log = logging.getLogger(__name__)
 
 _PID = re.compile(r"\bpid: (\d+)")
 _EXIT = re.compile(r"Worker exit type: (\S+)(?:\s+Worker exit detail: (.*?))?(?:\s+Some common causes|\s*$)", re.S)
@@ -79,10 +83,13 @@ async def run_watched(work: Awaitable[T], watch: Awaitable[Any],
     error = watch_task.exception() if watch_task.done() and not watch_task.cancelled() else None
     if error is not None:
         if not work_task.done():
+            log.warning("a watched actor died; stopping the run's work: %s", error)
             if on_death is not None:
                 on_death(error)
             work_task.cancel()
-        await asyncio.gather(work_task, return_exceptions=True)
+            cancelled_at = time.monotonic()
+            await asyncio.gather(work_task, return_exceptions=True)
+            log.info("the run's work ended %.1f s after it was cancelled", time.monotonic() - cancelled_at)
         raise error
     watch_task.cancel()
     await asyncio.gather(watch_task, return_exceptions=True)

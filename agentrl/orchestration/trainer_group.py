@@ -49,10 +49,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import socket
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -66,6 +68,8 @@ from agentrl.orchestration.worker_logs import route_worker_logs
 from agentrl.types import Trajectory
 
 __all__ = ["ColocatedTrainerWorker", "TrainerGroup", "TrainerWorker", "export_assets"]
+
+log = logging.getLogger(__name__)
 
 SHIP_PIECE_BYTES = 64 << 20
 """Largest piece of a checkpoint file sent between the driver and a rank of another node in one
@@ -411,9 +415,11 @@ class ColocatedTrainerWorker:
         return self.server.metrics.model_copy(update={"prefix_cache_queries": queried, "prefix_cache_hits": hits})
 
 
-async def _actor_call(actor: Any, server_id: str, method: str, *args: Any) -> Any:
-    """Run `actor.method(*args)` for a `ColocatedClient`; a dead actor is an unavailable server, and
-    a cancelled call cancels the remote one (the engine then aborts the request)."""
+async def _actor_call(actor: Any, server_id: str, method: str, *args: Any,
+                      on_death: Callable[[BaseException], None] | None = None) -> Any:
+    """Run `actor.method(*args)` for a `ColocatedClient`; a dead actor is an unavailable server (and
+    is reported to `on_death`, `TrainerGroup.watch`'s ear), and a cancelled call cancels the remote
+    one (the engine then aborts the request)."""
     import ray
     import ray.exceptions
 
@@ -424,6 +430,8 @@ async def _actor_call(actor: Any, server_id: str, method: str, *args: Any) -> An
         ray.cancel(ref)
         raise
     except ray.exceptions.RayActorError as exc:
+        if on_death is not None and isinstance(exc, ray.exceptions.ActorDiedError):
+            on_death(exc)
         raise ServerUnavailableError(f"{server_id}: the trainer process hosting this engine is gone "
                                      f"({type(exc).__name__}); see the run's driver.log.") from exc
     except ray.exceptions.RayTaskError as exc:
@@ -473,6 +481,10 @@ class TrainerGroup:
 
     colocated = False
     """Whether the ranks host the run's vLLM engines (placement colocated); set by `__init__`."""
+    _reported_death: tuple[int, BaseException] | None = None
+    """(rank, Ray's error) of the first engine call that found a rank's process dead (`_died`)."""
+    _death_reported: asyncio.Event | None = None
+    """Set by `_died` while `watch` waits."""
 
     def __init__(self, config: AgentRLConfig, model_path: str, template: ChatTemplate, weights_dir: str | Path, *,
                  plan: PlacementPlan | None = None, reservation: Any | None = None) -> None:
@@ -655,16 +667,25 @@ class TrainerGroup:
         clients = []
         for rank, actor in enumerate(self.actors):
             server_id = f"colocated-rank-{rank}"
-            call = functools.partial(_actor_call, actor, server_id)
+            call = functools.partial(_actor_call, actor, server_id, on_death=functools.partial(self._died, rank))
             clients.append(ColocatedClient(call, server_id, timeout_s=self.request_timeout_s))
         return clients
+
+    def _died(self, rank: int, error: BaseException) -> None:
+        """An engine call found rank `rank`'s process dead: wake `watch`, in case Ray has not yet failed
+        its own outstanding call (it can lag behind under load, and the run must not wait meanwhile)."""
+        if self._reported_death is None:
+            self._reported_death = (rank, error)
+        if self._death_reported is not None:
+            self._death_reported.set()
 
     async def watch(self) -> None:
         """Wait for a rank's process to die, then raise `TrainerError` naming the trainer and the engine
         it hosted, Ray's cause and the command that continues the run; never returns otherwise.
 
         Placement colocated only (`actor_watch`): one `ColocatedTrainerWorker.watch` call per rank stays
-        outstanding, and Ray fails it as soon as the rank's process is gone. A split trainer's ranks
+        outstanding, and Ray fails it as soon as the rank's process is gone; an engine call that Ray
+        fails with `ActorDiedError` first (`_died`) ends the wait too, as the same death. A split trainer's ranks
         answer one call at a time, so there its death shows at the next call instead."""
         import ray
         import ray.exceptions
@@ -674,16 +695,25 @@ class TrainerGroup:
                                "time, so a call left outstanding would block it.")
         refs = [a.watch.remote() for a in self.actors]
         waits = {asyncio.ensure_future(_awaited(ref)): rank for rank, ref in enumerate(refs)}
+        self._death_reported = asyncio.Event()
+        if self._reported_death is not None:
+            self._death_reported.set()
+        reported = asyncio.ensure_future(self._death_reported.wait())
         try:
-            done, _ = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+            done, _ = await asyncio.wait({*waits, reported}, return_when=asyncio.FIRST_COMPLETED)
         finally:
-            for task in waits:
+            for task in (*waits, reported):
                 task.cancel()
             for ref in refs:
                 with contextlib.suppress(Exception):  # the actor may be gone already
                     ray.cancel(ref)
-        task = next(iter(done))
-        rank, error = waits[task], task.exception()
+        answered = [task for task in done if task is not reported]
+        if answered or self._reported_death is None:
+            task = answered[0] if answered else next(iter(done))
+            rank, error = waits.get(task, -1), task.exception()
+        else:
+            rank, error = self._reported_death
+            log.warning("trainer rank %d: an engine call found its process dead before the watch call did", rank)
         if isinstance(error, ray.exceptions.RayActorError):
             raise TrainerError(
                 f"The trainer process (rank {rank}) died, and the vLLM engine it hosted (placement colocated) "

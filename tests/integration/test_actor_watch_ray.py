@@ -72,6 +72,38 @@ def test_a_killed_actor_fails_the_watch_with_its_cause_and_the_resume_command(ra
     assert "closed as unfinished in ledger.jsonl" in message and message.endswith(f"continue with: {RESUME}")
 
 
+def test_an_engine_call_that_finds_the_actor_dead_ends_the_watch_at_once(ray_here: None) -> None:
+    """Under load Ray can fail a call to the dead engine before it fails the outstanding watch call; the
+    engine call's `ActorDiedError` then ends the watch, naming that rank and its process, so the run
+    does not route around a dead colocated engine until its requests time out. Here the watch's own
+    actor stays alive, so only the engine call can end it."""
+    import functools
+
+    from agentrl.errors import ServerUnavailableError
+    from agentrl.orchestration.trainer_group import _actor_call
+
+    group, _watched = watched_group()
+    _, engine_host = watched_group()
+
+    async def main() -> tuple[int, str, str]:
+        pid = await engine_host.pid.remote()
+        watch = asyncio.ensure_future(group.watch())
+        await asyncio.sleep(0.5)
+        os.kill(pid, signal.SIGKILL)
+        call = functools.partial(_actor_call, engine_host, "colocated-rank-0", on_death=functools.partial(group._died, 0))
+        with pytest.raises(ServerUnavailableError) as engine_error:
+            await asyncio.wait_for(call("pid"), 120)
+        with pytest.raises(TrainerError) as caught:
+            await asyncio.wait_for(watch, 5)
+        return pid, str(engine_error.value), str(caught.value)
+
+    pid, engine_message, message = asyncio.run(main())
+    assert "the trainer process hosting this engine is gone (ActorDiedError)" in engine_message
+    assert message.startswith("The trainer process (rank 0) died, and the vLLM engine it hosted")
+    assert f"(ActorDiedError: pid {pid}; worker exit type SYSTEM_ERROR" in message
+    assert message.endswith(f"continue with: {RESUME}")
+
+
 def test_a_cancelled_watch_leaves_the_actor_alive(ray_here: None) -> None:
     group, actor = watched_group()
 
