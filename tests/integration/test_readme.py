@@ -199,7 +199,8 @@ def test_readme_starts_with_the_setup_and_test_commands() -> None:
     assert commands == ["bash scripts/install.sh && agentrl run env=retool", "python -m pytest"]
     # CI runs the README's test command in two tiers whose markers split the suite without overlap
     ci = [ln.strip() for ln in (REPO / ".ci" / "run").read_text().splitlines() if ln.startswith("python -m pytest")]
-    assert [ln.split(" --")[0] for ln in ci] == ['python -m pytest -m "not slow" -x -n 2', 'python -m pytest -m "slow"']
+    assert [ln.split(" --")[0] for ln in ci] == ['python -m pytest -m "not slow" -x -n 2', 'python -m pytest -m "slow" -n 2']
+    assert "--dist loadgroup" in ci[1]  # the slow tier keeps tests/worker_groups.py's groups on one worker
 
 
 def test_every_readme_command_is_checked() -> None:
