@@ -144,7 +144,20 @@ class EnvConfig(_Section):
 class JudgeConfig(_Section):
     url: str | None = None
     """The judge's OpenAI-compatible base URL (ending in `/v1`; `agentrl gateway`, `vllm serve`, any
-    chat-completions API). None would mean the run's own inference servers, which is not built yet."""
+    chat-completions API). None: the judge is `model_path`, which the run serves itself."""
+    model_path: str | None = None
+    """The judge model, served by the run itself when `url` is not given: a Hugging Face directory or a
+    built-in model name, run as `agentrl gateway` of it (its own router over its own inference
+    servers) in a process of its own, started at the first judge request and stopped with the run
+    (`agentrl.envs.judge_server`)."""
+    engine: Literal["vllm", "hf", "sglang"] = "vllm"
+    """The inference engine of the judge the run serves (`model_path`)."""
+    server_args: list[str] = Field(default_factory=list)
+    """More overrides for the judge's `agentrl gateway` (`model_path`), e.g.
+    `[inference.max_model_len=4096, inference.cpu_kv_cache_gb=1]`."""
+    startup_timeout_s: float = Field(900.0, gt=0)
+    """Deadline for the judge the run serves (`model_path`) to load and listen; past it the judge's
+    rewards are missing with cause `timeout`."""
     model: str = "judge"
     """The model name sent with each request (servers of one model, such as `agentrl gateway`,
     accept any; `vllm serve` wants its served model name)."""
@@ -168,6 +181,17 @@ class JudgeConfig(_Section):
     cause `truncated`."""
     temperature: float = Field(0.0, ge=0.0)
     """The judge's sampling temperature."""
+
+    @pydantic.model_validator(mode="after")
+    def _one_judge(self) -> JudgeConfig:
+        if (self.url is None) == (self.model_path is None):
+            raise ValueError("reward.judge needs exactly one of url (a judge server that runs already, e.g. "
+                             "http://127.0.0.1:8400/v1) and model_path (a judge model the run serves itself)")
+        serving = {"engine", "server_args", "startup_timeout_s"} & self.model_fields_set
+        if self.url is not None and serving:
+            raise ValueError(f"reward.judge.{', reward.judge.'.join(sorted(serving))} only apply to a judge the "
+                             "run serves (reward.judge.model_path); with reward.judge.url they would do nothing")
+        return self
 
 
 class RewardModelConfig(_Section):
@@ -205,7 +229,8 @@ class RewardConfig(_Section):
     OpenAI-compatible server (`agentrl.envs.judge`). Its sub-keys: `url`, `model`, `api_key_env`,
     `prompt` (a template with {question}, {answer} and {ground_truth}), `verdict_regex`,
     `max_concurrency`, `timeout_s`, `max_tokens`, `temperature`; e.g.
-    `reward.judge.url=http://127.0.0.1:8400/v1`. None: no judge."""
+    `reward.judge.url=http://127.0.0.1:8400/v1`; or a judge model the run serves itself:
+    `model_path`, `engine`, `server_args`, `startup_timeout_s`. None: no judge."""
     model: RewardModelConfig | None = None
     """A Hugging Face sequence-classification reward model scored in a process of its own
     (`agentrl.envs.reward_model`). Its sub-keys: `path`, `max_length`, `timeout_s`,

@@ -15,14 +15,18 @@ reply was cut at `max_tokens` before a readable verdict). Every outcome carries 
 was asked and answered (url, model, the rubric as sent, the reply, the verdict), which the envs keep
 in the trajectory's `info["reward"]`. The question is the last user message of the row's prompt.
 
-It does not serve the judge model: a judge on the run's own inference servers is not built, so a
-config without `url` raises NotImplementedError naming what to use instead. The HTTP client is made
-per event loop, lazily, so the object pickles as its config and works in any process.
+With `reward.judge.model_path` instead of `url`, the run serves the judge model itself: a separate
+`agentrl gateway` of it, started on the first judge request of the process (`judge_server.py`); each
+request is a session of its own there, ended once answered. A judge server that does not start
+within `startup_timeout_s` makes the rewards missing with cause `timeout`; one that failed or died
+makes them `infra`, naming its exit code and log. The HTTP client is made per event loop, lazily, so
+the object pickles as its config and works in any process (each process serves its own judge).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import math
@@ -35,6 +39,7 @@ from typing import Any
 import httpx
 
 from agentrl.config import JudgeConfig
+from agentrl.envs.judge_server import JudgeServer, JudgeServerError
 from agentrl.envs.rewards import ground_truth_of
 from agentrl.errors import ConfigError, RewardMissingError
 
@@ -107,14 +112,10 @@ class JudgeReward:
     """The judge of `reward.judge` (see the module docstring); `await judge.ascore(row, answer)`."""
 
     def __init__(self, config: JudgeConfig) -> None:
-        if config.url is None:
-            raise NotImplementedError(
-                "reward.judge.url is not set: a judge served by the run's own inference servers is not built "
-                "yet. Serve the judge model yourself (e.g. 'agentrl gateway model.path=JUDGE --port 8400') and "
-                "set reward.judge.url=http://127.0.0.1:8400/v1 (any OpenAI-compatible URL works)."
-            )
         self.config = config
-        self.url = config.url.rstrip("/")
+        self.server = (JudgeServer(config.model_path, config.engine, config.server_args, config.startup_timeout_s)
+                       if config.model_path is not None else None)
+        self.url = config.url.rstrip("/") if config.url is not None else f"(the judge {config.model_path}, served by the run)"
         self.model = config.model
         self.rubric = config.prompt if config.prompt is not None else DEFAULT_RUBRIC
         try:
@@ -163,10 +164,32 @@ class JudgeReward:
         return held
 
     async def aclose(self) -> None:
-        """Close the HTTP client of the running event loop (the others close with their loops)."""
+        """Close the HTTP client of the running event loop (the others close with their loops). A judge
+        server the run serves keeps running: `stop` ends it."""
         held = self._per_loop.pop(asyncio.get_running_loop(), None)
         if held is not None:
             await held[0].aclose()
+
+    def stop(self) -> None:
+        """Stop the judge server this process started (`model_path`), if any; it also dies with the process."""
+        if self.server is not None:
+            self.server.close()
+
+    async def _served_url(self, record: dict[str, Any]) -> tuple[str, str | None]:
+        """(the `/v1` URL this request goes to, the gateway's base URL when the run serves the judge)."""
+        if self.server is None:
+            return self.url, None
+        where = f"the reward judge the run serves ({self.server.model_path})"
+        try:
+            url, base = await self.server.session_url()
+        except TimeoutError:
+            raise RewardMissingError("timeout", f"{where} did not start within reward.judge.startup_timeout_s="
+                                     f"{self.server.startup_timeout_s:g} s; its log: {self.server.log_path}",
+                                     record) from None
+        except JudgeServerError as exc:
+            raise RewardMissingError("infra", f"{where}: {exc}", record) from None
+        record["url"] = url
+        return url, base
 
     async def ascore(self, row: Mapping[str, Any], answer: str) -> tuple[float, dict[str, Any]]:
         """The judge's score of `answer` to `row` and the record of the exchange; raises
@@ -176,19 +199,34 @@ class JudgeReward:
         body = {"model": self.model, "messages": [{"role": "user", "content": content}],
                 "max_tokens": self.max_tokens, "temperature": self.temperature}
         record: dict[str, Any] = {"url": self.url, "model": self.model, "request": content}
+        url, served_base = await self._served_url(record)
         client, slots = self._client()
-        where = f"the reward judge at {self.url}"
+        try:
+            return await self._ask(client, slots, url, body, record)
+        finally:
+            if served_base is not None:  # the session's exchange goes to the judge's trajectories.jsonl
+                key = url.rstrip("/").split("/")[-2]
+                with contextlib.suppress(httpx.HTTPError):
+                    await client.post(f"{served_base}/agentrl/sessions/{key}/end", json={}, timeout=10.0)
+
+    async def _ask(self, client: httpx.AsyncClient, slots: asyncio.Semaphore, url: str, body: dict[str, Any],
+                   record: dict[str, Any]) -> tuple[float, dict[str, Any]]:
+        where = (f"the reward judge at {url}" if self.server is None else
+                 f"the reward judge the run serves ({self.server.model_path}) at {url}")
         try:
             async with asyncio.timeout(self.timeout_s):
                 async with slots:
-                    response = await client.post(f"{self.url}/chat/completions", json=body)
+                    response = await client.post(f"{url}/chat/completions", json=body)
         except (TimeoutError, httpx.TimeoutException):
             raise RewardMissingError("timeout", f"{where} did not answer within reward.judge.timeout_s="
                                      f"{self.timeout_s:g} s (raise it, or lower reward.judge.max_concurrency)",
                                      record) from None
         except httpx.HTTPError as exc:
-            raise RewardMissingError("infra", f"{where} cannot be reached ({type(exc).__name__}: {exc}); start "
-                                     "the judge server or fix reward.judge.url", record) from None
+            fix = (self.server.failure if self.server is not None else None) or (
+                "start the judge server or fix reward.judge.url" if self.server is None else
+                "the judge server the run serves stopped answering")
+            raise RewardMissingError("infra", f"{where} cannot be reached ({type(exc).__name__}: {exc}); {fix}",
+                                     record) from None
         if response.status_code >= 400:
             record["reply"] = response.text[:2000]
             raise RewardMissingError("infra", f"{where} answered HTTP {response.status_code}: "

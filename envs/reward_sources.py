@@ -59,6 +59,15 @@ class CombinedReward:
     def __reduce__(self) -> tuple[Any, ...]:
         return (CombinedReward, (self.config,))
 
+    def stop(self) -> None:
+        """Stop what the parts started in this process: a judge server the run serves, a reward-model
+        process. (Both also die with the process.)"""
+        for _, _, scorer in self.parts:
+            if isinstance(scorer, JudgeReward):
+                scorer.stop()
+            elif isinstance(scorer, RewardModelScorer):
+                scorer.close()
+
     def __repr__(self) -> str:
         return f"CombinedReward({self.name})"
 

@@ -30,6 +30,7 @@ when first used.
 
 from __future__ import annotations
 
+import asyncio
 import importlib.util
 import inspect
 import logging
@@ -124,13 +125,17 @@ class Job:
         return AgentLoop(client, self.template, self.parser_factory(), rollout, stop_token_ids=self.stop_token_ids)
 
     async def aclose(self) -> None:
-        """Close the run's gateway and sandbox (its warm workers and sessions). Closing twice is harmless."""
+        """Close the run's gateway, sandbox (its warm workers and sessions), MCP servers, verifiers worker
+        and what its reward started (a judge server, a reward model). Closing twice is harmless."""
         if self.gateway is not None:
             await self.gateway.aclose()
         if self.shared_mcp is not None:
             await self.shared_mcp.aclose()
         if self.verifiers_worker is not None:
             await self.verifiers_worker.aclose()
+        reward_fn = self.env_kwargs.get("reward_fn")
+        if isinstance(reward_fn, CombinedReward):  # a judge server or reward-model process it started here
+            await asyncio.to_thread(reward_fn.stop)
         sandbox, self.sandbox = self.sandbox, None
         if sandbox is not None:
             await sandbox.close()
@@ -233,8 +238,6 @@ def build_job(config: AgentRLConfig, purpose: Purpose, *, own_client: bool = Fal
 
 
 def _close_quietly(job: Job) -> None:
-    import asyncio
-
     try:
         asyncio.run(job.aclose())
     except Exception as exc:  # the build error is what the user needs to see

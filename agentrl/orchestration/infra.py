@@ -23,6 +23,10 @@ __all__ = ["InfraMonitor", "describe_infra_failures", "fix_for"]
 
 # What to do about the commonest causes, found by what their error text says.
 _FIXES: tuple[tuple[str, str], ...] = (
+    (r"the reward judge the run serves", "the judge model the run serves (reward.judge.model_path) did not start, "
+                                         "died, is too slow or answers in a form its verdict schema cannot read: "
+                                         "see its log named above; check reward.judge.model_path, engine, "
+                                         "server_args, startup_timeout_s, timeout_s and verdict_regex / prompt"),
     (r"the reward judge at", "the reward judge (reward.judge.url, named above) is down, too slow or answers in a "
                              "form its verdict schema cannot read: check that its server is up at that URL, "
                              "reward.judge.model, reward.judge.timeout_s and reward.judge.verdict_regex / prompt"),

@@ -122,3 +122,38 @@ def test_a_judge_without_verdicts_stops_the_eval_naming_it(assets: Path, tmp_pat
     assert (report["reward_missing"], report["infra_failed_episodes"], report["mean_reward"]) == ({"parse": 6}, 6, None)
     assert {e["reward"] for e in episodes} == {None}  # not measured: no number, not 0
     assert {e["info"]["reward"]["parts"]["judge"]["reply"] for e in episodes} == {"hmm, hard to say"}
+
+
+def test_a_judge_the_eval_serves_itself_is_checked_used_and_stopped(assets: Path, tmp_path: Path) -> None:
+    """`reward.judge.model_path`: the eval starts the judge (a gateway of the tiny random model) in
+    pre-flight, which warns that its replies hold no verdict; every episode's reward is then missing
+    (never 0), the eval stops naming the served judge and its fix, and no judge process is left."""
+    import uuid
+
+    tag = f"run.name=judge-{uuid.uuid4().hex[:8]}"  # marks the judge's command line, to find its processes
+    config = load_config(overrides=[
+        "env=arithmetic", f"model.path={assets / 'qwen2.5-0.5b-instruct'}", "eval.k=1", "eval.max_rows=4",
+        f"eval.output_dir={tmp_path / 'eval'}", f"reward.judge.model_path={assets / 'tiny-random-qwen2'}",
+        "reward.judge.engine=hf", f"reward.judge.server_args=[model.chat_template=chatml-tools, {tag}]",
+        "reward.judge.max_tokens=8", "reward.judge.verdict_regex=(?P<score>[01])",
+        "reward.combine=[{source: rule, weight: 0.5}, {source: judge, weight: 0.5}]"])
+    policy = HalfRightPolicy(ChatTemplate.from_pretrained(config.model.path).tokenizer)
+    with pytest.raises(InfraFailureError) as info:
+        run_eval(config, client=policy)
+    message = str(info.value)
+    assert "4 of 4 evaluation episodes failed" in message and "the reward judge the run serves" in message
+    assert "Fix: the judge model the run serves (reward.judge.model_path)" in message
+    episodes = [json.loads(line) for line in (tmp_path / "eval" / "trajectories.jsonl").read_text().splitlines()]
+    assert {e["reward"] for e in episodes} == {None} and len(episodes) == 4
+    judged = [e["info"]["reward"]["parts"]["judge"] for e in episodes]
+    assert all(re.fullmatch(r"http://127\.0\.0\.1:\d+/s/judge-\d+/v1", j["url"]) for j in judged)
+    assert {j["missing"] for j in judged} <= {"parse", "truncated"} and all("reply" in j for j in judged)
+    left = [p for p in Path("/proc").iterdir() if p.name.isdigit() and _cmdline_has(p, tag)]
+    assert left == [], "the judge server outlived the eval"
+
+
+def _cmdline_has(proc: Path, text: str) -> bool:
+    try:
+        return text in (proc / "cmdline").read_bytes().decode(errors="replace")
+    except OSError:
+        return False

@@ -214,8 +214,16 @@ def test_max_concurrency_bounds_the_requests_in_flight(judge_server: JudgeServer
 
 
 def test_judge_config_errors_say_what_to_do(monkeypatch: pytest.MonkeyPatch) -> None:
-    with pytest.raises(NotImplementedError, match="reward.judge.url is not set.*agentrl gateway"):
-        JudgeReward(JudgeConfig())
+    with pytest.raises(ValueError, match="exactly one of url .* and model_path"):
+        JudgeConfig()
+    with pytest.raises(ValueError, match="exactly one of url"):
+        JudgeConfig(url="http://127.0.0.1:1/v1", model_path="smollm2-135m-instruct")
+    with pytest.raises(ValueError, match=r"reward.judge.engine, reward.judge.startup_timeout_s only apply"):
+        JudgeConfig(url="http://127.0.0.1:1/v1", engine="hf", startup_timeout_s=5)
+    served = JudgeReward(JudgeConfig(model_path="smollm2-135m-instruct", engine="hf", server_args=["a=b"]))
+    assert served.server is not None and served.server.command[3:] == [
+        "gateway", "model.path=smollm2-135m-instruct", "inference.engine=hf", "a=b", "--host", "127.0.0.1"]
+    assert served.server.pid is None  # started by the first judge request, not before
     monkeypatch.delenv("NO_SUCH_KEY_VAR", raising=False)
     with pytest.raises(ConfigError, match=r"\$NO_SUCH_KEY_VAR, which is not set"):
         _judge("http://127.0.0.1:1/v1", api_key_env="NO_SUCH_KEY_VAR")
