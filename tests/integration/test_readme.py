@@ -415,7 +415,7 @@ def test_judged_reward_example(assets: Path) -> None:
     answers = [line for line in out if " answer: " in line]
     assert len(answers) == 4
     assert all(re.search(r"answer: reward missing \((truncated|parse)\); the judge replied .", a) for a in answers)
-    assert any(line.startswith("overrides: reward.judge.url=http://127.0.0.1:") for line in out)
+    assert any(line.startswith(f"overrides: reward.judge.model_path={assets / 'tiny-random-qwen2'} ") for line in out)
 
 
 # ── serving commands ───────────────────────────────────────────────────────────────────────────
