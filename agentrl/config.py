@@ -187,7 +187,9 @@ class JudgeConfig(_Section):
         if (self.url is None) == (self.model_path is None):
             raise ValueError("reward.judge needs exactly one of url (a judge server that runs already, e.g. "
                              "http://127.0.0.1:8400/v1) and model_path (a judge model the run serves itself)")
-        serving = {"engine", "server_args", "startup_timeout_s"} & self.model_fields_set
+        # against the defaults, not the fields given: a saved config.yaml writes every field
+        serving = {name for name in ("engine", "server_args", "startup_timeout_s")
+                   if getattr(self, name) != type(self).model_fields[name].get_default(call_default_factory=True)}
         if self.url is not None and serving:
             raise ValueError(f"reward.judge.{', reward.judge.'.join(sorted(serving))} only apply to a judge the "
                              "run serves (reward.judge.model_path); with reward.judge.url they would do nothing")

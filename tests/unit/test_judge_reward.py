@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 
 from agentrl.chat import ChatTemplate
-from agentrl.config import JudgeConfig, RewardConfig, load_config
+from agentrl.config import JudgeConfig, RewardConfig, load_config, save_config
 from agentrl.envs.arithmetic import ArithmeticEnv, make_arithmetic_row
 from agentrl.envs.judge import JudgeReward, parse_verdict
 from agentrl.envs.reward_sources import CombinedReward, ascore_row, build_reward
@@ -213,13 +213,20 @@ def test_max_concurrency_bounds_the_requests_in_flight(judge_server: JudgeServer
     assert judge_server.most_in_flight == 2 and len(judge_server.requests) == 6
 
 
-def test_judge_config_errors_say_what_to_do(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_judge_config_errors_say_what_to_do(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="exactly one of url .* and model_path"):
         JudgeConfig()
     with pytest.raises(ValueError, match="exactly one of url"):
         JudgeConfig(url="http://127.0.0.1:1/v1", model_path="smollm2-135m-instruct")
     with pytest.raises(ValueError, match=r"reward.judge.engine, reward.judge.startup_timeout_s only apply"):
         JudgeConfig(url="http://127.0.0.1:1/v1", engine="hf", startup_timeout_s=5)
+    for judge in ("reward.judge.url=http://127.0.0.1:1/v1", "reward.judge.model_path=smollm2-135m-instruct"):
+        saved = tmp_path / judge.split("=")[0]
+        save_config(load_config(overrides=[judge, "reward.judge.engine=hf"] if "model_path" in judge else [judge]),
+                    saved)
+        reloaded = load_config(str(saved / "config.yaml")).reward.judge  # every field written, defaults too
+        assert reloaded is not None and (reloaded.url, reloaded.model_path) == (
+            ("http://127.0.0.1:1/v1", None) if "url" in judge else (None, "smollm2-135m-instruct"))
     served = JudgeReward(JudgeConfig(model_path="smollm2-135m-instruct", engine="hf", server_args=["a=b"]))
     assert served.server is not None and served.server.command[3:] == [
         "gateway", "model.path=smollm2-135m-instruct", "inference.engine=hf", "a=b", "--host", "127.0.0.1"]
