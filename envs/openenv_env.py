@@ -46,6 +46,7 @@ import contextlib
 import json
 import logging
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -320,10 +321,18 @@ class OpenEnvEnv(Env):
 
     async def _failure(self, what: str, where: str | None, exc: BaseException) -> str:
         parting = await self._parting_error() if type(exc).__module__.startswith("websockets") else None
+        # the refusal arrives either as the answer to the first message (the client raises it as a
+        # RuntimeError) or, when the server closed first, as the socket's parting words
         if parting is not None and parting.get("code") == "CAPACITY_REACHED":
-            limit = parting.get("max_sessions", "?")
+            refusal, limit = str(parting.get("message")), str(parting.get("max_sessions", "?"))
+        elif "CAPACITY_REACHED" in str(exc):
+            found = re.search(r"\d+/(\d+) sessions active", str(exc))
+            refusal, limit = str(exc), found.group(1) if found else "?"
+        else:
+            refusal = limit = ""
+        if refusal:
             return (f"the OpenEnv server at {where} refused the session during {what}, at capacity: "
-                    f"{parting.get('message')} It serves at most {limit} session(s) at once (its create_app(..., "
+                    f"{refusal} It serves at most {limit} session(s) at once (its create_app(..., "
                     f"max_concurrent_envs={limit})) and agentrl plays up to rollout.max_concurrent_episodes episodes "
                     f"at once. Set rollout.max_concurrent_episodes={limit}, serve it with a higher "
                     "max_concurrent_envs, or give env.kwargs.command instead of url (one server per episode).")
