@@ -69,7 +69,7 @@ def echo_env(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def echo_servers(package: Path) -> list[psutil.Process]:
-    """Every echo server running (served from `package`), whoever started it."""
+    """Every echo server running (served from `package`) and the lifeline agentrl runs it under."""
     found = []
     for p in psutil.process_iter(["cmdline"]):
         with contextlib.suppress(psutil.Error):
@@ -169,7 +169,7 @@ class EchoPolicy:
         episode = next(e for e in (1, 2, 3) if f"Episode {e}." in prompt)
         turn = prompt.count("<|im_start|>assistant")
         if episode == self.dies and turn == 2:
-            (server,) = echo_servers(self.package)
+            (server,) = [p for p in echo_servers(self.package) if p.cmdline()[1:3] == ["-m", "uvicorn"]]
             server.send_signal(signal.SIGKILL)
             server.wait(10)
             self.killed.append(server.pid)
