@@ -95,7 +95,7 @@ def check_echoed(episode: dict[str, Any]) -> None:
     said = [m["content"] for m in episode["messages"] if m["role"] == "assistant"]
     # the reset observation, then one echo per stepped turn but the last (the budget ends the episode
     # before the last step's observation is shown)
-    echoes = [json.loads(m["content"]) for m in episode["messages"][2:] if m["role"] == "user"]
+    echoes = [json.loads(m["content"]) for m in episode["messages"][1:] if m["role"] == "user"]
     assert echoes[0] == {"echoed_message": "Echo Env environment ready!", "message_length": 0}
     assert [(e["echoed_message"], e["message_length"]) for e in echoes[1:]] == [(s, len(s)) for s in said[:-1]]
     if episode["finish_reason"] == "max_turns":  # the server never says done: the loop's budget ends it
