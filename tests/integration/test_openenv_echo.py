@@ -231,9 +231,11 @@ def echo_url(echo_env: Path) -> Iterator[str]:
 
 def test_a_url_server_at_its_session_limit_refuses_with_the_limit_and_the_fix(echo_url: str) -> None:
     async def play() -> None:
-        first, second = make_env("openenv", url=echo_url), make_env("openenv", url=echo_url)
+        first = make_env("openenv", url=echo_url, observation_field="echoed_message")
+        second = make_env("openenv", url=echo_url)
         try:
-            await first.areset(seed=1)
+            messages, _ = await first.areset(seed=1)
+            assert messages[-1] == {"role": "user", "content": "Echo Env environment ready!"}
             with pytest.raises(EnvServerError) as refused:
                 await second.areset(seed=2)
             message = str(refused.value)
@@ -241,8 +243,8 @@ def test_a_url_server_at_its_session_limit_refuses_with_the_limit_and_the_fix(ec
             assert "max_concurrent_envs=1" in message and "rollout.max_concurrent_episodes=1" in message
             assert "rollout.max_concurrent_episodes" in fix_for(message)
             # the session it has goes on
-            _, reward, done, _, _ = await first.astep(Action(text="hello"))
-            assert (reward, done) == (pytest.approx(0.5), False)
+            shown, reward, done, _, _ = await first.astep(Action(text="hello"))
+            assert (shown, reward, done) == ([{"role": "user", "content": "hello"}], pytest.approx(0.5), False)
         finally:
             await first.aclose()
             await second.aclose()
