@@ -14,7 +14,17 @@ token out); the server only sees text.
 With `command` instead of `url`, agentrl starts the server for each episode on a free port (the
 `{port}` placeholder of the command), waits for its `/health`, and stops it (its whole process
 group, under a lifeline that also ends it if agentrl dies) when the episode ends, so nothing it
-started outlives the episode. Every session is closed when its episode ends.
+started outlives the episode. `cwd` is the directory the command runs in: a package made by
+`openenv init NAME` is served from its own directory (`[python, -m, uvicorn, server.app:app, --port,
+"{port}"]` with `cwd` the package's directory, as its README says), unchanged. Every session is
+closed when its episode ends.
+
+An env that never says `done` (OpenEnv's generated echo env) ends at `rollout.max_turns`: its
+episode is truncated (`finish_reason` max_turns) and scored with the rewards its steps gave, which the
+server measured; nothing is added for the cut. A server's own session limit (`create_app(...,
+max_concurrent_envs=N)`, 1 in `openenv init`'s template) refuses the N+1st concurrent session of a
+`url`: that episode fails as infrastructure with the server's reason and the fix; `command` starts
+one server per episode, so it never meets the limit.
 
 What is infrastructure, never a score: a server that does not start, dies, closes the session,
 answers an error or does not answer within `message_timeout_s` (the WebSocket handshake included),
@@ -36,6 +46,7 @@ import contextlib
 import json
 import logging
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -84,8 +95,9 @@ def _free_port() -> int:
 class _ServerProcess:
     """One OpenEnv server agentrl started: its process group, its log, its address."""
 
-    def __init__(self, command: Sequence[str], startup_timeout_s: float) -> None:
+    def __init__(self, command: Sequence[str], startup_timeout_s: float, cwd: str | None = None) -> None:
         self.port = _free_port()
+        self.cwd = cwd
         self.argv = [sys.executable if c == "python" else c.replace("{port}", str(self.port)) for c in command]
         self.startup_timeout_s = startup_timeout_s
         self.url = f"http://127.0.0.1:{self.port}"
@@ -96,13 +108,14 @@ class _ServerProcess:
         self.log_file = tempfile.TemporaryFile()
         # a plain Popen, not an asyncio subprocess: the episode may end on another event loop than it began
         self.proc = subprocess.Popen(lifeline_argv(self.argv, grace_s=5.0), stdin=subprocess.DEVNULL,
-                                     stdout=self.log_file, stderr=self.log_file, start_new_session=True)
+                                     stdout=self.log_file, stderr=self.log_file, start_new_session=True, cwd=self.cwd)
         deadline = asyncio.get_running_loop().time() + self.startup_timeout_s
         async with httpx.AsyncClient(timeout=2.0, trust_env=False) as client:
             while True:
                 if self.proc.poll() is not None:
-                    raise EnvServerError(f"the OpenEnv server {self.argv} exited with code {self.proc.returncode} "
-                                         f"before it answered; its output ends:\n{self.log_tail()}")
+                    where = f" (in {self.cwd})" if self.cwd else ""
+                    raise EnvServerError(f"the OpenEnv server {self.argv}{where} exited with code "
+                                         f"{self.proc.returncode} before it answered; its output ends:\n{self.log_tail()}")
                 with contextlib.suppress(httpx.HTTPError):
                     if (await client.get(f"{self.url}/health")).status_code == 200:
                         return
@@ -147,6 +160,7 @@ class OpenEnvEnv(Env):
         *,
         url: str | None = None,
         command: Sequence[str] | None = None,
+        cwd: str | None = None,
         action_field: str = "message",
         observation_field: str | None = None,
         system_prompt: str | None = None,
@@ -168,11 +182,20 @@ class OpenEnvEnv(Env):
                     f"env.kwargs.command {list(command)} has no '{{port}}' placeholder: agentrl starts one server "
                     "per episode on a free port and needs to tell it which, e.g. [python, server.py, --port, '{port}']."
                 )
+        if cwd is not None:
+            if command is None:
+                raise ConfigError(f"env.kwargs.cwd ({cwd!r}) is the directory env.kwargs.command runs in; with "
+                                  "env.kwargs.url the server runs elsewhere: drop cwd, or give a command.")
+            cwd = os.path.abspath(os.path.expanduser(cwd))
+            if not os.path.isdir(cwd):
+                raise ConfigError(f"env.kwargs.cwd {cwd!r} is not a directory; give the directory the server's "
+                                  "command runs in (for an 'openenv init' package, the package's own directory).")
         if url is not None and not url.startswith(("http://", "https://", "ws://", "wss://")):
             raise ConfigError(f"env.kwargs.url '{url}' is not an http(s):// or ws(s):// address.")
         self._client_cls = require_openenv()
         self.url = url.rstrip("/") if url else None
         self.command = list(command) if command is not None else None
+        self.cwd = cwd
         self.action_field = action_field
         self.observation_field = observation_field
         self.system_prompt = system_prompt
@@ -229,7 +252,7 @@ class OpenEnvEnv(Env):
         try:
             url = self.url
             if self.command is not None:
-                self._server = _ServerProcess(self.command, self.startup_timeout_s)
+                self._server = _ServerProcess(self.command, self.startup_timeout_s, self.cwd)
                 await self._server.start()
                 url = self._server.url
             assert url is not None  # one of url/command is set, checked in __init__
@@ -290,18 +313,51 @@ class OpenEnvEnv(Env):
             return await coro
         except (ConnectionError, OSError, RuntimeError, TimeoutError) as exc:
             # websockets' ConnectionClosed is a ConnectionError subclass only in some versions
-            raise EnvServerError(self._failure(what, where, exc)) from exc
+            raise EnvServerError(await self._failure(what, where, exc)) from exc
         except Exception as exc:
             if type(exc).__module__.startswith("websockets"):
-                raise EnvServerError(self._failure(what, where, exc)) from exc
+                raise EnvServerError(await self._failure(what, where, exc)) from exc
             raise
 
-    def _failure(self, what: str, where: str | None, exc: BaseException) -> str:
+    async def _failure(self, what: str, where: str | None, exc: BaseException) -> str:
+        parting = await self._parting_error() if type(exc).__module__.startswith("websockets") else None
+        # the refusal arrives either as the answer to the first message (the client raises it as a
+        # RuntimeError) or, when the server closed first, as the socket's parting words
+        if parting is not None and parting.get("code") == "CAPACITY_REACHED":
+            refusal, limit = str(parting.get("message")), str(parting.get("max_sessions", "?"))
+        elif "CAPACITY_REACHED" in str(exc):
+            found = re.search(r"\d+/(\d+) sessions active", str(exc))
+            refusal, limit = str(exc), found.group(1) if found else "?"
+        else:
+            refusal = limit = ""
+        if refusal:
+            return (f"the OpenEnv server at {where} refused the session during {what}, at capacity: "
+                    f"{refusal} It serves at most {limit} session(s) at once (its create_app(..., "
+                    f"max_concurrent_envs={limit})) and agentrl plays up to rollout.max_concurrent_episodes episodes "
+                    f"at once. Set rollout.max_concurrent_episodes={limit}, serve it with a higher "
+                    "max_concurrent_envs, or give env.kwargs.command instead of url (one server per episode).")
         message = f"the OpenEnv server at {where} failed during {what}: {type(exc).__name__}: {exc}"
+        if parting is not None:
+            message += f" (the server's last word: {parting.get('message')} (code {parting.get('code')}))"
         server = self._server
         if server is not None and server.proc is not None and server.proc.poll() is not None:
             message += f" (it exited with code {server.proc.returncode}; its output ends:\n{server.log_tail()})"
         return message
+
+    async def _parting_error(self) -> dict[str, Any] | None:
+        """The error a server sent as it closed the session (its session limit, a failed environment
+        factory), if any: the client fails on sending its next message into the closed socket and never
+        reads that answer, but the socket still holds it."""
+        ws = getattr(self._client, "_ws", None)
+        if ws is None or self._client_loop is not asyncio.get_running_loop():
+            return None
+        try:
+            answer = json.loads(await asyncio.wait_for(ws.recv(), 1.0))
+        except Exception:  # closed with nothing left to read, or not JSON: no parting words
+            return None
+        if isinstance(answer, dict) and answer.get("type") == "error" and isinstance(answer.get("data"), dict):
+            return answer["data"]
+        return None
 
     def _observation_text(self, observation: Any) -> str:
         if not isinstance(observation, dict):

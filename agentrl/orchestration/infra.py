@@ -43,6 +43,10 @@ _FIXES: tuple[tuple[str, str], ...] = (
     (r"bubblewrap|bwrap", "install bubblewrap ('bash scripts/install.sh' does, or 'apt-get install "
                           "bubblewrap'), or pick another sandbox with sandbox=docker"),
     (r"docker", "start the Docker daemon ('bash scripts/install.sh docker' does) or use sandbox=local"),
+    (r"the OpenEnv server .* at capacity", "the env's OpenEnv server (env.kwargs.url) accepts fewer sessions at "
+                                            "once than agentrl plays episodes: set rollout.max_concurrent_episodes "
+                                            "to its max_concurrent_envs (named above), serve it with a higher one, "
+                                            "or use env.kwargs.command (one server per episode)"),
     (r"the OpenEnv server", "the env's OpenEnv server (named above) died, closed its session or stopped "
                             "answering: see its output in the error, check env.kwargs.url / command and "
                             "env.kwargs.message_timeout_s"),

@@ -76,3 +76,8 @@ def test_openenv_refuses_configurations_that_cannot_work() -> None:
         make_env("openenv", command=["python", "server.py"])
     with pytest.raises(ConfigError, match="is not an http"):
         make_env("openenv", url="127.0.0.1:8000")
+    with pytest.raises(ConfigError, match="env.kwargs.cwd .* is the directory env.kwargs.command runs in"):
+        make_env("openenv", url="http://127.0.0.1:1", cwd="/tmp")
+    with pytest.raises(ConfigError, match="'/no/such/dir' is not a directory"):
+        make_env("openenv", command=["python", "-m", "uvicorn", "server.app:app", "--port", "{port}"],
+                 cwd="/no/such/dir")
