@@ -44,12 +44,13 @@ import gymnasium
 
 from agentrl.envs.core import Env
 from agentrl.envs.verifiers_process import VerifiersWorker, checked_answer
-from agentrl.errors import ConfigError, EnvError, EnvServerError
+from agentrl.errors import ConfigError, EnvError, EnvServerError, FeatureUnavailableError
 from agentrl.types import Action, Message, Role
 
-__all__ = ["VerifiersEnv"]
+__all__ = ["VerifiersEnv", "scored_answer", "task_label", "task_of"]
 
 _TASK_KEY = "verifiers_task"
+_TURNS_KEY = "verifiers_multi_turn"
 _ROLES = ("system", "user", "assistant", "tool")
 _WEDGED_GRACE_S = 10.0
 """How long past `score_timeout_s` the worker may take to answer before it is taken to be wedged."""
@@ -76,17 +77,56 @@ def _prompt(data: dict[str, Any]) -> list[Message]:
         for m in prompt or []:
             role = m.get("role") if isinstance(m, dict) else None
             if role not in _ROLES:
-                raise EnvError(f"verifiers task {_label(data)} has a prompt message of role {role!r}; env=verifiers "
+                raise EnvError(f"verifiers task {task_label(data)} has a prompt message of role {role!r}; env=verifiers "
                                f"takes {', '.join(_ROLES)}.")
             messages.append({"role": cast(Role, role), "content": _text(m.get("content"))})
     if not messages:
-        raise EnvError(f"verifiers task {_label(data)} has no prompt (the user opens the conversation: a user "
+        raise EnvError(f"verifiers task {task_label(data)} has no prompt (the user opens the conversation: a user "
                        "simulator env, which env=verifiers does not run).")
     return messages
 
 
-def _label(data: dict[str, Any]) -> str:
+def _opening(data: dict[str, Any]) -> list[Message]:
+    """A multi-turn task's row prompt: its own (system prompt, prompt) where it has one, else a line
+    saying its env opens the conversation. The episode's real messages are those its env sends."""
+    try:
+        return _prompt(data)
+    except EnvError:
+        return [{"role": "user", "content": f"(verifiers task {task_label(data)}: its env opens the conversation)"}]
+
+
+def task_label(data: dict[str, Any]) -> str:
+    """How errors name a verifiers task: its id, else its position in the taskset."""
     return str(data.get("id") or data.get("idx"))
+
+
+def task_of(row: dict[str, Any]) -> dict[str, Any]:
+    """The verifiers `TaskData` (as JSON) a row of env=verifiers carries."""
+    data = (row.get("extra_info") or {}).get(_TASK_KEY)
+    if not isinstance(data, dict):
+        raise EnvError(f"env=verifiers rows carry their task in extra_info.{_TASK_KEY}; this row has none. "
+                       "Use the env's own rows (leave data.*_files unset).")
+    return data
+
+
+def scored_answer(answer: dict[str, Any], what: str, deadline: str) -> tuple[float, dict[str, float]]:
+    """The reward and metrics of the worker's answer to a `score` or `play` request about `what` (the
+    task's rewards by name as `reward/<name>`, and its metrics); `EnvServerError` when it timed out
+    (past `deadline`), failed, or left a reward unscored: an infrastructure failure, never a score."""
+    if not answer.get("ok"):
+        if answer.get("kind") == "timeout":
+            raise EnvServerError(f"{what} did not finish within {deadline}.")
+        if answer.get("kind") == "failed":
+            raise EnvServerError(f"{what} failed: {answer.get('message')}")
+        checked_answer(answer)  # raises what its kind stands for (a wrong taskset, a row that does not fit it)
+    rewards: dict[str, float | None] = answer["rewards"]
+    unscored = sorted(name for name, r in rewards.items() if r is None)
+    if unscored or answer.get("reward") is None:
+        task = what.removeprefix("the verifiers rubric of ").removeprefix("the verifiers episode of ")
+        raise EnvServerError(f"the verifiers rewards {unscored} of {task} were not scored.")
+    metrics = {f"reward/{name}": float(r) for name, r in rewards.items() if r is not None}
+    metrics.update({name: float(v) for name, v in answer["metrics"].items()})
+    return float(answer["reward"]), metrics
 
 
 class VerifiersEnv(Env):
@@ -131,41 +171,52 @@ class VerifiersEnv(Env):
 
     def rows(self) -> list[dict[str, Any]]:
         """The taskset's first `max_rows` tasks as verl-format rows (loaded by the worker)."""
-        return self._rows(self.worker.tasks(self.taskset_id, self.taskset_kwargs, self.max_rows))
+        loaded = self.worker.taskset(self.taskset_id, self.taskset_kwargs, self.max_rows)
+        return self._rows(loaded["tasks"], bool(loaded.get("multi_turn")))
 
-    def _rows(self, tasks: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        return [{"prompt": _prompt(t["data"]), "data_source": f"verifiers/{Path(self.id).stem}",
-                 "extra_info": {_TASK_KEY: t["data"], "task_id": t["data"].get("id"), "task_key": t["key"]}}
+    def _rows(self, tasks: list[dict[str, Any]], multi_turn: bool = False) -> list[dict[str, Any]]:
+        return [{"prompt": _opening(t["data"]) if multi_turn else _prompt(t["data"]),
+                 "data_source": f"verifiers/{Path(self.id).stem}",
+                 "extra_info": {_TASK_KEY: t["data"], "task_id": t["data"].get("id"), "task_key": t["key"],
+                                **({_TURNS_KEY: True} if multi_turn else {})}}
                 for t in tasks]
 
-    def first_prompt(self, row: dict[str, Any]) -> tuple[list[Message], list[Any]]:
-        return _prompt(self._data_of(row)), []
-
-    def _data_of(self, row: dict[str, Any]) -> dict[str, Any]:
-        data = (row.get("extra_info") or {}).get(_TASK_KEY)
-        if not isinstance(data, dict):
-            raise EnvError(f"env=verifiers rows carry their task in extra_info.{_TASK_KEY}; this row has none. "
-                           "Use the env's own rows (leave data.*_files unset).")
-        return data
+    def first_prompt(self, row: dict[str, Any]) -> tuple[list[Message], list[Any]] | None:
+        if (row.get("extra_info") or {}).get(_TURNS_KEY):
+            return None  # verifiers' own program renders the first call of an episode played in turns
+        return _prompt(task_of(row)), []
 
     async def apreflight(self) -> str | None:
         """The worker starts and loads the taskset (its first `max_rows` tasks)."""
-        tasks = await self.worker.atasks(self.taskset_id, self.taskset_kwargs, self.max_rows)
+        loaded = await self.worker.ataskset(self.taskset_id, self.taskset_kwargs, self.max_rows)
+        played = f", played in turns by its {loaded['env']}" if loaded.get("multi_turn") else ""
         return (f"verifiers {self.worker.version} ({self.worker.folder}) loaded the taskset '{self.id}': "
-                f"{len(tasks)} tasks")
+                f"{len(loaded['tasks'])} tasks{played}")
+
+    async def aplays_turns(self) -> str | None:
+        """The name of the `vf.Env` that plays the taskset's episodes in turns, or None when the taskset
+        is answered in one reply (a plain taskset: verifiers' `SingleAgentEnv`)."""
+        loaded = await self.worker.ataskset(self.taskset_id, self.taskset_kwargs, self.max_rows)
+        return str(loaded["env"]) if loaded.get("multi_turn") else None
 
     # ── the contract ────────────────────────────────────────────────────────────────────────
     async def areset(
         self, *, seed: int | None = None, options: dict[str, Any] | None = None
     ) -> tuple[list[Message], dict[str, Any]]:
         gymnasium.Env.reset(self, seed=seed)  # seeds self.np_random the standard way
+        player = await self.aplays_turns()
+        if player is not None:
+            raise FeatureUnavailableError(
+                f"the verifiers taskset '{self.id}' is played in turns by its {player}, which reset/step cannot "
+                "do: its episodes run through agentrl's gateway. Run it with `agentrl run|eval env=verifiers` "
+                "(agentrl.gateway.VerifiersAgentEnv), not by stepping VerifiersEnv.")
         row = (options or {}).get("row")
         if row is None:
             tasks = self._rows(await self.worker.atasks(self.taskset_id, self.taskset_kwargs, self.max_rows))
             if not tasks:
                 raise EnvError(f"the verifiers taskset '{self.id}' has no tasks.")
             row = tasks[(seed or 0) % len(tasks)]
-        self._data = self._data_of(row)
+        self._data = task_of(row)
         self._messages = _prompt(self._data)
         return list(self._messages), {"tools": []}
 
@@ -181,21 +232,10 @@ class VerifiersEnv(Env):
         try:
             answer = await self.worker.arequest(request, self.score_timeout_s + _WEDGED_GRACE_S)
         except EnvServerError as exc:
-            raise EnvServerError(f"the verifiers rubric of task {_label(data)} was not scored: {exc}") from exc
-        if not answer.get("ok"):
-            if answer.get("kind") == "timeout":
-                raise EnvServerError(f"the verifiers rubric of task {_label(data)} did not finish within "
-                                     f"{self.score_timeout_s:.0f} s (env.kwargs.score_timeout_s).")
-            if answer.get("kind") == "failed":
-                raise EnvServerError(f"the verifiers rubric of task {_label(data)} failed: {answer.get('message')}")
-            checked_answer(answer)  # raises what its kind stands for (a wrong taskset, a row that does not fit it)
-        rewards: dict[str, float | None] = answer["rewards"]
-        unscored = sorted(name for name, r in rewards.items() if r is None)
-        if unscored or answer.get("reward") is None:
-            raise EnvServerError(f"the verifiers rewards {unscored} of task {_label(data)} were not scored.")
-        metrics = {f"reward/{name}": float(r) for name, r in rewards.items() if r is not None}
-        metrics.update({name: float(v) for name, v in answer["metrics"].items()})
-        return [], float(answer["reward"]), True, False, {"metrics": metrics}
+            raise EnvServerError(f"the verifiers rubric of task {task_label(data)} was not scored: {exc}") from exc
+        reward, metrics = scored_answer(answer, f"the verifiers rubric of task {task_label(data)}",
+                                        f"{self.score_timeout_s:.0f} s (env.kwargs.score_timeout_s)")
+        return [], reward, True, False, {"metrics": metrics}
 
     async def aclose(self) -> None:
         self._data = None

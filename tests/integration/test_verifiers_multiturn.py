@@ -1,0 +1,135 @@
+"""`agentrl eval` (`run_eval`) of `env=verifiers` over a multi-turn verifiers 0.4 taskset
+(examples/verifiers_guess.py: a `vf.Env` whose game answers each guess), with a scripted policy
+behind the real gateway: verifiers plays each episode in its worker (its env code, its chat program,
+its interception server) and every model call reaches the gateway session of the episode.
+
+Guards: each episode's trajectory holds every guess the game asked for (one segment, several
+assistant turns, the game's feedback between them as masked user turns), its reward and metrics are
+the taskset's own rubric's (`solved`, `guesses`) for that play, and a verifiers worker SIGKILLed in
+the middle of an episode makes that episode an infrastructure failure (masked, reward None) while
+the later ones are played by a fresh worker and scored."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from agentrl.chat import ChatTemplate
+from agentrl.config import load_config
+from agentrl.envs.verifiers_process import WORKER_PATH
+from agentrl.inference.protocol import Generation, SamplingParams
+from agentrl.orchestration.evaluate import run_eval
+
+pytestmark = [pytest.mark.slow, pytest.mark.verifiers]
+
+REPO = Path(__file__).resolve().parents[2]
+GUESS = REPO / "examples" / "verifiers_guess.py"
+SECRETS = [50, 98, 54, 6]  # the first four tasks of examples/verifiers_guess.py (random.Random(0))
+MAX_GUESSES = 4
+
+
+def bisect_guesses(secret: int) -> list[int]:
+    """The guesses of a player that bisects 1..100 on the game's higher/lower feedback, as the game
+    takes them (it stops at the secret or after MAX_GUESSES)."""
+    lo, hi, guesses = 1, 100, []
+    while len(guesses) < MAX_GUESSES:
+        guess = (lo + hi) // 2
+        guesses.append(guess)
+        if guess == secret:
+            break
+        lo, hi = (guess + 1, hi) if guess < secret else (lo, guess - 1)
+    return guesses
+
+
+def worker_pids() -> list[int]:
+    """The verifiers worker processes (not their lifelines): `python -I WORKER_PATH ...`."""
+    pids = []
+    for proc in Path("/proc").iterdir():
+        try:
+            argv = (proc / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if len(argv) > 2 and argv[2] == WORKER_PATH.encode():
+            pids.append(int(proc.name))
+    return pids
+
+
+class BisectingPlayer:
+    """Bisects on the feedback in its prompt. At its second guess of the game whose secret is
+    `kill_secret` it SIGKILLs the verifiers worker first: mid-episode, with a reply still to come."""
+
+    def __init__(self, tokenizer: Any, kill_secret: int | None = None) -> None:
+        self.tok = tokenizer
+        self.kill_secret = kill_secret
+        self.killed: list[int] = []
+
+    async def generate(self, prompt_ids: list[int], sampling: SamplingParams, *, session_id: str,
+                       timeout_s: float | None = None) -> Generation:
+        prompt = self.tok.decode(prompt_ids)
+        lo, hi = 1, 100
+        for guess, direction in re.findall(r"(\d+) is too (low|high)", prompt):
+            lo, hi = (int(guess) + 1, hi) if direction == "low" else (lo, int(guess) - 1)
+        guess = (lo + hi) // 2
+        if self.kill_secret is not None and not self.killed and "too" in prompt:
+            if guess in bisect_guesses(self.kill_secret)[1:2]:  # the second guess of that game
+                self.killed = worker_pids()
+                for pid in self.killed:
+                    os.kill(pid, signal.SIGKILL)
+        ids = self.tok.encode(f"{guess}<|im_end|>", add_special_tokens=False)
+        return Generation(ids, [-0.1] * len(ids), "stop", 0)
+
+
+def run_guess_eval(assets: Path, out: Path, kill_secret: int | None = None) -> tuple[list[dict], BisectingPlayer]:
+    config = load_config(overrides=[
+        "env=verifiers", f"env.kwargs.id={GUESS}", "env.kwargs.max_rows=4", f"model.path={assets / 'tiny-random-qwen2'}",
+        "eval.k=1", "rollout.max_turns=6", "run.max_infra_failure_rate=0.3",
+        # one episode at a time, in row order: the worker is killed in one episode only
+        "rollout.max_concurrent_episodes=1", f"eval.output_dir={out}"])
+    policy = BisectingPlayer(ChatTemplate.from_pretrained(config.model.path).tokenizer, kill_secret)
+    run_eval(config, client=policy)
+    episodes = [json.loads(line) for line in (out / "trajectories.jsonl").read_text().splitlines()]
+    return episodes, policy
+
+
+def secret_of(episode: dict) -> int:
+    return SECRETS[int(episode["info"]["verifiers"]["task"].removeprefix("guess-"))]
+
+
+def test_eval_of_a_multi_turn_verifiers_taskset_records_every_turn_and_scores_with_its_rubric(
+        assets: Path, tmp_path: Path) -> None:
+    episodes, _ = run_guess_eval(assets, tmp_path / "eval")
+    assert sorted(secret_of(e) for e in episodes) == sorted(SECRETS)
+    for episode in episodes:
+        guesses = bisect_guesses(secret_of(episode))
+        solved = float(guesses[-1] == secret_of(episode))
+        assert (episode["fault"], episode["reward"], episode["finish_reason"]) == (None, solved, "done"), episode
+        assert episode["metrics"]["reward/solved"] == solved
+        assert episode["metrics"]["guesses"] == len(guesses)
+        # the whole game in one trajectory: each guess a sampled assistant turn, the game's answers between
+        roles = [m["role"] for m in episode["messages"]]
+        assert roles == ["system", "user"] + ["assistant", "user"] * (len(guesses) - 1) + ["assistant"]
+        assert [m["content"] for m in episode["messages"] if m["role"] == "assistant"] == [str(g) for g in guesses]
+    assert any(len(bisect_guesses(s)) > 1 for s in SECRETS) and any(e["reward"] == 1.0 for e in episodes)
+    assert worker_pids() == []
+
+
+def test_a_worker_killed_mid_episode_masks_that_episode_and_later_ones_are_scored(
+        assets: Path, tmp_path: Path) -> None:
+    kill_secret = SECRETS[1]
+    episodes, policy = run_guess_eval(assets, tmp_path / "eval", kill_secret=kill_secret)  # 1 of 4 failed: < 0.3
+    assert len(policy.killed) == 1, "the player killed the one worker, mid-episode"
+    killed = [e for e in episodes if secret_of(e) == kill_secret]
+    assert len(killed) == 1
+    assert (killed[0]["fault"], killed[0]["reward"]) == ("infra", None)
+    assert "the verifiers worker" in killed[0]["error"] and "was killed by signal 9" in killed[0]["error"]
+    for episode in episodes:
+        if episode is not killed[0]:
+            guesses = bisect_guesses(secret_of(episode))
+            assert (episode["fault"], episode["reward"]) == (None, float(guesses[-1] == secret_of(episode)))
+    assert worker_pids() == []
