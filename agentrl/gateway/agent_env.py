@@ -310,6 +310,8 @@ class AgentEnv(Env, ExternalAgentEnv):
                 error = f"the reward function failed: {type(exc).__name__}: {exc}"
             if fault is None and session.last_finish == "length":
                 reason = FinishReason.MAX_LENGTH
+            if fault is None:
+                reason = self.finish_reason(reason, info)
         info["answer"] = answer
         extra["episode_s"] = time.perf_counter() - started
         segments = session.trajectories(reward=reward, finish_reason=reason, fault=fault, error=error,
@@ -334,6 +336,11 @@ class AgentEnv(Env, ExternalAgentEnv):
         """The reward of an episode whose agent answered `answer` (`ascore`'s contract; `info` holds
         what `arun_agent` recorded). What it raises masks the episode, never scores it 0."""
         return await self.ascore(answer, row)
+
+    def finish_reason(self, reason: FinishReason, info: dict[str, Any]) -> FinishReason:
+        """How a scored episode ended: `reason` (done, or max_length when its last call was cut), unless
+        what `arun_agent` recorded says the agent's own budget ended it."""
+        return reason
 
     async def _run_callable(self, task: AgentTask) -> str:
         assert self.agent is not None

@@ -33,9 +33,13 @@ from agentrl.envs.verifiers_process import VerifiersWorker
 from agentrl.errors import ConfigError, EnvServerError
 from agentrl.gateway.agent_env import AgentEnv, AgentTask
 from agentrl.gateway.server import Gateway, SharedGateway
-from agentrl.types import Trajectory
+from agentrl.types import FinishReason, Trajectory
 
 __all__ = ["VerifiersAgentEnv"]
+
+_STOPPED_BY = {"max_turns": FinishReason.MAX_TURNS, "max_input_tokens": FinishReason.MAX_LENGTH,
+               "max_output_tokens": FinishReason.MAX_LENGTH, "max_total_tokens": FinishReason.MAX_LENGTH}
+"""verifiers' stop conditions of a trace that a budget cut, as the finish reasons the AgentLoop gives them."""
 
 _WEDGED_GRACE_S = 30.0
 """How long past the episode's deadline the worker may take to answer before it is taken to be wedged."""
@@ -100,6 +104,10 @@ class VerifiersAgentEnv(VerifiersEnv, AgentEnv):
             scored_answer(answer, what, f"{timeout_s:.0f} s (the episode's deadline)")  # raises what went wrong
         info["verifiers"].update({key: answer.get(key) for key in ("reward", "rewards", "metrics", "turns", "stop")})
         return str(answer.get("reply") or "")
+
+    def finish_reason(self, reason: FinishReason, info: dict[str, Any]) -> FinishReason:
+        """verifiers' own budget (the seat's `max_turns`) ended the exchange: `max_turns`, as the AgentLoop's."""
+        return _STOPPED_BY.get(str(info["verifiers"].get("stop")), reason)
 
     async def ascore_episode(self, answer: str, row: dict[str, Any], info: dict[str, Any]
                              ) -> tuple[float, dict[str, float], dict[str, Any]]:

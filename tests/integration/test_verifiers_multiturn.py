@@ -15,6 +15,8 @@ import json
 import os
 import re
 import signal
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -132,4 +134,52 @@ def test_a_worker_killed_mid_episode_masks_that_episode_and_later_ones_are_score
         if episode is not killed[0]:
             guesses = bisect_guesses(secret_of(episode))
             assert (episode["fault"], episode["reward"]) == (None, float(guesses[-1] == secret_of(episode)))
+    assert worker_pids() == []
+
+
+def read_guess(reply: str) -> int | None:
+    """examples/verifiers_guess.py's reading of a reply (that module imports verifiers: not here)."""
+    found = re.search(r"-?\d+", reply)
+    return int(found.group()) if found else None
+
+
+def game_feedback(guess: int | None, secret: int) -> str:
+    """examples/verifiers_guess.py's answer to a guess that is not the secret."""
+    if guess is None:
+        return "That is not a number. Guess again."
+    return f"{guess} is too low. Guess higher." if guess < secret else f"{guess} is too high. Guess lower."
+
+
+def test_agentrl_eval_plays_the_example_with_the_tiny_model_and_books_every_sampled_token(
+        assets: Path, tmp_path: Path) -> None:
+    out = tmp_path / "eval"
+    command = [sys.executable, "-m", "agentrl.cli", "eval", "env=verifiers", f"env.kwargs.id={GUESS}",
+               "env.kwargs.max_rows=4", f"model.path={assets / 'tiny-random-qwen2'}", "inference.engine=hf",
+               "eval.k=1", "rollout.max_turns=4", "rollout.max_tokens_per_turn=16", f"eval.output_dir={out}",
+               # the random model seldom samples its end-of-turn token: the first 20,000 ids end a turn too
+               f"rollout.extra_stop_token_ids=[{','.join(str(i) for i in range(20000))}]"]
+    done = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, f"exit {done.returncode}:\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}"
+    episodes = [json.loads(line) for line in (out / "trajectories.jsonl").read_text().splitlines()]
+    assert sorted(secret_of(e) for e in episodes) == sorted(SECRETS)
+    for episode in episodes:
+        assert episode["fault"] is None and episode["segment"] == {"index": 0, "of": 1}, episode["error"]
+        secret, messages = secret_of(episode), episode["messages"]
+        replies = [m["content"] for m in messages if m["role"] == "assistant"]
+        answers = [m["content"] for m in messages[2:] if m["role"] == "user"]
+        # the game got exactly what the model sampled, and its rubric scored exactly that
+        assert answers == [game_feedback(read_guess(r), secret) for r in replies[:-1]]
+        assert episode["reward"] == float(any(read_guess(r) == secret for r in replies))
+        assert episode["metrics"]["reward/solved"] == episode["reward"]
+        assert episode["metrics"]["guesses"] == len(replies) == episode["num_turns"]
+        assert len(replies) == MAX_GUESSES or read_guess(replies[-1]) == secret
+        # the token ledger: every token once, in order; the sampled ones with their logprobs, and only they
+        segments = episode["segments"]
+        assert [s["start"] for s in segments] == [sum(len(p["ids"]) for p in segments[:i]) for i in range(len(segments))]
+        assert sum(len(s["ids"]) for s in segments) == episode["num_tokens"]
+        sampled = [s for s in segments if s["origin"] == "sampled"]
+        assert sum(len(s["ids"]) for s in sampled) == episode["num_sampled"] > 0
+        assert all(len(s["logprobs"]) == len(s["ids"]) for s in sampled)
+        assert all("logprobs" not in s for s in segments if s["origin"] != "sampled")
+    assert any(e["num_turns"] > 1 for e in episodes)
     assert worker_pids() == []
