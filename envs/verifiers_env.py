@@ -2,6 +2,7 @@
 
     agentrl eval env=verifiers env.kwargs.id=examples/verifiers_arith.py    # a file exporting a Taskset
     agentrl eval env=verifiers env.kwargs.id=my_taskset                      # an installed taskset package
+    agentrl eval env=verifiers env.kwargs.id=examples/verifiers_guess.py    # multi-turn: it exports a vf.Env too
 
 `id` is what verifiers itself takes (`--env.taskset.id`: an installed taskset package, or a built-in
 one under `verifiers.v1.tasksets`), or the path of a `.py` file that exports one `Taskset` subclass in
@@ -17,6 +18,15 @@ What agentrl does: it generates the turns itself (token in, token out) and ends 
 model's first answer. A rubric that raises, times out (`score_timeout_s`) or leaves a reward unscored
 is an infrastructure failure (`EnvServerError`: the episode is masked, never scored 0).
 
+Multi-turn tasksets (a package or file that exports a `vf.Env` besides its `Taskset`, whose
+`run(task, agents)` plays the player's `interaction` turn by turn, as verifiers' TextArena and
+OpenEnv tasksets do) cannot be played by reset/step: their episodes are verifiers' own program. This
+env gives their rows (`extra_info.verifiers_multi_turn`; `first_prompt` is None, as verifiers'
+program renders the first call) and refuses `reset` with `FeatureUnavailableError`;
+`agentrl.gateway.verifiers_agent.VerifiersAgentEnv`, the class `env=verifiers` names, plays them
+through the gateway (the worker's `play`), and hands plain tasksets to the AgentLoop as described
+above. It is a separate class because the gateway sits a layer above the envs.
+
 Where verifiers runs: never in agentrl's process. verifiers 0.4 pins `openai<3` and `mcp==2.0.0`,
 which agentrl's own environment does not allow, so `bash scripts/install.sh verifiers` (and `dev`)
 installs it with its pinned dependencies into a folder of its own beside the environment
@@ -24,15 +34,18 @@ installs it with its pinned dependencies into a folder of its own beside the env
 whose `sys.path` starts with that folder (`agentrl.envs.verifiers_process`). A run's envs share the
 job's one worker (`verifiers_worker`, which the job gives them and closes); an env built alone
 starts its own and stops it in `aclose`. The worker dies with agentrl (a lifeline); a worker that
-dies mid-episode fails the episodes it was scoring as infrastructure, and the next episode gets a
-fresh one. Without the folder, building the env raises `FeatureUnavailableError` naming the command.
+dies mid-episode fails the episodes it was scoring or playing as infrastructure, and the next
+episode gets a fresh one. Without the folder, building the env raises `FeatureUnavailableError`
+naming the command.
 
-Not covered, and refused with this reason (`FeatureUnavailableError`): verifiers 0.4 has no
-`MultiTurnEnv`/`ToolEnv`/`Parser` classes any more; its tools are MCP `Toolset` servers and its
-multi-turn episodes are played by a harness program against an intercepted OpenAI endpoint (and a
-user simulator). A taskset or task that declares toolsets is refused; serve its tools with
-`env=mcp`, or run its harness through `env=agent` (the gateway records such episodes in the ledger).
-Runtimes (`setup`/`finalize` in a container) and `@vf.stop` hooks are not run.
+Not covered, and refused with this reason (`FeatureUnavailableError`): a taskset or task that declares
+toolsets (verifiers 0.4's tools are MCP `Toolset` servers): serve its tools with `env=mcp`, or run
+its harness through `env=agent`; an env with more than one agent seat (a user simulator or a judge
+played by a second model, which an offline run does not have). The player's program is always
+verifiers' tool-less chat program (the `null` harness's), whatever harness the taskset bundles, and it
+runs on the host (verifiers' subprocess runtime), never in a container or a remote sandbox.
+Runtimes (`setup`/`finalize` in a container) and `@vf.stop` hooks of plain tasksets are not run (a
+multi-turn episode runs whatever verifiers' `Env.run_episode` runs).
 """
 
 from __future__ import annotations
