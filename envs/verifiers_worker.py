@@ -224,7 +224,7 @@ async def _serve(request: dict[str, Any], tasksets: _Tasksets) -> dict[str, Any]
     taskset = tasksets.get(str(request["taskset"]), dict(request.get("kwargs") or {}))
     player = tasksets.player(str(request["taskset"]), dict(request.get("kwargs") or {}))
     if request["op"] == "load":
-        tasks = [{"data": t.data.model_dump(mode="json", exclude_none=True), "key": t.key}
+        tasks = [{"data": t.data.model_dump(mode="json"), "key": t.key}  # None kept: a required field may be None
                  for t in taskset.take(int(request["max_rows"]))]
         return {"ok": True, "tasks": tasks, "multi_turn": player is not None,
                 "env": None if player is None else player[1].__name__}
