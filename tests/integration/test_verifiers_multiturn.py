@@ -13,10 +13,14 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import re
 import signal
+import socket
 import subprocess
 import sys
+import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +28,7 @@ import pytest
 
 from agentrl.chat import ChatTemplate
 from agentrl.config import load_config
-from agentrl.envs.verifiers_process import WORKER_PATH
+from agentrl.envs.verifiers_process import WORKER_PATH, verifiers_folder
 from agentrl.inference.protocol import Generation, SamplingParams
 from agentrl.orchestration.evaluate import run_eval
 
@@ -183,3 +187,74 @@ def test_agentrl_eval_plays_the_example_with_the_tiny_model_and_books_every_samp
         assert all("logprobs" not in s for s in segments if s["origin"] != "sampled")
     assert any(e["num_turns"] > 1 for e in episodes)
     assert worker_pids() == []
+
+
+OPENENV_SERVER = REPO / "examples" / "openenv_guess_server.py"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class OpenEnvGuesser:
+    """Plays verifiers' OpenEnv taskset on examples/openenv_guess_server.py: each user turn is the
+    game's observation as JSON; it bisects 1..10 on the "higher" / "lower" hints and answers with the
+    action object the server's schema asks for."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tok = tokenizer
+
+    async def generate(self, prompt_ids: list[int], sampling: SamplingParams, *, session_id: str,
+                       timeout_s: float | None = None) -> Generation:
+        prompt = self.tok.decode(prompt_ids)
+        guesses = [int(g) for g in re.findall(r'\{"message": "(\d+)"\}', prompt)]
+        hints = re.findall(r'"text": "(higher|lower)"', prompt)
+        lo, hi = 1, 10
+        for guess, hint in zip(guesses, hints, strict=False):
+            lo, hi = (guess + 1, hi) if hint == "higher" else (lo, guess - 1)
+        ids = self.tok.encode(json.dumps({"message": str((lo + hi) // 2)}) + "<|im_end|>", add_special_tokens=False)
+        return Generation(ids, [-0.1] * len(ids), "stop", 0)
+
+
+def test_verifiers_own_openenv_taskset_plays_a_local_openenv_server_through_the_gateway(
+        assets: Path, tmp_path: Path) -> None:
+    """verifiers' built-in `openenv` taskset (its OpenEnvEnv steps an OpenEnv client host-side, the
+    observation of each step the next user turn) against a server on loopback: offline."""
+    # the `openenv` distribution itself (verifiers' `openenv` extra), not agentrl's openenv-core, whose module
+    # has the same name and which verifiers 0.4's OpenEnvEnv does not work with (no GenericEnvClient._base_url)
+    if not any(verifiers_folder().glob("openenv-*.dist-info")):
+        pytest.skip(f"verifiers' openenv taskset imports `openenv` (PyPI openenv>=0.4.1, verifiers' `openenv` extra), "
+                    f"which is not in {verifiers_folder()}: pip install --target that folder 'verifiers[openenv]==0.4.0'")
+    port = free_port()
+    server = subprocess.Popen([sys.executable, str(OPENENV_SERVER), "--port", str(port)], start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
+                break
+            except OSError:
+                assert time.monotonic() < deadline, "the OpenEnv server did not start"
+                time.sleep(0.5)
+        seeds = [1, 2, 3]
+        config = load_config(overrides=[
+            "env=verifiers", "env.kwargs.id=openenv",
+            f"env.kwargs.taskset_kwargs={{base_url: 'http://127.0.0.1:{port}', resets: [{{seed: 1}}, {{seed: 2}}, "
+            "{seed: 3}]}", f"model.path={assets / 'tiny-random-qwen2'}", "eval.k=1", "rollout.max_turns=6",
+            f"eval.output_dir={tmp_path / 'eval'}"])
+        run_eval(config, client=OpenEnvGuesser(ChatTemplate.from_pretrained(config.model.path).tokenizer))
+    finally:
+        os.killpg(server.pid, signal.SIGKILL)
+        server.wait()
+    episodes = [json.loads(line) for line in (tmp_path / "eval" / "trajectories.jsonl").read_text().splitlines()]
+    assert len(episodes) == len(seeds)
+    for episode in episodes:
+        secret = random.Random(seeds[int(episode["info"]["verifiers"]["task"])]).randint(1, 10)  # task: its idx
+        guesses = [int(json.loads(m["content"])["message"]) for m in episode["messages"] if m["role"] == "assistant"]
+        assert episode["fault"] is None and guesses[-1] == secret and len(guesses) <= 4, episode
+        assert (episode["reward"], episode["metrics"]["reward/openenv_reward"]) == (1.0, 1.0)
+        observations = [json.loads(m["content"])["observation"] for m in episode["messages"] if m["role"] == "user"]
+        assert observations[0]["text"].startswith("I picked a number from 1 to 10.")  # the reset, as the first turn
+        assert [o["text"] for o in observations[1:]] == ["higher" if g < secret else "lower" for g in guesses[:-1]]
