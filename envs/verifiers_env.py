@@ -45,7 +45,13 @@ played by a second model, which an offline run does not have). The player's prog
 verifiers' tool-less chat program (the `null` harness's), whatever harness the taskset bundles, and it
 runs on the host (verifiers' subprocess runtime), never in a container or a remote sandbox.
 Runtimes (`setup`/`finalize` in a container) and `@vf.stop` hooks of plain tasksets are not run (a
-multi-turn episode runs whatever verifiers' `Env.run_episode` runs).
+multi-turn episode runs whatever verifiers' `Env.run_episode` runs). A taskset whose module does not
+import (a package of its own missing from the verifiers folder) is refused with the folder to install
+it in. Of verifiers' built-in multi-turn tasksets, `openenv` runs offline against an OpenEnv server
+given as `taskset_kwargs.base_url` once the folder holds verifiers' `openenv` extra (PyPI `openenv`,
+not agentrl's `openenv-core`, which shares its module name but lacks what verifiers 0.4 reads);
+`textarena` cannot run offline: its `load()` downloads NLTK corpora (`words`,
+`averaged_perceptron_tagger_eng`) from raw.githubusercontent.com.
 """
 
 from __future__ import annotations

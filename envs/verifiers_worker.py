@@ -76,6 +76,7 @@ class _Tasksets:
 
     def __init__(self, vf: Any, folder: str) -> None:
         self.vf = vf
+        self.folder = folder
         self.loaded: dict[str, Any] = {}
         self.players: dict[str, tuple[str, type, str]] = {}  # key -> (plugin id, vf.Env class, seat)
         self.harness = _ChatHarness(vf, folder)
@@ -110,7 +111,15 @@ class _Tasksets:
                     _import_file(plugin_id, taskset_id)
             cls = taskset_class(plugin_id)
             env_cls = environment_class(plugin_id)
-        except (ImportError, AttributeError, TypeError, ValueError) as exc:
+        except ModuleNotFoundError as exc:  # verifiers' loader says so when the id names no module
+            raise _Refused("config", f"env.kwargs.id '{taskset_id}' names no verifiers taskset: {exc}") from exc
+        except ImportError as exc:  # the taskset's module raised it: a package of its own is missing
+            raise _Refused(
+                "unavailable",
+                f"the verifiers taskset '{taskset_id}' does not import: {exc}. The packages it needs must be in the "
+                f"verifiers folder, {self.folder}, beside verifiers' pinned ones (pip install --target there, with "
+                "verifiers==0.4.0 and its extra, e.g. 'verifiers[ta]==0.4.0' for TextArena).") from exc
+        except (AttributeError, TypeError, ValueError) as exc:
             raise _Refused("config", f"env.kwargs.id '{taskset_id}' names no verifiers taskset: "
                                      f"{type(exc).__name__}: {exc}") from exc
         config_cls = concrete_type(cls, vf.TasksetConfig, origin=vf.Taskset) or vf.TasksetConfig
