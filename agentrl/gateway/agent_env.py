@@ -325,7 +325,7 @@ class AgentEnv(Env, ExternalAgentEnv):
             segments = [t]
         return segments
 
-    # ── the two steps of an agent's episode, which a subclass may replace ───────────────────
+    # ── the steps of an agent's episode that a subclass may replace ─────────────────────────
     async def arun_agent(self, task: AgentTask, info: dict[str, Any]) -> str:
         """Run the agent once on `task` (its session's base URL) and return its final answer. What it
         raises fails the episode (classified in `_play`); `info` is the episode's trajectory info."""

@@ -1,13 +1,17 @@
-"""`agentrl eval` (`run_eval`) of `env=verifiers` over a multi-turn verifiers 0.4 taskset
-(examples/verifiers_guess.py: a `vf.Env` whose game answers each guess), with a scripted policy
-behind the real gateway: verifiers plays each episode in its worker (its env code, its chat program,
-its interception server) and every model call reaches the gateway session of the episode.
+"""`agentrl eval` of `env=verifiers` over multi-turn verifiers 0.4 tasksets: verifiers plays each episode
+in its worker (its env code, its chat program, its interception server) and every model call reaches
+the gateway session of the episode.
 
-Guards: each episode's trajectory holds every guess the game asked for (one segment, several
-assistant turns, the game's feedback between them as masked user turns), its reward and metrics are
-the taskset's own rubric's (`solved`, `guesses`) for that play, and a verifiers worker SIGKILLed in
+Guards, on examples/verifiers_guess.py (a `vf.Env` whose game answers each guess): with a scripted
+policy, each episode's trajectory holds every guess the game asked for (one segment, several
+assistant turns, the game's feedback between them as masked user turns) and its reward and metrics
+are the taskset's own rubric's (`solved`, `guesses`) for that play; a verifiers worker SIGKILLed in
 the middle of an episode makes that episode an infrastructure failure (masked, reward None) while
-the later ones are played by a fresh worker and scored."""
+the later ones are played by a fresh worker and scored, and nothing of the killed worker is left.
+With the tiny random model through the `agentrl eval` command (hf engine): the game saw exactly the
+sampled text, the rubric scored exactly that, and the token ledger books every token once, the
+sampled ones with their logprobs. And verifiers' own built-in `openenv` taskset plays a loopback
+OpenEnv server (where the verifiers folder has verifiers' `openenv` extra)."""
 
 from __future__ import annotations
 
@@ -54,16 +58,38 @@ def bisect_guesses(secret: int) -> list[int]:
 
 
 def worker_pids() -> list[int]:
-    """The verifiers worker processes (not their lifelines): `python -I WORKER_PATH ...`."""
+    """The verifiers workers this test process started (`python -I WORKER_PATH ...`, whose lifeline names
+    this process as its parent), not their lifelines, and not those of tests running beside this one."""
     pids = []
     for proc in Path("/proc").iterdir():
         try:
             argv = (proc / "cmdline").read_bytes().split(b"\0")
-        except OSError:
+            ppid = (proc / "stat").read_text().rsplit(")", 1)[1].split()[1]
+            lifeline = Path(f"/proc/{ppid}/cmdline").read_bytes().split(b"\0")
+        except (OSError, IndexError):
             continue
-        if len(argv) > 2 and argv[2] == WORKER_PATH.encode():
+        if len(argv) > 2 and argv[2] == WORKER_PATH.encode() and f"{os.getpid()}".encode() in lifeline:
             pids.append(int(proc.name))
     return pids
+
+
+def tagged_processes(tag: str, wait_s: float = 10.0) -> list[str]:
+    """Command lines of the live processes but this one whose environment has AGENTRL_TEST_TAG=`tag`,
+    after waiting up to `wait_s` for them to end (an orphaned chat program notices its dead worker)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        found = []
+        for proc in Path("/proc").iterdir():
+            try:
+                if proc.name != str(os.getpid()) and f"AGENTRL_TEST_TAG={tag}".encode() in (
+                        proc / "environ").read_bytes().split(b"\0") and "Z" != (proc / "stat").read_text().rsplit(
+                        ")", 1)[1].split()[0]:
+                    found.append((proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace"))
+            except (OSError, IndexError):
+                continue
+        if not found or time.monotonic() > deadline:
+            return found
+        time.sleep(0.5)
 
 
 class BisectingPlayer:
@@ -126,7 +152,9 @@ def test_eval_of_a_multi_turn_verifiers_taskset_records_every_turn_and_scores_wi
 
 
 def test_a_worker_killed_mid_episode_masks_that_episode_and_later_ones_are_scored(
-        assets: Path, tmp_path: Path) -> None:
+        assets: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tag = f"verifiers-kill-{os.getpid()}-{time.monotonic_ns()}"  # the workers and their chat programs inherit it
+    monkeypatch.setenv("AGENTRL_TEST_TAG", tag)
     kill_secret = SECRETS[1]
     episodes, policy = run_guess_eval(assets, tmp_path / "eval", kill_secret=kill_secret)  # 1 of 4 failed: < 0.3
     assert len(policy.killed) == 1, "the player killed the one worker, mid-episode"
@@ -138,7 +166,7 @@ def test_a_worker_killed_mid_episode_masks_that_episode_and_later_ones_are_score
         if episode is not killed[0]:
             guesses = bisect_guesses(secret_of(episode))
             assert (episode["fault"], episode["reward"]) == (None, float(guesses[-1] == secret_of(episode)))
-    assert worker_pids() == []
+    assert worker_pids() == [] and tagged_processes(tag) == []  # nor the killed worker's chat program
 
 
 def read_guess(reply: str) -> int | None:
@@ -162,7 +190,9 @@ def test_agentrl_eval_plays_the_example_with_the_tiny_model_and_books_every_samp
                "eval.k=1", "rollout.max_turns=4", "rollout.max_tokens_per_turn=16", f"eval.output_dir={out}",
                # the random model seldom samples its end-of-turn token: the first 20,000 ids end a turn too
                f"rollout.extra_stop_token_ids=[{','.join(str(i) for i in range(20000))}]"]
-    done = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=900)
+    tag = f"verifiers-guess-{os.getpid()}-{time.monotonic_ns()}"  # what the command starts carries it
+    done = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=900,
+                          env={**os.environ, "AGENTRL_TEST_TAG": tag})
     assert done.returncode == 0, f"exit {done.returncode}:\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}"
     episodes = [json.loads(line) for line in (out / "trajectories.jsonl").read_text().splitlines()]
     assert sorted(secret_of(e) for e in episodes) == sorted(SECRETS)
@@ -186,7 +216,7 @@ def test_agentrl_eval_plays_the_example_with_the_tiny_model_and_books_every_samp
         assert all(len(s["logprobs"]) == len(s["ids"]) for s in sampled)
         assert all("logprobs" not in s for s in segments if s["origin"] != "sampled")
     assert any(e["num_turns"] > 1 for e in episodes)
-    assert worker_pids() == []
+    assert tagged_processes(tag) == []  # no worker, chat program or server outlived the command
 
 
 OPENENV_SERVER = REPO / "examples" / "openenv_guess_server.py"
