@@ -212,8 +212,9 @@ ENVS = Registry(
             "Fix a bug in a repository inside a sandbox (bash, editor, submit); rewarded by hidden tests.",
         ),
         "verifiers": (
-            "agentrl.envs.verifiers_env:VerifiersEnv",
-            "A verifiers (0.4) taskset: its rows, prompts and rewards (env.kwargs.id: a taskset id or .py file).",
+            "agentrl.gateway.verifiers_agent:VerifiersAgentEnv",
+            "A verifiers (0.4) taskset, multi-turn ones played by verifiers through the gateway (env.kwargs.id: "
+            "a taskset id or .py file).",
         ),
     },
 )

@@ -2,6 +2,7 @@
 
     agentrl eval env=verifiers env.kwargs.id=examples/verifiers_arith.py    # a file exporting a Taskset
     agentrl eval env=verifiers env.kwargs.id=my_taskset                      # an installed taskset package
+    agentrl eval env=verifiers env.kwargs.id=examples/verifiers_guess.py    # multi-turn: it exports a vf.Env too
 
 `id` is what verifiers itself takes (`--env.taskset.id`: an installed taskset package, or a built-in
 one under `verifiers.v1.tasksets`), or the path of a `.py` file that exports one `Taskset` subclass in
@@ -17,6 +18,15 @@ What agentrl does: it generates the turns itself (token in, token out) and ends 
 model's first answer. A rubric that raises, times out (`score_timeout_s`) or leaves a reward unscored
 is an infrastructure failure (`EnvServerError`: the episode is masked, never scored 0).
 
+Multi-turn tasksets (a package or file that exports a `vf.Env` besides its `Taskset`, whose
+`run(task, agents)` plays the player's `interaction` turn by turn, as verifiers' TextArena and
+OpenEnv tasksets do) cannot be played by reset/step: their episodes are verifiers' own program. This
+env gives their rows (`extra_info.verifiers_multi_turn`; `first_prompt` is None, as verifiers'
+program renders the first call) and refuses `reset` with `FeatureUnavailableError`;
+`agentrl.gateway.verifiers_agent.VerifiersAgentEnv`, the class `env=verifiers` names, plays them
+through the gateway (the worker's `play`), and hands plain tasksets to the AgentLoop as described
+above. It is a separate class because the gateway sits a layer above the envs.
+
 Where verifiers runs: never in agentrl's process. verifiers 0.4 pins `openai<3` and `mcp==2.0.0`,
 which agentrl's own environment does not allow, so `bash scripts/install.sh verifiers` (and `dev`)
 installs it with its pinned dependencies into a folder of its own beside the environment
@@ -24,15 +34,24 @@ installs it with its pinned dependencies into a folder of its own beside the env
 whose `sys.path` starts with that folder (`agentrl.envs.verifiers_process`). A run's envs share the
 job's one worker (`verifiers_worker`, which the job gives them and closes); an env built alone
 starts its own and stops it in `aclose`. The worker dies with agentrl (a lifeline); a worker that
-dies mid-episode fails the episodes it was scoring as infrastructure, and the next episode gets a
-fresh one. Without the folder, building the env raises `FeatureUnavailableError` naming the command.
+dies mid-episode fails the episodes it was scoring or playing as infrastructure, and the next
+episode gets a fresh one. Without the folder, building the env raises `FeatureUnavailableError`
+naming the command.
 
-Not covered, and refused with this reason (`FeatureUnavailableError`): verifiers 0.4 has no
-`MultiTurnEnv`/`ToolEnv`/`Parser` classes any more; its tools are MCP `Toolset` servers and its
-multi-turn episodes are played by a harness program against an intercepted OpenAI endpoint (and a
-user simulator). A taskset or task that declares toolsets is refused; serve its tools with
-`env=mcp`, or run its harness through `env=agent` (the gateway records such episodes in the ledger).
-Runtimes (`setup`/`finalize` in a container) and `@vf.stop` hooks are not run.
+Not covered, and refused with this reason (`FeatureUnavailableError`): a taskset or task that declares
+toolsets (verifiers 0.4's tools are MCP `Toolset` servers): serve its tools with `env=mcp`, or run
+its harness through `env=agent`; an env with more than one agent seat (a user simulator or a judge
+played by a second model, which an offline run does not have). The player's program is always
+verifiers' tool-less chat program (the `null` harness's), whatever harness the taskset bundles, and it
+runs on the host (verifiers' subprocess runtime), never in a container or a remote sandbox.
+Runtimes (`setup`/`finalize` in a container) and `@vf.stop` hooks of plain tasksets are not run (a
+multi-turn episode runs whatever verifiers' `Env.run_episode` runs). A taskset whose module does not
+import (a package of its own missing from the verifiers folder) is refused with the folder to install
+it in. Of verifiers' built-in multi-turn tasksets, `openenv` runs offline against an OpenEnv server
+given as `taskset_kwargs.base_url` once the folder holds verifiers' `openenv` extra (PyPI `openenv`,
+not agentrl's `openenv-core`, which shares its module name but lacks what verifiers 0.4 reads);
+`textarena` cannot run offline: its `load()` downloads NLTK corpora (`words`,
+`averaged_perceptron_tagger_eng`) from raw.githubusercontent.com.
 """
 
 from __future__ import annotations
@@ -44,12 +63,13 @@ import gymnasium
 
 from agentrl.envs.core import Env
 from agentrl.envs.verifiers_process import VerifiersWorker, checked_answer
-from agentrl.errors import ConfigError, EnvError, EnvServerError
+from agentrl.errors import ConfigError, EnvError, EnvServerError, FeatureUnavailableError
 from agentrl.types import Action, Message, Role
 
-__all__ = ["VerifiersEnv"]
+__all__ = ["VerifiersEnv", "scored_answer", "task_label", "task_of"]
 
 _TASK_KEY = "verifiers_task"
+_TURNS_KEY = "verifiers_multi_turn"
 _ROLES = ("system", "user", "assistant", "tool")
 _WEDGED_GRACE_S = 10.0
 """How long past `score_timeout_s` the worker may take to answer before it is taken to be wedged."""
@@ -76,17 +96,56 @@ def _prompt(data: dict[str, Any]) -> list[Message]:
         for m in prompt or []:
             role = m.get("role") if isinstance(m, dict) else None
             if role not in _ROLES:
-                raise EnvError(f"verifiers task {_label(data)} has a prompt message of role {role!r}; env=verifiers "
+                raise EnvError(f"verifiers task {task_label(data)} has a prompt message of role {role!r}; env=verifiers "
                                f"takes {', '.join(_ROLES)}.")
             messages.append({"role": cast(Role, role), "content": _text(m.get("content"))})
     if not messages:
-        raise EnvError(f"verifiers task {_label(data)} has no prompt (the user opens the conversation: a user "
+        raise EnvError(f"verifiers task {task_label(data)} has no prompt (the user opens the conversation: a user "
                        "simulator env, which env=verifiers does not run).")
     return messages
 
 
-def _label(data: dict[str, Any]) -> str:
+def _opening(data: dict[str, Any]) -> list[Message]:
+    """A multi-turn task's row prompt: its own (system prompt, prompt) where it has one, else a line
+    saying its env opens the conversation. The episode's real messages are those its env sends."""
+    try:
+        return _prompt(data)
+    except EnvError:
+        return [{"role": "user", "content": f"(verifiers task {task_label(data)}: its env opens the conversation)"}]
+
+
+def task_label(data: dict[str, Any]) -> str:
+    """How errors name a verifiers task: its id, else its position in the taskset."""
     return str(data.get("id") or data.get("idx"))
+
+
+def task_of(row: dict[str, Any]) -> dict[str, Any]:
+    """The verifiers `TaskData` (as JSON) a row of env=verifiers carries."""
+    data = (row.get("extra_info") or {}).get(_TASK_KEY)
+    if not isinstance(data, dict):
+        raise EnvError(f"env=verifiers rows carry their task in extra_info.{_TASK_KEY}; this row has none. "
+                       "Use the env's own rows (leave data.*_files unset).")
+    return data
+
+
+def scored_answer(answer: dict[str, Any], what: str, deadline: str) -> tuple[float, dict[str, float]]:
+    """The reward and metrics of the worker's answer to a `score` or `play` request about `what` (the
+    task's rewards by name as `reward/<name>`, and its metrics); `EnvServerError` when it timed out
+    (past `deadline`), failed, or left a reward unscored: an infrastructure failure, never a score."""
+    if not answer.get("ok"):
+        if answer.get("kind") == "timeout":
+            raise EnvServerError(f"{what} did not finish within {deadline}.")
+        if answer.get("kind") == "failed":
+            raise EnvServerError(f"{what} failed: {answer.get('message')}")
+        checked_answer(answer)  # raises what its kind stands for (a wrong taskset, a row that does not fit it)
+    rewards: dict[str, float | None] = answer["rewards"]
+    unscored = sorted(name for name, r in rewards.items() if r is None)
+    if unscored or answer.get("reward") is None:
+        task = what.removeprefix("the verifiers rubric of ").removeprefix("the verifiers episode of ")
+        raise EnvServerError(f"the verifiers rewards {unscored} of {task} were not scored.")
+    metrics = {f"reward/{name}": float(r) for name, r in rewards.items() if r is not None}
+    metrics.update({name: float(v) for name, v in answer["metrics"].items()})
+    return float(answer["reward"]), metrics
 
 
 class VerifiersEnv(Env):
@@ -131,41 +190,52 @@ class VerifiersEnv(Env):
 
     def rows(self) -> list[dict[str, Any]]:
         """The taskset's first `max_rows` tasks as verl-format rows (loaded by the worker)."""
-        return self._rows(self.worker.tasks(self.taskset_id, self.taskset_kwargs, self.max_rows))
+        loaded = self.worker.taskset(self.taskset_id, self.taskset_kwargs, self.max_rows)
+        return self._rows(loaded["tasks"], bool(loaded.get("multi_turn")))
 
-    def _rows(self, tasks: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        return [{"prompt": _prompt(t["data"]), "data_source": f"verifiers/{Path(self.id).stem}",
-                 "extra_info": {_TASK_KEY: t["data"], "task_id": t["data"].get("id"), "task_key": t["key"]}}
+    def _rows(self, tasks: list[dict[str, Any]], multi_turn: bool = False) -> list[dict[str, Any]]:
+        return [{"prompt": _opening(t["data"]) if multi_turn else _prompt(t["data"]),
+                 "data_source": f"verifiers/{Path(self.id).stem}",
+                 "extra_info": {_TASK_KEY: t["data"], "task_id": t["data"].get("id"), "task_key": t["key"],
+                                **({_TURNS_KEY: True} if multi_turn else {})}}
                 for t in tasks]
 
-    def first_prompt(self, row: dict[str, Any]) -> tuple[list[Message], list[Any]]:
-        return _prompt(self._data_of(row)), []
-
-    def _data_of(self, row: dict[str, Any]) -> dict[str, Any]:
-        data = (row.get("extra_info") or {}).get(_TASK_KEY)
-        if not isinstance(data, dict):
-            raise EnvError(f"env=verifiers rows carry their task in extra_info.{_TASK_KEY}; this row has none. "
-                           "Use the env's own rows (leave data.*_files unset).")
-        return data
+    def first_prompt(self, row: dict[str, Any]) -> tuple[list[Message], list[Any]] | None:
+        if (row.get("extra_info") or {}).get(_TURNS_KEY):
+            return None  # verifiers' own program renders the first call of an episode played in turns
+        return _prompt(task_of(row)), []
 
     async def apreflight(self) -> str | None:
         """The worker starts and loads the taskset (its first `max_rows` tasks)."""
-        tasks = await self.worker.atasks(self.taskset_id, self.taskset_kwargs, self.max_rows)
+        loaded = await self.worker.ataskset(self.taskset_id, self.taskset_kwargs, self.max_rows)
+        played = f", played in turns by its {loaded['env']}" if loaded.get("multi_turn") else ""
         return (f"verifiers {self.worker.version} ({self.worker.folder}) loaded the taskset '{self.id}': "
-                f"{len(tasks)} tasks")
+                f"{len(loaded['tasks'])} tasks{played}")
+
+    async def aplays_turns(self) -> str | None:
+        """The name of the `vf.Env` that plays the taskset's episodes in turns, or None when the taskset
+        is answered in one reply (a plain taskset: verifiers' `SingleAgentEnv`)."""
+        loaded = await self.worker.ataskset(self.taskset_id, self.taskset_kwargs, self.max_rows)
+        return str(loaded["env"]) if loaded.get("multi_turn") else None
 
     # ── the contract ────────────────────────────────────────────────────────────────────────
     async def areset(
         self, *, seed: int | None = None, options: dict[str, Any] | None = None
     ) -> tuple[list[Message], dict[str, Any]]:
         gymnasium.Env.reset(self, seed=seed)  # seeds self.np_random the standard way
+        player = await self.aplays_turns()
+        if player is not None:
+            raise FeatureUnavailableError(
+                f"the verifiers taskset '{self.id}' is played in turns by its {player}, which reset/step cannot "
+                "do: its episodes run through agentrl's gateway. Run it with `agentrl run|eval env=verifiers` "
+                "(agentrl.gateway.VerifiersAgentEnv), not by stepping VerifiersEnv.")
         row = (options or {}).get("row")
         if row is None:
             tasks = self._rows(await self.worker.atasks(self.taskset_id, self.taskset_kwargs, self.max_rows))
             if not tasks:
                 raise EnvError(f"the verifiers taskset '{self.id}' has no tasks.")
             row = tasks[(seed or 0) % len(tasks)]
-        self._data = self._data_of(row)
+        self._data = task_of(row)
         self._messages = _prompt(self._data)
         return list(self._messages), {"tools": []}
 
@@ -181,21 +251,10 @@ class VerifiersEnv(Env):
         try:
             answer = await self.worker.arequest(request, self.score_timeout_s + _WEDGED_GRACE_S)
         except EnvServerError as exc:
-            raise EnvServerError(f"the verifiers rubric of task {_label(data)} was not scored: {exc}") from exc
-        if not answer.get("ok"):
-            if answer.get("kind") == "timeout":
-                raise EnvServerError(f"the verifiers rubric of task {_label(data)} did not finish within "
-                                     f"{self.score_timeout_s:.0f} s (env.kwargs.score_timeout_s).")
-            if answer.get("kind") == "failed":
-                raise EnvServerError(f"the verifiers rubric of task {_label(data)} failed: {answer.get('message')}")
-            checked_answer(answer)  # raises what its kind stands for (a wrong taskset, a row that does not fit it)
-        rewards: dict[str, float | None] = answer["rewards"]
-        unscored = sorted(name for name, r in rewards.items() if r is None)
-        if unscored or answer.get("reward") is None:
-            raise EnvServerError(f"the verifiers rewards {unscored} of task {_label(data)} were not scored.")
-        metrics = {f"reward/{name}": float(r) for name, r in rewards.items() if r is not None}
-        metrics.update({name: float(v) for name, v in answer["metrics"].items()})
-        return [], float(answer["reward"]), True, False, {"metrics": metrics}
+            raise EnvServerError(f"the verifiers rubric of task {task_label(data)} was not scored: {exc}") from exc
+        reward, metrics = scored_answer(answer, f"the verifiers rubric of task {task_label(data)}",
+                                        f"{self.score_timeout_s:.0f} s (env.kwargs.score_timeout_s)")
+        return [], reward, True, False, {"metrics": metrics}
 
     async def aclose(self) -> None:
         self._data = None

@@ -4,7 +4,7 @@ verifiers 0.4 lives in a folder of its own beside agentrl's environment (`verifi
 filled by `bash scripts/install.sh verifiers`), because it pins `openai<3` and `mcp==2.0.0`; it is
 only ever imported in the worker process, whose `sys.path` starts with that folder. This object
 starts that process on first use, under a lifeline (`agentrl.lifeline`: it dies with the process
-that started it, SIGKILL included), sends it requests (`load`, `score`: see the worker's
+that started it, SIGKILL included), sends it requests (`load`, `score`, `play`: see the worker's
 docstring) as JSON lines and hands back the answers. Requests from any thread or event loop may be
 in flight at once: a reader thread matches answers to requests by number, and async callers await
 them through `asyncio.wrap_future`.
@@ -130,7 +130,7 @@ class VerifiersWorker:
         self._start_lock = threading.Lock()  # one start at a time (a start waits for the worker's hello)
         self._process: _Process | None = None
         self._next = 0
-        self._tasks: dict[str, list[dict[str, Any]]] = {}
+        self._tasks: dict[str, dict[str, Any]] = {}
 
     # ── the process ─────────────────────────────────────────────────────────────────────────
     @property
@@ -250,18 +250,28 @@ class VerifiersWorker:
             raise EnvServerError(f"the verifiers worker (pid {process.pid}) did not answer within "
                                  f"{timeout_s:.0f} s, so it was restarted.") from None
 
-    def tasks(self, taskset_id: str, taskset_kwargs: dict[str, Any], max_rows: int) -> list[dict[str, Any]]:
-        """The taskset's first `max_rows` tasks (`{"data": ..., "key": ...}`), loaded once per worker object."""
+    def taskset(self, taskset_id: str, taskset_kwargs: dict[str, Any], max_rows: int) -> dict[str, Any]:
+        """The worker's `load` answer, loaded once per worker object: the taskset's first `max_rows`
+        tasks (`tasks`: `{"data": ..., "key": ...}`) and whether verifiers plays it in turns
+        (`multi_turn`, with the `env` class that does)."""
         key = json.dumps([taskset_id, taskset_kwargs, max_rows], sort_keys=True)
         if key not in self._tasks:
             answer = self.request({"op": "load", "taskset": taskset_id, "kwargs": taskset_kwargs,
                                    "max_rows": max_rows}, self.startup_timeout_s)
-            self._tasks[key] = list(checked_answer(answer)["tasks"])
+            self._tasks[key] = checked_answer(answer)
         return self._tasks[key]
+
+    async def ataskset(self, taskset_id: str, taskset_kwargs: dict[str, Any], max_rows: int) -> dict[str, Any]:
+        """`taskset`, off the event loop."""
+        return await asyncio.to_thread(self.taskset, taskset_id, taskset_kwargs, max_rows)
+
+    def tasks(self, taskset_id: str, taskset_kwargs: dict[str, Any], max_rows: int) -> list[dict[str, Any]]:
+        """The taskset's first `max_rows` tasks (`{"data": ..., "key": ...}`)."""
+        return list(self.taskset(taskset_id, taskset_kwargs, max_rows)["tasks"])
 
     async def atasks(self, taskset_id: str, taskset_kwargs: dict[str, Any], max_rows: int) -> list[dict[str, Any]]:
         """`tasks`, off the event loop."""
-        return await asyncio.to_thread(self.tasks, taskset_id, taskset_kwargs, max_rows)
+        return list((await self.ataskset(taskset_id, taskset_kwargs, max_rows))["tasks"])
 
     # ── closing ─────────────────────────────────────────────────────────────────────────────
     def close(self) -> None:

@@ -16,22 +16,39 @@ on stdin is one object with a number `n` and an `op`, answered by one line with 
 - `{"op": "score", "taskset": ID, "kwargs": {...}, "data": TaskData as JSON, "messages": [...],
   "timeout_s": S}`: the task's `score` over a `vf.Trace` of the messages, `{"ok": true, "reward":
   R, "rewards": {name: score or null (unscored)}, "metrics": {name: number}}`.
+- `{"op": "play", "taskset": ID, "kwargs": {...}, "data": TaskData as JSON, "base_url": URL,
+  "model": NAME, "max_turns": N or null, "timeout_s": S}`: one episode of a multi-turn taskset
+  (one whose package exports a `vf.Env` with one agent seat), played by verifiers itself
+  (`Env.run_episode`), its seat's model calls sent to `base_url`; the answer is the seat's trace
+  as scored by verifiers, `{"ok": true, "reward": R, "rewards": ..., "metrics": ..., "turns": N,
+  "stop": STOP_CONDITION, "reply": LAST_REPLY}`.
+
+`load` also says how the taskset is played: `"multi_turn": true` with the `"env"` class that plays it
+when its package exports a `vf.Env` (the model and that env take turns), false for a plain taskset
+(one reply, scored by `score`). The seat's program is verifiers' own chat program (the `null`
+harness's), run by this interpreter with the verifiers folder first on its path instead of by `uv`
+(which would download its dependencies: they are in the folder already), in verifiers' subprocess
+runtime; it talks to the model through verifiers' interception server, as every verifiers harness does.
 
 A failure answers `{"ok": false, "kind": K, "message": ...}`, K being `config` (the taskset or its
 kwargs are wrong), `unavailable` (the taskset needs what env=verifiers does not run), `task` (the
-task data does not fit the taskset), `timeout` (the rubric ran past `timeout_s`) or `failed` (the
-rubric raised). Requests run concurrently on one event loop. Whatever the taskset's code prints goes
+task data does not fit the taskset), `timeout` (the rubric, or the episode, ran past `timeout_s`) or
+`failed` (the rubric raised, or verifiers recorded the episode as failed: its errors are the message). Requests run concurrently on one event loop. Whatever the taskset's code prints goes
 to stderr: stdout carries the protocol only. The worker exits when its stdin closes.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import importlib.util
 import json
 import os
 import site
 import sys
+import tempfile
 import threading
+import types
 from pathlib import Path
 from typing import Any
 
@@ -55,37 +72,59 @@ def _use_folder(folder: str) -> None:
 
 
 class _Tasksets:
-    """The tasksets loaded so far, by (id, kwargs)."""
+    """The tasksets loaded so far, by (id, kwargs), with how each is played."""
 
-    def __init__(self, vf: Any) -> None:
+    def __init__(self, vf: Any, folder: str) -> None:
         self.vf = vf
+        self.folder = folder
         self.loaded: dict[str, Any] = {}
+        self.players: dict[str, tuple[str, type, str]] = {}  # key -> (plugin id, vf.Env class, seat)
+        self.harness = _ChatHarness(vf, folder)
 
     def get(self, taskset_id: str, kwargs: dict[str, Any]) -> Any:
         key = json.dumps([taskset_id, kwargs], sort_keys=True)
         if key not in self.loaded:
-            self.loaded[key] = self._load(taskset_id, kwargs)
+            self.loaded[key] = self._load(taskset_id, kwargs, key)
         return self.loaded[key]
 
-    def _load(self, taskset_id: str, kwargs: dict[str, Any]) -> Any:
-        vf = self.vf
-        from verifiers.v1.utils.generic import concrete_type
-        from verifiers.v1.utils.loaders import _plugin_class, file_module, taskset_class
+    def player(self, taskset_id: str, kwargs: dict[str, Any]) -> tuple[str, type, str] | None:
+        """The plugin id, `vf.Env` class and seat that play a multi-turn taskset; None for a plain one."""
+        self.get(taskset_id, kwargs)
+        return self.players.get(json.dumps([taskset_id, kwargs], sort_keys=True))
 
-        is_file = taskset_id.endswith(".py")
+    def _load(self, taskset_id: str, kwargs: dict[str, Any], key: str) -> Any:
+        vf = self.vf
+        from verifiers.v1.configs.agent import AgentConfig
+        from verifiers.v1.envs.single_agent import SingleAgentEnv
+        from verifiers.v1.utils.generic import concrete_type
+        from verifiers.v1.utils.loaders import environment_class, taskset_class
+
+        plugin_id = taskset_id
         try:
-            if is_file:
+            if taskset_id.endswith(".py"):
                 if not Path(taskset_id).is_file():
                     raise _Refused("config", f"env.kwargs.id '{taskset_id}' is not a file.")
-                cls = _plugin_class(file_module(taskset_id), vf.Taskset, "taskset")
-            else:
-                cls = taskset_class(taskset_id)
-        except (ImportError, AttributeError, TypeError, ValueError) as exc:
+                # verifiers finds a taskset's Env (and its config) by plugin id, an importable module: the
+                # file is registered as one under a name of its own, so its loaders take it like a package.
+                plugin_id = "agentrl_taskset_" + hashlib.sha1(taskset_id.encode()).hexdigest()[:12]
+                if plugin_id not in sys.modules:
+                    _import_file(plugin_id, taskset_id)
+            cls = taskset_class(plugin_id)
+            env_cls = environment_class(plugin_id)
+        except ModuleNotFoundError as exc:  # verifiers' loader says so when the id names no module
+            raise _Refused("config", f"env.kwargs.id '{taskset_id}' names no verifiers taskset: {exc}") from exc
+        except ImportError as exc:  # the taskset's module raised it: a package of its own is missing
+            raise _Refused(
+                "unavailable",
+                f"the verifiers taskset '{taskset_id}' does not import: {exc}. The packages it needs must be in the "
+                f"verifiers folder, {self.folder}, beside verifiers' pinned ones (pip install --target there, with "
+                "verifiers==0.4.0 and its extra, e.g. 'verifiers[ta]==0.4.0' for TextArena).") from exc
+        except (AttributeError, TypeError, ValueError) as exc:
             raise _Refused("config", f"env.kwargs.id '{taskset_id}' names no verifiers taskset: "
                                      f"{type(exc).__name__}: {exc}") from exc
         config_cls = concrete_type(cls, vf.TasksetConfig, origin=vf.Taskset) or vf.TasksetConfig
         try:
-            config = config_cls(**({} if is_file else {"id": taskset_id}), **kwargs)
+            config = config_cls(**({} if plugin_id != taskset_id else {"id": taskset_id}), **kwargs)
         except Exception as exc:  # pydantic's ValidationError: the user's taskset_kwargs
             raise _Refused("config", f"env.kwargs.taskset_kwargs do not fit {config_cls.__name__}: {exc}") from exc
         taskset = cls(config)
@@ -95,7 +134,86 @@ class _Tasksets:
                 f"the verifiers taskset '{taskset_id}' declares tool servers (Toolsets); env=verifiers does not "
                 "run them yet (see agentrl.envs.verifiers_env). Serve them with env=mcp, or run its harness "
                 "through env=agent.")
+        if env_cls is not SingleAgentEnv:
+            env_config_cls = concrete_type(env_cls, vf.EnvConfig, origin=vf.Env) or vf.EnvConfig
+            seats = [n for n, f in env_config_cls.model_fields.items() if isinstance(f.default, AgentConfig)]
+            if len(seats) != 1:
+                raise _Refused(
+                    "unavailable",
+                    f"the verifiers taskset '{taskset_id}' is played by {env_cls.__name__}, whose episodes have "
+                    f"{len(seats)} agent seats ({', '.join(seats) or 'none'}); env=verifiers plays the policy in "
+                    "one seat, so it runs envs of exactly one (a user simulator or a judge seat needs a second "
+                    "model, which an offline run does not have).")
+            self.players[key] = (plugin_id, env_cls, seats[0])
         return taskset
+
+
+def _import_file(name: str, path: str) -> None:
+    """Import the file `path` as the module `name`, in sys.modules while it runs, as an import would
+    (pydantic resolves a model's postponed annotations, `from __future__ import annotations`, there)."""
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot import a module from {path!r}")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[name]
+        raise
+
+
+class _ChatHarness:
+    """verifiers' own chat program (the `null` harness: a chat loop with no tools of its own), run by
+    this interpreter with the verifiers folder first on its path instead of by `uv`, which would
+    download its dependencies (openai, mcp, ...) though the folder holds them: an offline run can."""
+
+    ID = "agentrl_chat"
+
+    def __init__(self, vf: Any, folder: str) -> None:
+        from verifiers.v1.harnesses.null import NullHarness
+
+        # one folder per user, shared by every worker: a script is named by its hash and written once
+        scripts = Path(tempfile.gettempdir()) / f"agentrl-verifiers-{os.getuid()}"
+        scripts.mkdir(mode=0o700, exist_ok=True)
+        argv = [sys.executable, "-I", "-c", _BOOT, folder]
+
+        class PreparedRuntime:
+            """A runtime whose PEP 723 scripts run on this interpreter (the rest is the runtime's)."""
+
+            def __init__(self, runtime: Any) -> None:
+                self._runtime = runtime
+
+            def __getattr__(self, name: str) -> Any:
+                return getattr(self._runtime, name)
+
+            async def prepare_uv_script(self, script: str | bytes, env: Any = None, *, activate: bool = True
+                                        ) -> list[str]:
+                data = script.encode() if isinstance(script, str) else script
+                path = scripts / f"{hashlib.sha256(data).hexdigest()}.py"
+                if not path.exists():
+                    partial = path.with_name(f"{path.name}.{os.getpid()}")
+                    partial.write_bytes(data)
+                    partial.replace(path)  # atomic: another worker never runs half a script
+                return [*argv, str(path)]
+
+        class AgentrlChatHarness(NullHarness):
+            async def setup(self, runtime: Any) -> None:
+                """Nothing to install: the program's packages are in the verifiers folder."""
+
+            async def launch(self, ctx: Any, trace: Any, runtime: Any, *args: Any, **kwargs: Any) -> Any:
+                return await super().launch(ctx, trace, PreparedRuntime(runtime), *args, **kwargs)
+
+        module = types.ModuleType(self.ID)
+        setattr(module, "AgentrlChatHarness", AgentrlChatHarness)  # noqa: B010 (a module made at run time)
+        setattr(module, "__all__", ["AgentrlChatHarness"])  # noqa: B010
+        sys.modules[self.ID] = module  # where verifiers' loader finds a harness by its id
+
+
+_BOOT = ("import runpy, site, sys; before = list(sys.path); site.addsitedir(sys.argv[1]); "
+         "sys.path[:] = [p for p in sys.path if p not in before] + before; sys.argv = sys.argv[2:]; "
+         "runpy.run_path(sys.argv[0], run_name='__main__')")
+"""Runs a script (argv[2:]) with the verifiers folder (argv[1]) first on sys.path, as `_use_folder` does here."""
 
 
 def _trace(vf: Any, task: Any, messages: list[dict[str, Any]]) -> Any:
@@ -113,17 +231,23 @@ def _trace(vf: Any, task: Any, messages: list[dict[str, Any]]) -> Any:
 async def _serve(request: dict[str, Any], tasksets: _Tasksets) -> dict[str, Any]:
     vf = tasksets.vf
     taskset = tasksets.get(str(request["taskset"]), dict(request.get("kwargs") or {}))
+    player = tasksets.player(str(request["taskset"]), dict(request.get("kwargs") or {}))
     if request["op"] == "load":
-        tasks = [{"data": t.data.model_dump(mode="json", exclude_none=True), "key": t.key}
+        tasks = [{"data": t.data.model_dump(mode="json"), "key": t.key}  # None kept: a required field may be None
                  for t in taskset.take(int(request["max_rows"]))]
-        return {"ok": True, "tasks": tasks}
-    if request["op"] != "score":
+        return {"ok": True, "tasks": tasks, "multi_turn": player is not None,
+                "env": None if player is None else player[1].__name__}
+    if request["op"] not in ("score", "play"):
         raise _Refused("task", f"unknown op {request['op']!r}")
     task_cls = type(taskset).task_type()
     try:
         task = task_cls(task_cls.data_type().model_validate(request["data"]), taskset.config.task)
     except Exception as exc:  # pydantic's ValidationError: a row whose task data this taskset does not take
         raise _Refused("task", f"the row's task data does not fit {task_cls.data_type().__name__}: {exc}") from exc
+    if request["op"] == "play":
+        if player is None:
+            raise _Refused("task", f"the verifiers taskset '{request['taskset']}' is played in one reply (op score).")
+        return await _play(request, task, player, tasksets)
     trace = _trace(vf, task, list(request["messages"]))
     timeout_s = float(request["timeout_s"])
     try:
@@ -132,11 +256,48 @@ async def _serve(request: dict[str, Any], tasksets: _Tasksets) -> dict[str, Any]
         raise _Refused("timeout", f"did not finish within {timeout_s:.0f} s") from exc
     except Exception as exc:  # the task's own reward code: whatever it raises, the episode was not scored
         raise _Refused("failed", f"{type(exc).__name__}: {exc}") from exc
+    return _scores(trace)
+
+
+def _scores(trace: Any) -> dict[str, Any]:
+    """A scored trace's answer: its reward (None when a reward went unscored), rewards and metrics."""
     rewards = {name: (None if r is None else float(r.score)) for name, r in trace.rewards.items()}
     metrics = {name: float(v) for name, v in trace.metrics.items()
                if isinstance(v, int | float) and not isinstance(v, bool)}
     unscored = any(r is None for r in rewards.values())
     return {"ok": True, "reward": None if unscored else float(trace.reward), "rewards": rewards, "metrics": metrics}
+
+
+async def _play(request: dict[str, Any], task: Any, player: tuple[str, type, str], tasksets: _Tasksets) -> dict[str, Any]:
+    """One episode of a multi-turn taskset, played by verifiers (`Env.run_episode`) with its seat's model
+    calls sent to `request["base_url"]`; each episode gets an env of its own (and so its own interception
+    server and model client), as the base URL is the episode's."""
+    from verifiers.v1.clients import EvalClientConfig, ModelContext
+    from verifiers.v1.types import SamplingConfig
+    from verifiers.v1.utils.loaders import resolve_env_config
+
+    plugin_id, env_cls, seat = player
+    config = resolve_env_config({
+        "taskset": {**dict(request.get("kwargs") or {}), "id": plugin_id},
+        seat: {"harness": {"id": _ChatHarness.ID}, "runtime": {"type": "subprocess"},
+               "max_turns": request.get("max_turns")},
+    })
+    env = env_cls(config)
+    # No API key: the base URL alone selects the episode's gateway session (an unset variable reads "EMPTY").
+    ctx = ModelContext(model=str(request["model"]), sampling=SamplingConfig(),
+                       client=EvalClientConfig(base_url=str(request["base_url"]), api_key_var="AGENTRL_NO_API_KEY"))
+    timeout_s = float(request["timeout_s"])
+    try:
+        async with asyncio.timeout(timeout_s), env.serving():
+            episode = await env.run_episode(task, ctx)
+    except TimeoutError as exc:
+        raise _Refused("timeout", f"the episode did not finish within {timeout_s:.0f} s") from exc
+    errors = [*episode.errors, *(e for t in episode.traces for e in t.errors)]
+    if errors or not episode.ok or len(episode.traces) != 1:
+        detail = "; ".join(f"{e.type}: {e.message}" for e in errors) or f"{len(episode.traces)} traces, not ok"
+        raise _Refused("failed", f"verifiers' {env_cls.__name__} episode failed: {detail[-2000:]}")
+    trace = episode.traces[0]
+    return {**_scores(trace), "turns": trace.num_turns, "stop": trace.stop_condition, "reply": trace.last_reply}
 
 
 def main(argv: list[str]) -> None:
@@ -158,7 +319,7 @@ def main(argv: list[str]) -> None:
         send({"ready": False, "message": f"{type(exc).__name__}: {exc} (sys.path starts {sys.path[:2]})"})
         sys.exit(1)
     send({"ready": True, "verifiers": getattr(verifiers, "__version__", "?")})
-    tasksets = _Tasksets(vf)
+    tasksets = _Tasksets(vf, argv[1])
     loop = asyncio.new_event_loop()
     running: set[asyncio.Task[None]] = set()
 

@@ -8,6 +8,8 @@
     AgentTask        what an agent function is given (base_url, api_key, the row's messages, ...)
     SharedGateway    one gateway for the episodes of a run, started on first use, closed by its owner
     serve_gateway    the standalone gateway of `agentrl gateway` (offline evaluation of any agent)
+    VerifiersAgentEnv  `env=verifiers`: a verifiers 0.4 taskset; verifiers plays its multi-turn episodes
+                     against a gateway session (verifiers_agent.py)
 
 Layer L3, beside `agentrl.rollout`: it generates through an AgentLoop's client, template, parser
 and budgets, and knows nothing of orchestration or the trainer. Names load on first use.
@@ -23,6 +25,7 @@ if TYPE_CHECKING:
     from agentrl.gateway.server import Gateway, SharedGateway
     from agentrl.gateway.session import GatewaySession
     from agentrl.gateway.standalone import serve_gateway
+    from agentrl.gateway.verifiers_agent import VerifiersAgentEnv
 
 _EXPORTS: dict[str, str] = {
     "AgentEnv": "agentrl.gateway.agent_env",
@@ -30,6 +33,7 @@ _EXPORTS: dict[str, str] = {
     "Gateway": "agentrl.gateway.server",
     "GatewaySession": "agentrl.gateway.session",
     "SharedGateway": "agentrl.gateway.server",
+    "VerifiersAgentEnv": "agentrl.gateway.verifiers_agent",
     "serve_gateway": "agentrl.gateway.standalone",
 }
 
@@ -39,6 +43,7 @@ __all__ = [
     "Gateway",
     "GatewaySession",
     "SharedGateway",
+    "VerifiersAgentEnv",
     "serve_gateway",
 ]
 

@@ -274,7 +274,7 @@ class AgentEnv(Env, ExternalAgentEnv):
             agent_t0 = time.perf_counter()
             try:
                 async with asyncio.timeout(timeout):
-                    answer = await (self._run_command(task, info) if self.command else self._run_callable(task))
+                    answer = await self.arun_agent(task, info)
             finally:
                 extra["agent_s"] = time.perf_counter() - agent_t0
                 session.close()  # a sync agent left running past its deadline gets no more answers
@@ -295,7 +295,7 @@ class AgentEnv(Env, ExternalAgentEnv):
                      "client at OPENAI_BASE_URL / AgentTask.base_url")
         if fault is None and reward is None:
             try:
-                reward, scored, record = await self.ascore(answer or "", row)
+                reward, scored, record = await self.ascore_episode(answer or "", row, info)
                 extra.update(scored)
                 if record:
                     info["reward"] = record
@@ -310,6 +310,8 @@ class AgentEnv(Env, ExternalAgentEnv):
                 error = f"the reward function failed: {type(exc).__name__}: {exc}"
             if fault is None and session.last_finish == "length":
                 reason = FinishReason.MAX_LENGTH
+            if fault is None:
+                reason = self.finish_reason(reason, info)
         info["answer"] = answer
         extra["episode_s"] = time.perf_counter() - started
         segments = session.trajectories(reward=reward, finish_reason=reason, fault=fault, error=error,
@@ -322,6 +324,23 @@ class AgentEnv(Env, ExternalAgentEnv):
             t.metrics.update(extra)
             segments = [t]
         return segments
+
+    # ── the steps of an agent's episode that a subclass may replace ─────────────────────────
+    async def arun_agent(self, task: AgentTask, info: dict[str, Any]) -> str:
+        """Run the agent once on `task` (its session's base URL) and return its final answer. What it
+        raises fails the episode (classified in `_play`); `info` is the episode's trajectory info."""
+        return await (self._run_command(task, info) if self.command else self._run_callable(task))
+
+    async def ascore_episode(self, answer: str, row: dict[str, Any], info: dict[str, Any]
+                             ) -> tuple[float, dict[str, float], dict[str, Any]]:
+        """The reward of an episode whose agent answered `answer` (`ascore`'s contract; `info` holds
+        what `arun_agent` recorded). What it raises masks the episode, never scores it 0."""
+        return await self.ascore(answer, row)
+
+    def finish_reason(self, reason: FinishReason, info: dict[str, Any]) -> FinishReason:
+        """How a scored episode ended: `reason` (done, or max_length when its last call was cut), unless
+        what `arun_agent` recorded says the agent's own budget ended it."""
+        return reason
 
     async def _run_callable(self, task: AgentTask) -> str:
         assert self.agent is not None

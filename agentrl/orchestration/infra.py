@@ -55,6 +55,9 @@ _FIXES: tuple[tuple[str, str], ...] = (
     (r"the verifiers worker", "the verifiers worker process (which loads and scores the taskset) died or hung "
                               "(killed, out of memory, a reward that exits or blocks its event loop): see its "
                               "stderr in the error; the next episode gets a fresh worker"),
+    (r"the verifiers episode", "verifiers could not play the episode of the task named above (its env's run(), "
+                               "its chat program or a model call raised, or it ran past its deadline): see the "
+                               "error; raise rollout.episode_timeout_s (or env.kwargs.timeout_s) if it is slow"),
     (r"the verifiers rubric|the verifiers rewards", "the verifiers taskset's reward code failed or hung (named "
                                                     "above): fix it, or raise env.kwargs.score_timeout_s"),
     (r"did not answer within|deadline|ran out of time|did not finish within",

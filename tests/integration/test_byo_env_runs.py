@@ -1,7 +1,8 @@
 """`agentrl run` (the command, as a user types it) trains on environments agentrl's authors did not
 write: an OpenEnv server agentrl starts per episode, a Gymnasium text env registered by id, the
-tools of an MCP server from PyPI, and a verifiers taskset (scored in verifiers' own worker process),
-each with the tiny random Qwen2 served by the hf engine.
+tools of an MCP server from PyPI, a verifiers taskset (scored in verifiers' own worker process) and a
+multi-turn one (played by verifiers itself, its model calls through the gateway), each with the tiny
+random Qwen2 served by the hf engine.
 
 Guards: each run exits 0 with a balanced ledger, trains its steps and writes their episodes; on the
 OpenEnv run, a server that dies mid-episode (the seed-13 row) makes that row's episodes
@@ -136,4 +137,24 @@ def test_run_trains_on_a_verifiers_taskset_scored_in_its_worker(assets: Path, tm
     answered = [e for e in episodes if e["finish_reason"] == "done"]
     assert answered and all(e["metrics"]["reward/correct"] == e["reward"] for e in answered)
     assert all("reward/correct" not in e["metrics"] for e in episodes if e not in answered)
+    assert processes_running(WORKER_PATH) == []
+
+
+@pytest.mark.verifiers
+def test_run_trains_on_a_multi_turn_verifiers_taskset_played_through_the_gateway(assets: Path, tmp_path: Path) -> None:
+    from agentrl.envs.verifiers_process import WORKER_PATH
+
+    _, run_dir = agentrl_run(tmp_path, "verifiers-turns", assets, "env=verifiers",
+                             f"env.kwargs.id={REPO / 'examples' / 'verifiers_guess.py'}", "env.kwargs.max_rows=4",
+                             "rollout.max_turns=3", "run.total_steps=1", STOPS)
+    episodes = check_trained(run_dir, 1)
+    assert all(e["fault"] is None for e in episodes)
+    # verifiers played the game (the seat's max_turns is the run's 3: the game's 4 guesses are cut there), and
+    # the trajectory the trainer got holds every turn of it, its reward verifiers' score of that play
+    assert any(e["num_turns"] > 1 for e in episodes) and all(e["num_turns"] <= 3 for e in episodes)
+    for e in episodes:
+        assert e["metrics"]["guesses"] == e["num_turns"] == len([m for m in e["messages"] if m["role"] == "assistant"])
+        assert e["reward"] == e["metrics"]["reward/solved"]
+        # unsolved, the game asked for a fourth guess, which verifiers refused at the budget: max_turns
+        assert e["finish_reason"] == ("done" if e["reward"] == 1.0 else "max_turns"), e
     assert processes_running(WORKER_PATH) == []
