@@ -2,9 +2,8 @@
 random Qwen2 on the hf engine, started by the first judge request under a lifeline. The tiny model
 answers noise, so its verdicts are unreadable: each reward is missing with its cause (never 0),
 with the judge's reply and its own session's URL kept; every exchange reaches the judge gateway's
-trajectories.jsonl with its tokens; `stop` leaves no process behind. A judge server that is
-SIGKILLed makes the next rewards missing as `infra`, naming its exit code and its log; one that
-cannot start says why. The eval path with a served judge (pre-flight included) is in
+trajectories.jsonl with its tokens. A judge server that is SIGKILLed makes the next rewards
+missing as `infra`, naming its exit code and its log; one that cannot start says why. The eval path with a served judge (pre-flight included) is in
 test_judge_eval.py."""
 
 from __future__ import annotations
@@ -76,21 +75,21 @@ def tiny_judge(assets: Path) -> list[str]:
             "reward.judge.server_args=[model.chat_template=chatml-tools]"]
 
 
-def test_the_run_serves_its_judge_and_keeps_every_exchange(tiny_judge: list[str]) -> None:
+def test_the_run_serves_its_judge_keeps_every_exchange_and_a_killed_one_is_missing_not_zero(
+        tiny_judge: list[str]) -> None:
     reward = _reward(*tiny_judge)
     judge = _judge(reward)
-    assert judge.server is not None and judge.server.pid is None  # nothing runs before the first request
-    rows = [make_arithmetic_row(i) for i in range(3)]
-    outcomes = _score(reward, rows, "\\boxed{42}")
     server = judge.server
-    lifeline = server.pid
+    assert server is not None and server.pid is None  # nothing runs before the first request
+    rows = [make_arithmetic_row(i) for i in range(3)]
     try:
+        outcomes = _score(reward, rows, "\\boxed{42}")
+        lifeline = server.pid
         assert lifeline is not None and server.failure is None
         assert all(isinstance(o, RewardMissingError) for o in outcomes), outcomes  # the tiny judge answers noise
         causes = {o.cause for o in outcomes if isinstance(o, RewardMissingError)}
         assert causes <= {"parse", "truncated"} and causes
-        records = [o.record["parts"]["judge"] if "parts" in o.record else o.record
-                   for o in outcomes if isinstance(o, RewardMissingError)]
+        records = [o.record["parts"]["judge"] for o in outcomes if isinstance(o, RewardMissingError)]
         urls = sorted(r["url"] for r in records)
         assert all(re.fullmatch(r"http://127\.0\.0\.1:\d+/s/judge-[012]/v1", u) for u in urls), urls
         assert len(set(urls)) == 3  # one session per request
@@ -99,30 +98,16 @@ def test_the_run_serves_its_judge_and_keeps_every_exchange(tiny_judge: list[str]
         exchanges = [json.loads(line) for line in (server.out_dir / "trajectories.jsonl").read_text().splitlines()]
         assert len(exchanges) == 3 and all(e["token_ids"] for e in exchanges)  # each session ended once answered
         assert "gateway at http://127.0.0.1" in (server.out_dir / "judge-server.log").read_text()
-    finally:
-        reward.stop()
-    assert _gone(lifeline), "the judge server outlived stop()"
 
-
-def test_a_killed_judge_server_makes_the_next_rewards_missing_naming_its_exit(tiny_judge: list[str]) -> None:
-    reward = _reward(*tiny_judge)
-    server = _judge(reward).server
-    assert server is not None
-    rows = [make_arithmetic_row(i) for i in range(2)]
-    try:
-        first = _score(reward, rows[:1], "\\boxed{42}")
-        assert isinstance(first[0], RewardMissingError) and first[0].cause in ("parse", "truncated")
-        lifeline = server.pid
-        assert lifeline is not None
         os.killpg(lifeline, signal.SIGKILL)  # the lifeline leads the group: the gateway and its engine die too
         assert _gone(lifeline)
-        later = _score(reward, rows, "\\boxed{42}")
-        for outcome in later:
+        for outcome in _score(reward, rows[:2], "\\boxed{42}"):  # missing, naming the exit, never 0
             assert isinstance(outcome, RewardMissingError) and outcome.cause == "infra", outcome
             assert "the reward judge the run serves" in str(outcome) and "exited with code -9" in str(outcome)
             assert str(server.log_path) in str(outcome)
     finally:
         reward.stop()
+    assert server.pid is None
 
 
 def test_a_judge_server_that_cannot_start_says_why(tmp_path: Path) -> None:
