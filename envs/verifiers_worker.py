@@ -18,14 +18,17 @@ on stdin is one object with a number `n` and an `op`, answered by one line with 
   R, "rewards": {name: score or null (unscored)}, "metrics": {name: number}}`.
 - `{"op": "play", "taskset": ID, "kwargs": {...}, "data": TaskData as JSON, "base_url": URL,
   "model": NAME, "max_turns": N or null, "timeout_s": S}`: one episode of a multi-turn taskset
-  (one whose package exports a `vf.Env` with one agent seat), played by verifiers itself
+  (one whose package exports a `vf.Env` with one agent seat, or that declares toolsets), played by verifiers itself
   (`Env.run_episode`), its seat's model calls sent to `base_url`; the answer is the seat's trace
   as scored by verifiers, `{"ok": true, "reward": R, "rewards": ..., "metrics": ..., "turns": N,
   "stop": STOP_CONDITION, "reply": LAST_REPLY}`.
 
 `load` also says how the taskset is played: `"multi_turn": true` with the `"env"` class that plays it
-when its package exports a `vf.Env` (the model and that env take turns), false for a plain taskset
-(one reply, scored by `score`). The seat's program is verifiers' own chat program (the `null`
+when its package exports a `vf.Env` (the model and that env take turns) or when it or its tasks
+declare toolsets (verifiers' `SingleAgentEnv`: the model and the tools take turns), false for a plain
+taskset (one reply, scored by `score`). Toolsets start as verifiers starts them in its subprocess
+runtime, `sys.executable -m MODULE` (`_ToolServers` makes that find verifiers and a taskset file);
+other toolset runtimes are refused. The seat's program is verifiers' own chat program (the `null`
 harness's), run by this interpreter with the verifiers folder first on its path instead of by `uv`
 (which would download its dependencies: they are in the folder already), in verifiers' subprocess
 runtime; it talks to the model through verifiers' interception server, as every verifiers harness does.

@@ -23,13 +23,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from test_verifiers_multiturn import tagged_processes, worker_pids
 
 from agentrl.chat import ChatTemplate
 from agentrl.config import load_config
+from agentrl.envs import make_env
+from agentrl.errors import FeatureUnavailableError
 from agentrl.inference.protocol import Generation, SamplingParams
 from agentrl.orchestration.evaluate import run_eval
-
-from test_verifiers_multiturn import tagged_processes, worker_pids
 
 pytestmark = [pytest.mark.slow, pytest.mark.verifiers]
 
@@ -154,3 +155,19 @@ def test_agentrl_eval_runs_the_toolset_taskset_with_the_tiny_model_and_books_eve
         assert all(len(s["logprobs"]) == len(s["ids"]) for s in sampled)
         assert all("logprobs" not in s for s in segments if s["origin"] != "sampled")
     assert tagged_processes(tag) == []  # no worker, chat program or tool server outlived the command
+
+
+def test_a_toolset_in_a_container_runtime_is_refused_saying_why_and_what_to_use(tmp_path: Path) -> None:
+    taskset = tmp_path / "docker_tools.py"
+    taskset.write_text(CALCULATOR.read_text().replace(
+        "return [CalculatorToolset(vf.ToolsetConfig())]",
+        "return [CalculatorToolset(vf.ToolsetConfig(runtime={'type': 'docker', 'image': 'python:3.11-slim'}))]"))
+    env = make_env("verifiers", id=str(taskset))
+    try:
+        with pytest.raises(FeatureUnavailableError) as caught:
+            env.rows()
+    finally:
+        env.worker.close()
+    message = str(caught.value)
+    assert "runs its tool server 'calculator' (CalculatorToolset) in a 'docker' runtime" in message
+    assert "Give the toolset runtime={'type': 'subprocess'}" in message and "env=mcp" in message
