@@ -38,9 +38,18 @@ REPO = Path(__file__).resolve().parents[2]
 CALCULATOR = REPO / "examples" / "verifiers_calculator.py"
 
 
-def tool_servers(tag: str) -> list[str]:
-    """The live tool servers (`python -m agentrl_taskset_...`) started under the test tag `tag`."""
-    return [c for c in tagged_processes(tag, wait_s=0) if " -m agentrl_taskset_" in c]
+def tool_servers(tag: str) -> list[tuple[int, str]]:
+    """The live tool servers (`python -m agentrl_taskset_...`) started under the test tag `tag`: pid, command."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        try:
+            if f"AGENTRL_TEST_TAG={tag}".encode() in (proc / "environ").read_bytes().split(b"\0"):
+                command = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+                if " -m agentrl_taskset_" in command:
+                    found.append((int(proc.name), command))
+        except (OSError, ValueError):
+            continue
+    return found
 
 
 class CalculatorCaller:
@@ -76,10 +85,29 @@ class CalculatorCaller:
         return Generation(ids, [-0.1] * len(ids), "stop", 0)
 
 
-def run_calculator_eval(assets: Path, out: Path, tag: str, *, rows: int, kill: bool = False
-                        ) -> tuple[list[dict], CalculatorCaller]:
+TASK_TOOLSETS = '''    @classmethod
+    def toolsets(cls, config: vf.TaskConfig) -> list[vf.Toolset]:
+        return [CalculatorToolset(vf.ToolsetConfig())]
+'''
+
+
+def taskset_scoped(folder: Path) -> Path:
+    """examples/verifiers_calculator.py with its toolset declared by the taskset (one server for the
+    episode's env, which verifiers starts with the env: task-agnostic) instead of by each task."""
+    source = CALCULATOR.read_text()
+    assert TASK_TOOLSETS in source
+    source = source.replace(TASK_TOOLSETS, "").replace(
+        "class CalculatorTaskset(vf.Taskset[CalculatorTask]):\n",
+        "class CalculatorTaskset(vf.Taskset[CalculatorTask]):\n" + TASK_TOOLSETS.replace("TaskConfig", "TasksetConfig"))
+    path = folder / "calculator_shared.py"
+    path.write_text(source)
+    return path
+
+
+def run_calculator_eval(assets: Path, out: Path, tag: str, *, rows: int, kill: bool = False,
+                        taskset: Path = CALCULATOR) -> tuple[list[dict], CalculatorCaller]:
     config = load_config(overrides=[
-        "env=verifiers", f"env.kwargs.id={CALCULATOR}", f"env.kwargs.max_rows={rows}",
+        "env=verifiers", f"env.kwargs.id={taskset}", f"env.kwargs.max_rows={rows}",
         f"model.path={assets / 'tiny-random-qwen2'}", "eval.k=1", "rollout.max_turns=4",
         "run.max_infra_failure_rate=0.6", "rollout.max_concurrent_episodes=1", f"eval.output_dir={out}"])
     policy = CalculatorCaller(ChatTemplate.from_pretrained(config.model.path).tokenizer, tag, kill)
@@ -92,11 +120,13 @@ def factors(episode: dict) -> tuple[int, int]:
     return int(a), int(b)
 
 
+@pytest.mark.parametrize("scope", ["task", "taskset"])
 def test_a_scripted_policy_calls_the_toolsets_mcp_tool_and_the_rubric_scores_its_answer(
-        assets: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        assets: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, scope: str) -> None:
     tag = f"verifiers-tools-{os.getpid()}-{time.monotonic_ns()}"
     monkeypatch.setenv("AGENTRL_TEST_TAG", tag)
-    episodes, policy = run_calculator_eval(assets, tmp_path / "eval", tag, rows=2)
+    taskset = CALCULATOR if scope == "task" else taskset_scoped(tmp_path)
+    episodes, policy = run_calculator_eval(assets, tmp_path / "eval", tag, rows=2, taskset=taskset)
     assert len(episodes) == 2
     for episode in episodes:
         a, b = factors(episode)
@@ -112,7 +142,12 @@ def test_a_scripted_policy_calls_the_toolsets_mcp_tool_and_the_rubric_scores_its
         assert tool_ids and all("logprobs" not in s for s in tool_ids)
     # the tool was offered in the rendered prompt, and its answer reached the second call's prompt
     assert len(policy.prompts) == 4 and "calculator_multiply" in policy.prompts[0]
-    assert [len(s) for s in policy.servers_seen] == [1, 1]  # one tool server per episode, alive during it
+    products = sorted(a * b for a, b in map(factors, episodes))
+    assert sorted(int(re.search(r"<tool_response>\n(\d+)\n</tool_response>", p).group(1))
+                  for p in policy.prompts[1::2]) == products
+    # one tool server per episode, alive while it ran: this interpreter running the taskset's module
+    assert [len(s) for s in policy.servers_seen] == [1, 1] and policy.servers_seen[0] != policy.servers_seen[1]
+    assert all(s[0][1].startswith(f"{sys.executable} -m agentrl_taskset_") for s in policy.servers_seen)
     assert tagged_processes(tag) == [] and worker_pids() == []
 
 
