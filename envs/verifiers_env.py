@@ -51,7 +51,9 @@ stdio MCP servers under agentrl's sandbox (bubblewrap) instead, which is the cho
 run untrusted model input. The chat program lists the tools in each chat request, the gateway renders
 them with the model's chat template and parses its calls with the run's tool parser
 (`model.tool_parser`), and the chat program calls the server; each result is the next (masked) tool
-turn. Refused with the reason (`FeatureUnavailableError`): a toolset whose runtime is not
+turn. A toolset's module must end with `if __name__ == "__main__": TheToolset.run()`, as verifiers'
+own do (it is run as `python -m`): one without is refused when the taskset loads (`ConfigError`).
+Refused with the reason (`FeatureUnavailableError`): a toolset whose runtime is not
 `subprocess` (docker, podman, apptainer, modal, e2b, prime: verifiers builds and installs the toolset with
 `uv` there, which needs that runtime and the network), and an env with more than one agent seat (a
 user simulator or a judge played by a second model, which an offline run does not have). The

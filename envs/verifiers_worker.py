@@ -42,9 +42,11 @@ to stderr: stdout carries the protocol only. The worker exits when its stdin clo
 
 from __future__ import annotations
 
+import ast
 import asyncio
 import hashlib
 import importlib.util
+import inspect
 import json
 import os
 import site
@@ -158,6 +160,15 @@ class _Tasksets:
         with `uv` and installs it there, which needs the runtime's daemon or account and the network)."""
         for toolset in toolsets:
             runtime = toolset.config.runtime.type
+            if toolset.config.url is None and not _runs_as_main(type(toolset).__module__):
+                module = type(toolset).__module__
+                where = taskset_id if module.startswith("agentrl_taskset_") else module
+                raise _Refused(
+                    "config",
+                    f"the verifiers taskset '{taskset_id}' declares the tool server {type(toolset).__name__}, but "
+                    f"{where} has no `if __name__ == \"__main__\":` block: verifiers starts a tool server by running "
+                    f"its module (`python -m`), which then serves nothing. End {where} with\n"
+                    f"if __name__ == \"__main__\":\n    {type(toolset).__name__}.run()")
             if toolset.config.url is None and runtime != "subprocess":
                 raise _Refused(
                     "unavailable",
@@ -167,6 +178,18 @@ class _Tasksets:
                     "tool servers only as local processes. Give the toolset runtime={'type': 'subprocess'} (its "
                     "default), or serve the tools yourself and set the toolset's url, or use env=mcp, which runs "
                     "stdio MCP servers under agentrl's sandbox.")
+
+
+def _runs_as_main(module: str) -> bool:
+    """Whether `module` has a top-level `if __name__ == "__main__":` block (True when its source is not
+    to be found: then verifiers' own failure, after its wait for the server's port, says what is wrong)."""
+    try:
+        tree = ast.parse(inspect.getsource(sys.modules[module]))
+    except (KeyError, OSError, TypeError, SyntaxError):
+        return True
+    return any(isinstance(node, ast.If) and isinstance(node.test, ast.Compare)
+               and "__name__" in ast.unparse(node.test) and "__main__" in ast.unparse(node.test)
+               for node in tree.body)
 
 
 def _import_file(name: str, path: str) -> None:

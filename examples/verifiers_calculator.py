@@ -10,8 +10,8 @@ runs it when the model calls it; the tool's result is the next message the model
 is 1.0 when the final reply holds the product; the metric `tool_calls` counts the tool's answers.
 
 verifiers starts a toolset by running its module (`python -m MODULE`), so the module ends with the
-`if __name__ == "__main__"` block below, as verifiers' own toolsets do; without it the server never
-starts and the episode times out. Nothing here knows agentrl.
+`if __name__ == "__main__"` block below, as verifiers' own toolsets do (without it nothing would
+serve: env=verifiers refuses such a taskset when it loads). Nothing here knows agentrl.
 """
 
 from __future__ import annotations

@@ -28,7 +28,7 @@ from test_verifiers_multiturn import tagged_processes, worker_pids
 from agentrl.chat import ChatTemplate
 from agentrl.config import load_config
 from agentrl.envs import make_env
-from agentrl.errors import FeatureUnavailableError
+from agentrl.errors import ConfigError, FeatureUnavailableError
 from agentrl.inference.protocol import Generation, SamplingParams
 from agentrl.orchestration.evaluate import run_eval
 
@@ -206,3 +206,19 @@ def test_a_toolset_in_a_container_runtime_is_refused_saying_why_and_what_to_use(
     message = str(caught.value)
     assert "runs its tool server 'calculator' (CalculatorToolset) in a 'docker' runtime" in message
     assert "Give the toolset runtime={'type': 'subprocess'}" in message and "env=mcp" in message
+
+
+def test_a_toolset_module_without_a_main_block_is_refused_at_load_with_the_lines_to_add(tmp_path: Path) -> None:
+    """verifiers starts a tool server as `python -m` its module; without a `__main__` block nothing would
+    serve and verifiers would wait minutes for the server's port: refused when the taskset loads."""
+    source = CALCULATOR.read_text()
+    taskset = tmp_path / "no_main.py"
+    taskset.write_text(source[:source.index('if __name__ == "__main__":')])
+    env = make_env("verifiers", id=str(taskset))
+    try:
+        with pytest.raises(ConfigError) as caught:
+            env.rows()
+    finally:
+        env.worker.close()
+    assert f"{taskset} has no `if __name__ == \"__main__\":` block" in str(caught.value)
+    assert str(caught.value).endswith('if __name__ == "__main__":\n    CalculatorToolset.run()')
