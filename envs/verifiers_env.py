@@ -45,7 +45,8 @@ Tools: a taskset or task that declares toolsets (verifiers 0.4's tools are MCP `
 user on this machine, `python -m` the toolset's module with the verifiers folder on its path, serving
 MCP over streamable HTTP on a loopback port with no authentication, in its own session and working
 folder (under `~/.cache/verifiers/runtimes/subprocess/`), killed when the episode ends and, by
-verifiers' `PR_SET_PDEATHSIG`, when the worker dies. It is NOT sandboxed: the tool runs with the
+verifiers' `PR_SET_PDEATHSIG`, when the worker dies (a killed worker leaves that folder, the server's
+log in it; and verifiers leaves a 5-byte `/tmp/vf-port-*` file for every server it starts). It is NOT sandboxed: the tool runs with the
 user's rights, files and network, as the taskset's own rubric code does in the worker; `env=mcp` runs
 stdio MCP servers under agentrl's sandbox (bubblewrap) instead, which is the choice for tools that
 run untrusted model input. The chat program lists the tools in each chat request, the gateway renders
