@@ -38,12 +38,29 @@ dies mid-episode fails the episodes it was scoring or playing as infrastructure,
 episode gets a fresh one. Without the folder, building the env raises `FeatureUnavailableError`
 naming the command.
 
-Not covered, and refused with this reason (`FeatureUnavailableError`): a taskset or task that declares
-toolsets (verifiers 0.4's tools are MCP `Toolset` servers): serve its tools with `env=mcp`, or run
-its harness through `env=agent`; an env with more than one agent seat (a user simulator or a judge
-played by a second model, which an offline run does not have). The player's program is always
-verifiers' tool-less chat program (the `null` harness's), whatever harness the taskset bundles, and it
-runs on the host (verifiers' subprocess runtime), never in a container or a remote sandbox.
+Tools: a taskset or task that declares toolsets (verifiers 0.4's tools are MCP `Toolset` servers,
+`examples/verifiers_calculator.py`) is played by verifiers as a multi-turn episode (its
+`SingleAgentEnv` when the package exports no `vf.Env`). verifiers starts each toolset for the episode
+(a task's) or for the episode's env (a taskset's) in its subprocess runtime: a process of the worker's
+user on this machine, `python -m` the toolset's module with the verifiers folder on its path, serving
+MCP over streamable HTTP on a loopback port with no authentication, in its own session and working
+folder (under `~/.cache/verifiers/runtimes/subprocess/`), killed when the episode ends and, by
+verifiers' `PR_SET_PDEATHSIG`, when the worker dies (a killed worker leaves that folder, the server's
+log in it; and verifiers leaves a 5-byte `/tmp/vf-port-*` file for every server it starts). It is NOT sandboxed: the tool runs with the
+user's rights, files and network, as the taskset's own rubric code does in the worker; `env=mcp` runs
+stdio MCP servers under agentrl's sandbox (bubblewrap) instead, which is the choice for tools that
+run untrusted model input. The chat program lists the tools in each chat request, the gateway renders
+them with the model's chat template and parses its calls with the run's tool parser
+(`model.tool_parser`), and the chat program calls the server; each result is the next (masked) tool
+turn. A toolset's module must end with `if __name__ == "__main__": TheToolset.run()`, as verifiers'
+own do (it is run as `python -m`): one without is refused when the taskset loads (`ConfigError`).
+Refused with the reason (`FeatureUnavailableError`): a toolset whose runtime is not
+`subprocess` (docker, podman, apptainer, modal, e2b, prime: verifiers builds and installs the toolset with
+`uv` there, which needs that runtime and the network), and an env with more than one agent seat (a
+user simulator or a judge played by a second model, which an offline run does not have). The
+player's program is always verifiers' chat program (the `null` harness's: no tools but the toolsets'),
+whatever harness the taskset bundles, and it runs on the host (verifiers' subprocess runtime), never
+in a container or a remote sandbox.
 Runtimes (`setup`/`finalize` in a container) and `@vf.stop` hooks of plain tasksets are not run (a
 multi-turn episode runs whatever verifiers' `Env.run_episode` runs). A taskset whose module does not
 import (a package of its own missing from the verifiers folder) is refused with the folder to install
@@ -213,8 +230,8 @@ class VerifiersEnv(Env):
                 f"{len(loaded['tasks'])} tasks{played}")
 
     async def aplays_turns(self) -> str | None:
-        """The name of the `vf.Env` that plays the taskset's episodes in turns, or None when the taskset
-        is answered in one reply (a plain taskset: verifiers' `SingleAgentEnv`)."""
+        """The name of the `vf.Env` that plays the taskset's episodes in turns (verifiers' `SingleAgentEnv`
+        for a taskset with toolsets), or None when it is answered in one reply (a plain taskset)."""
         loaded = await self.worker.ataskset(self.taskset_id, self.taskset_kwargs, self.max_rows)
         return str(loaded["env"]) if loaded.get("multi_turn") else None
 

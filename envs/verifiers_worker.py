@@ -18,14 +18,17 @@ on stdin is one object with a number `n` and an `op`, answered by one line with 
   R, "rewards": {name: score or null (unscored)}, "metrics": {name: number}}`.
 - `{"op": "play", "taskset": ID, "kwargs": {...}, "data": TaskData as JSON, "base_url": URL,
   "model": NAME, "max_turns": N or null, "timeout_s": S}`: one episode of a multi-turn taskset
-  (one whose package exports a `vf.Env` with one agent seat), played by verifiers itself
+  (one whose package exports a `vf.Env` with one agent seat, or that declares toolsets), played by verifiers itself
   (`Env.run_episode`), its seat's model calls sent to `base_url`; the answer is the seat's trace
   as scored by verifiers, `{"ok": true, "reward": R, "rewards": ..., "metrics": ..., "turns": N,
   "stop": STOP_CONDITION, "reply": LAST_REPLY}`.
 
 `load` also says how the taskset is played: `"multi_turn": true` with the `"env"` class that plays it
-when its package exports a `vf.Env` (the model and that env take turns), false for a plain taskset
-(one reply, scored by `score`). The seat's program is verifiers' own chat program (the `null`
+when its package exports a `vf.Env` (the model and that env take turns) or when it or its tasks
+declare toolsets (verifiers' `SingleAgentEnv`: the model and the tools take turns), false for a plain
+taskset (one reply, scored by `score`). Toolsets start as verifiers starts them in its subprocess
+runtime, `sys.executable -m MODULE` (`_ToolServers` makes that find verifiers and a taskset file);
+other toolset runtimes are refused. The seat's program is verifiers' own chat program (the `null`
 harness's), run by this interpreter with the verifiers folder first on its path instead of by `uv`
 (which would download its dependencies: they are in the folder already), in verifiers' subprocess
 runtime; it talks to the model through verifiers' interception server, as every verifiers harness does.
@@ -39,9 +42,11 @@ to stderr: stdout carries the protocol only. The worker exits when its stdin clo
 
 from __future__ import annotations
 
+import ast
 import asyncio
 import hashlib
 import importlib.util
+import inspect
 import json
 import os
 import site
@@ -80,6 +85,7 @@ class _Tasksets:
         self.loaded: dict[str, Any] = {}
         self.players: dict[str, tuple[str, type, str]] = {}  # key -> (plugin id, vf.Env class, seat)
         self.harness = _ChatHarness(vf, folder)
+        self.tool_servers = _ToolServers(folder)
 
     def get(self, taskset_id: str, kwargs: dict[str, Any]) -> Any:
         key = json.dumps([taskset_id, kwargs], sort_keys=True)
@@ -128,12 +134,10 @@ class _Tasksets:
         except Exception as exc:  # pydantic's ValidationError: the user's taskset_kwargs
             raise _Refused("config", f"env.kwargs.taskset_kwargs do not fit {config_cls.__name__}: {exc}") from exc
         taskset = cls(config)
-        if cls.toolsets(config) or cls.task_type().toolsets(config.task):
-            raise _Refused(
-                "unavailable",
-                f"the verifiers taskset '{taskset_id}' declares tool servers (Toolsets); env=verifiers does not "
-                "run them yet (see agentrl.envs.verifiers_env). Serve them with env=mcp, or run its harness "
-                "through env=agent.")
+        toolsets = [*cls.toolsets(config), *cls.task_type().toolsets(config.task)]
+        self._check_toolsets(taskset_id, toolsets)
+        if toolsets:
+            self.tool_servers.allow(plugin_id, taskset_id)
         if env_cls is not SingleAgentEnv:
             env_config_cls = concrete_type(env_cls, vf.EnvConfig, origin=vf.Env) or vf.EnvConfig
             seats = [n for n, f in env_config_cls.model_fields.items() if isinstance(f.default, AgentConfig)]
@@ -145,7 +149,47 @@ class _Tasksets:
                     "one seat, so it runs envs of exactly one (a user simulator or a judge seat needs a second "
                     "model, which an offline run does not have).")
             self.players[key] = (plugin_id, env_cls, seats[0])
+        elif toolsets:  # a plain taskset with tools: verifiers' SingleAgentEnv plays it, its one seat `agent`
+            self.players[key] = (plugin_id, env_cls, "agent")
         return taskset
+
+    @staticmethod
+    def _check_toolsets(taskset_id: str, toolsets: list[Any]) -> None:
+        """Refuse the tool servers that verifiers would start outside this machine's processes: a
+        toolset whose runtime is a container or a cloud sandbox (verifiers builds the toolset's package
+        with `uv` and installs it there, which needs the runtime's daemon or account and the network)."""
+        for toolset in toolsets:
+            runtime = toolset.config.runtime.type
+            if toolset.config.url is None and not _runs_as_main(type(toolset).__module__):
+                module = type(toolset).__module__
+                where = taskset_id if module.startswith("agentrl_taskset_") else module
+                raise _Refused(
+                    "config",
+                    f"the verifiers taskset '{taskset_id}' declares the tool server {type(toolset).__name__}, but "
+                    f"{where} has no `if __name__ == \"__main__\":` block: verifiers starts a tool server by running "
+                    f"its module (`python -m`), which then serves nothing. End {where} with\n"
+                    f"if __name__ == \"__main__\":\n    {type(toolset).__name__}.run()")
+            if toolset.config.url is None and runtime != "subprocess":
+                raise _Refused(
+                    "unavailable",
+                    f"the verifiers taskset '{taskset_id}' runs its tool server '{toolset.server_name}' "
+                    f"({type(toolset).__name__}) in a '{runtime}' runtime, where verifiers builds and installs the "
+                    "toolset with uv (a container daemon or a cloud account, and the network); env=verifiers starts "
+                    "tool servers only as local processes. Give the toolset runtime={'type': 'subprocess'} (its "
+                    "default), or serve the tools yourself and set the toolset's url, or use env=mcp, which runs "
+                    "stdio MCP servers under agentrl's sandbox.")
+
+
+def _runs_as_main(module: str) -> bool:
+    """Whether `module` has a top-level `if __name__ == "__main__":` block (True when its source is not
+    to be found: then verifiers' own failure, after its wait for the server's port, says what is wrong)."""
+    try:
+        tree = ast.parse(inspect.getsource(sys.modules[module]))
+    except (KeyError, OSError, TypeError, SyntaxError):
+        return True
+    return any(isinstance(node, ast.If) and isinstance(node.test, ast.Compare)
+               and "__name__" in ast.unparse(node.test) and "__main__" in ast.unparse(node.test)
+               for node in tree.body)
 
 
 def _import_file(name: str, path: str) -> None:
@@ -163,6 +207,44 @@ def _import_file(name: str, path: str) -> None:
         raise
 
 
+def _scripts_dir() -> Path:
+    """This user's folder for what the worker writes for its children to run (one per user, shared by
+    every worker: each file there is named by what it holds and written once, atomically)."""
+    scripts = Path(tempfile.gettempdir()) / f"agentrl-verifiers-{os.getuid()}"
+    scripts.mkdir(mode=0o700, exist_ok=True)
+    return scripts
+
+
+def _write_once(path: Path, data: bytes) -> None:
+    if not path.exists():
+        partial = path.with_name(f"{path.name}.{os.getpid()}")
+        partial.write_bytes(data)
+        partial.replace(path)  # atomic: another worker never runs half a file
+
+
+class _ToolServers:
+    """What verifiers' tool servers need to start from this worker. verifiers starts a toolset in its
+    subprocess runtime as `sys.executable -m MODULE` (the toolset class's module), with this process's
+    environment: so `PYTHONPATH` names the verifiers folder (this interpreter finds verifiers only by
+    `_use_folder`) and, for a taskset given as a file, a module of the name the file was imported under
+    here, which runs the file (its `__main__` block starts the server; a task class is imported from it)."""
+
+    def __init__(self, folder: str) -> None:
+        self.folder = folder
+        self.modules = _scripts_dir() / "modules"
+
+    def allow(self, plugin_id: str, taskset_id: str) -> None:
+        if plugin_id != taskset_id:  # a file: `python -m agentrl_taskset_...` must find a module of that name
+            self.modules.mkdir(mode=0o700, exist_ok=True)
+            path = str(Path(taskset_id).resolve())
+            _write_once(self.modules / f"{plugin_id}.py", (
+                f"# written by agentrl's verifiers worker: runs {path} as this module\n"
+                f"__file__ = {path!r}\n"
+                f"with open(__file__, encoding='utf-8') as _source:\n"
+                f"    exec(compile(_source.read(), __file__, 'exec'))\n").encode())
+        os.environ["PYTHONPATH"] = os.pathsep.join([str(self.modules), self.folder])
+
+
 class _ChatHarness:
     """verifiers' own chat program (the `null` harness: a chat loop with no tools of its own), run by
     this interpreter with the verifiers folder first on its path instead of by `uv`, which would
@@ -173,9 +255,7 @@ class _ChatHarness:
     def __init__(self, vf: Any, folder: str) -> None:
         from verifiers.v1.harnesses.null import NullHarness
 
-        # one folder per user, shared by every worker: a script is named by its hash and written once
-        scripts = Path(tempfile.gettempdir()) / f"agentrl-verifiers-{os.getuid()}"
-        scripts.mkdir(mode=0o700, exist_ok=True)
+        scripts = _scripts_dir()
         argv = [sys.executable, "-I", "-c", _BOOT, folder]
 
         class PreparedRuntime:
@@ -191,10 +271,7 @@ class _ChatHarness:
                                         ) -> list[str]:
                 data = script.encode() if isinstance(script, str) else script
                 path = scripts / f"{hashlib.sha256(data).hexdigest()}.py"
-                if not path.exists():
-                    partial = path.with_name(f"{path.name}.{os.getpid()}")
-                    partial.write_bytes(data)
-                    partial.replace(path)  # atomic: another worker never runs half a script
+                _write_once(path, data)
                 return [*argv, str(path)]
 
         class AgentrlChatHarness(NullHarness):
