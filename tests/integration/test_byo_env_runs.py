@@ -1,8 +1,8 @@
 """`agentrl run` (the command, as a user types it) trains on environments agentrl's authors did not
 write: an OpenEnv server agentrl starts per episode, a Gymnasium text env registered by id, the
-tools of an MCP server from PyPI, a verifiers taskset (scored in verifiers' own worker process) and a
-multi-turn one (played by verifiers itself, its model calls through the gateway), each with the tiny
-random Qwen2 served by the hf engine.
+tools of an MCP server from PyPI, a verifiers taskset (scored in verifiers' own worker process), a
+multi-turn one (played by verifiers itself, its model calls through the gateway) and verifiers' own
+built-in OpenEnv taskset, each with the tiny random Qwen2 served by the hf engine.
 
 Guards: each run exits 0 with a balanced ledger, trains its steps and writes their episodes; on the
 OpenEnv run, a server that dies mid-episode (the seed-13 row) makes that row's episodes
@@ -157,4 +157,48 @@ def test_run_trains_on_a_multi_turn_verifiers_taskset_played_through_the_gateway
         assert e["reward"] == e["metrics"]["reward/solved"]
         # unsolved, the game asked for a fourth guess, which verifiers refused at the budget: max_turns
         assert e["finish_reason"] == ("done" if e["reward"] == 1.0 else "max_turns"), e
+    assert processes_running(WORKER_PATH) == []
+
+
+@pytest.mark.verifiers
+def test_run_trains_on_verifiers_own_openenv_taskset(assets: Path, tmp_path: Path) -> None:
+    """verifiers' built-in `openenv` taskset (written by verifiers' authors, used as it ships) against
+    an OpenEnv server on loopback: verifiers steps the server with each sampled reply and scores the
+    episode with its own `openenv_reward`, which the run trains on."""
+    import socket
+    import time
+    import urllib.request
+
+    from agentrl.envs.verifiers_process import WORKER_PATH, verifiers_folder
+
+    if not any(verifiers_folder().glob("openenv-*.dist-info")):
+        pytest.skip(f"verifiers' openenv extra is not in {verifiers_folder()}: bash scripts/install.sh verifiers")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = int(s.getsockname()[1])
+    server = subprocess.Popen([sys.executable, str(REPO / "examples" / "openenv_guess_server.py"), "--port", str(port)],
+                              start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
+                break
+            except OSError:
+                assert time.monotonic() < deadline, "the OpenEnv server did not start"
+                time.sleep(0.5)
+        _, run_dir = agentrl_run(
+            tmp_path, "verifiers-openenv", assets, "env=verifiers", "env.kwargs.id=openenv",
+            f"env.kwargs.taskset_kwargs={{base_url: 'http://127.0.0.1:{port}', resets: [{{seed: 1}}, {{seed: 2}}]}}",
+            "rollout.max_turns=2", "run.total_steps=1", STOPS)
+    finally:
+        os.killpg(server.pid, 9)
+        server.wait()
+    episodes = check_trained(run_dir, 1)
+    assert all(e["fault"] is None for e in episodes), [e["error"] for e in episodes if e["fault"]]
+    for e in episodes:
+        # verifiers' own score of its own play: the server's reward, summed by its taskset
+        assert e["reward"] == e["metrics"]["reward/openenv_reward"] and e["num_turns"] <= 2
+        observations = [m["content"] for m in e["messages"] if m["role"] == "user"]
+        assert "I picked a number from 1 to 10." in observations[0]  # the server's reset, the first turn
     assert processes_running(WORKER_PATH) == []
