@@ -161,39 +161,18 @@ def test_run_trains_on_a_multi_turn_verifiers_taskset_played_through_the_gateway
 
 
 @pytest.mark.verifiers
-def test_run_trains_on_verifiers_own_openenv_taskset(assets: Path, tmp_path: Path) -> None:
+def test_run_trains_on_verifiers_own_openenv_taskset(assets: Path, tmp_path: Path, openenv_guess_url: str) -> None:
     """verifiers' built-in `openenv` taskset (written by verifiers' authors, used as it ships) against
     an OpenEnv server on loopback: verifiers steps the server with each sampled reply and scores the
     episode with its own `openenv_reward`, which the run trains on."""
-    import socket
-    import time
-    import urllib.request
-
     from agentrl.envs.verifiers_process import WORKER_PATH, verifiers_folder
 
     if not any(verifiers_folder().glob("openenv-*.dist-info")):
         pytest.skip(f"verifiers' openenv extra is not in {verifiers_folder()}: bash scripts/install.sh verifiers")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = int(s.getsockname()[1])
-    server = subprocess.Popen([sys.executable, str(REPO / "examples" / "openenv_guess_server.py"), "--port", str(port)],
-                              start_new_session=True)
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
-                break
-            except OSError:
-                assert time.monotonic() < deadline, "the OpenEnv server did not start"
-                time.sleep(0.5)
-        _, run_dir = agentrl_run(
-            tmp_path, "verifiers-openenv", assets, "env=verifiers", "env.kwargs.id=openenv",
-            f"env.kwargs.taskset_kwargs={{base_url: 'http://127.0.0.1:{port}', resets: [{{seed: 1}}, {{seed: 2}}]}}",
-            "rollout.max_turns=2", "run.total_steps=1", STOPS)
-    finally:
-        os.killpg(server.pid, 9)
-        server.wait()
+    _, run_dir = agentrl_run(
+        tmp_path, "verifiers-openenv", assets, "env=verifiers", "env.kwargs.id=openenv",
+        f"env.kwargs.taskset_kwargs={{base_url: '{openenv_guess_url}', resets: [{{seed: 1}}, {{seed: 2}}]}}",
+        "rollout.max_turns=2", "run.total_steps=1", STOPS)
     episodes = check_trained(run_dir, 1)
     assert all(e["fault"] is None for e in episodes), [e["error"] for e in episodes if e["fault"]]
     for e in episodes:

@@ -20,11 +20,9 @@ import os
 import random
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -182,18 +180,36 @@ def game_feedback(guess: int | None, secret: int) -> str:
     return f"{guess} is too low. Guess higher." if guess < secret else f"{guess} is too high. Guess lower."
 
 
+def eval_with_tiny_model(assets: Path, out: Path, tag: str, *overrides: str) -> None:
+    """Run `agentrl eval env=verifiers` with the tiny random model on the hf engine, one sample a row,
+    16 tokens a turn, its output in `out`; every process it starts carries `tag` (AGENTRL_TEST_TAG)."""
+    command = [sys.executable, "-m", "agentrl.cli", "eval", "env=verifiers", *overrides,
+               f"model.path={assets / 'tiny-random-qwen2'}", "inference.engine=hf", "eval.k=1",
+               "rollout.max_tokens_per_turn=16", f"eval.output_dir={out}",
+               # the random model seldom samples its end-of-turn token: the first 20,000 ids end a turn too
+               f"rollout.extra_stop_token_ids=[{','.join(str(i) for i in range(20000))}]"]
+    done = subprocess.run(command, cwd=out.parent, capture_output=True, text=True, timeout=900,
+                          env={**os.environ, "AGENTRL_TEST_TAG": tag})
+    assert done.returncode == 0, f"exit {done.returncode}:\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}"
+
+
+def check_ledger(episode: dict[str, Any]) -> None:
+    """The token ledger of a logged episode: every token once, in order; the sampled ones (some) with
+    their logprobs, and only they."""
+    segments = episode["segments"]
+    assert [s["start"] for s in segments] == [sum(len(p["ids"]) for p in segments[:i]) for i in range(len(segments))]
+    assert sum(len(s["ids"]) for s in segments) == episode["num_tokens"]
+    sampled = [s for s in segments if s["origin"] == "sampled"]
+    assert sum(len(s["ids"]) for s in sampled) == episode["num_sampled"] > 0
+    assert all(len(s["logprobs"]) == len(s["ids"]) for s in sampled)
+    assert all("logprobs" not in s for s in segments if s["origin"] != "sampled")
+
+
 def test_agentrl_eval_plays_the_example_with_the_tiny_model_and_books_every_sampled_token(
         assets: Path, tmp_path: Path) -> None:
     out = tmp_path / "eval"
-    command = [sys.executable, "-m", "agentrl.cli", "eval", "env=verifiers", f"env.kwargs.id={GUESS}",
-               "env.kwargs.max_rows=4", f"model.path={assets / 'tiny-random-qwen2'}", "inference.engine=hf",
-               "eval.k=1", "rollout.max_turns=4", "rollout.max_tokens_per_turn=16", f"eval.output_dir={out}",
-               # the random model seldom samples its end-of-turn token: the first 20,000 ids end a turn too
-               f"rollout.extra_stop_token_ids=[{','.join(str(i) for i in range(20000))}]"]
     tag = f"verifiers-guess-{os.getpid()}-{time.monotonic_ns()}"  # what the command starts carries it
-    done = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=900,
-                          env={**os.environ, "AGENTRL_TEST_TAG": tag})
-    assert done.returncode == 0, f"exit {done.returncode}:\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}"
+    eval_with_tiny_model(assets, out, tag, f"env.kwargs.id={GUESS}", "env.kwargs.max_rows=4", "rollout.max_turns=4")
     episodes = [json.loads(line) for line in (out / "trajectories.jsonl").read_text().splitlines()]
     assert sorted(secret_of(e) for e in episodes) == sorted(SECRETS)
     for episode in episodes:
@@ -207,25 +223,9 @@ def test_agentrl_eval_plays_the_example_with_the_tiny_model_and_books_every_samp
         assert episode["metrics"]["reward/solved"] == episode["reward"]
         assert episode["metrics"]["guesses"] == len(replies) == episode["num_turns"]
         assert len(replies) == MAX_GUESSES or read_guess(replies[-1]) == secret
-        # the token ledger: every token once, in order; the sampled ones with their logprobs, and only they
-        segments = episode["segments"]
-        assert [s["start"] for s in segments] == [sum(len(p["ids"]) for p in segments[:i]) for i in range(len(segments))]
-        assert sum(len(s["ids"]) for s in segments) == episode["num_tokens"]
-        sampled = [s for s in segments if s["origin"] == "sampled"]
-        assert sum(len(s["ids"]) for s in sampled) == episode["num_sampled"] > 0
-        assert all(len(s["logprobs"]) == len(s["ids"]) for s in sampled)
-        assert all("logprobs" not in s for s in segments if s["origin"] != "sampled")
+        check_ledger(episode)
     assert any(e["num_turns"] > 1 for e in episodes)
     assert tagged_processes(tag) == []  # no worker, chat program or server outlived the command
-
-
-OPENENV_SERVER = REPO / "examples" / "openenv_guess_server.py"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class OpenEnvGuesser:
@@ -249,7 +249,7 @@ class OpenEnvGuesser:
 
 
 def test_verifiers_own_openenv_taskset_plays_a_local_openenv_server_through_the_gateway(
-        assets: Path, tmp_path: Path) -> None:
+        assets: Path, tmp_path: Path, openenv_guess_url: str) -> None:
     """verifiers' built-in `openenv` taskset (its OpenEnvEnv steps an OpenEnv client host-side, the
     observation of each step the next user turn) against a server on loopback: offline."""
     # the `openenv` distribution itself (verifiers' `openenv` extra), not agentrl's openenv-core, whose module
@@ -257,27 +257,13 @@ def test_verifiers_own_openenv_taskset_plays_a_local_openenv_server_through_the_
     if not any(verifiers_folder().glob("openenv-*.dist-info")):
         pytest.skip(f"verifiers' openenv taskset imports `openenv` (PyPI openenv>=0.4.1, verifiers' `openenv` extra), "
                     f"which is not in {verifiers_folder()}: install it with 'bash scripts/install.sh verifiers'")
-    port = free_port()
-    server = subprocess.Popen([sys.executable, str(OPENENV_SERVER), "--port", str(port)], start_new_session=True)
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
-                break
-            except OSError:
-                assert time.monotonic() < deadline, "the OpenEnv server did not start"
-                time.sleep(0.5)
-        seeds = [1, 2, 3]
-        config = load_config(overrides=[
-            "env=verifiers", "env.kwargs.id=openenv",
-            f"env.kwargs.taskset_kwargs={{base_url: 'http://127.0.0.1:{port}', resets: [{{seed: 1}}, {{seed: 2}}, "
-            "{seed: 3}]}", f"model.path={assets / 'tiny-random-qwen2'}", "eval.k=1", "rollout.max_turns=6",
-            f"eval.output_dir={tmp_path / 'eval'}"])
-        run_eval(config, client=OpenEnvGuesser(ChatTemplate.from_pretrained(config.model.path).tokenizer))
-    finally:
-        os.killpg(server.pid, signal.SIGKILL)
-        server.wait()
+    seeds = [1, 2, 3]
+    config = load_config(overrides=[
+        "env=verifiers", "env.kwargs.id=openenv",
+        f"env.kwargs.taskset_kwargs={{base_url: '{openenv_guess_url}', resets: [{{seed: 1}}, {{seed: 2}}, "
+        "{seed: 3}]}", f"model.path={assets / 'tiny-random-qwen2'}", "eval.k=1", "rollout.max_turns=6",
+        f"eval.output_dir={tmp_path / 'eval'}"])
+    run_eval(config, client=OpenEnvGuesser(ChatTemplate.from_pretrained(config.model.path).tokenizer))
     episodes = [json.loads(line) for line in (tmp_path / "eval" / "trajectories.jsonl").read_text().splitlines()]
     assert len(episodes) == len(seeds)
     for episode in episodes:

@@ -16,14 +16,13 @@ import json
 import os
 import re
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
-from test_verifiers_multiturn import tagged_processes, worker_pids
+from test_verifiers_multiturn import check_ledger, eval_with_tiny_model, tagged_processes, worker_pids
 
 from agentrl.chat import ChatTemplate
 from agentrl.config import load_config
@@ -166,14 +165,8 @@ def test_a_worker_killed_mid_episode_leaves_no_tool_server(
 def test_agentrl_eval_runs_the_toolset_taskset_with_the_tiny_model_and_books_every_token(
         assets: Path, tmp_path: Path) -> None:
     out = tmp_path / "eval"
-    command = [sys.executable, "-m", "agentrl.cli", "eval", "env=verifiers", f"env.kwargs.id={CALCULATOR}",
-               "env.kwargs.max_rows=2", f"model.path={assets / 'tiny-random-qwen2'}", "inference.engine=hf",
-               "eval.k=1", "rollout.max_turns=3", "rollout.max_tokens_per_turn=16", f"eval.output_dir={out}",
-               f"rollout.extra_stop_token_ids=[{','.join(str(i) for i in range(20000))}]"]
     tag = f"verifiers-tools-cli-{os.getpid()}-{time.monotonic_ns()}"
-    done = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=900,
-                          env={**os.environ, "AGENTRL_TEST_TAG": tag})
-    assert done.returncode == 0, f"exit {done.returncode}:\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}"
+    eval_with_tiny_model(assets, out, tag, f"env.kwargs.id={CALCULATOR}", "env.kwargs.max_rows=2", "rollout.max_turns=3")
     episodes = [json.loads(line) for line in (out / "trajectories.jsonl").read_text().splitlines()]
     assert len(episodes) == 2
     for episode in episodes:
@@ -182,13 +175,7 @@ def test_agentrl_eval_runs_the_toolset_taskset_with_the_tiny_model_and_books_eve
         replies = [m for m in episode["messages"] if m["role"] == "assistant"]
         assert episode["reward"] == float(str(a * b) in (replies[-1]["content"] or "").replace(",", ""))
         assert episode["info"]["tools"][0]["function"]["name"] == "calculator_multiply"
-        segments = episode["segments"]
-        assert [s["start"] for s in segments] == [sum(len(p["ids"]) for p in segments[:i]) for i in range(len(segments))]
-        assert sum(len(s["ids"]) for s in segments) == episode["num_tokens"]
-        sampled = [s for s in segments if s["origin"] == "sampled"]
-        assert sum(len(s["ids"]) for s in sampled) == episode["num_sampled"] > 0
-        assert all(len(s["logprobs"]) == len(s["ids"]) for s in sampled)
-        assert all("logprobs" not in s for s in segments if s["origin"] != "sampled")
+        check_ledger(episode)
     assert tagged_processes(tag) == []  # no worker, chat program or tool server outlived the command
 
 
