@@ -456,7 +456,7 @@ def cmd_gateway(ns: argparse.Namespace) -> int:
 
 
 def cmd_config(ns: argparse.Namespace) -> int:
-    from agentrl.config import config_fields, list_presets
+    from agentrl.config import REQUIRED, config_fields, list_presets
 
     if ns.presets:
         for name in list_presets():
@@ -475,7 +475,7 @@ def cmd_config(ns: argparse.Namespace) -> int:
             hint = f" Did you mean '{close[0]}'?" if close else ""
             raise UnknownNameError(f"No config section '{ns.section}'.{hint} Sections: {', '.join(sections)}.")
     for dotted, type_name, default, doc in rows:
-        print(f"{dotted} ({type_name}, default {default!r})")
+        print(f"{dotted} ({type_name}, {'required' if default is REQUIRED else f'default {default!r}'})")
         for line in doc.splitlines():
             print(f"    {line.strip()}")
     return 0

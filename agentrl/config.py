@@ -14,6 +14,7 @@ from __future__ import annotations
 import datetime as _dt
 import importlib.resources
 import os
+import typing
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any, Literal
@@ -26,6 +27,7 @@ from agentrl.errors import ConfigError
 from agentrl.registry import closest_names
 
 __all__ = [
+    "REQUIRED",
     "SHORTHANDS",
     "AgentRLConfig",
     "AlgorithmConfig",
@@ -832,16 +834,46 @@ def _field_names_at(loc: tuple[str, ...]) -> list[str]:
     return list(model.model_fields)
 
 
+class _Required:
+    """The default `config_fields` gives a field that has none: it must be set once its section is."""
+
+    def __repr__(self) -> str:
+        return "required"
+
+
+REQUIRED: Any = _Required()
+
+
+def _section_of(annotation: Any) -> tuple[type[BaseModel], str] | None:
+    """The config section a field holds, and how it holds it: `Section` (""), `Section | None`
+    ("optional") or `list[Section]` ("list"); None for a leaf field."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation, ""
+    args = [a for a in typing.get_args(annotation) if a is not type(None)]
+    origin = typing.get_origin(annotation)
+    if len(args) == 1 and isinstance(args[0], type) and issubclass(args[0], BaseModel):
+        if origin in (list, tuple):
+            return args[0], "list"
+        if type(None) in typing.get_args(annotation):
+            return args[0], "optional"
+    return None
+
+
 def config_fields(model: type[BaseModel] = AgentRLConfig, prefix: str = "") -> list[tuple[str, str, Any, str]]:
-    """Every leaf field as (dotted name, type, default, description), for help and docs."""
+    """Every leaf field as (dotted name, type, default, description), for help, docs and the test that
+    every field has a reader. Optional sections (`reward.judge`) and lists of sections
+    (`reward.combine`) are descended into: their fields are named `reward.judge.url` and
+    `reward.combine[].weight`, with the default a field has once its section is given."""
     rows = []
     for name, field in model.model_fields.items():
         ann = field.annotation
         dotted = f"{prefix}{name}"
-        if isinstance(ann, type) and issubclass(ann, BaseModel):
-            rows.extend(config_fields(ann, dotted + "."))
+        section = _section_of(ann)
+        if section is not None:
+            sub, how = section
+            rows.extend(config_fields(sub, dotted + ("[]." if how == "list" else ".")))
         else:
-            default = field.get_default(call_default_factory=True)
+            default = REQUIRED if field.is_required() else field.get_default(call_default_factory=True)
             type_name = ann.__name__ if isinstance(ann, type) else str(ann).replace("typing.", "")
             rows.append((dotted, type_name, default, field.description or ""))
     return rows

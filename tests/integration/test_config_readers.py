@@ -35,19 +35,32 @@ ONLY_ELSEWHERE: dict[str, str] = {
 
 
 def _section_names(model: type | None = None, prefix: str = "") -> dict[str, str]:
-    """Section class name -> dotted section key (`RolloutConfig` -> `rollout`, nested sections too:
-    `TrainerResourcesConfig` -> `cluster.trainer`)."""
-    from pydantic import BaseModel
-
-    from agentrl.config import AgentRLConfig
+    """Section class name -> dotted section key as `config_fields` names it (`RolloutConfig` ->
+    `rollout`; nested sections too: `TrainerResourcesConfig` -> `cluster.trainer`, the optional
+    `JudgeConfig` -> `reward.judge`, the listed `RewardPartConfig` -> `reward.combine[]`)."""
+    from agentrl.config import AgentRLConfig, _section_of
 
     out: dict[str, str] = {}
     for name, field in (model or AgentRLConfig).model_fields.items():  # type: ignore[attr-defined]
-        ann = field.annotation
-        if isinstance(ann, type) and issubclass(ann, BaseModel):
-            out[ann.__name__] = f"{prefix}{name}"
-            out.update(_section_names(ann, f"{prefix}{name}."))
+        section = _section_of(field.annotation)
+        if section is not None:
+            sub, how = section
+            key = f"{prefix}{name}" + ("[]" if how == "list" else "")
+            out[sub.__name__] = key
+            out.update(_section_names(sub, f"{key}."))
     return out
+
+
+def _tiny_reward_model(source: Path, out: Path) -> None:
+    """A random `AutoModelForSequenceClassification` with the tiny Qwen2's config and tokenizer."""
+    import torch
+    from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
+
+    config = AutoConfig.from_pretrained(source, num_labels=1)
+    config.pad_token_id = config.eos_token_id
+    torch.manual_seed(0)
+    AutoModelForSequenceClassification.from_config(config, dtype=torch.float32).save_pretrained(out)
+    AutoTokenizer.from_pretrained(source).save_pretrained(out)
 
 
 def _run(args: list[str], trace: Path, cwd: Path) -> None:
@@ -104,6 +117,14 @@ def test_every_config_field_is_read_by_run_or_eval(tmp_path: Path, vllm_server, 
     ], env={"AGENTRL_CONFIG_TRACE": inside}, timeout=600)  # fmt: skip
     with trace.open("a") as f:
         f.write(ns_cluster.head.run(["cat", inside]).stdout)
+
+    # E: a reward made of a judge the run serves and a reward model, combined: validating it builds
+    # both sources (the judge's and the reward model's every key), without starting either.
+    rm = tmp_path / "tiny-rm"
+    _tiny_reward_model(assets / "tiny-random-qwen2", rm)
+    _run(["validate", *common, "env=arithmetic", "inference.engine=hf", f"reward.judge.model_path={tiny}",
+          "reward.judge.engine=hf", f"reward.model.path={rm}", "reward.combine=[{source: judge, weight: 0.5}, {source: model, weight: 0.5}]"],
+         trace, tmp_path)
 
     sections = _section_names()
     read = set()

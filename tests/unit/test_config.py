@@ -101,3 +101,18 @@ def test_resolved_config_is_saved_and_reloads_identically(tmp_path: Path) -> Non
     assert path.read_text().startswith("# Resolved config of this run")
     assert load_config(path) == cfg
     assert validate_config(yaml.safe_load(path.read_text())).trainer.lr == 3e-6
+
+
+def test_config_fields_names_every_leaf_of_nested_optional_and_listed_sections() -> None:
+    from agentrl.config import REQUIRED, JudgeConfig, RewardModelConfig, RewardPartConfig, config_fields
+
+    rows = {name: (type_name, default) for name, type_name, default, _ in config_fields()}
+    for prefix, section in (("reward.judge.", JudgeConfig), ("reward.model.", RewardModelConfig),
+                            ("reward.combine[].", RewardPartConfig)):
+        for field in section.model_fields:
+            assert f"{prefix}{field}" in rows, f"{prefix}{field} is missing from config_fields()"
+    assert "reward.judge" not in rows and "reward.combine" not in rows  # sections, not leaves
+    assert rows["reward.judge.startup_timeout_s"] == ("float", 900.0)
+    assert rows["reward.model.path"][1] is REQUIRED and repr(REQUIRED) == "required"
+    assert rows["reward.combine[].weight"] == ("float", 1.0)
+    assert rows["cluster.trainer.cpus"][0] == "float"
