@@ -147,6 +147,7 @@ def debian() -> str:
     return debian_image(DEBIAN, suite="trixie", packages=["python3", "python3-pytest", "git"])
 
 
+@pytest.mark.slow  # builds its images with debootstrap where none exist: minutes on a fresh machine
 def test_an_image_runs_with_its_own_userland_and_none_of_the_hosts(debian):
     host_dir = os.path.dirname(os.path.realpath(__file__))
     code = (
@@ -177,6 +178,7 @@ def test_an_image_runs_with_its_own_userland_and_none_of_the_hosts(debian):
     assert _labelled_containers() == []
 
 
+@pytest.mark.slow  # builds its images with debootstrap where none exist: minutes on a fresh machine
 def test_a_job_cannot_stop_its_own_container(debian):
     async def body(sb):
         sess = await sb.session()
@@ -194,6 +196,7 @@ def test_a_job_cannot_stop_its_own_container(debian):
     assert alive and after.stdout.startswith("still here"), (attack, after)
 
 
+@pytest.mark.slow  # builds its images with debootstrap where none exist: minutes on a fresh machine
 def test_runaway_jobs_in_an_image_are_killed_with_their_reason(debian):
     async def body(sb):
         spin = await sb.exec("echo x > left.txt; echo y > /tmp/left; while :; do :; done", timeout_s=1.5)
@@ -211,6 +214,7 @@ def test_runaway_jobs_in_an_image_are_killed_with_their_reason(debian):
     assert clean.stdout.split() == ["/tmp:", "/workspace:", "done"]  # the pooled container was wiped
 
 
+@pytest.mark.slow  # builds its images with debootstrap where none exist: minutes on a fresh machine
 def test_a_killed_owner_leaves_no_container_behind(debian, tmp_path):
     import signal
     import subprocess
@@ -258,6 +262,7 @@ def _is_child_of(pid: int, parent: int) -> bool:
         return False
 
 
+@pytest.mark.slow  # builds its images with debootstrap where none exist: minutes on a fresh machine
 def test_the_reaper_removes_containers_of_dead_owners_only(debian):
     import subprocess
     import sys
@@ -280,6 +285,7 @@ def test_the_reaper_removes_containers_of_dead_owners_only(debian):
                 c.remove(force=True)
 
 
+@pytest.mark.slow  # builds its images with debootstrap where none exist: minutes on a fresh machine
 def test_the_pool_follows_the_data_one_container_per_one_image_instance_and_a_cap_across_images(debian):
     """SWE data runs each instance in an image of its own: a warm pool refilled per image after its
     first session started about three containers per instance and kept two idle each until the end."""

@@ -76,6 +76,7 @@ def with_docker(body):  # type: ignore[no-untyped-def]
 
 @docker_only
 @pytest.mark.parametrize("spec", SPECS, ids=[s.name for s in SPECS])
+@pytest.mark.slow  # builds its images with debootstrap where none exist: minutes on a fresh machine
 def test_an_image_keeps_its_own_toolchain_and_files(images: dict[str, str], spec: InstanceSpec) -> None:
     async def body(sandbox):  # type: ignore[no-untyped-def]
         session = await sandbox.session(image=images[spec.name], workdir="/testbed")
@@ -107,6 +108,7 @@ def test_an_image_keeps_its_own_toolchain_and_files(images: dict[str, str], spec
 
 @docker_only
 @pytest.mark.parametrize("spec", SPECS, ids=[s.name for s in SPECS])
+@pytest.mark.slow  # builds its images with debootstrap where none exist: minutes on a fresh machine
 def test_the_reference_fix_resolves_and_a_wrong_fix_does_not(images: dict[str, str], spec: InstanceSpec) -> None:
     task = task_of(spec)
     assert task.image == images[spec.name] and task.format == {"batchkit": "swe-bench", "argsdoc": "swe-smith",
@@ -143,6 +145,7 @@ def test_the_reference_fix_fails_on_the_hosts_python(tmp_path: Path, spec: Insta
 
 
 @docker_only
+@pytest.mark.slow  # builds its images with debootstrap where none exist: minutes on a fresh machine
 def test_a_budget_that_ends_the_episode_grades_the_current_diff(images: dict[str, str]) -> None:
     task = task_of(BATCHKIT)
     edits = reference_fix_actions(task)[:-1]  # the fix's edits, no submit: the loop's budget runs out first
