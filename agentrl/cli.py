@@ -259,6 +259,8 @@ def _built(module: str) -> bool:
 def _log_to_console() -> None:
     import logging
 
+    from agentrl.records.library_logs import quiet_libraries
+
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("%(asctime)s %(message)s", datefmt="%H:%M:%S"))
     handler._agentrl_console = True  # type: ignore[attr-defined]
@@ -267,6 +269,7 @@ def _log_to_console() -> None:
         root.removeHandler(old)  # one console handler, on the stderr of now (main() may run again in a process)
     root.addHandler(handler)
     root.setLevel(logging.INFO)
+    quiet_libraries()  # other libraries' notices go to the run's log file, not the console
 
 
 def _job_usage(command: str) -> str:

@@ -80,6 +80,7 @@ from agentrl.orchestration.run_identity import (
 from agentrl.orchestration.run_lock import LOCK_FILE, RunLock
 from agentrl.orchestration.startup import init_ray, starting
 from agentrl.orchestration.training import RunBooks, TrainingSteps, score_text
+from agentrl.records import library_logs
 from agentrl.records.metrics import MetricsLogger
 from agentrl.records.run_files import classify_write_error, replace_text, writing
 from agentrl.rollout import RolloutWorker
@@ -254,9 +255,11 @@ def _driver_log(run_dir: Path) -> Iterator[_DriverLogHandler]:
     handler = _DriverLogHandler(run_dir / "driver.log")
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     logging.getLogger("agentrl").addHandler(handler)
+    library_logs.attach(run_dir / "driver.log")  # other libraries' notices, kept off the console
     try:
         yield handler
     finally:
+        library_logs.detach()
         logging.getLogger("agentrl").removeHandler(handler)
         with contextlib.suppress(OSError):  # its last buffered line on a full disk
             handler.close()

@@ -34,6 +34,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from agentrl.errors import AgentRLError, CheckpointError, ConfigError, PreflightError, StartupError
+from agentrl.records.library_logs import adopt_logger
 
 __all__ = ["init_ray", "ray_temp_dir", "starting"]
 
@@ -87,6 +88,7 @@ def init_ray(cluster_address: str | None, then: str = "") -> None:
 
     if ray.is_initialized():
         return
+    adopt_logger("ray")  # its notices (token authentication is on) go to the run's log, not the console
     address = cluster_address or os.environ.get("RAY_ADDRESS")
 
     def init() -> None:

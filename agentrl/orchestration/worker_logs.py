@@ -9,17 +9,24 @@ and keeps on stderr (so on the console) agentrl's own warnings and anyone's erro
 not to install its own stdout handler (`VLLM_CONFIGURE_LOGGING=0`, read when vLLM is imported:
 later in this process), so its records reach the root logger and the file; Python warnings
 become log records too (`logging.captureWarnings`), and the progress bars of libraries are turned
-off in the worker (`TQDM_DISABLE`, `HF_HUB_DISABLE_PROGRESS_BARS`). What C++ code writes straight
-to the process's stderr (torch's NUMA notice) is not a log record and still reaches the console.
-This module does not touch the driver's logging (`agentrl.cli` configures that).
+off in the worker (`TQDM_DISABLE`, `HF_HUB_DISABLE_PROGRESS_BARS`). torch logs through a stderr
+handler of its own (its "Triton not available" notice): that handler is removed so its records take
+the same path. What C++ code writes straight to the process's stderr (torch's NUMA-binding notice)
+is not a log record: file descriptor 2 is pointed at the same log file, while Python's `sys.stderr`
+(tracebacks, and the console handler above) keeps the stream Ray forwards. So a native crash's last
+words are in `logs/<name>.log`, not on the console; the driver still reports the actor's death.
+This module does not touch the driver's logging (`agentrl.cli` and `agentrl.records.library_logs`
+configure that).
 """
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
 import sys
 from pathlib import Path
+from typing import TextIO
 
 __all__ = ["route_worker_logs"]
 
@@ -61,4 +68,36 @@ def route_worker_logs(log_dir: str | Path, name: str) -> Path | None:
         handler._agentrl_worker_log = True  # type: ignore[attr-defined]
         root.addHandler(handler)
     root.setLevel(logging.INFO)
+    _native_stderr_to(path, to_console)
+    _adopt_torch_logger()
     return path
+
+
+def _native_stderr_to(path: Path, console: logging.StreamHandler[TextIO]) -> None:
+    """Point file descriptor 2 at `path` (what native code writes there), keeping Python's
+    `sys.stderr` and `console` on the stream Ray forwards to the driver."""
+    try:
+        forwarded = os.dup(2)
+        native = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    except OSError:
+        return
+    sys.stderr.flush()
+    stream = os.fdopen(forwarded, "w", buffering=1)
+    os.dup2(native, 2)
+    os.close(native)
+    sys.stderr = stream
+    console.setStream(stream)
+
+
+def _adopt_torch_logger() -> None:
+    """torch prints its log records through a stderr handler of its own, installed when it is
+    imported: import it now (this is a trainer process) and let its records reach the root's handlers."""
+    if importlib.util.find_spec("torch") is None:
+        return
+    import torch  # noqa: F401  (installs the handler that is taken away below)
+
+    logger = logging.getLogger("torch")
+    for handler in [h for h in logger.handlers if isinstance(h, logging.StreamHandler)
+                    and not isinstance(h, logging.FileHandler)]:
+        logger.removeHandler(handler)
+    logger.propagate = True
