@@ -10,8 +10,9 @@ At most `max_concurrency` jobs run at once (default: one per core); other caller
 Threats covered (each has a test in tests/integration/test_sandbox_adversarial.py):
 - Network egress, including the cloud metadata address: a private network namespace with only
   loopback, so every outside connection fails at once.
-- Reading or writing the host's files: only /usr, a few /etc files and the interpreter are
-  visible, read-only; /root, /home, the host's /tmp and project directories are not there at all.
+- Reading or writing the host's files: only /usr, a few /etc files, the interpreter and the
+  `ro_paths` listed are visible, read-only; /root, /home, the host's /tmp and project directories
+  are not there at all, nor is anything beside a listed path (tests/integration/test_sandbox_ro_paths.py).
 - Host secrets in the environment: the job starts from an empty environment (PATH, HOME, LANG...).
 - Fork bombs: a per-sandbox uid with RLIMIT_NPROC and a cgroup `pids.max`; the host stays usable.
 - Memory bombs: a cgroup memory ceiling (and RLIMIT_AS), reported as killed_reason "memory".
