@@ -57,6 +57,17 @@ def default_server() -> MCPServerConfig:
     return MCPServerConfig(name="calculator", command="python", args=[str(path)], ro_paths=[str(path.parent)])
 
 
+def _key(loc: Sequence[int | str]) -> str:
+    """A pydantic error location as the rest of a dotted config key: ('ro_paths', 1) -> '.ro_paths[1]'."""
+    return "".join(f"[{part}]" if isinstance(part, int) else f".{part}" for part in loc)
+
+
+def _problem(error: Any) -> str:
+    """A pydantic error's message, without the 'Value error, ' its validators' own messages get."""
+    cause = error.get("ctx", {}).get("error")
+    return str(cause) if error["type"] == "value_error" and cause is not None else str(error["msg"])
+
+
 def _isolation(sandbox: Any) -> Isolation:
     """Stdio servers run under the isolation of the run's sandbox: the local sandbox's, or bwrap."""
     if sandbox is None:
@@ -99,9 +110,8 @@ class McpEnv(ToolEnv):
             try:
                 parsed.append(entry if isinstance(entry, MCPServerConfig) else MCPServerConfig.model_validate(entry))
             except pydantic.ValidationError as exc:
-                problems = "; ".join(f"{'.'.join(str(p) for p in e['loc']) or '(entry)'}: {e['msg']}"
-                                     for e in exc.errors())
-                raise ConfigError(f"env.kwargs.servers[{i}]: {problems}") from exc
+                lines = [f"env.kwargs.servers[{i}]{_key(e['loc'])}: {_problem(e)}" for e in exc.errors()]
+                raise ConfigError("\n".join(lines), errors=lines) from exc
         require_mcp()
         self.servers = parsed
         self.system_prompt = system_prompt
@@ -112,9 +122,6 @@ class McpEnv(ToolEnv):
                 "not installed: run 'bash scripts/install.sh' or 'apt-get install bubblewrap'; or set "
                 "sandbox.kwargs.isolation=none to run them unisolated (trusted servers only)."
             )
-        missing = [p for s in parsed for p in s.ro_paths if not Path(p).exists()]
-        if missing:
-            raise ConfigError(f"env.kwargs.servers: ro_paths {missing} do not exist (from {Path.cwd()}).")
         self.reward_fn: RewardFn = reward_fn if reward_fn is not None else compute_score
         self._own_shared = shared_mcp is None and any(not s.per_episode for s in parsed)
         self.shared_mcp = SharedMCPServers() if self._own_shared else shared_mcp

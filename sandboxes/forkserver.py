@@ -9,7 +9,8 @@ For each `exec` request the server forks a child that sets rlimits, drops to the
 it has one), writes the job's files and then either `exec`s a command or runs Python code in the
 forked interpreter. The server enforces the wall-clock deadline and the output cap, then kills
 every other process of the job (`kill(-1)` as the job's uid, only inside a PID namespace) and
-wipes the scratch directories, so the next job starts clean. `read`/`write` of work-dir files run
+wipes the scratch directories (all but the host paths bound into them before it started, which are
+read-only), so the next job starts clean. `read`/`write` of work-dir files run
 in a forked child too, as the job's uid, which answers the host itself.
 
 Every job is forked from this server's memory, so the server never lets a job's data become a
@@ -159,6 +160,14 @@ class ForkServer:
             for path in (self.workdir, *self.scratch):
                 with contextlib.suppress(OSError):
                     os.chown(path, self.uid, self.gid if self.gid is not None else self.uid)
+        # What each root holds before any job ran: the host paths bound into it (mount points, which
+        # a job can neither remove nor write into). A wipe keeps them and measures "clean" by them.
+        self.kept: dict[str, frozenset[str]] = {}
+        self.clean_size: dict[str, int] = {}
+        for path in (self.workdir, *self.scratch):
+            with contextlib.suppress(OSError):
+                self.kept[path] = frozenset(os.listdir(path))
+                self.clean_size[path] = os.stat(path).st_size
 
     def handle(self, header: dict, ctl_in: int, ctl_out: int) -> bool:
         """Serve one request; False when the server should stop."""
@@ -427,8 +436,8 @@ class ForkServer:
                 st = os.stat(root)
             except OSError:
                 continue
-            if self.pidns:
-                empty = st.st_size == _EMPTY_TMPFS_DIR_SIZE
+            if self.pidns:  # a tmpfs directory grows by a fixed size per entry
+                empty = st.st_size == self.clean_size.get(root, _EMPTY_TMPFS_DIR_SIZE)
             else:  # a host directory (isolation="none", which promises nothing here)
                 empty = not os.listdir(root)
             if not empty:
@@ -444,8 +453,11 @@ class ForkServer:
                     func(path)
 
             for root in dirty:
+                kept = self.kept.get(root, frozenset())
                 with contextlib.suppress(OSError):
                     for entry in os.scandir(root):
+                        if entry.name in kept:
+                            continue
                         if entry.is_dir(follow_symlinks=False):
                             shutil.rmtree(entry.path, onerror=fix_and_retry)
                         else:

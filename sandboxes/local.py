@@ -10,8 +10,9 @@ At most `max_concurrency` jobs run at once (default: one per core); other caller
 Threats covered (each has a test in tests/integration/test_sandbox_adversarial.py):
 - Network egress, including the cloud metadata address: a private network namespace with only
   loopback, so every outside connection fails at once.
-- Reading or writing the host's files: only /usr, a few /etc files and the interpreter are
-  visible, read-only; /root, /home, the host's /tmp and project directories are not there at all.
+- Reading or writing the host's files: only /usr, a few /etc files, the interpreter and the
+  `ro_paths` listed are visible, read-only; /root, /home, the host's /tmp and project directories
+  are not there at all, nor is anything beside a listed path (tests/integration/test_sandbox_ro_paths.py).
 - Host secrets in the environment: the job starts from an empty environment (PATH, HOME, LANG...).
 - Fork bombs: a per-sandbox uid with RLIMIT_NPROC and a cgroup `pids.max`; the host stays usable.
 - Memory bombs: a cgroup memory ceiling (and RLIMIT_AS), reported as killed_reason "memory".
@@ -58,9 +59,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from agentrl.errors import SandboxClosedError, SandboxError, SandboxUnavailableError
+from agentrl.errors import ConfigError, SandboxClosedError, SandboxError, SandboxUnavailableError
 from agentrl.sandboxes import forkserver
-from agentrl.sandboxes.bwrap import SANDBOX_HOME, bwrap_argv, find_bwrap, sandbox_python
+from agentrl.sandboxes.bwrap import SANDBOX_HOME, bwrap_argv, check_ro_paths, find_bwrap, sandbox_python
 from agentrl.sandboxes.cgroups import Cgroup, create_cgroup
 from agentrl.types import ExecResult
 
@@ -242,7 +243,10 @@ class LocalSandbox:
         cpu_time_s: RLIMIT_CPU per job; default the job's timeout plus one second.
         python: Interpreter to run code with; default this process's base interpreter.
         preload: Modules the fork server imports once, so jobs importing them start warm.
-        ro_paths: Extra host paths to make visible, read-only, at the same place.
+        ro_paths: Extra host paths (files or folders; relative ones from the current directory) to make
+            visible, read-only, at the same place, under /tmp too, without their siblings. A path that
+            does not exist, or that would undo the isolation (`/`, /tmp, /proc, /dev, a home folder...;
+            see `agentrl.sandboxes.bwrap`), is refused here with a ConfigError naming `ro_paths[i]`.
     """
 
     def __init__(
@@ -263,6 +267,9 @@ class LocalSandbox:
     ) -> None:
         if isolation not in ("bwrap", "none"):
             raise ValueError(f"isolation must be 'bwrap' or 'none', got {isolation!r}.")
+        if isinstance(ro_paths, str):
+            raise ConfigError(f"ro_paths: give a list of paths, e.g. [{ro_paths}], not one string.")
+        check_ro_paths(ro_paths, "ro_paths")
         self.isolation = isolation
         self._bwrap = find_bwrap() if isolation == "bwrap" else None
         if isolation == "bwrap" and self._bwrap is None:
@@ -286,7 +293,7 @@ class LocalSandbox:
         self.cpu_time_s = cpu_time_s
         exe, prefix = sandbox_python()
         self.python = python or exe
-        self._ro_paths = tuple(dict.fromkeys([*ro_paths, *([] if python else [prefix])]))
+        self._ro_paths = tuple(dict.fromkeys([*map(os.path.abspath, ro_paths), *([] if python else [prefix])]))
         self.preload = tuple(preload)
         self._privileged = os.geteuid() == 0 and isolation == "bwrap"
         self._address_space_mb = address_space_mb

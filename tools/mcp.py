@@ -21,12 +21,13 @@ What a call returns, and whose fault a failure is:
 Stdio servers run isolated (`stdio_argv`): under bubblewrap (`isolation="bwrap"`: private PID,
 IPC, UTS, user and network namespaces, loopback only unless the server's `network: true`; the
 host's /usr, the Python installation and venv of this process, and the server's `ro_paths`,
-read-only; private tmpfs /tmp and /workspace; an empty environment but PATH, HOME, LANG and the
-server's `env`) or not at all (`isolation="none"`, the local sandbox's `isolation=none`). Either
-way the server runs under an agentrl lifeline (`agentrl.lifeline`) in a process group of its own:
-closing the connection closes the server's stdin, then ends the group; if the driver dies (even
-by SIGKILL) the lifeline ends the group within a second plus its grace. Not covered: memory and
-CPU ceilings (no cgroup; a server is trusted to behave like the user's own program).
+read-only, at the same place (under the private /tmp too); private tmpfs /tmp and /workspace; an
+empty environment but PATH, HOME, LANG and the server's `env`) or not at all (`isolation="none"`,
+the local sandbox's `isolation=none`). Either way the server runs under an agentrl lifeline
+(`agentrl.lifeline`) in a process group of its own: closing the connection closes the server's
+stdin, then ends the group; if the driver dies (even by SIGKILL) the lifeline ends the group
+within a second plus its grace. Not covered: memory and CPU ceilings (no cgroup; a server is
+trusted to behave like the user's own program).
 
 The `mcp` package is imported lazily (`require_mcp`): agentrl imports without it, and an MCP
 server configured without it is refused with `pip install 'agentrl[mcp]'`. Shared servers (one
@@ -43,13 +44,13 @@ import os
 import re
 import sys
 import tempfile
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import pydantic
 
 from agentrl.errors import ConfigError, FeatureUnavailableError, ToolInfrastructureError
 from agentrl.lifeline import lifeline_argv
-from agentrl.sandboxes.bwrap import SANDBOX_HOME, bwrap_argv, find_bwrap
+from agentrl.sandboxes.bwrap import SANDBOX_HOME, bwrap_argv, find_bwrap, ro_path_problem
 from agentrl.tools.core import Tool
 from agentrl.types import ToolResult, ToolSchema
 
@@ -71,6 +72,14 @@ def require_mcp() -> Any:
             "run: pip install 'agentrl[mcp]'"
         ) from exc
     return mcp
+
+
+def _showable(path: str) -> str:
+    """`path` when a sandbox may show it (`ro_path_problem`); a ValueError saying why not otherwise."""
+    problem = ro_path_problem(path)
+    if problem is not None:
+        raise ValueError(problem)
+    return path
 
 
 class MCPServerConfig(pydantic.BaseModel):
@@ -96,10 +105,13 @@ class MCPServerConfig(pydantic.BaseModel):
     MCP session per episode, or one session for the run."""
     network: bool = False
     """Let a stdio server use the host's network (default: loopback only, under bwrap)."""
-    ro_paths: list[str] = pydantic.Field(default_factory=list)
-    """Host paths a bwrap-isolated stdio server may read (its own code or data), at the same place.
-    The server starts in the current directory when that is one of them (or inside one), so relative
-    paths in `args` work; otherwise in an empty private /workspace."""
+    ro_paths: list[Annotated[str, pydantic.AfterValidator(_showable)]] = pydantic.Field(default_factory=list)
+    """Host paths (files or folders; relative ones from the current directory) a bwrap-isolated stdio
+    server may read (its own code or data), read-only at the same place, under /tmp too (without their
+    siblings). The server starts in the current directory when that is one of them (or inside one), so
+    relative paths in `args` work; otherwise in an empty private /workspace. Refused: a path that does
+    not exist, or one that would undo the isolation (`/`, /tmp or /workspace itself, /proc, /dev, a home
+    folder, or a symlink to one of those; see `agentrl.sandboxes.bwrap`)."""
     tool_prefix: str = ""
     """Put before each of this server's tool names (to tell two servers' same-named tools apart)."""
     tools: list[str] | None = None
@@ -139,18 +151,20 @@ def stdio_argv(server: MCPServerConfig, isolation: Isolation) -> tuple[list[str]
                 "installed: run 'bash scripts/install.sh' or 'apt-get install bubblewrap'; or set "
                 "sandbox.kwargs.isolation=none to run MCP servers unisolated (trusted servers only)."
             )
+        # Checked when the config was read; again here, as a path may have gone since.
+        problems = [f"ro_paths[{i}]: {problem}" for i, p in enumerate(server.ro_paths)
+                    if (problem := ro_path_problem(p)) is not None]
+        if problems:
+            raise ConfigError(f"{server.label}: {'; '.join(problems)}.")
         # The interpreter's installation and this venv, so `python -m some_mcp_server` installed here runs.
         visible = [sys.base_prefix, sys.prefix, *server.ro_paths]
-        missing = [p for p in server.ro_paths if not os.path.exists(p)]
-        if missing:
-            raise ConfigError(f"{server.label}: ro_paths {missing} do not exist on this machine.")
         inner_env = {**env, "HOME": SANDBOX_HOME, "TMPDIR": "/tmp", **server.env}
-        shown = tuple(dict.fromkeys(os.path.realpath(p) for p in visible))
+        shown = tuple(dict.fromkeys(os.path.abspath(p) for p in visible))
         argv = bwrap_argv(bwrap, privileged=False, extra_ro=shown, tmpfs_bytes=256 << 20, setenv=inner_env,
                           network=server.network)
         cwd = os.path.realpath(os.getcwd())
-        given = [os.path.realpath(p) for p in server.ro_paths]  # not `shown[2:]`: outside a venv the
-        # interpreter's two prefixes are one and the same, and `shown` holds it once
+        # each listed path shows at its own place and at its symlinks' target (`bwrap_argv`)
+        given = {q for p in server.ro_paths for q in (os.path.abspath(p), os.path.realpath(p))}
         if any(cwd == p or cwd.startswith(p.rstrip("/") + "/") for p in given):
             # the driver's directory is visible (in ro_paths): start there, so relative paths in
             # `args` mean what they mean to the user; else in the private /workspace

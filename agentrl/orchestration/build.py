@@ -153,7 +153,8 @@ def env_takes(env_cls: type, name: str) -> bool:
 
 
 def build_sandbox(config: AgentRLConfig) -> Any:
-    """The sandbox `config.sandbox` names, made (not started). Errors name the key."""
+    """The sandbox `config.sandbox` names, made (not started). Errors name the key: a backend's
+    ConfigError names its own argument (`ro_paths[1]: ...`), which becomes `sandbox.kwargs.ro_paths[1]`."""
     try:
         cls = SANDBOXES.resolve(config.sandbox.name)
     except AgentRLError as exc:
@@ -164,6 +165,9 @@ def build_sandbox(config: AgentRLConfig) -> Any:
         raise SandboxUnavailableError(f"sandbox.name={config.sandbox.name}: {exc}") from exc
     except TypeError as exc:
         raise ConfigError(f"sandbox.kwargs: the '{config.sandbox.name}' sandbox does not take these arguments: {exc}") from exc
+    except ConfigError as exc:
+        lines = [f"sandbox.kwargs.{line}" for line in exc.errors]
+        raise ConfigError("\n".join(lines), errors=lines) from exc
     except ValueError as exc:
         raise ConfigError(f"sandbox.kwargs: {exc}") from exc
 

@@ -69,8 +69,27 @@ def test_a_bwrap_server_starts_in_the_current_directory_only_when_it_is_visible(
     shown, _ = stdio_argv(MCPServerConfig(command="python", args=["srv.py"], ro_paths=["."]), "bwrap")
     assert shown[shown.index("--chdir") + 1] == str(tmp_path.resolve())
     assert shown[shown.index(str(tmp_path.resolve())) - 1] == "--ro-bind"  # visible, read-only
-    with pytest.raises(ConfigError, match=r"ro_paths \['nowhere'\] do not exist"):
-        McpEnv(servers=[{"command": "python", "ro_paths": ["nowhere"]}])
+    # tmp_path is under /tmp: bound after the private /tmp is made, or that tmpfs would hide it
+    assert shown.index("/tmp") < shown.index(str(tmp_path.resolve()))
+
+
+def test_ro_paths_a_sandbox_cannot_show_are_refused_naming_each_key(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "link").symlink_to("/proc")
+    with pytest.raises(ConfigError) as caught:
+        McpEnv(servers=[{"command": "python", "ro_paths": ["."]},
+                        {"command": "python", "ro_paths": [".", "nowhere", "/tmp", "link"]}])
+    assert caught.value.errors == [
+        f"env.kwargs.servers[1].ro_paths[1]: 'nowhere' does not exist on this machine (relative to {tmp_path}): "
+        "give an existing file or folder",
+        "env.kwargs.servers[1].ro_paths[2]: '/tmp' is the sandbox's private /tmp: "
+        "list the files or folders under it that are needed",
+        "env.kwargs.servers[1].ro_paths[3]: 'link' leads through symlinks to '/proc', which is /proc, "
+        "which the sandbox makes anew and never shows the host's",
+    ]
+    with pytest.raises(ConfigError, match=r"^env\.kwargs\.servers\[0\]\.ro_paths: Input should be a valid list"):
+        McpEnv(servers=[{"command": "python", "ro_paths": "."}])
 
 
 @pytest.mark.parametrize(("entry", "message"), [

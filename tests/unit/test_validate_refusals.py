@@ -51,6 +51,18 @@ def test_a_sandbox_for_an_env_that_runs_no_code_is_refused(capsys: pytest.Captur
     assert "sandbox: env 'arithmetic' runs no code in a sandbox" in err
 
 
+def test_read_only_paths_a_sandbox_cannot_show_are_refused_by_key(
+        capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    err = refusal(capsys, "env=retool", f"sandbox.kwargs.ro_paths=[{tmp_path}, /tmp, {tmp_path / 'gone'}]")
+    assert "agentrl validate: sandbox.kwargs.ro_paths[1]: '/tmp' is the sandbox's private /tmp" in err
+    assert f"sandbox.kwargs.ro_paths[2]: '{tmp_path / 'gone'}' does not exist on this machine" in err
+    assert "ro_paths[0]" not in err
+    err = refusal(capsys, "--eval", "env=mcp",
+                  f"env.kwargs.servers=[{{command: python, args: [{tmp_path}/server.py], ro_paths: [{tmp_path}, /]}}]")
+    assert "env.kwargs.servers[0].ro_paths[1]: '/' is the root: it would show the whole host" in err
+    assert "ro_paths[0]" not in err
+
+
 def test_a_budget_set_twice_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
     err = refusal(capsys, "env=retool", "env.kwargs.tool_timeout_s=1")
     assert "env.kwargs.tool_timeout_s: the run sets this for every env through rollout.tool_timeout_s" in err
