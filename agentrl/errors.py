@@ -37,7 +37,7 @@ This module holds no logic beyond the classes; it is imported by everything and 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 __all__ = [
     "AgentRLError",
@@ -112,7 +112,7 @@ class EnvServerError(EnvError):
 class ToolError(AgentRLError):
     """A tool call failed. `fault` is "model" (bad call) or "infra" (the machinery failed)."""
 
-    fault: str = "model"
+    fault: Literal["model", "infra"] = "model"
 
 
 class ToolArgumentError(ToolError):
