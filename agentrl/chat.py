@@ -182,14 +182,14 @@ class ChatTemplate:
     ) -> str:
         """The template's text for `messages` (and tool schemas in OpenAI format)."""
         try:
-            return self.tokenizer.apply_chat_template(
+            return str(self.tokenizer.apply_chat_template(
                 [dict(m) for m in messages],
                 tools=list(tools) if tools else None,  # Mistral renders [] as a broken tool list
                 chat_template=self.template,
                 add_generation_prompt=add_generation_prompt,
                 tokenize=False,
                 **self.template_kwargs,
-            )
+            ))
         except Exception as exc:  # jinja's TemplateError, raise_exception(), missing keys
             raise ChatTemplateError(
                 f"The chat template could not render {len(messages)} messages "
@@ -231,7 +231,7 @@ class ChatTemplate:
             self._remember(self._prompts, key, ids, _PROMPT_CACHE_SIZE)
         return ids
 
-    def _cache_key(self, tools: Sequence[ToolSchema] | None, payload: Any) -> str | None:
+    def _cache_key(self, tools: Sequence[ToolSchema] | None, payload: object) -> str | None:
         """A cache key for a render of `payload` with `tools` (None if it is not JSON-serialisable)."""
         try:
             return f"{self.tools_key(tools)}\n{json.dumps(payload, sort_keys=True)}"
@@ -278,7 +278,7 @@ class ChatTemplate:
             if ids[-k:] == self.closing_ids[:k]:
                 ids = ids[:-k]
                 break
-        return self.tokenizer.decode(ids, skip_special_tokens=False)
+        return str(self.tokenizer.decode(ids, skip_special_tokens=False))
 
     # ── deltas ──────────────────────────────────────────────────────────────────────────────
     def encode_delta(
@@ -496,7 +496,7 @@ def _origins(offsets: Sequence[tuple[int, int]], spans: Sequence[tuple[int, int]
     return out
 
 
-def _common_prefix_len(a: Sequence[Any], b: Sequence[Any]) -> int:
+def _common_prefix_len(a: Sequence[object], b: Sequence[object]) -> int:
     n = 0
     for x, y in zip(a, b, strict=False):
         if x != y:
@@ -612,7 +612,7 @@ class ConversationTokenizer:
         self.tools = self.template.intern_tools(tools)
         ids = self.template.first_prompt_ids(messages, self.tools)
         self.trajectory.extend(ids, TokenOrigin.PROMPT, 0, ints=True)
-        self.trajectory.messages.extend(dict(m) for m in messages)  # type: ignore[misc]
+        self.trajectory.messages.extend(Message(**m) for m in messages)
         if self.verify:
             self.trajectory.metrics.setdefault("template_mismatch", 0.0)
         self._started = True
@@ -655,7 +655,7 @@ class ConversationTokenizer:
         for origin, ids in delta.runs():
             self.trajectory.extend(ids, origin, self.turn, ints=True)
         self._after_generation = False
-        self.trajectory.messages.extend(dict(m) for m in messages)  # type: ignore[misc]
+        self.trajectory.messages.extend(Message(**m) for m in messages)
         if self.verify:
             self.check()
         return list(self.trajectory.token_ids)

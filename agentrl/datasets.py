@@ -156,7 +156,8 @@ def _read_parquet(path: Path) -> list[Any]:
     except ImportError as exc:
         raise DatasetError(f"Reading '{path}' needs pyarrow: pip install pyarrow.") from exc
     try:
-        return pq.read_table(path).to_pylist()
+        rows: list[Any] = pq.read_table(path).to_pylist()  # pyarrow ships no type information
+        return rows
     except Exception as exc:  # pyarrow raises ArrowInvalid, OSError and others for a broken file
         raise DatasetError(
             f"'{path}' is not a readable parquet file ({type(exc).__name__}: {exc}); check that it was "
@@ -179,7 +180,7 @@ def ground_truth_problem(row: dict[str, Any]) -> str | None:
     return None
 
 
-def check_row(row: Any, *, require_ground_truth: bool = True) -> str | None:
+def check_row(row: object, *, require_ground_truth: bool = True) -> str | None:
     """What is wrong with `row` as a verl-format row, or None when it is fine.
 
     `require_ground_truth=False` accepts rows without `reward_model.ground_truth` (for envs that
@@ -218,7 +219,7 @@ def check_row(row: Any, *, require_ground_truth: bool = True) -> str | None:
     return None
 
 
-def _message_problem(m: Any) -> str | None:
+def _message_problem(m: object) -> str | None:
     if not isinstance(m, dict):
         return f"got {type(m).__name__}"
     if m.get("role") not in _ROLES:

@@ -37,6 +37,8 @@ This module holds no logic beyond the classes; it is imported by everything and 
 
 from __future__ import annotations
 
+from typing import Any, Literal
+
 __all__ = [
     "AgentRLError",
     "ChatTemplateError",
@@ -110,7 +112,7 @@ class EnvServerError(EnvError):
 class ToolError(AgentRLError):
     """A tool call failed. `fault` is "model" (bad call) or "infra" (the machinery failed)."""
 
-    fault: str = "model"
+    fault: Literal["model", "infra"] = "model"
 
 
 class ToolArgumentError(ToolError):
@@ -247,7 +249,7 @@ class RewardMissingError(AgentRLError):
 
     CAUSES = ("infra", "timeout", "parse", "truncated")
 
-    def __init__(self, cause: str, message: str, record: dict | None = None) -> None:
+    def __init__(self, cause: str, message: str, record: dict[str, Any] | None = None) -> None:
         if cause not in self.CAUSES:
             raise ValueError(f"unknown reward-missing cause {cause!r}; use one of {self.CAUSES}")
         super().__init__(f"reward missing ({cause}): {message}")
@@ -255,7 +257,7 @@ class RewardMissingError(AgentRLError):
         self.detail = message
         self.record = dict(record or {})
 
-    def __reduce__(self) -> tuple:
+    def __reduce__(self) -> tuple[type[RewardMissingError], tuple[str, str, dict[str, Any]]]:
         return (type(self), (self.cause, self.detail, self.record))
 
 

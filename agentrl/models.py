@@ -142,7 +142,7 @@ def convert_gguf_to_hf(gguf_path: Path, out_dir: Path, *, chat_template: str | N
     config = loaded.config
     if hasattr(config, "quantization_config"):
         del config.quantization_config
-    model = AutoModelForCausalLM.from_config(config, dtype="float32")
+    model = AutoModelForCausalLM.from_config(config, dtype="float32")  # type: ignore[no-untyped-call]  # transformers leaves from_config unannotated
     missing, unexpected = model.load_state_dict(loaded.state_dict(), strict=False)
     if unexpected or [m for m in missing if "lm_head" not in m]:
         raise ValueError(f"GGUF weights do not fit the model: missing {missing}, unexpected {unexpected}")

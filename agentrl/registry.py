@@ -72,7 +72,8 @@ class RegistryEntry:
     """One name in a registry: where its object lives, and a one-line description."""
 
     name: str
-    target: str | Any
+    target: object
+    """A lazy `"package.module:Object"` path (a str), or the object itself."""
     description: str = ""
 
     @property
@@ -114,7 +115,10 @@ class Registry:
         return len(self._entries)
 
     def resolve(self, name: str) -> Any:
-        """The object registered under `name`, or at the import path `name`."""
+        """The object registered under `name`, or at the import path `name`.
+
+        Typed Any: this table does not know what its objects are; the layer that owns each kind checks them.
+        """
         if not isinstance(name, str) or not name:
             raise UnknownNameError(f"A {self.kind} name must be a non-empty string, got {name!r}.")
         if name in self._cache:
@@ -126,7 +130,8 @@ class Registry:
             else:
                 raise self._unknown(name)
         else:
-            obj = import_object(entry.target) if entry.is_lazy else entry.target
+            target = entry.target
+            obj = import_object(target) if isinstance(target, str) else target
         self._cache[name] = obj
         return obj
 
@@ -140,7 +145,7 @@ class Registry:
         )
 
     # ── registration ────────────────────────────────────────────────────────────────────────
-    def add(self, name: str, target: str | Any, description: str = "", *, overwrite: bool = False) -> None:
+    def add(self, name: str, target: object, description: str = "", *, overwrite: bool = False) -> None:
         """Register `target` (an object or a lazy `"module:Object"` path) under `name`."""
         if not name or not isinstance(name, str):
             raise ValueError(f"A {self.kind} name must be a non-empty string, got {name!r}.")
@@ -170,7 +175,7 @@ class Registry:
         return f"Registry({self.kind!r}, {len(self)} entries)"
 
 
-def _first_doc_line(obj: Any) -> str:
+def _first_doc_line(obj: object) -> str:
     doc = (getattr(obj, "__doc__", None) or "").strip()
     return doc.splitlines()[0] if doc else ""
 

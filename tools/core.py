@@ -33,12 +33,12 @@ import time
 import typing
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, get_type_hints, overload
+from typing import Any, ClassVar, cast, get_type_hints, overload
 
 import pydantic
 
 from agentrl.errors import ToolArgumentError, ToolError
-from agentrl.types import ToolResult, ToolSchema
+from agentrl.types import Fault, ToolResult, ToolSchema
 
 __all__ = ["FunctionTool", "Tool", "ToolContext", "tool"]
 
@@ -50,7 +50,7 @@ class ToolContext:
     """What a tool call knows about its episode. Built by the environment, one per episode."""
 
     episode_id: str = ""
-    sandbox: Any = None
+    sandbox: Any = None  # SandboxSession | Sandbox | None once agentrl.envs.swe checks it for None
     """The episode's `SandboxSession` (or a `Sandbox`), when the environment provides one."""
     state: dict[str, Any] = field(default_factory=dict)
     """Scratch space a stateful tool keeps between calls of one episode."""
@@ -106,7 +106,7 @@ class Tool:
     @property
     def schema(self) -> ToolSchema:
         """The OpenAI function-tool schema, derived from the signature and docstring (a fresh copy)."""
-        return _copy_json(self._schema)
+        return cast(ToolSchema, _copy_json(self._schema))  # a copy of JSON data has the type of its original
 
     def _build_schema(self) -> ToolSchema:
         params = self._args_model.model_json_schema()
@@ -159,10 +159,10 @@ class Tool:
         deadline = timeout_s if timeout_s is not None else self.timeout_s
         start = time.perf_counter()
 
-        def result(content: str, fault: str | None) -> ToolResult:
+        def result(content: str, fault: Fault | None) -> ToolResult:
             return ToolResult(
                 content=content,
-                fault=fault,  # type: ignore[arg-type]
+                fault=fault,
                 tool_name=self._tool_name,
                 tool_call_id=tool_call_id,
                 duration_s=time.perf_counter() - start,
@@ -226,8 +226,8 @@ def tool(fn: Callable[..., Any], /) -> FunctionTool: ...
 @overload
 def tool(*, name: str | None = None, description: str | None = None,
          timeout_s: float | None = None) -> Callable[[Callable[..., Any]], FunctionTool]: ...
-def tool(fn: Callable[..., Any] | None = None, /, *, name: str | None = None,
-         description: str | None = None, timeout_s: float | None = None) -> Any:
+def tool(fn: Callable[..., Any] | None = None, /, *, name: str | None = None, description: str | None = None,
+         timeout_s: float | None = None) -> FunctionTool | Callable[[Callable[..., Any]], FunctionTool]:
     """Turn a typed function into a `Tool`; usable bare (`@tool`) or with options (`@tool(name=...)`)."""
     if fn is not None:
         return FunctionTool(fn)
@@ -277,7 +277,7 @@ def _parse_docstring(doc: str) -> tuple[str, dict[str, str]]:
     return summary, args
 
 
-def _is_context(annotation: Any) -> bool:
+def _is_context(annotation: object) -> bool:
     """True for `ToolContext` and `ToolContext | None`."""
     if annotation is ToolContext:
         return True

@@ -12,12 +12,15 @@ from __future__ import annotations
 
 import posixpath
 import shlex
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from agentrl.errors import SandboxError, ToolArgumentError, ToolInfrastructureError
 from agentrl.tools.core import Tool, ToolContext
 from agentrl.tools.exec_output import truncate_middle
 from agentrl.tools.session import episode_session, release_episode_session
+
+if TYPE_CHECKING:
+    from agentrl.sandboxes.protocol import SandboxSession
 
 __all__ = ["EditorTool", "number_lines"]
 
@@ -86,7 +89,7 @@ class EditorTool(Tool):
         await release_episode_session(ctx)
 
     # ── commands ────────────────────────────────────────────────────────────────────────────
-    async def _read(self, session, path: str) -> str:
+    async def _read(self, session: SandboxSession, path: str) -> str:
         try:
             data = await session.read_file(path)
         except FileNotFoundError:
@@ -99,14 +102,14 @@ class EditorTool(Tool):
         except UnicodeDecodeError:
             raise ToolArgumentError(f"{path} is not a UTF-8 text file; it cannot be viewed or edited here.") from None
 
-    async def _write(self, ctx: ToolContext, session, path: str, text: str, previous: str | None) -> None:
+    async def _write(self, ctx: ToolContext, session: SandboxSession, path: str, text: str, previous: str | None) -> None:
         try:
             await session.write_file(path, text)
         except (PermissionError, ValueError, OSError) as exc:
             raise ToolArgumentError(f"Cannot write {path}: {exc}") from None
         ctx.state.setdefault(_HISTORY_KEY, {}).setdefault(_key(path), []).append(previous)
 
-    async def _view(self, session, path: str, view_range: list[int] | None) -> str:
+    async def _view(self, session: SandboxSession, path: str, view_range: list[int] | None) -> str:
         listing = await session.exec(
             f"if [ -d {shlex.quote(path)} ]; then find {shlex.quote(path)} -maxdepth 2 -not -path '*/.*' "
             "| sort | head -n 500; else echo __FILE__; fi", timeout_s=15)
@@ -129,7 +132,7 @@ class EditorTool(Tool):
         body = truncate_middle(number_lines("\n".join(lines), first), self.max_output_chars)
         return f"Here is the result of running `cat -n` on {path}:\n{body}"
 
-    async def _create(self, ctx: ToolContext, session, path: str, file_text: str | None) -> str:
+    async def _create(self, ctx: ToolContext, session: SandboxSession, path: str, file_text: str | None) -> str:
         if file_text is None:
             raise ToolArgumentError("`create` needs `file_text`, the content of the new file.")
         exists = await session.exec(f"test -e {shlex.quote(path)}", timeout_s=15)
@@ -139,7 +142,7 @@ class EditorTool(Tool):
         await self._write(ctx, session, path, file_text, None)
         return f"File created successfully at: {path}"
 
-    async def _str_replace(self, ctx: ToolContext, session, path: str, old_str: str | None,
+    async def _str_replace(self, ctx: ToolContext, session: SandboxSession, path: str, old_str: str | None,
                            new_str: str | None) -> str:
         if not old_str:
             raise ToolArgumentError("`str_replace` needs a non-empty `old_str`, the exact text to replace.")
@@ -161,7 +164,7 @@ class EditorTool(Tool):
         line = text[: text.find(old_str)].count("\n")
         return self._snippet(path, updated, line, line + new_str.count("\n"))
 
-    async def _insert(self, ctx: ToolContext, session, path: str, insert_line: int | None,
+    async def _insert(self, ctx: ToolContext, session: SandboxSession, path: str, insert_line: int | None,
                       new_str: str | None) -> str:
         if insert_line is None or new_str is None:
             raise ToolArgumentError("`insert` needs `insert_line` (0 for the top) and `new_str`.")
@@ -174,7 +177,7 @@ class EditorTool(Tool):
         await self._write(ctx, session, path, updated, text)
         return self._snippet(path, updated, insert_line, insert_line + len(new_lines) - 1)
 
-    async def _undo(self, ctx: ToolContext, session, path: str) -> str:
+    async def _undo(self, ctx: ToolContext, session: SandboxSession, path: str) -> str:
         history = ctx.state.get(_HISTORY_KEY, {}).get(_key(path))
         if not history:
             raise ToolArgumentError(f"There is no edit of {path} to undo in this episode.")

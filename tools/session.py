@@ -15,10 +15,15 @@ become `ToolInfrastructureError`, since they are not the model's doing.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 from agentrl.errors import SandboxError, ToolInfrastructureError
 from agentrl.tools.core import ToolContext
+
+if TYPE_CHECKING:
+    from typing_extensions import TypeIs
+
+    from agentrl.sandboxes.protocol import Sandbox, SandboxSession
 
 __all__ = ["episode_sandbox", "episode_session", "release_episode_resources", "release_episode_session"]
 
@@ -26,20 +31,21 @@ _SESSION_KEY = "_agentrl_sandbox_session"
 _OWN_SANDBOX_KEY = "_agentrl_own_sandbox"
 
 
-def _is_session(obj: Any) -> bool:
+def _is_session(obj: object) -> TypeIs[SandboxSession]:
     return hasattr(obj, "read_file") and hasattr(obj, "write_file")
 
 
-def episode_sandbox(ctx: ToolContext) -> Any:
+def episode_sandbox(ctx: ToolContext) -> SandboxSession | Sandbox:
     """Something with `exec`: the episode's session or sandbox, else a sandbox of its own."""
-    if ctx.sandbox is not None:
-        return ctx.sandbox
-    session = ctx.state.get(_SESSION_KEY)
+    given: SandboxSession | Sandbox | None = ctx.sandbox
+    if given is not None:
+        return given
+    session: SandboxSession | None = ctx.state.get(_SESSION_KEY)
     return session if session is not None else _own_sandbox(ctx)
 
 
-def _own_sandbox(ctx: ToolContext) -> Any:
-    sandbox = ctx.state.get(_OWN_SANDBOX_KEY)
+def _own_sandbox(ctx: ToolContext) -> Sandbox:
+    sandbox: Sandbox | None = ctx.state.get(_OWN_SANDBOX_KEY)
     if sandbox is None:
         from agentrl.sandboxes.local import LocalSandbox
 
@@ -51,13 +57,14 @@ def _own_sandbox(ctx: ToolContext) -> Any:
     return sandbox
 
 
-async def episode_session(ctx: ToolContext) -> Any:
+async def episode_session(ctx: ToolContext) -> SandboxSession:
     """The episode's `SandboxSession`, opening (and remembering) one if the context has none."""
-    if _is_session(ctx.sandbox):
-        return ctx.sandbox
-    session = ctx.state.get(_SESSION_KEY)
+    given: SandboxSession | Sandbox | None = ctx.sandbox
+    if _is_session(given):
+        return given
+    session: SandboxSession | None = ctx.state.get(_SESSION_KEY)
     if session is None:
-        owner = ctx.sandbox if ctx.sandbox is not None else _own_sandbox(ctx)
+        owner = given if given is not None else _own_sandbox(ctx)
         try:
             session = await owner.session()
         except SandboxError as exc:

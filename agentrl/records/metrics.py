@@ -132,7 +132,7 @@ class PanelData:
     empty: str = ""
 
 
-def tensorboard_layout(panels: Sequence[Panel] = PANELS) -> dict[str, dict[str, list[Any]]]:
+def tensorboard_layout(panels: Sequence[Panel] = PANELS) -> dict[str, dict[str, list[str | list[str]]]]:
     """The dashboard's panels as TensorBoard custom scalars (its CUSTOM SCALARS tab): one chart per
     panel, its curves together (stacked panels are drawn as lines there)."""
     def pattern(key: str) -> str:
@@ -304,6 +304,7 @@ class MetricsLogger:
         self.sinks = list(dict.fromkeys(sinks))
         self.total_steps = total_steps
         self.jsonl_path = self.run_dir / "metrics.jsonl"
+        # tqdm, tensorboardX and wandb ship no type information: their objects are Any to mypy.
         self._bar: Any = None
         self._tb: Any = None
         self._wandb: Any = None

@@ -20,10 +20,13 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from agentrl.errors import ConfigError
 from agentrl.records.metrics import Panel, PanelData, dashboard_panels, read_evals, read_metrics
+
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes
 
 __all__ = ["plot_run"]
 
@@ -39,7 +42,9 @@ def _label(key: str) -> str:
     return key.rsplit("/", 1)[-1]
 
 
-def _draw(ax: Any, data: PanelData, *, small: bool) -> None:
+def _draw(ax: Axes, data: PanelData, *, small: bool) -> None:
+    from matplotlib.ticker import MaxNLocator  # matplotlib is optional: imported only where a plot is drawn
+
     panel = data.panel
     series = data.series
     alarm = panel.title == _ALARM and any(v > 0 for _, ys in series.values() for v in ys)
@@ -61,7 +66,9 @@ def _draw(ax: Any, data: PanelData, *, small: bool) -> None:
         title += f" (up to {worst:.0%})" if worst <= 1 else ""
     ax.set_title(title, fontsize=9 if small else 11, color="#d62728" if alarm else "black")
     ax.grid(alpha=0.3)
-    ax.xaxis.get_major_locator().set_params(integer=True)
+    locator = ax.xaxis.get_major_locator()
+    if isinstance(locator, MaxNLocator):  # a fresh axis's AutoLocator is one; other locators take no `integer`
+        locator.set_params(integer=True)
     ax.ticklabel_format(axis="y", useOffset=False)  # 11.9184 rather than "1e-5 + 1.19184e1"
     if len(series) > 1 or panel.stacked:
         ax.legend(fontsize=6 if small else 8, loc="best", framealpha=0.6)

@@ -59,7 +59,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 from agentrl.records.run_files import writing
 from agentrl.types import FinishReason, Segment, TokenOrigin, Trajectory
@@ -68,6 +68,8 @@ __all__ = [
     "FORMAT",
     "ORIGIN_NAMES",
     "RolloutLog",
+    "RowIndex",
+    "StepGroup",
     "TokenPieces",
     "TrainerTokens",
     "read_trajectory_file",
@@ -86,6 +88,23 @@ ORIGIN_NAMES: dict[int, str] = {int(o): o.name.lower() for o in TokenOrigin}
 _ORIGIN_OF: dict[str, int] = {v: k for k, v in ORIGIN_NAMES.items()}
 
 Keep = int | Literal["all"]
+
+
+class RowIndex(Protocol):
+    """Where a group's dataset row is: `index` into the rows of its step."""
+
+    @property
+    def index(self) -> int: ...
+
+
+class StepGroup(Protocol):
+    """One prompt's episodes of a training step, as the scheduler hands them over (its `GroupResult`)."""
+
+    @property
+    def prompt(self) -> RowIndex: ...
+
+    @property
+    def trajectories(self) -> Sequence[Trajectory]: ...
 
 
 class TokenPieces:
@@ -348,7 +367,7 @@ def scan_trajectory_file(path: str | Path) -> tuple[list[dict[str, Any]], int]:
     return out, skipped
 
 
-def _is_episode(record: Any) -> bool:
+def _is_episode(record: object) -> bool:
     """Whether a parsed line has the shape a reader relies on: segments with ids, messages as objects."""
     if not isinstance(record, dict) or not isinstance(record.get("segments"), list):
         return False
@@ -414,10 +433,10 @@ def select_groups(mean_rewards: Sequence[float | None], has_infra: Sequence[bool
     chosen: dict[int, list[str]] = {}
     if keep <= 0:
         return chosen
-    scored = [i for i in range(n) if mean_rewards[i] is not None]
+    scored = {i: mean for i, mean in enumerate(mean_rewards) if mean is not None}  # in index order
     if scored:
-        best = max(scored, key=lambda i: mean_rewards[i])  # type: ignore[arg-type,return-value]
-        worst = min(scored, key=lambda i: mean_rewards[i])  # type: ignore[arg-type,return-value]
+        best = max(scored, key=scored.__getitem__)
+        worst = min(scored, key=scored.__getitem__)
         chosen.setdefault(best, []).append("best")
         if len(chosen) < keep:
             chosen.setdefault(worst, []).append("worst")
@@ -450,7 +469,7 @@ class RolloutLog:
         """The file of step `step` (1-based: the step that made policy version `step`)."""
         return self.dir / f"step-{step:06d}.jsonl"
 
-    def _choose(self, step: int, trained: Sequence[Any], discarded: Sequence[Any],
+    def _choose(self, step: int, trained: Sequence[StepGroup], discarded: Sequence[StepGroup],
                 rows: Sequence[dict[str, Any] | None] | None) -> tuple[list[_Group], dict[int, list[str]]]:
         groups = [_Group(list(g.trajectories), "trained", _row(rows, g)) for g in trained]
         groups += [
@@ -462,7 +481,8 @@ class RolloutLog:
                                random.Random(self.seed * 1_000_003 + step))
         return groups, chosen
 
-    def kept_trained(self, step: int, trained: Sequence[Any], discarded: Sequence[Any] = ()) -> list[Trajectory]:
+    def kept_trained(self, step: int, trained: Sequence[StepGroup],
+                     discarded: Sequence[StepGroup] = ()) -> list[Trajectory]:
         """The trained trajectories that `write_step` with the same arguments will keep (the choice is
         seeded): the ones whose per-token trainer values are worth fetching from the trainer."""
         if self.keep == 0:
@@ -470,7 +490,7 @@ class RolloutLog:
         groups, chosen = self._choose(step, trained, discarded, None)
         return [t for i in chosen if groups[i].status == "trained" for t in groups[i].trajectories if t.trainable]
 
-    def write_step(self, step: int, trained: Sequence[Any], discarded: Sequence[Any] = (),
+    def write_step(self, step: int, trained: Sequence[StepGroup], discarded: Sequence[StepGroup] = (),
                    rows: Sequence[dict[str, Any] | None] | None = None,
                    trainer: Callable[[Trajectory], TrainerTokens | None] | None = None) -> Path | None:
         """Write step `step`'s sample (`step` 0-based as the scheduler counts; the file is 1-based).
@@ -507,8 +527,8 @@ class RolloutLog:
         return path
 
 
-def _row(rows: Sequence[dict[str, Any] | None] | None, group: Any) -> dict[str, Any] | None:
-    prompt = getattr(group, "prompt", None)
+def _row(rows: Sequence[dict[str, Any] | None] | None, group: StepGroup) -> dict[str, Any] | None:
+    prompt: RowIndex | None = getattr(group, "prompt", None)
     if rows is None or prompt is None or not 0 <= prompt.index < len(rows):
         return None
     return rows[prompt.index]

@@ -50,8 +50,9 @@ import enum
 import logging
 import time
 import uuid
+from collections.abc import Coroutine
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from agentrl.chat import ChatTemplate, ConversationTokenizer
 from agentrl.config import RolloutConfig
@@ -70,9 +71,14 @@ from agentrl.types import (
     Trajectory,
 )
 
+if TYPE_CHECKING:
+    from agentrl.envs import Env
+
 __all__ = ["AgentLoop", "AgentLoopConfig", "EpisodeState", "end_of_turn_ids", "prompt_too_long"]
 
 log = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
 
 _END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "</s>", "<|endoftext|>")
 
@@ -107,7 +113,7 @@ def end_of_turn_ids(tokenizer: Any) -> tuple[int, ...]:
 class _Episode:
     """The mutable state of one episode, passed from handler to handler."""
 
-    env: Any
+    env: Env
     conv: ConversationTokenizer
     row: dict[str, Any] | None
     seed: int | None
@@ -170,7 +176,7 @@ class AgentLoop:
     # ── driver ──────────────────────────────────────────────────────────────────────────────
     async def run_episode(
         self,
-        env: Any,
+        env: Env,
         *,
         row: dict[str, Any] | None = None,
         seed: int | None = None,
@@ -301,7 +307,7 @@ class AgentLoop:
         return EpisodeState.GENERATING
 
     # ── helpers ─────────────────────────────────────────────────────────────────────────────
-    async def _await(self, ep: _Episode, coro: Any, what: str) -> Any:
+    async def _await(self, ep: _Episode, coro: Coroutine[Any, Any, _T], what: str) -> _T:
         timeout = ep.time_left()
         if timeout <= 0:
             coro.close()
@@ -402,7 +408,7 @@ def prompt_too_long(tokens: int, max_total_tokens: int) -> str:
     return f"prompt of {tokens} tokens over rollout.max_total_tokens={max_total_tokens}"
 
 
-def _as_messages(obs: Any) -> list[Message]:
+def _as_messages(obs: object) -> list[Message]:
     if isinstance(obs, list):
         return obs
     raise AgentRLError(f"env.step must return a list of messages as its observation, got {type(obs).__name__}")

@@ -55,7 +55,7 @@ import hashlib
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
-from agentrl.envs import ExternalAgentEnv
+from agentrl.envs import Env, ExternalAgentEnv
 from agentrl.rollout.agent_loop import AgentLoop
 from agentrl.types import Trajectory
 
@@ -131,7 +131,7 @@ def group_seed(base_seed: int, index: int) -> int:
 class RolloutWorker:
     """Runs groups of episodes concurrently (see the module docstring)."""
 
-    def __init__(self, loop: AgentLoop, env_factory: Callable[[], Any], *, max_concurrent: int = 256,
+    def __init__(self, loop: AgentLoop, env_factory: Callable[[], Env], *, max_concurrent: int = 256,
                  freeze_gc: bool = True) -> None:
         if max_concurrent < 1:
             raise ValueError(f"max_concurrent must be >= 1, got {max_concurrent}")

@@ -77,7 +77,7 @@ class _Handler(BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.write(body)
 
-    def _json(self, value: Any, status: int = HTTPStatus.OK) -> None:
+    def _json(self, value: object, status: int = HTTPStatus.OK) -> None:
         self._send(status, json.dumps(value, allow_nan=False).encode(), "application/json")
 
     def _error(self, status: int, message: str) -> None:

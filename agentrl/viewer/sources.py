@@ -81,13 +81,13 @@ def _step_of(name: str) -> int | None:
     return int(match.group(1)) if match else None
 
 
-def _short(value: Any, limit: int) -> str:
+def _short(value: object, limit: int) -> str:
     text = value if isinstance(value, str) else json.dumps(value)
     text = text.strip()
     return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
-def _count(value: Any) -> float:
+def _count(value: object) -> float:
     """A metric the list adds up: a number, or 0 for anything else a file may hold."""
     return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else 0.0
 
@@ -291,7 +291,7 @@ class RunReader:
         return {}
 
     @staticmethod
-    def _json(path: Path) -> Any:
+    def _json(path: Path) -> object:
         try:
             return json.loads(path.read_text()) if path.is_file() else None
         except json.JSONDecodeError:

@@ -23,9 +23,11 @@ should give weight sync a group of its own), nor does it apply weights to a mode
 
 from __future__ import annotations
 
+import functools
 import pickle
 import struct
-from collections.abc import Iterable, Iterator
+import threading
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -64,7 +66,7 @@ class BroadcastCheckpointEngine(CheckpointEngine):
 
     name = "broadcast"
 
-    def __init__(self, *, group: Any = None, src: int = 0, device: torch.device | str | None = None,
+    def __init__(self, *, group: dist.ProcessGroup | None = None, src: int = 0, device: torch.device | str | None = None,
                  direct_bytes: int = DIRECT_BYTES, **kwargs: Any) -> None:
         if not dist.is_available() or not dist.is_initialized():
             raise WeightSyncError(
@@ -82,7 +84,7 @@ class BroadcastCheckpointEngine(CheckpointEngine):
         # Same size on every rank: a broadcast needs equal lengths everywhere.
         self._control = torch.zeros(_CONTROL_BYTES, dtype=torch.uint8, device=self.device)
 
-    def _object_broadcast(self, message: Any) -> Any:
+    def _object_broadcast(self, message: object) -> object:
         """Broadcast a small picklable message from `src` in one collective when it fits.
 
         `broadcast_object_list` costs two collectives (size, then payload) per message, and each
@@ -122,7 +124,7 @@ class BroadcastCheckpointEngine(CheckpointEngine):
         super().send(named_tensors, version)
 
     def _pack(self, group: list[tuple[str, torch.Tensor]], index: int, version: int,
-              abort: Any) -> Bucket:
+              abort: threading.Event) -> Bucket:
         if len(group) == 1 and tensor_nbytes(group[0][1]) > self.bucket_bytes:
             return super()._pack(group, index, version, abort)
         slot, buffer = self.send_buffers.acquire(abort)
@@ -211,14 +213,18 @@ class BroadcastCheckpointEngine(CheckpointEngine):
             if isinstance(message, PushEnd):
                 yield message
                 return
+            if not isinstance(message, BucketMeta):
+                raise WeightSyncError(f"Rank {self.src} broadcast a {type(message).__name__} where a bucket's "
+                                      "metadata or the end of a push belongs; every rank must run the same "
+                                      "agentrl version.")
             meta = message
             if meta.nbytes > self.recv_buffers.nbytes:
                 data = torch.empty(meta.nbytes, dtype=torch.uint8, device=self.device)
-                release: Any = _Once(lambda: None)
+                release: Callable[[], None] = _Once(lambda: None)
             else:
                 slot, buffer = self.recv_buffers.acquire()
                 data = buffer[: meta.nbytes]
-                release = _Once(lambda slot=slot: self.recv_buffers.release(slot))
+                release = _Once(functools.partial(self.recv_buffers.release, slot))
             yield Bucket(meta, data, release, self._receive_pieces(meta, data))
 
     def _receive_pieces(self, meta: BucketMeta, data: torch.Tensor) -> int | None:

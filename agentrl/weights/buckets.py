@@ -37,9 +37,8 @@ that is `agentrl.weights.engine` and its backends, and `agentrl.weights.loading`
 from __future__ import annotations
 
 import zlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 import torch
@@ -119,7 +118,7 @@ class Bucket:
 
     meta: BucketMeta
     data: torch.Tensor
-    release: Any = field(default=lambda: None, repr=False)
+    release: Callable[[], None] = field(default=lambda: None, repr=False)
     received_checksum: int | None = None
     """The checksum a receiver already took over `data` as its pieces landed (None: not yet)."""
 

@@ -21,9 +21,9 @@ from __future__ import annotations
 import queue
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Generator, Iterable, Iterator
+from collections.abc import Callable, Generator, Iterable, Iterator
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, TypeAlias, TypeVar
 
 import torch
 
@@ -37,6 +37,7 @@ __all__ = [
     "BufferPool",
     "CheckpointEngine",
     "PushEnd",
+    "StreamItem",
     "TransferStats",
     "WeightStream",
     "make_checkpoint_engine",
@@ -84,6 +85,12 @@ class TransferStats:
         return asdict(self)
 
 
+StreamItem: TypeAlias = Bucket | PushEnd | BaseException
+"""What a receiving queue carries: a push's buckets, then its PushEnd, or the error that stopped it."""
+
+_Item = TypeVar("_Item")
+
+
 class BufferPool:
     """A fixed set of equally sized uint8 buffers, handed out and returned by index.
 
@@ -120,7 +127,7 @@ class BufferPool:
         self._free.put(slot)
 
 
-def _put(q: queue.Queue[Any], item: Any, abort: threading.Event) -> None:
+def _put(q: queue.Queue[_Item], item: _Item, abort: threading.Event) -> None:
     while True:
         try:
             q.put(item, timeout=_POLL_S)
@@ -139,7 +146,7 @@ class WeightStream(Iterator[tuple[str, torch.Tensor]]):
     buckets and bytes received and the checksums verified so far.
     """
 
-    def __init__(self, items: queue.Queue[Any], worker: threading.Thread | None, *, copy: bool,
+    def __init__(self, items: queue.Queue[StreamItem], worker: threading.Thread | None, *, copy: bool,
                  verify: bool = True, stats: TransferStats | None = None) -> None:
         self._items = items
         self._worker = worker
@@ -217,7 +224,7 @@ class WeightStream(Iterator[tuple[str, torch.Tensor]]):
                 held.release()
             self._drain(item)
 
-    def _drain(self, item: Any) -> None:
+    def _drain(self, item: StreamItem) -> None:
         while not isinstance(item, (PushEnd, BaseException)):
             item.release()
             item = self._items.get()
@@ -268,7 +275,7 @@ class CheckpointEngine(ABC):
 
     def _send(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         self._begin_push(version)
-        handoff: queue.Queue[Any] = queue.Queue(maxsize=1)
+        handoff: queue.Queue[Bucket | PushEnd] = queue.Queue(maxsize=1)
         abort = threading.Event()
         errors: list[BaseException] = []
         worker = threading.Thread(target=self._transport_loop, args=(handoff, abort, errors),
@@ -307,7 +314,7 @@ class CheckpointEngine(ABC):
         bucket.release = _Once(lambda: self.send_buffers.release(slot))
         return bucket
 
-    def _transport_loop(self, handoff: queue.Queue[Any], abort: threading.Event,
+    def _transport_loop(self, handoff: queue.Queue[Bucket | PushEnd], abort: threading.Event,
                         errors: list[BaseException]) -> None:
         while True:
             item = handoff.get()
@@ -345,14 +352,14 @@ class CheckpointEngine(ABC):
     # ---------------------------------------------------------------- receiving
     def receive(self, *, copy: bool = False) -> WeightStream:
         """Wait for the next push and return its stream; `copy=True` yields tensors the caller owns."""
-        items: queue.Queue[Any] = queue.Queue(maxsize=1)
+        items: queue.Queue[StreamItem] = queue.Queue(maxsize=1)
         self._recv_stats = TransferStats()  # transports that retry count into it (fetch thread)
         worker = threading.Thread(target=self._fetch_loop, args=(items,),
                                   name=f"agentrl-weights-recv-{self.name}", daemon=True)
         worker.start()
         return WeightStream(items, worker, copy=copy, stats=self._recv_stats)
 
-    def _fetch_loop(self, items: queue.Queue[Any]) -> None:
+    def _fetch_loop(self, items: queue.Queue[StreamItem]) -> None:
         try:
             for item in self._incoming():
                 items.put(item)
@@ -369,7 +376,7 @@ class CheckpointEngine(ABC):
 class _Once:
     """Wrap a release callback so that calling it twice frees the buffer once."""
 
-    def __init__(self, fn: Any) -> None:
+    def __init__(self, fn: Callable[[], object]) -> None:
         self._fn = fn
         self._done = False
 
@@ -395,5 +402,5 @@ def make_checkpoint_engine(backend: str, **kwargs: Any) -> CheckpointEngine:
         )
     from agentrl.registry import import_object
 
-    cls = import_object(target)
+    cls: type[CheckpointEngine] = import_object(target)
     return cls(**kwargs)

@@ -21,12 +21,13 @@ works only where the servers read the same filesystem as the trainer (the run ch
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
 import shutil
 import struct
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +35,7 @@ import torch
 
 from agentrl.errors import WeightSyncError
 from agentrl.weights.buckets import DTYPES, Bucket, BucketMeta, TensorEntry
-from agentrl.weights.engine import BufferPool, CheckpointEngine, PushEnd, WeightStream, _Once
+from agentrl.weights.engine import BufferPool, CheckpointEngine, PushEnd, StreamItem, WeightStream, _Once
 
 __all__ = [
     "INDEX_NAME",
@@ -234,7 +235,7 @@ def _read_shards(path: Path, pool: BufferPool | None) -> Iterator[Bucket | PushE
             if pool is not None and size <= pool.nbytes:
                 slot, buffer = pool.acquire()
                 data = buffer[:size]
-                release: Any = _Once(lambda slot=slot: pool.release(slot))
+                release: Callable[[], None] = _Once(functools.partial(pool.release, slot))
             else:
                 data = torch.empty(size, dtype=torch.uint8)
                 release = _Once(lambda: None)
@@ -268,7 +269,7 @@ def read_checkpoint_dir(path: str | os.PathLike[str]) -> WeightStream:
     import queue
     import threading
 
-    items: queue.Queue[Any] = queue.Queue(maxsize=1)
+    items: queue.Queue[StreamItem] = queue.Queue(maxsize=1)
 
     def fetch() -> None:
         try:

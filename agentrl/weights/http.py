@@ -44,7 +44,7 @@ import threading
 import time
 import urllib.parse
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
@@ -235,7 +235,7 @@ class HTTPCheckpointEngine(CheckpointEngine):
         return bucket.data.numpy().data
 
     # ---------------------------------------------------------------- sending
-    def send(self, named_tensors: Any, version: int) -> None:
+    def send(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         if self._server is None:
             raise WeightSyncError("send() needs the publishing side: build the engine with host=, not url=.")
         super().send(named_tensors, version)
@@ -243,7 +243,8 @@ class HTTPCheckpointEngine(CheckpointEngine):
     def _begin_push(self, version: int) -> None:
         self._pending = []
 
-    def _pack(self, group: list[tuple[str, torch.Tensor]], index: int, version: int, abort: Any) -> Bucket:
+    def _pack(self, group: list[tuple[str, torch.Tensor]], index: int, version: int,
+              abort: threading.Event) -> Bucket:
         # Published bytes must outlive the trainer's next update: each bucket owns its memory.
         # A version that falls out of `keep_last` is freed once no request is still reading it.
         total = sum(tensor_nbytes(t) for _, t in group)
@@ -320,7 +321,7 @@ class HTTPCheckpointEngine(CheckpointEngine):
                 raise http.client.IncompleteRead(b"", length - got)
             got += n
 
-    def _buffer_for(self, nbytes: int) -> tuple[torch.Tensor, Any]:
+    def _buffer_for(self, nbytes: int) -> tuple[torch.Tensor, Callable[[], None]]:
         if self._owned or nbytes > self.recv_buffers.nbytes:
             return torch.empty(nbytes, dtype=torch.uint8), _Once(lambda: None)
         slot, buffer = self.recv_buffers.acquire()

@@ -21,7 +21,7 @@ import torch
 
 from agentrl.errors import WeightSyncError
 from agentrl.weights.buckets import Bucket
-from agentrl.weights.engine import CheckpointEngine, PushEnd, WeightStream
+from agentrl.weights.engine import CheckpointEngine, PushEnd, StreamItem, WeightStream
 
 __all__ = ["InProcessCheckpointEngine"]
 
@@ -32,22 +32,23 @@ class InProcessCheckpointEngine(CheckpointEngine):
     name = "inprocess"
     _transmit_keeps_buffer = True
 
-    def __init__(self, *, consumer: Callable[[WeightStream], Any] | None = None,
+    def __init__(self, *, consumer: Callable[[WeightStream], object] | None = None,
                  timeout_s: float = 600.0, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.consumer = consumer
         self.timeout_s = timeout_s
-        self._channel: queue.Queue[Any] = queue.Queue(maxsize=1)
+        self._channel: queue.Queue[StreamItem] = queue.Queue(maxsize=1)
 
     def _send(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
-        if self.consumer is None:
+        consumer = self.consumer
+        if consumer is None:
             super()._send(named_tensors, version)
             return
         errors: list[BaseException] = []
 
         def consume() -> None:
             try:
-                self.consumer(self.receive())  # type: ignore[misc]
+                consumer(self.receive())
             except BaseException as exc:
                 errors.append(exc)
 
