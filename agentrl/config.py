@@ -92,7 +92,7 @@ def trace_reads(path: str | os.PathLike[str]) -> None:
     """
     global _trace_path
     _trace_path = os.fspath(path)
-    _Section.__getattribute__ = _traced_getattribute  # type: ignore[method-assign]
+    _Section.__getattribute__ = _traced_getattribute  # type: ignore[method-assign]  # the trace is installed on purpose
 
 
 if os.environ.get(TRACE_ENV):

@@ -20,11 +20,8 @@ REPO = Path(__file__).resolve().parents[2]
 _IGNORE = re.compile(r"#\s*type:\s*ignore\b(?P<codes>\[[^\]]*\])?(?P<rest>.*)$")
 _REASON = re.compile(r"^\s*#\s*\S")
 # Lines of strict modules whose reason is still to be written, each exactly as it reads (so a new
-# or changed ignore in the same file is still caught). agentrl/config.py is being reworked elsewhere;
-# its line gets its reason there, and then leaves this table.
-_REASON_PENDING = {
-    ("agentrl/config.py", "_Section.__getattribute__ = _traced_getattribute  # type: ignore[method-assign]"),
-}
+# or changed ignore in the same file is still caught). Empty: every ignore says why.
+_REASON_PENDING: set[tuple[str, str]] = set()
 
 
 def strict_patterns(pyproject: dict) -> list[str]:
