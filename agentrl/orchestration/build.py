@@ -124,7 +124,7 @@ class Job:
     @property
     def sandbox(self) -> Sandbox | None:
         """The sandbox the envs that take one share (its workers start on first use); None for envs that
-        run no code, and once the job is closed."""
+        run no code."""
         return self.resources.get(SANDBOX)
 
     @property

@@ -92,13 +92,11 @@ class JobResources:
     rows: Sequence[ResourceRow[Any]] = ()
     values: dict[str, Any] = field(default_factory=dict)
     """Each made row's value by name (a row with none here is absent)."""
-    _opened: list[str] = field(default_factory=list)
-    _closed: set[str] = field(default_factory=set)
+    _opened: list[str] = field(default_factory=list, init=False, repr=False)
+    _closed: set[str] = field(default_factory=set, init=False, repr=False)
 
     def get(self, row: ResourceRow[T]) -> T | None:
-        """`row`'s value in this job, or None when the job has none (or it was closed)."""
-        if row.name in self._closed:
-            return None
+        """`row`'s value in this job (closed once the job is), or None when the job has none."""
         return cast("T | None", self.values.get(row.name))
 
     def env_kwargs(self) -> dict[str, Any]:

@@ -108,7 +108,7 @@ def test_entering_the_job_opens_the_eager_rows_and_leaving_it_closes_all_in_reve
     asyncio.run(main())
     assert events == ["open eager", "close helper", "close eager", "close lazy"]
     assert "lazy" not in job.env_kwargs and job.env_kwargs["limit"] == 7  # a closed resource is handed to no new env
-    assert job.resources.get(ResourceRow("lazy", lambda r: None)) is None
+    assert job.resources.get(ResourceRow("lazy", lambda r: None)) is job.resources.values["lazy"]  # closed, kept
 
 
 def test_a_failing_close_does_not_stop_the_others_and_is_raised_naming_it(caplog: pytest.LogCaptureFixture) -> None:
