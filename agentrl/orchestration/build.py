@@ -6,12 +6,14 @@ anything `validate` accepts, `run` can build, and every error surfaces in second
 It builds, in this order: the model directory (`model.path`, converting the built-in default once;
 it must hold weights when the trainer or a server agentrl starts will load them),
 the chat template and tokenizer, the tool-call parser and the end-of-turn ids, the env class and its
-constructor arguments (one env is built to check them), the sandbox (or, on a cluster with
-`cluster.sandbox_hosts`, the plan of the hosts the run starts: `Job.sandbox_hosts`), the gateway
-for envs that run agents through one (`Job.gateway`), the reward function
-(`reward.function`), the dataset rows (each checked; `data.skip_bad_rows` keeps the bad ones' numbers), and checks the names the later stages resolve (inference engine, advantage
-estimator, trainer backend) and the budgets against each other; the placement plan (`Job.plan`:
-who runs where, how weights move) is built and checked by `placement.build_plan`.
+constructor arguments (`env.kwargs` and the job's resources the env takes, in the table's order:
+the verifiers worker, the sandbox, the gateway, the shared MCP servers, a judge server and reward
+model for the reward, the reward function, the budgets; one env is built to check them), on a
+cluster with `cluster.sandbox_hosts` the plan of the sandbox hosts the run starts
+(`Job.sandbox_hosts`), the dataset rows (each checked; `data.skip_bad_rows` keeps the bad ones'
+numbers), and checks the names the later stages resolve (inference engine, advantage estimator,
+trainer backend) and the budgets against each other; the placement plan (`Job.plan`: who runs
+where, how weights move) is built and checked by `placement.build_plan`.
 
 Run-level resources reach an env through its constructor, by parameter name: one table of rows
 (`job_resources.JOB_RESOURCES`), made here, opened and closed by `Job` (`async with job:`, which
