@@ -141,7 +141,7 @@ def _combines(config: RewardConfig) -> bool:
 def judge_server_for(config: RewardConfig) -> JudgeServer | None:
     """The judge server the reward `config` describes needs (a judge part with `reward.judge.model_path`),
     made, not started (it starts on the first judge request); None when it needs none."""
-    if config.judge is None or not _combines(config) or all(p.source != "judge" for p in _parts(config)):
+    if config.judge is None or all(p.source != "judge" for p in _parts(config)):
         return None
     return judge_server_of(config.judge)
 
@@ -149,7 +149,7 @@ def judge_server_for(config: RewardConfig) -> JudgeServer | None:
 def reward_model_for(config: RewardConfig) -> RewardModelScorer | None:
     """The reward-model process the reward `config` describes needs (a `model` part), made, not started
     (it starts on the first score); None when it needs none."""
-    if config.model is None or not _combines(config) or all(p.source != "model" for p in _parts(config)):
+    if config.model is None or all(p.source != "model" for p in _parts(config)):
         return None
     return RewardModelScorer(config.model)
 
