@@ -29,6 +29,7 @@ This module holds no logic beyond the classes; it is imported by everything and 
     ├── CheckpointError              a checkpoint cannot be written, or none intact can be read
     ├── RunWriteError                a run's record cannot be written: disk full, read-only, directory gone
     ├── StartupError                 a part the run starts (Ray, an engine, the trainer, a sandbox) did not start
+    ├── ResourceCloseError           one or more of a job's resources did not close; `failures` names each
     ├── WeightSyncError              a weight push failed
     │   └── ChecksumError            a bucket arrived corrupted
     ├── InfraFailureError            too many episodes failed for infrastructure reasons
@@ -55,6 +56,7 @@ __all__ = [
     "InferenceRequestError",
     "InfraFailureError",
     "PreflightError",
+    "ResourceCloseError",
     "RewardMissingError",
     "RunWriteError",
     "SandboxClosedError",
@@ -227,6 +229,19 @@ class StartupError(AgentRLError):
     def __init__(self, message: str, part: str = "") -> None:
         super().__init__(message)
         self.part = part
+
+
+class ResourceCloseError(AgentRLError):
+    """Closing a job's resources (sandbox, gateway, shared servers, workers) failed for one or more of them.
+
+    Every other one was still closed; `failures` holds (resource name, its error) for each that failed."""
+
+    def __init__(self, failures: list[tuple[str, BaseException]]) -> None:
+        self.failures = list(failures)
+        named = "; ".join(f"{name} ({type(exc).__name__}: {exc})" for name, exc in self.failures)
+        super().__init__(f"closing the job's resources failed for {named}; the others were closed. What "
+                         "these started ends with this process (each runs under a lifeline); check their "
+                         "logs above for why they did not stop.")
 
 
 class WeightSyncError(AgentRLError):

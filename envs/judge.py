@@ -19,8 +19,10 @@ With `reward.judge.model_path` instead of `url`, the run serves the judge model 
 `agentrl gateway` of it, started on the first judge request of the process (`judge_server.py`); each
 request is a session of its own there, ended once answered. A judge server that does not start
 within `startup_timeout_s` makes the rewards missing with cause `timeout`; one that failed or died
-makes them `infra`, naming its exit code and log. The HTTP client is made per event loop, lazily, so
-the object pickles as its config and works in any process (each process serves its own judge).
+makes them `infra`, naming its exit code and log. The server is the job's when the job made it
+(`JudgeReward(config, server=...)`: the job closes it, `judge_server_of`), else the judge's own
+(`stop` ends it). The HTTP client is made per event loop, lazily, so the object pickles as its config
+and works in any process (each process serves its own judge).
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ from agentrl.envs.judge_server import JudgeServer, JudgeServerError
 from agentrl.envs.rewards import ground_truth_of
 from agentrl.errors import ConfigError, RewardMissingError
 
-__all__ = ["DEFAULT_RUBRIC", "JudgeReward", "parse_verdict", "question_of"]
+__all__ = ["DEFAULT_RUBRIC", "JudgeReward", "judge_server_of", "parse_verdict", "question_of"]
 
 log = logging.getLogger(__name__)
 
@@ -111,10 +113,12 @@ def _in_unit_range(score: float) -> float:
 class JudgeReward:
     """The judge of `reward.judge` (see the module docstring); `await judge.ascore(row, answer)`."""
 
-    def __init__(self, config: JudgeConfig) -> None:
+    def __init__(self, config: JudgeConfig, *, server: JudgeServer | None = None) -> None:
+        """`server`: the judge server of `config.model_path` that its owner (the job) made and closes;
+        without it the judge makes its own (a judge unpickled in another process too), which `stop` ends."""
         self.config = config
-        self.server = (JudgeServer(config.model_path, config.engine, config.server_args, config.startup_timeout_s)
-                       if config.model_path is not None else None)
+        self._owns_server = server is None
+        self.server = server if server is not None else judge_server_of(config)
         self.url = config.url.rstrip("/") if config.url is not None else f"(the judge {config.model_path}, served by the run)"
         self.model = config.model
         self.rubric = config.prompt if config.prompt is not None else DEFAULT_RUBRIC
@@ -171,8 +175,9 @@ class JudgeReward:
             await held[0].aclose()
 
     def stop(self) -> None:
-        """Stop the judge server this process started (`model_path`), if any; it also dies with the process."""
-        if self.server is not None:
+        """Stop the judge server this judge made (`model_path`), if any; it also dies with the process. A
+        server its owner gave it (`server=`) is the owner's to close."""
+        if self.server is not None and self._owns_server:
             self.server.close()
 
     async def _served_url(self, record: dict[str, Any]) -> tuple[str, str | None]:
@@ -254,6 +259,13 @@ class JudgeReward:
                                      f"{_one_line(reply)[:200]!r}", record) from None
         record["verdict"] = verdict
         return verdict["score"], record
+
+
+def judge_server_of(config: JudgeConfig) -> JudgeServer | None:
+    """The judge server `config` needs (`model_path` given), made, not started; None for a judge at a URL."""
+    if config.model_path is None:
+        return None
+    return JudgeServer(config.model_path, config.engine, config.server_args, config.startup_timeout_s)
 
 
 def _one_line(text: str) -> str:

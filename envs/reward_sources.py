@@ -14,6 +14,11 @@ reward model that is down; `timeout`; `parse`: an unreadable verdict; `truncated
 whole reward is missing with the first missing part's cause (in `reward.combine`'s order), its
 record holding every part's outcome. The AgentLoop masks such an episode like an infrastructure
 failure (the run stops past `run.max_infra_failure_rate`) and never trains on it as 0.
+
+The processes a reward needs, a judge server the run serves (`reward.judge.model_path`) and a
+reward-model process, are made by `judge_server_for` and `reward_model_for` for their owner, the
+job (two rows of its resource table), which passes them to `build_reward` and closes them. A reward
+built without them (alone, or unpickled in another process) makes its own, which `stop` ends.
 """
 
 from __future__ import annotations
@@ -23,12 +28,13 @@ from collections.abc import Mapping
 from typing import Any
 
 from agentrl.config import RewardConfig
-from agentrl.envs.judge import JudgeReward
+from agentrl.envs.judge import JudgeReward, judge_server_of
+from agentrl.envs.judge_server import JudgeServer
 from agentrl.envs.reward_model import RewardModelScorer
 from agentrl.envs.rewards import RewardFn, RewardFunction, RewardResult, score_row
 from agentrl.errors import EnvError, RewardMissingError
 
-__all__ = ["CombinedReward", "ascore_row", "build_reward"]
+__all__ = ["CombinedReward", "ascore_row", "build_reward", "judge_server_for", "reward_model_for"]
 
 
 class CombinedReward:
@@ -36,23 +42,30 @@ class CombinedReward:
 
     Called synchronously with verl's signature it scores only when every part is the rule (an env
     that scores asynchronously uses `ascore_row`). Pickles as its config.
+
+    `judge_server`, `reward_model`: the processes its owner made for it (`judge_server_for`,
+    `reward_model_for`) and closes; without them it makes its own, which `stop` ends.
     """
 
-    def __init__(self, config: RewardConfig) -> None:
+    def __init__(self, config: RewardConfig, *, judge_server: JudgeServer | None = None,
+                 reward_model: RewardModelScorer | None = None) -> None:
         self.config = config
-        parts = config.combine or [_only_part(config)]
         self.rule: RewardFunction | None = None
         self.parts: list[tuple[str, float, Any]] = []
-        for part in parts:
+        self._own_models: list[RewardModelScorer] = []
+        for part in _parts(config):
             if part.source == "rule":
                 self.rule = RewardFunction(config.function, config.kwargs)
                 scorer: Any = self.rule
             elif part.source == "judge":
                 assert config.judge is not None  # RewardConfig's validator refuses a combine naming an unset judge
-                scorer = JudgeReward(config.judge)
+                scorer = JudgeReward(config.judge, server=judge_server)
             else:
                 assert config.model is not None  # likewise for the reward model
-                scorer = RewardModelScorer(config.model)
+                if reward_model is None:
+                    reward_model = RewardModelScorer(config.model)
+                    self._own_models.append(reward_model)
+                scorer = reward_model
             self.parts.append((part.source, float(part.weight), scorer))
         self.name = " + ".join(f"{w:g}*{s}" for s, w, _ in self.parts)
 
@@ -60,13 +73,13 @@ class CombinedReward:
         return (CombinedReward, (self.config,))
 
     def stop(self) -> None:
-        """Stop what the parts started in this process: a judge server the run serves, a reward-model
-        process. (Both also die with the process.)"""
+        """Stop what the parts made for themselves: a judge server the run serves, a reward-model
+        process (both also die with the process). What its owner gave it is the owner's to close."""
         for _, _, scorer in self.parts:
             if isinstance(scorer, JudgeReward):
                 scorer.stop()
-            elif isinstance(scorer, RewardModelScorer):
-                scorer.close()
+        for model in self._own_models:
+            model.close()
 
     def __repr__(self) -> str:
         return f"CombinedReward({self.name})"
@@ -111,11 +124,34 @@ class CombinedReward:
         return RewardResult(total, extra, record)
 
 
-def _only_part(config: RewardConfig) -> Any:
+def _parts(config: RewardConfig) -> list[Any]:
+    """The sources `config` combines: `reward.combine`, else its one source."""
     from agentrl.config import RewardPartConfig
 
+    if config.combine:
+        return list(config.combine)
     source = "judge" if config.judge is not None else "model" if config.model is not None else "rule"
-    return RewardPartConfig(source=source, weight=1.0)
+    return [RewardPartConfig(source=source, weight=1.0)]
+
+
+def _combines(config: RewardConfig) -> bool:
+    return bool(config.combine) or config.judge is not None or config.model is not None
+
+
+def judge_server_for(config: RewardConfig) -> JudgeServer | None:
+    """The judge server the reward `config` describes needs (a judge part with `reward.judge.model_path`),
+    made, not started (it starts on the first judge request); None when it needs none."""
+    if config.judge is None or all(p.source != "judge" for p in _parts(config)):
+        return None
+    return judge_server_of(config.judge)
+
+
+def reward_model_for(config: RewardConfig) -> RewardModelScorer | None:
+    """The reward-model process the reward `config` describes needs (a `model` part), made, not started
+    (it starts on the first score); None when it needs none."""
+    if config.model is None or all(p.source != "model" for p in _parts(config)):
+        return None
+    return RewardModelScorer(config.model)
 
 
 async def _score_part(source: str, scorer: Any, row: Mapping[str, Any], answer: str,
@@ -147,8 +183,11 @@ async def ascore_row(reward_fn: RewardFn, row: Mapping[str, Any], answer: str, *
     return _rule_result(reward_fn, row, answer, default_data_source)
 
 
-def build_reward(config: RewardConfig) -> RewardFunction | CombinedReward:
-    """The reward `config` describes (see the module docstring); raises ConfigError on a bad part."""
-    if not config.combine and config.judge is None and config.model is None:
+def build_reward(config: RewardConfig, *, judge_server: JudgeServer | None = None,
+                 reward_model: RewardModelScorer | None = None) -> RewardFunction | CombinedReward:
+    """The reward `config` describes (see the module docstring); raises ConfigError on a bad part.
+    `judge_server`, `reward_model`: the processes its owner made for it (`judge_server_for`,
+    `reward_model_for`) and closes."""
+    if not _combines(config):
         return RewardFunction(config.function, config.kwargs)
-    return CombinedReward(config)
+    return CombinedReward(config, judge_server=judge_server, reward_model=reward_model)

@@ -6,26 +6,30 @@ anything `validate` accepts, `run` can build, and every error surfaces in second
 It builds, in this order: the model directory (`model.path`, converting the built-in default once;
 it must hold weights when the trainer or a server agentrl starts will load them),
 the chat template and tokenizer, the tool-call parser and the end-of-turn ids, the env class and its
-constructor arguments (one env is built to check them), the sandbox (or, on a cluster with
-`cluster.sandbox_hosts`, the plan of the hosts the run starts: `Job.sandbox_hosts`), the gateway
-for envs that run agents through one (`Job.gateway`), the reward function
-(`reward.function`), the dataset rows (each checked; `data.skip_bad_rows` keeps the bad ones' numbers), and checks the names the later stages resolve (inference engine, advantage
-estimator, trainer backend) and the budgets against each other; the placement plan (`Job.plan`:
-who runs where, how weights move) is built and checked by `placement.build_plan`.
+constructor arguments (`env.kwargs` and the job's resources the env takes, in the table's order:
+the verifiers worker, the sandbox, the gateway, the shared MCP servers, a judge server and reward
+model for the reward, the reward function, the budgets; one env is built to check them), on a
+cluster with `cluster.sandbox_hosts` the plan of the sandbox hosts the run starts
+(`Job.sandbox_hosts`), the dataset rows (each checked; `data.skip_bad_rows` keeps the bad ones'
+numbers), and checks the names the later stages resolve (inference engine, advantage estimator,
+trainer backend) and the budgets against each other; the placement plan (`Job.plan`: who runs
+where, how weights move) is built and checked by `placement.build_plan`.
 
-Run-level resources reach an env through its constructor, by parameter name (`ENV_RESOURCES`): an
-env whose `__init__` takes `sandbox` gets the one sandbox built from `config.sandbox` (the job
-closes it: `Job.aclose`), `gateway` gets the one `SharedGateway` of the job (started by the first
-episode that needs it, closed by `Job.aclose`), `shared_mcp` gets the run's `SharedMCPServers` (the
-MCP servers its episodes share; closed by `Job.aclose`), `verifiers_worker` gets the run's one
-`VerifiersWorker` (the process that loads and scores verifiers tasksets; it starts when the env's
-rows are first asked for, which makes `build_job` start it for env=verifiers without data files;
-closed by `Job.aclose`), `tool_timeout_s` gets `rollout.tool_timeout_s`, `max_turns` gets
-`rollout.max_turns`, `reward_fn` gets the run's reward function (`reward.function` with
-`reward.kwargs`; verl's `compute_score` by default). Setting one of those again in `env.kwargs` is refused (one knob per budget),
-and so is a `sandbox` section for an env that runs no code. Nothing here starts a server or Ray, and
-no process but the verifiers worker above; the sandbox object is made but starts its workers only
-when first used.
+Run-level resources reach an env through its constructor, by parameter name: one table of rows
+(`job_resources.JOB_RESOURCES`), made here, opened and closed by `Job` (`async with job:`, which
+`agentrl run`, `eval` and `check onpolicy` all open, or `Job.aclose`). An env whose `__init__` takes
+`sandbox` gets the one sandbox built from `config.sandbox`, `gateway` the one `SharedGateway` of the
+job (started by the first episode that needs it), `shared_mcp` the run's `SharedMCPServers` (the MCP
+servers its episodes share), `verifiers_worker` the run's one `VerifiersWorker` (the process that
+loads and scores verifiers tasksets; it starts when the env's rows are first asked for, which makes
+`build_job` start it for env=verifiers without data files), `tool_timeout_s` gets
+`rollout.tool_timeout_s`, `max_turns` gets `rollout.max_turns`, `reward_fn` gets the run's reward
+function (`reward.function` with `reward.kwargs`; verl's `compute_score` by default; with a judge the
+run serves or a reward model, their processes are rows of the job too, closed with it). Setting one
+of those again in `env.kwargs` is refused (one knob per budget; `ENV_RESOURCES`), and so is a
+`sandbox` section for an env that runs no code. Nothing here starts a server or Ray, and no process
+but the verifiers worker above; the sandbox object is made but starts its workers only when first
+used.
 """
 
 from __future__ import annotations
@@ -37,27 +41,41 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import TracebackType
 from typing import Any, Literal
 
 from agentrl.chat import ChatTemplate
 from agentrl.config import AgentRLConfig
 from agentrl.datasets import LoadedRows, SkippedRow, check_row, load_rows
 from agentrl.envs import Env
-from agentrl.envs.reward_sources import CombinedReward, build_reward
+from agentrl.envs.reward_sources import CombinedReward
 from agentrl.envs.rewards import RewardFunction
 from agentrl.envs.verifiers_process import VerifiersWorker
-from agentrl.errors import AgentRLError, ConfigError, DatasetError, SandboxUnavailableError
+from agentrl.errors import AgentRLError, ConfigError, DatasetError, ResourceCloseError
 from agentrl.gateway.server import SharedGateway
 from agentrl.models import TOOL_CHATML_TEMPLATE, resolve_model_path
+from agentrl.orchestration.job_resources import (
+    GATEWAY,
+    JOB_RESOURCES,
+    SANDBOX,
+    SHARED_MCP,
+    VERIFIERS_WORKER,
+    JobResources,
+    build_resources,
+    build_sandbox,
+    env_takes,
+    refuse_resource_kwargs,
+)
 from agentrl.orchestration.placement import PlacementPlan, build_plan
 from agentrl.orchestration.sandbox_hosts import SandboxHostsPlan, plan_sandbox_hosts
-from agentrl.registry import ADVANTAGE_ESTIMATORS, ENVS, INFERENCE_ENGINES, SANDBOXES, TOOL_PARSERS
+from agentrl.registry import ADVANTAGE_ESTIMATORS, ENVS, INFERENCE_ENGINES, TOOL_PARSERS
 from agentrl.rollout import AgentLoop, GenerateClient
 from agentrl.rollout.agent_loop import end_of_turn_ids
+from agentrl.sandboxes.protocol import Sandbox
 from agentrl.tools.mcp_shared import SharedMCPServers
 from agentrl.types import truncates_vocabulary
 
-__all__ = ["BUILTIN_TEMPLATES", "ENV_RESOURCES", "Job", "build_job", "build_sandbox", "env_takes"]
+__all__ = ["BUILTIN_TEMPLATES", "ENV_RESOURCES", "Job", "build_job", "build_sandbox", "env_arguments", "env_takes"]
 
 log = logging.getLogger(__name__)
 
@@ -65,19 +83,17 @@ Purpose = Literal["run", "eval"]
 
 BUILTIN_TEMPLATES = {"chatml-tools": TOOL_CHATML_TEMPLATE}
 
-# Constructor parameters through which an env receives the run's resources, and the config key
-# that sets each (so `env.kwargs` cannot set it a second time).
-ENV_RESOURCES: dict[str, str] = {
-    "sandbox": "sandbox",
-    "reward_fn": "reward.function",
-    "tool_timeout_s": "rollout.tool_timeout_s",
-    "max_turns": "rollout.max_turns",
-}
+ENV_RESOURCES: dict[str, str | None] = {row.name: row.key for row in JOB_RESOURCES if row.to_env}
+"""Constructor parameters through which an env receives the run's resources, and the config key that
+sets each (None: the job makes it), so `env.kwargs` cannot set it a second time (`JOB_RESOURCES`)."""
 
 
 @dataclass
 class Job:
-    """Everything a `run` or `eval` needs, built and checked (see the module docstring)."""
+    """Everything a `run` or `eval` needs, built and checked (see the module docstring).
+
+    An async context: `async with job:` opens its resources (`resources`, the table of what its envs
+    get) and closes them however the block ends; `aclose` closes them too (twice is harmless)."""
 
     config: AgentRLConfig
     purpose: Purpose
@@ -87,8 +103,12 @@ class Job:
     stop_token_ids: tuple[int, ...]
     env_cls: type[Env]
     env_kwargs: dict[str, Any]
-    sandbox: Any | None
+    """`env.kwargs` and every resource an env takes, by parameter name: what `make_env` passes."""
+    resources: JobResources
+    """The job's resource table (`job_resources.JOB_RESOURCES`): sandbox, gateway, shared servers, workers,
+    the reward and what it runs on, each opened and closed by the job."""
     reward_fn: RewardFunction | None = None
+    """The rule part of the reward (pre-flight checks rows with it); None when the reward has none."""
     train_rows: list[dict[str, Any] | None] = field(default_factory=list)
     """Training rows at their dataset row numbers (the prompt ledger's indices); None where a
     malformed row was skipped (`data.skip_bad_rows`), which `train_skipped` names."""
@@ -102,14 +122,29 @@ class Job:
     sandbox_hosts: SandboxHostsPlan | None = None
     """On a cluster with `cluster.sandbox_hosts`: the hosts the run starts, whose client replaces
     `sandbox` for the run's envs (`make_env(sandbox=...)`); None otherwise."""
-    gateway: SharedGateway | None = None
-    """The gateway the envs that take one share (`AgentEnv`); None for envs that take none."""
-    shared_mcp: SharedMCPServers | None = None
-    """The MCP servers the run's episodes share (`per_episode: false`) for envs that take `shared_mcp`
-    (`McpEnv`); started on first use, stopped by `aclose`."""
-    verifiers_worker: VerifiersWorker | None = None
-    """The process that runs verifiers tasksets, shared by the run's envs that take `verifiers_worker`
-    (`VerifiersEnv`); started on first use (restarted after a crash), stopped by `aclose`."""
+
+    @property
+    def sandbox(self) -> Sandbox | None:
+        """The sandbox the envs that take one share (its workers start on first use); None for envs that
+        run no code."""
+        return self.resources.get(SANDBOX)
+
+    @property
+    def gateway(self) -> SharedGateway | None:
+        """The gateway the envs that take one share (`AgentEnv`); None for envs that take none."""
+        return self.resources.get(GATEWAY)
+
+    @property
+    def shared_mcp(self) -> SharedMCPServers | None:
+        """The MCP servers the run's episodes share (`per_episode: false`) for envs that take `shared_mcp`
+        (`McpEnv`); started on first use."""
+        return self.resources.get(SHARED_MCP)
+
+    @property
+    def verifiers_worker(self) -> VerifiersWorker | None:
+        """The process that runs verifiers tasksets, shared by the run's envs that take `verifiers_worker`
+        (`VerifiersEnv`); started on first use (restarted after a crash)."""
+        return self.resources.get(VERIFIERS_WORKER)
 
     def make_env(self, **resources: Any) -> Env:
         """A new env for one episode, with the run's resources; `resources` stand in for some of them
@@ -124,52 +159,29 @@ class Job:
             rollout = rollout.model_copy(update={"temperature": self.config.eval.temperature})
         return AgentLoop(client, self.template, self.parser_factory(), rollout, stop_token_ids=self.stop_token_ids)
 
+    async def __aenter__(self) -> Job:
+        """Open the resources that start eagerly (the others start on first use), on this event loop."""
+        await self.resources.aopen()
+        return self
+
+    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                        tb: TracebackType | None) -> None:
+        try:
+            await self.aclose()
+        except ResourceCloseError:
+            if exc_type is None:
+                raise
+            # the block's own error is the one to see; each close failure was logged where it happened
+
     async def aclose(self) -> None:
-        """Close the run's gateway, sandbox (its warm workers and sessions), MCP servers, verifiers worker
-        and what its reward started (a judge server, a reward model). Closing twice is harmless."""
-        if self.gateway is not None:
-            await self.gateway.aclose()
-        if self.shared_mcp is not None:
-            await self.shared_mcp.aclose()
-        if self.verifiers_worker is not None:
-            await self.verifiers_worker.aclose()
-        reward_fn = self.env_kwargs.get("reward_fn")
-        if isinstance(reward_fn, CombinedReward):  # a judge server or reward-model process it started here
-            await asyncio.to_thread(reward_fn.stop)
-        sandbox, self.sandbox = self.sandbox, None
-        if sandbox is not None:
-            await sandbox.close()
-            self.env_kwargs.pop("sandbox", None)
-
-
-def env_takes(env_cls: type, name: str) -> bool:
-    """Whether `env_cls(...)` accepts a keyword argument `name` (declared, not through **kwargs)."""
-    try:
-        params = inspect.signature(env_cls).parameters
-    except (TypeError, ValueError):
-        return False
-    param = params.get(name)
-    return param is not None and param.kind in (param.POSITIONAL_OR_KEYWORD, param.KEYWORD_ONLY)
-
-
-def build_sandbox(config: AgentRLConfig) -> Any:
-    """The sandbox `config.sandbox` names, made (not started). Errors name the key: a backend's
-    ConfigError names its own argument (`ro_paths[1]: ...`), which becomes `sandbox.kwargs.ro_paths[1]`."""
-    try:
-        cls = SANDBOXES.resolve(config.sandbox.name)
-    except AgentRLError as exc:
-        raise ConfigError(f"sandbox.name: {exc}") from exc
-    try:
-        return cls(**config.sandbox.kwargs)
-    except SandboxUnavailableError as exc:
-        raise SandboxUnavailableError(f"sandbox.name={config.sandbox.name}: {exc}") from exc
-    except TypeError as exc:
-        raise ConfigError(f"sandbox.kwargs: the '{config.sandbox.name}' sandbox does not take these arguments: {exc}") from exc
-    except ConfigError as exc:
-        lines = [f"sandbox.kwargs.{line}" for line in exc.errors]
-        raise ConfigError("\n".join(lines), errors=lines) from exc
-    except ValueError as exc:
-        raise ConfigError(f"sandbox.kwargs: {exc}") from exc
+        """Close every resource of the job, in reverse order of the table, each even when another failed
+        (then `ResourceCloseError` names each failure). Closing twice is harmless."""
+        try:
+            await self.resources.aclose()
+        finally:
+            for row, _ in self.resources.made():  # an env made after this gets none of the closed ones
+                if row.close is not None:
+                    self.env_kwargs.pop(row.name, None)
 
 
 def build_job(config: AgentRLConfig, purpose: Purpose, *, own_client: bool = False) -> Job:
@@ -184,37 +196,18 @@ def build_job(config: AgentRLConfig, purpose: Purpose, *, own_client: bool = Fal
     template = _template(config, model_path)
     parser_factory = _parser(config)
     stop_ids = set(end_of_turn_ids(template.tokenizer)) | set(config.rollout.extra_stop_token_ids)
-    env_cls, env_kwargs = env_arguments(config)
+    env_cls, env_kwargs, resources = env_arguments(config)
     reward_fn = env_kwargs.get("reward_fn")
     if isinstance(reward_fn, CombinedReward):
         reward_fn = reward_fn.rule  # pre-flight checks the rows with the rule part only (None: no rule)
-    verifiers_worker = None
-    if env_takes(env_cls, "verifiers_worker"):  # first: it raises when verifiers is not installed
-        verifiers_worker = env_kwargs["verifiers_worker"] = VerifiersWorker()
-    sandbox = None
-    if env_takes(env_cls, "sandbox"):
-        sandbox = build_sandbox(config)
-        env_kwargs["sandbox"] = sandbox
-    elif config.sandbox.model_fields_set:
-        raise ConfigError(
-            f"sandbox: env '{config.env.name}' runs no code in a sandbox (its constructor takes no "
-            "'sandbox'), so these settings would do nothing; remove them."
-        )
-    gateway = None
-    if env_takes(env_cls, "gateway"):
-        gateway = env_kwargs["gateway"] = SharedGateway()
-    shared_mcp = None
-    if env_takes(env_cls, "shared_mcp"):
-        shared_mcp = env_kwargs["shared_mcp"] = SharedMCPServers()
     job = Job(config, purpose, model_path, template, parser_factory, tuple(sorted(stop_ids)), env_cls,
-              env_kwargs, sandbox, reward_fn, gateway=gateway, shared_mcp=shared_mcp,
-              verifiers_worker=verifiers_worker)
+              env_kwargs, resources, reward_fn)
     try:
         _check_env_builds(job)
         _check_names(config, purpose)
         job.plan = build_plan(config, purpose, model_path)
         if job.plan.cluster is not None and job.plan.cluster.count("sandbox"):
-            if sandbox is None:
+            if job.sandbox is None:
                 raise ConfigError(f"cluster.sandbox_hosts={config.cluster.sandbox_hosts}: env '{config.env.name}' "
                                   "runs no code in a sandbox, so the hosts would do nothing; remove it.")
             if config.sandbox.name not in ("local", "docker"):
@@ -330,9 +323,10 @@ def _parser(config: AgentRLConfig) -> Callable[[], Any]:
     return parser_cls
 
 
-def env_arguments(config: AgentRLConfig) -> tuple[type[Env], dict[str, Any]]:
-    """The env class `env.name` names and the keyword arguments each env gets: `env.kwargs` plus the
-    run's resources it takes (`ENV_RESOURCES`; the sandbox is added by `build_job`). Errors name the key."""
+def env_arguments(config: AgentRLConfig) -> tuple[type[Env], dict[str, Any], JobResources]:
+    """The env class `env.name` names, the keyword arguments each env gets (`env.kwargs` plus every
+    resource of the job's table it takes) and that table, made, not opened: the caller closes it
+    (`JobResources.aclose`; `build_job` hands it to the `Job`). Errors name the key."""
     try:
         env_cls = ENVS.resolve(config.env.name)
     except AgentRLError as exc:
@@ -340,29 +334,9 @@ def env_arguments(config: AgentRLConfig) -> tuple[type[Env], dict[str, Any]]:
     if not (isinstance(env_cls, type) and issubclass(env_cls, Env)):
         raise ConfigError(f"env.name '{config.env.name}' names {env_cls!r}, not an agentrl.Env subclass.")
     kwargs = dict(config.env.kwargs)
-    if "gateway" in kwargs:
-        raise ConfigError("env.kwargs.gateway: the job gives every env that takes one its gateway (one for all "
-                          "episodes); remove it.")
-    for name, key in ENV_RESOURCES.items():
-        if name in kwargs:
-            raise ConfigError(
-                f"env.kwargs.{name}: the run sets this for every env through {key}; set {key} "
-                "instead (one knob per budget)."
-            )
-    reward = config.reward
-    if env_takes(env_cls, "reward_fn"):
-        kwargs["reward_fn"] = build_reward(reward)
-    elif reward.function is not None or reward.kwargs or reward.judge or reward.model or reward.combine:
-        raise ConfigError(
-            f"reward.function: env '{config.env.name}' scores its episodes itself (its constructor takes no "
-            "reward_fn), so a reward function would do nothing; remove reward.function, reward.kwargs, "
-            "reward.judge, reward.model and reward.combine."
-        )
-    if env_takes(env_cls, "tool_timeout_s"):
-        kwargs["tool_timeout_s"] = config.rollout.tool_timeout_s
-    if env_takes(env_cls, "max_turns"):
-        kwargs["max_turns"] = config.rollout.max_turns
-    return env_cls, kwargs
+    refuse_resource_kwargs(kwargs, JOB_RESOURCES)
+    resources = build_resources(config, env_cls)
+    return env_cls, {**kwargs, **resources.env_kwargs()}, resources
 
 
 def _check_env_builds(job: Job) -> None:

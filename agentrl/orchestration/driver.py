@@ -31,8 +31,9 @@ group before anything starts: `cluster.py`):
    batch.
 
 `Run` is the one owner of all of it: built from the `Job`, it runs on one event loop (one
-`asyncio.run`) and opens everything it starts (the cluster's reservation and sandbox hosts, the
-trainer group, the servers and their router, the gateway, the sandbox) through one `AsyncExitStack`,
+`asyncio.run`) and opens everything it starts (the job itself, `async with job`: its table of
+resources, the sandbox, the gateway and the rest; the cluster's reservation and sandbox hosts, the
+trainer group, the servers and their router) through one `AsyncExitStack`,
 which closes it all in reverse order however the run ends: its last step, an error, Ctrl-C, a
 scheduler's SIGTERM or a SIGHUP (all three handled alike, `interrupts.py`: exit 128 + the signal's
 number, 130, 143 or 129), each with the command that continues the run (`run_commands.py`: the real
@@ -283,8 +284,8 @@ class Run:
 
     `main` is the whole run on one event loop: it checks the job (`preflight`), prepares the run
     directory and the books (`RunBooks`), opens every piece the run starts through one
-    `AsyncExitStack` (`_open`: Ray, the cluster's reservation and sandbox hosts, the trainer group,
-    the servers and their router, the gateway), runs the steps (`TrainingSteps`), and closes all of
+    `AsyncExitStack` (the job, `async with job`; `_open`: Ray, the cluster's reservation and sandbox
+    hosts, the trainer group, the servers and their router; the gateway closes before them), runs the steps (`TrainingSteps`), and closes all of
     it in that one stack, in reverse order, however the run ends: its last step, an error, Ctrl-C
     or another stop signal (`signals`, which `run_training` installs for the run).
     """
@@ -306,7 +307,7 @@ class Run:
         job, config = self.job, self.config
         self.signals.watch(asyncio.current_task(), asyncio.get_running_loop())
         async with contextlib.AsyncExitStack() as stack:
-            stack.push_async_callback(job.aclose)  # the sandbox's workers and the gateway live on this loop
+            await stack.enter_async_context(job)  # its resources (sandbox, gateway, ...) live on this loop
             prepared = _prepare_run_dir(config, stack, self.plan.cluster is not None)  # refusals before anything starts
             await asyncio.to_thread(preflight, job)  # its sandbox snippet runs on a loop of its own
             run_dir, store, checkpoint = prepared.path, prepared.store, prepared.checkpoint

@@ -16,6 +16,10 @@ ledger and decoded text (the format of `agentrl.records.trajectory_log`; `agentr
 shows it; an SWE episode's verdict, per-test statuses and diff, is its `info["swe"]`). For the SWE
 env also `predictions.jsonl`, the agent's diffs in the SWE-bench harness format, one per instance
 (`agentrl.envs.swe.swe_predictions`). Training is not this module's business.
+
+The eval runs on one event loop inside its job (`async with job`: pre-flight, the servers, the
+episodes), which closes the job's resources (sandbox, gateway, shared servers) however it ends; the
+servers it started stop after them.
 """
 
 from __future__ import annotations
@@ -254,35 +258,35 @@ def run_eval(
     """`agentrl eval`: build and check everything, start the configured servers (unless a client is
     given), evaluate, stop them. Raises `InfraFailureError` (after writing the report) when too many
     episodes failed for infrastructure reasons."""
-    from agentrl.inference.serve import serve_from_config
-    from agentrl.orchestration.preflight import preflight
-
     job = build_job(config, "eval", own_client=client is not None)
-    try:
-        preflight(job)
-        stamp = time.strftime("%Y%m%d-%H%M%S")
-        out = Path(config.eval.output_dir or Path(config.run.output_dir) / f"eval-{config.env.name}-{stamp}")
-        out.mkdir(parents=True, exist_ok=True)
-        save_config(config, out)
-        service = None
-        if client is None:
-            service = serve_from_config(config, log_dir=out / "logs", model_path=job.model_path)
-            client = service.client
-        try:
-            report = asyncio.run(_evaluate_and_close(job, client, out, progress))
-        finally:
-            if service is not None:
-                service.stop()
-    finally:
-        asyncio.run(job.aclose())
+    report, out = asyncio.run(_eval_job(job, client, progress))
     check_infra_failures(config, report, out)
     return report
 
 
-async def _evaluate_and_close(
-    job: Job, client: GenerateClient, out: Path, progress: EvalProgress | None
-) -> EvalReport:
+async def _eval_job(
+    job: Job, client: GenerateClient | None, progress: EvalProgress | None
+) -> tuple[EvalReport, Path]:
+    """The whole eval on one event loop, inside the job (`async with job`: its sandbox's workers and
+    shared servers live on this loop and close with it however the eval ends): pre-flight, the
+    servers, the episodes, the report; what it reported and where. The servers stop after the job's
+    resources closed (a gateway's sessions end before the servers behind them)."""
+    from agentrl.inference.serve import InferenceService, serve_from_config
+    from agentrl.orchestration.preflight import preflight
+
+    config = job.config
+    service: InferenceService | None = None
     try:
-        return await evaluate(job, client, job.val_rows, out, progress=progress)
+        async with job:
+            await asyncio.to_thread(preflight, job)  # its checks run on event loops of their own
+            stamp = time.strftime("%Y%m%d-%H%M%S")
+            out = Path(config.eval.output_dir or Path(config.run.output_dir) / f"eval-{config.env.name}-{stamp}")
+            out.mkdir(parents=True, exist_ok=True)
+            save_config(config, out)
+            if client is None:
+                service = serve_from_config(config, log_dir=out / "logs", model_path=job.model_path)
+                client = service.client
+            return await evaluate(job, client, job.val_rows, out, progress=progress), out
     finally:
-        await job.aclose()  # the sandbox's workers belong to this event loop
+        if service is not None:
+            service.stop()

@@ -19,7 +19,10 @@ dataset rows are rolled out on the configured engine at `rollout.temperature`/`t
 - (f) `dtype`: trainer scoring in bfloat16 vs float32 over the same tokens.
 
 Each check is PASS, FAIL or SKIP with its figures; the run fails when any check fails. It writes
-nothing into a run directory and trains nothing; the servers it starts are stopped at the end.
+nothing into a run directory and trains nothing. What needs the servers, (a)'s rollouts, (e)'s split
+side and (d), runs on one event loop inside the job (`async with job`, which closes its sandbox and
+shared servers however that ends); the servers it started stop right after, before the trainer's side
+of (b), (c), (e) and (f) runs in this process.
 """
 
 from __future__ import annotations
@@ -100,41 +103,30 @@ def run_onpolicy_check(config: AgentRLConfig, *, rows: int = 4, bf16_vs_fp32: bo
                        placement: bool = True) -> OnPolicyReport:
     """Run every check on the first `rows` training rows (one episode each); return the report.
     `bf16_vs_fp32` False skips (f), `placement` False skips (e)."""
-    from agentrl.inference.serve import serve_from_config
-
     if rows < 1:
         raise ConfigError(f"--rows must be at least 1, got {rows}.")
     start = time.perf_counter()
     job = build_job(config, "run")
-    try:
-        picked = [r for r in job.train_rows if r is not None][:rows]
-        if not picked:
-            raise ConfigError("the config's training data has no usable row to roll out; check data.train_files.")
-        report = OnPolicyReport({
-            "engine": config.inference.engine, "model": config.model.path, "template": config.model.chat_template
-            or "tokenizer's", "dtype": config.model.dtype, "temperature": config.rollout.temperature,
-            "top_p": config.rollout.top_p, **_restrictions(config), "rows": len(picked),
-        })  # fmt: skip
-        with tempfile.TemporaryDirectory(prefix="agentrl-check-") as tmp:
-            service = serve_from_config(config, log_dir=Path(tmp) / "logs", model_path=job.model_path)
-            try:
-                skip_placement = "--no-placement was given" if not placement else placement_skip_reason(config)
-                trajs, tools, cache, probes, split = asyncio.run(
-                    _on_servers(job, service, picked, Path(tmp), compare_placement=skip_placement is None))
-                report.checks.append(_check_template(job, trajs, tools))
-                backend = _backend(config, job.model_path, config.model.dtype)
-                old, disagreement = _score(backend, trajs, config)
-                report.checks.append(_check_rescore("rescore", config, trajs, old))
-                report.checks.append(_check_kept_set(config, trajs, old, disagreement))
-                report.checks.append(cache)
-            finally:
-                service.stop()
-        report.checks.append(CheckResult("placement", "SKIP", detail=skip_placement) if skip_placement else
-                             _check_placement(config, job.model_path, backend, probes, split))
-        report.checks.append(_check_dtype(config, job.model_path, trajs, backend) if bf16_vs_fp32 else
-                             CheckResult("dtype", "SKIP", detail="--no-dtype was given"))
-    finally:
-        asyncio.run(job.aclose())
+    skip_placement = "--no-placement was given" if not placement else placement_skip_reason(config)
+    with tempfile.TemporaryDirectory(prefix="agentrl-check-") as tmp:
+        picked, trajs, tools, cache, probes, split = asyncio.run(
+            _on_servers(job, rows, Path(tmp), compare_placement=skip_placement is None))
+    # the trainer's side, after the servers stopped and the job closed: it needs neither
+    report = OnPolicyReport({
+        "engine": config.inference.engine, "model": config.model.path, "template": config.model.chat_template
+        or "tokenizer's", "dtype": config.model.dtype, "temperature": config.rollout.temperature,
+        "top_p": config.rollout.top_p, **_restrictions(config), "rows": len(picked),
+    })  # fmt: skip
+    report.checks.append(_check_template(job, trajs, tools))
+    backend = _backend(config, job.model_path, config.model.dtype)
+    old, disagreement = _score(backend, trajs, config)
+    report.checks.append(_check_rescore("rescore", config, trajs, old))
+    report.checks.append(_check_kept_set(config, trajs, old, disagreement))
+    report.checks.append(cache)
+    report.checks.append(CheckResult("placement", "SKIP", detail=skip_placement) if skip_placement else
+                         _check_placement(config, job.model_path, backend, probes, split))
+    report.checks.append(_check_dtype(config, job.model_path, trajs, backend) if bf16_vs_fp32 else
+                         CheckResult("dtype", "SKIP", detail="--no-dtype was given"))
     report.seconds = time.perf_counter() - start
     return report
 
@@ -145,20 +137,34 @@ def _restrictions(config: AgentRLConfig) -> dict[str, Any]:
 
 
 async def _on_servers(
-    job: Job, service: Any, rows: list[dict[str, Any]], tmp: Path, *, compare_placement: bool
-) -> tuple[list[Trajectory], list[Any], CheckResult, list[PlacementProbe], list[Generation]]:
-    """Everything that needs the servers, on one event loop: the rollouts, the split side of the
-    placement check (before the cache check pushes other weights), then the cache check."""
-    await service.start()
+    job: Job, rows: int, tmp: Path, *, compare_placement: bool
+) -> tuple[list[dict[str, Any]], list[Trajectory], list[Any], CheckResult, list[PlacementProbe], list[Generation]]:
+    """Everything that needs the servers or the job's resources, on one event loop inside the job
+    (`async with job`: closed however the check ends, then the servers stopped): the rows picked, the
+    rollouts, the split side of the placement check (before the cache check pushes other weights),
+    then the cache check."""
+    from agentrl.inference.serve import InferenceService, serve_from_config
+
+    service: InferenceService | None = None
     try:
-        trajs, tools = await _roll_out(job, service, rows)
-        probes = placement_probes(job.config, trajs) if compare_placement else []
-        split = await generate_split(service.client, probes)
-        cache = await _check_cache(job.config, job, service.client, trajs, tmp)
+        async with job:
+            picked = [r for r in job.train_rows if r is not None][:rows]
+            if not picked:
+                raise ConfigError("the config's training data has no usable row to roll out; check data.train_files.")
+            service = serve_from_config(job.config, log_dir=tmp / "logs", model_path=job.model_path)
+            await service.start()
+            try:
+                trajs, tools = await _roll_out(job, service, picked)
+                probes = placement_probes(job.config, trajs) if compare_placement else []
+                split = await generate_split(service.client, probes)
+                cache = await _check_cache(job.config, job, service.client, trajs, tmp)
+            finally:
+                await service.stop_supervising()
+                await service.client.aclose()
     finally:
-        await service.stop_supervising()
-        await service.client.aclose()
-    return trajs, tools, cache, probes, split
+        if service is not None:
+            service.stop()
+    return picked, trajs, tools, cache, probes, split
 
 
 async def _roll_out(job: Job, service: Any, rows: list[dict[str, Any]]) -> tuple[list[Trajectory], list[Any]]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import pickle
 import threading
@@ -217,10 +218,11 @@ def test_the_config_section_and_the_env_factory_read_it(user_module: Path) -> No
         load_config(None, ["reward.function=' my_rewards:'"])
     config = load_config(None, ["env=arithmetic", "reward.function=my_rewards:length_bonus",
                                 "reward.kwargs={bonus: 0.5}"])
-    env_cls, kwargs = env_arguments(config)
+    env_cls, kwargs, resources = env_arguments(config)
     env = env_cls(**kwargs)
     assert isinstance(env.reward_fn, RewardFunction) and env.reward_fn.kwargs == {"bonus": 0.5}
     env.close()
+    asyncio.run(resources.aclose())
     with pytest.raises(ConfigError, match="no module named 'nowhere_xyz'"):
         env_arguments(load_config(None, ["env=retool", "reward.function=nowhere_xyz:fn"]))
     with pytest.raises(ConfigError, match="env.kwargs.reward_fn"):
