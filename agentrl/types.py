@@ -164,7 +164,7 @@ class SamplingParams:
     """How a server samples one generation.
 
     The kept set of a sampled token is the set of tokens it was drawn from: temperature first, then
-    `min_p`, `top_k` and `top_p` (vLLM's order; `agentrl.inference.kept_set`). When the settings
+    `min_p`, `top_k` and `top_p` (vLLM's order; `agentrl.kept_set`). When the settings
     truncate the vocabulary, a server answers each token's kept set (up to `max_kept_set` members;
     a larger one is reported as overflowed) so the trainer can replay it.
     """

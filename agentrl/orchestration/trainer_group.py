@@ -65,6 +65,7 @@ from agentrl.orchestration.actor_watch import death_cause
 from agentrl.orchestration.placement import PlacementPlan, weights_backend
 from agentrl.orchestration.run_commands import resume_command
 from agentrl.orchestration.worker_logs import route_worker_logs
+from agentrl.sampling import kept_set_rule
 from agentrl.types import Trajectory
 
 __all__ = ["ColocatedTrainerWorker", "TrainerGroup", "TrainerWorker", "export_assets"]
@@ -182,7 +183,6 @@ class TrainerWorker:
 
     def train(self, trajectories: list[Trajectory], policy_version: int | None = None,
               allowed_staleness: int = 0) -> dict[str, float]:
-        from agentrl.inference.kept_set import kept_set_rule
         from agentrl.trainer.step import train_step_with_tokens
 
         # Every rank alike (the entropy is gathered over ranks); rank 0 keeps the per-token values
@@ -191,7 +191,7 @@ class TrainerWorker:
         metrics, tokens = train_step_with_tokens(
             self.backend, trajectories, self.config.algorithm, self.config.trainer,
             temperature=self.config.rollout.temperature, max_response_tokens=self.max_response_tokens,
-            kl_controller=self.kl_controller, kept_rule=kept_set_rule(self.config),
+            kl_controller=self.kl_controller, kept_rule=kept_set_rule(self.config.rollout),
             policy_version=policy_version, allowed_staleness=allowed_staleness,
         )  # fmt: skip
         self.last_tokens = tokens if self.rank == 0 else None

@@ -11,8 +11,9 @@ trainer's per-token logprobs and entropy, `StepTokens`);
 This package imports torch, so nothing below the trainer layer may import it.
 
 Layer L4 (DESIGN.md §2): it sees `Trajectory` batches only. It may import `agentrl.weights` and
-the core modules, never rollout, the gateway, envs, tools or orchestration (an import contract
-in pyproject.toml checks it).
+the core modules (the kept-set rule and the sampling settings it shares with the servers among
+them: `agentrl.sampling`, `agentrl.kept_set`), never inference, rollout, the gateway, envs, tools
+or orchestration (import contracts in pyproject.toml check it).
 """
 
 from typing import Any

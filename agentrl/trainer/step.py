@@ -43,8 +43,8 @@ import torch
 
 from agentrl.config import AlgorithmConfig, TrainerConfig
 from agentrl.errors import ConfigError, TrainerError
-from agentrl.inference.kept_set import KeptSetRule
 from agentrl.registry import ADVANTAGE_ESTIMATORS
+from agentrl.sampling import KeptSetRule
 from agentrl.trainer import algos
 from agentrl.trainer.backend import CriticBatch, PolicyBatch, TrainerBackend, UpdateResult
 from agentrl.trainer.mismatch_gate import gate_sequences
