@@ -9,8 +9,10 @@ counts such an episode once.
 The two protocols every layer that plays episodes meets at are here too, once: `GenerateClient`
 (token in, token out; the inference clients and the router implement it, the AgentLoop and the
 gateway call it) and `ActionParser` (assistant text to an `Action`; the tool-call parsers
-implement it). Nothing here talks to a model, an environment or a sandbox; that is what the layers
-above do.
+implement it). So is what a training step reports back to the run (`StepReport`: its metrics and
+the on-policy gate's per-row decisions, `GatedRow`), which the trainer writes and the orchestration
+reads without importing torch. Nothing here talks to a model, an environment or a sandbox; that is
+what the layers above do.
 """
 
 from __future__ import annotations
@@ -19,20 +21,24 @@ import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from enum import IntEnum, StrEnum
-from typing import Any, Literal, Protocol, TypedDict, runtime_checkable
+from typing import Any, Literal, Protocol, TypedDict, get_args, runtime_checkable
 
 __all__ = [
+    "GATE_REASONS",
     "Action",
     "ActionParser",
     "ExecResult",
     "Fault",
     "FinishReason",
+    "GateReason",
+    "GatedRow",
     "GenerateClient",
     "Generation",
     "Message",
     "Role",
     "SamplingParams",
     "Segment",
+    "StepReport",
     "TokenOrigin",
     "ToolCall",
     "ToolResult",
@@ -164,7 +170,7 @@ class SamplingParams:
     """How a server samples one generation.
 
     The kept set of a sampled token is the set of tokens it was drawn from: temperature first, then
-    `min_p`, `top_k` and `top_p` (vLLM's order; `agentrl.inference.kept_set`). When the settings
+    `min_p`, `top_k` and `top_p` (vLLM's order; `agentrl.kept_set`). When the settings
     truncate the vocabulary, a server answers each token's kept set (up to `max_kept_set` members;
     a larger one is reported as overflowed) so the trainer can replay it.
     """
@@ -499,3 +505,45 @@ class Trajectory:
         legacy = info.pop("segment") if isinstance(info.get("segment"), dict) else None
         d["info"], d["segment"] = info, Segment.from_dict(d.get("segment") or legacy)
         return cls(**d)
+
+
+# ── what one training step reports to the run ───────────────────────────────────────────────────
+GateReason = Literal["template", "version", "logprob_gap", "mean_logprob_gap", "log_ratio_spread", "ess"]
+GATE_REASONS: tuple[GateReason, ...] = get_args(GateReason)
+"""Why the trainer's on-policy gate masks a sequence, in the order it tests them (the first figure
+that trips is the one recorded); `agentrl.trainer.mismatch_gate` decides, the run reads."""
+
+
+@dataclass(frozen=True, slots=True)
+class GatedRow:
+    """One sequence of a training batch that the on-policy gate masked out of the loss: which, why,
+    and the figures the gate computed for it over its sampled tokens (those sampled by the trained
+    version, when the step names it). A row gated by the batch's ESS (`reason` "ess" with its own
+    `ess` above the threshold) was kept by its own figures and gated with every other kept row."""
+
+    row: int
+    """Its index among the trainable trajectories of the batch, in the order the trainer got them."""
+    reason: GateReason
+    logprob_gap: float
+    """Largest |rollout - trainer| logprob gap over its tokens."""
+    mean_logprob_gap: float
+    """Mean |rollout - trainer| logprob gap over its tokens."""
+    log_ratio_spread: float
+    """Largest minus smallest log importance ratio over its tokens."""
+    ess: float
+    """Normalised effective sample size of its tokens' importance weights (1: all equal)."""
+    out_of_window_tokens: int = 0
+    """Sampled tokens whose policy version lies outside what the run's staleness allows."""
+    template_mismatches: float = 0.0
+    """Chat-template re-render mismatches `rollout.verify_template` counted in the episode."""
+
+
+@dataclass
+class StepReport:
+    """What one training step reports to the run: its metrics (numbers only, named `group/metric`)
+    and the on-policy gate's per-row decisions (`gated`, empty when the gate is off or kept every
+    row). The orchestration writes the decisions into each prompt's ledger line and stops a run
+    whose share of gated rows is over its threshold."""
+
+    metrics: dict[str, float]
+    gated: list[GatedRow] = field(default_factory=list)

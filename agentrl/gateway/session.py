@@ -24,7 +24,7 @@ calls per episode, `max_tokens_per_turn` per call, `max_total_tokens` per trajec
 `request_timeout_s` per generation. A call over budget is refused with an OpenAI-style 400
 (`context_length_exceeded`, `max_turns_exceeded`) and the refusal is remembered, so an agent that
 then gives up ends as `max_length` / `max_turns`, not as an infrastructure failure. Sampling is the
-backend's (temperature, top_p, stop ids): the trainer scores tokens at the rollout temperature, so
+backend's (`agentrl.sampling.sampling_params` of its config, its stop ids): the trainer scores tokens at the rollout temperature, so
 an agent's own `temperature` is not applied (`metrics["ignored_sampling"]` counts such calls).
 
 A call's template and parsing work (well under a millisecond) runs inline, not through the
@@ -62,13 +62,13 @@ from typing import TYPE_CHECKING, Any
 from agentrl.chat import ChatTemplate, TokenDelta
 from agentrl.errors import ChatTemplateError, InferenceError, ServerUnavailableError
 from agentrl.gateway.wire import ChatRequest, Completion, WireError, assistant_message, message_key
+from agentrl.sampling import sampling_params
 from agentrl.types import (
     Action,
     Fault,
     FinishReason,
     Generation,
     Message,
-    SamplingParams,
     Segment,
     TokenOrigin,
     Trajectory,
@@ -237,9 +237,7 @@ class GatewaySession:
     async def _generate(self, prompt: list[int], request: ChatRequest, cap: int) -> Generation:
         backend, cfg = self.backend, self.backend.config
         budget = min(cap, request.max_tokens or cap)
-        sampling = SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k, min_p=cfg.min_p,
-                                  max_kept_set=cfg.max_kept_set, max_tokens=budget,
-                                  stop_token_ids=backend.stop_token_ids, seed=request.seed)
+        sampling = sampling_params(cfg, max_tokens=budget, stop_token_ids=backend.stop_token_ids, seed=request.seed)
         timeout = min(cfg.request_timeout_s, self.time_left())
         if timeout <= 0:
             raise WireError("This episode has run out of time.", status=408, code="episode_timeout",

@@ -7,7 +7,7 @@ to be correct and easy to read, not fast, and it is not the default engine (vLLM
 
 Logprob convention (the same for every agentrl server): the logprob reported for a sampled token is
 its logprob under the distribution it was actually drawn from: `log_softmax(logits / temperature)`
-restricted to the kept set (min-p, top-k, top-p, in vLLM's order: `agentrl.inference.kept_set`)
+restricted to the kept set (min-p, top-k, top-p, in vLLM's order: `agentrl.kept_set`)
 and renormalised over it; the kept set of each token is answered too (`kept_sets`), so the
 trainer replays it. With the RL defaults (top_p=1, top_k off, min_p=0) that is exactly
 `log_softmax(logits / temperature)[token]` over the full vocabulary and no kept set is sent. With temperature 0 (greedy) the
@@ -30,7 +30,6 @@ from typing import Any
 import torch
 
 from agentrl.errors import ConfigError
-from agentrl.inference.kept_set import kept_mask, kept_sets_of
 from agentrl.inference.protocol import GenerateRequest, GenerateResponse, WeightLoadReport
 from agentrl.inference.server_app import (
     ServerEngine,
@@ -39,6 +38,7 @@ from agentrl.inference.server_app import (
     server_arg_parser,
     weight_load_report,
 )
+from agentrl.kept_set import kept_mask, kept_sets_of
 from agentrl.types import truncates_vocabulary
 
 __all__ = ["HFEngine", "main", "sample_token"]

@@ -52,6 +52,7 @@ from agentrl.orchestration.placement_check import (
     placement_tolerance,
 )
 from agentrl.rollout import RolloutWorker
+from agentrl.sampling import kept_set_rule, sampling_params
 from agentrl.types import Generation, Trajectory
 
 __all__ = ["CheckResult", "OnPolicyReport", "run_onpolicy_check"]
@@ -211,9 +212,7 @@ def _score(backend: Any, trajs: list[Trajectory], config: AgentRLConfig) -> tupl
     """The trainer's logprobs of the sampled ids (over each token's recorded kept set, when the
     rollout truncated sampling) and the share of sampled tokens outside the kept set the trainer's
     own logits give under the rollout's rule (None when sampling is not truncated)."""
-    from agentrl.inference.kept_set import kept_set_rule
-
-    rule = kept_set_rule(config)
+    rule = kept_set_rule(config.rollout)
     if rule is None:
         return backend.compute_logprobs(trajs, temperature=config.rollout.temperature), None
     old = backend.compute_logprobs(trajs, temperature=config.rollout.temperature, kept_rule=rule)
@@ -286,12 +285,11 @@ def _check_kept_set(config: AgentRLConfig, trajs: list[Trajectory], old: Any,
 
 async def _check_cache(config: AgentRLConfig, job: Job, router: Any, trajs: list[Trajectory], tmp: Path) -> CheckResult:
     """Sample from one prefix, push perturbed weights, sample again: the server must use them."""
-    from agentrl.types import SamplingParams
-
     if config.inference.engine == "external" or config.inference.urls:
         return CheckResult("cache", "SKIP", detail="servers this check did not start are not given other weights")
     prefix = list(trajs[0].token_ids[: trajs[0].prompt_length])
-    sampling = SamplingParams(temperature=config.rollout.temperature, max_tokens=1, seed=config.run.seed)
+    # The reference logprob is over the whole vocabulary: so is the probe's.
+    sampling = sampling_params(config.rollout, max_tokens=1, seed=config.run.seed, whole_vocabulary=True)
     before = await router.generate(prefix, sampling, session_id="check-cache")
     perturbed, perturbed_dir = await asyncio.to_thread(_perturbed_copy, job.model_path, tmp / "perturbed", config.run.seed)
     await router.update_weights(str(perturbed_dir), 1)

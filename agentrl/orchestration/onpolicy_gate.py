@@ -1,9 +1,9 @@
 """What a run does with the trainer's on-policy gate: ledger the gated sequences, stop when too many trip.
 
 The trainer (`agentrl.trainer.mismatch_gate`) masks each sequence whose rollout logprobs, template
-re-render or policy versions do not match, and reports why per row. Here, after each update:
-`take_gated_rows` pops those per-row reasons out of the step's metrics, `gated_groups` turns them
-into the text each prompt's ledger line carries (`trained`, with "gated: 1 of 4 sequences
+re-render or policy versions do not match, and reports each masked row typed, in the step's
+`StepReport.gated` (`agentrl.types.GatedRow`: which row, why, its figures). Here, after each update:
+`gated_groups` turns those rows into the text each prompt's ledger line carries (`trained`, with "gated: 1 of 4 sequences
 (template)"), and `check_gated_share` stops the run with `OnPolicyMismatchError` when more than
 `algorithm.mismatch_gate.max_gated_share` of the step's sequences tripped, or when the trainer's
 kept-set disagreement (`onpolicy/kept_set_disagreement`, reported by kept-set replay) is over its
@@ -22,6 +22,7 @@ from pathlib import Path
 
 from agentrl.config import AgentRLConfig
 from agentrl.errors import AgentRLError
+from agentrl.types import GATE_REASONS, GatedRow
 
 __all__ = [
     "LIKELY_CAUSES",
@@ -30,13 +31,8 @@ __all__ = [
     "check_command",
     "check_gated_share",
     "gated_groups",
-    "take_gated_rows",
 ]
 
-# Kept in step with agentrl.trainer.mismatch_gate.GATE_REASONS (a unit test checks it); repeated
-# here so that reading the metrics does not import torch.
-_REASONS: tuple[str, ...] = ("template", "version", "logprob_gap", "mean_logprob_gap", "log_ratio_spread", "ess")
-_ROW_PREFIX = "onpolicy/gated_row/"
 KEPT_SET_METRIC = "onpolicy/kept_set_disagreement"
 
 LIKELY_CAUSES: dict[str, str] = {
@@ -74,21 +70,14 @@ def check_command(run_dir: str | Path) -> str:
     return shlex.join(["agentrl", "check", "onpolicy", str(Path(run_dir) / "config.yaml")])
 
 
-def take_gated_rows(metrics: dict[str, float]) -> dict[int, str]:
-    """Pop the trainer's per-row reasons out of `metrics`: {row of the trained batch: reason}."""
-    rows: dict[int, str] = {}
-    for key in [k for k in metrics if k.startswith(_ROW_PREFIX)]:
-        rows[int(key.removeprefix(_ROW_PREFIX))] = _REASONS[int(metrics.pop(key))]
-    return rows
-
-
-def gated_groups(group_sizes: Sequence[int], rows: dict[int, str]) -> list[str]:
+def gated_groups(group_sizes: Sequence[int], gated: Sequence[GatedRow]) -> list[str]:
     """Per group (the batch's rows are the groups' trajectories in order): the ledger text for the
-    sequences the gate masked, "" where none was."""
+    sequences the gate masked (`StepReport.gated`), "" where none was."""
+    reason_of = {g.row: g.reason for g in gated}
     out: list[str] = []
     start = 0
     for size in group_sizes:
-        reasons = Counter(rows[i] for i in range(start, start + size) if i in rows)
+        reasons = Counter(reason_of[i] for i in range(start, start + size) if i in reason_of)
         n = sum(reasons.values())
         out.append(f"gated: {n} of {size} sequences masked out of the loss ("
                    + ", ".join(f"{r} {c}" for r, c in sorted(reasons.items())) + ")" if n else "")
@@ -104,7 +93,7 @@ def check_gated_share(config: AgentRLConfig, metrics: dict[str, float], step: in
         return
     share, max_share = metrics.get("onpolicy/gated_share"), gate.max_gated_share
     disagreement, max_disagreement = metrics.get(KEPT_SET_METRIC), gate.max_kept_set_disagreement
-    counts = {r: int(metrics.get(f"onpolicy/gated_sequences/{r}", 0)) for r in _REASONS}
+    counts = {r: int(metrics.get(f"onpolicy/gated_sequences/{r}", 0)) for r in GATE_REASONS}
     if disagreement is not None and disagreement > max_disagreement:
         cause, what = "kept_set", (f"{disagreement:.3f} of the sampled tokens are outside the trainer's kept set "
                                    f"(algorithm.mismatch_gate.max_kept_set_disagreement={max_disagreement:g})")

@@ -34,6 +34,7 @@ from typing import Any, Literal
 
 from agentrl.config import AgentRLConfig
 from agentrl.rollout import group_seed
+from agentrl.sampling import sampling_params
 from agentrl.types import Generation, SamplingParams, Trajectory
 
 __all__ = [
@@ -100,10 +101,9 @@ def placement_probes(config: AgentRLConfig, trajs: Sequence[Trajectory]) -> list
     """One probe per episode: the prefix of its first generation, the rollout's sampling settings
     and a seed of its own, at most `rollout.max_tokens_per_turn` tokens."""
     r = config.rollout
-    return [PlacementProbe(list(t.token_ids[: t.prompt_length]), SamplingParams(
-        temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, min_p=r.min_p, max_kept_set=r.max_kept_set,
-        max_tokens=r.max_tokens_per_turn, seed=group_seed(config.run.seed, i),
-    )) for i, t in enumerate(trajs)]  # fmt: skip
+    return [PlacementProbe(list(t.token_ids[: t.prompt_length]),
+                           sampling_params(r, max_tokens=r.max_tokens_per_turn, seed=group_seed(config.run.seed, i)))
+            for i, t in enumerate(trajs)]
 
 
 @dataclass

@@ -65,7 +65,8 @@ from agentrl.orchestration.actor_watch import death_cause
 from agentrl.orchestration.placement import PlacementPlan, weights_backend
 from agentrl.orchestration.run_commands import resume_command
 from agentrl.orchestration.worker_logs import route_worker_logs
-from agentrl.types import Trajectory
+from agentrl.sampling import kept_set_rule
+from agentrl.types import StepReport, Trajectory
 
 __all__ = ["ColocatedTrainerWorker", "TrainerGroup", "TrainerWorker", "export_assets"]
 
@@ -181,21 +182,20 @@ class TrainerWorker:
         return {"backend": "files", "location": str(self.files.directory), "token": None, "nonce": self.nonce}
 
     def train(self, trajectories: list[Trajectory], policy_version: int | None = None,
-              allowed_staleness: int = 0) -> dict[str, float]:
-        from agentrl.inference.kept_set import kept_set_rule
+              allowed_staleness: int = 0) -> StepReport:
         from agentrl.trainer.step import train_step_with_tokens
 
         # Every rank alike (the entropy is gathered over ranks); rank 0 keeps the per-token values
         # until the next step, for the few kept rollouts the driver asks for (`trainer_tokens`).
         self.last_tokens = None  # the last batch goes before the next one is trained on
-        metrics, tokens = train_step_with_tokens(
+        report, tokens = train_step_with_tokens(
             self.backend, trajectories, self.config.algorithm, self.config.trainer,
             temperature=self.config.rollout.temperature, max_response_tokens=self.max_response_tokens,
-            kl_controller=self.kl_controller, kept_rule=kept_set_rule(self.config),
+            kl_controller=self.kl_controller, kept_rule=kept_set_rule(self.config.rollout),
             policy_version=policy_version, allowed_staleness=allowed_staleness,
         )  # fmt: skip
         self.last_tokens = tokens if self.rank == 0 else None
-        return metrics
+        return report
 
     def trainer_tokens(self, indices: list[int]) -> dict[int, tuple[list[float | None], list[float | None] | None]]:
         """Rank 0: the trainer's per-token (logprobs, entropy or None) of the last batch's
@@ -338,7 +338,7 @@ class ColocatedTrainerWorker:
         return self.trainer.weight_endpoint()
 
     async def train(self, trajectories: list[Trajectory], policy_version: int | None = None,
-                    allowed_staleness: int = 0) -> dict[str, float]:
+                    allowed_staleness: int = 0) -> StepReport:
         from agentrl.inference.colocated import trim_heap
 
         start = time.perf_counter()
@@ -349,17 +349,17 @@ class ColocatedTrainerWorker:
         waited = time.perf_counter() - start
         await self.server.sleep(weights=self.release_weights)
         try:
-            metrics = await asyncio.to_thread(self.trainer.train, trajectories, policy_version, allowed_staleness)
+            report = await asyncio.to_thread(self.trainer.train, trajectories, policy_version, allowed_staleness)
         finally:
             trim_heap()  # the activations' pages go back before the engine takes its KV cache again
             if not self.release_weights:
                 await self.server.wake()
         self.trainer_version += 1
         phases = self.server.engine.phase_s
-        metrics.update({"time/engine_sleep_s": phases.get("sleep_s", 0.0), "time/wait_push_s": waited})
+        report.metrics.update({"time/engine_sleep_s": phases.get("sleep_s", 0.0), "time/wait_push_s": waited})
         if not self.release_weights:
-            metrics["time/engine_wake_s"] = phases.get("wake_s", 0.0)
-        return metrics
+            report.metrics["time/engine_wake_s"] = phases.get("wake_s", 0.0)
+        return report
 
     async def trainer_tokens(self, indices: list[int]) -> dict[int, tuple[list[float | None], list[float | None] | None]]:
         return self.trainer.trainer_tokens(indices)
@@ -626,8 +626,9 @@ class TrainerGroup:
             raise WeightSyncError(f"weights.backend={self.weights}: {exc}. Fix: {fix}.") from exc
 
     async def train(self, trajectories: list[Trajectory], policy_version: int | None = None,
-                    allowed_staleness: int = 0) -> dict[str, float]:
-        """One update on every rank; `policy_version` and `allowed_staleness` feed the on-policy gate."""
+                    allowed_staleness: int = 0) -> StepReport:
+        """One update on every rank (rank 0's report); `policy_version` and `allowed_staleness` feed
+        the on-policy gate."""
         return await self._all("train", trajectories, policy_version, allowed_staleness)
 
     async def export(self, version: int) -> tuple[str, float]:

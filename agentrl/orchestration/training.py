@@ -43,7 +43,6 @@ from agentrl.orchestration.onpolicy_gate import (
     allowed_staleness,
     check_gated_share,
     gated_groups,
-    take_gated_rows,
 )
 from agentrl.orchestration.progress import ProgressTicker
 from agentrl.orchestration.prompt_length import PromptMeter
@@ -54,7 +53,7 @@ from agentrl.records.run_files import append_text
 from agentrl.records.trajectory_log import RolloutLog, TrainerTokens
 from agentrl.rollout import RolloutWorker
 from agentrl.rollout.worker import group_seed
-from agentrl.types import Trajectory, final_segments, is_first_segment
+from agentrl.types import StepReport, Trajectory, final_segments, is_first_segment
 
 __all__ = ["RunBooks", "TrainingSteps", "score_text"]
 
@@ -235,13 +234,13 @@ class TrainingSteps:
         self.ticker.begin(f"step {step + 1}/{self.config.run.total_steps}: training on {len(trajectories)} episodes")
         # Where each trajectory sits in the trainer's batch: the kept ones' per-token values are fetched by it.
         self._trained_rows = (step, {id(t): i for i, t in enumerate(trajectories)})
-        metrics: dict[str, float] = await self.trainer.train(trajectories, self.scheduler.trainer_version,
-                                                             allowed_staleness(self.config))
+        report: StepReport = await self.trainer.train(trajectories, self.scheduler.trainer_version,
+                                                      allowed_staleness(self.config))
+        metrics = report.metrics
         # The on-policy gate: the sequences the trainer masked go into each group's ledger line, and
         # a step where too many tripped stops the run (its groups are closed as unfinished).
-        gated = take_gated_rows(metrics)
         sizes = [sum(t.trainable for t in g.trajectories) for g in groups]
-        for g, note in zip(groups, gated_groups(sizes, gated), strict=True):
+        for g, note in zip(groups, gated_groups(sizes, report.gated), strict=True):
             g.note = note
         check_gated_share(self.config, metrics, step, self.books.run_dir)
         if not self.colocated:  # colocated: the engine takes the trainer's tensors at the push, in memory

@@ -58,6 +58,7 @@ from agentrl.chat import ChatTemplate, ConversationTokenizer
 from agentrl.config import RolloutConfig
 from agentrl.errors import AgentRLError, InferenceRequestError, RewardMissingError
 from agentrl.rollout.pacing import CpuGate
+from agentrl.sampling import sampling_params
 from agentrl.types import (
     Action,
     ActionParser,
@@ -66,7 +67,6 @@ from agentrl.types import (
     GenerateClient,
     Generation,
     Message,
-    SamplingParams,
     TokenOrigin,
     Trajectory,
 )
@@ -93,8 +93,8 @@ class EpisodeState(enum.Enum):
 AgentLoopConfig = RolloutConfig
 """Budgets and sampling of one episode: the run config's `rollout` section itself, so every knob
 the loop reads can be set from YAML and there is no second copy to keep in step. The loop reads
-`max_turns`, `max_tokens_per_turn`, `max_total_tokens`, `temperature`, `top_p`, `top_k`, `min_p`, `max_kept_set`,
-`episode_timeout_s`, `request_timeout_s`, `close_timeout_s`, `truncate_timeout_s`, `verify_template`,
+`max_turns`, `max_tokens_per_turn`, `max_total_tokens`, the sampling fields (through
+`agentrl.sampling.sampling_params`: `temperature`, `top_p`, `top_k`, `min_p`, `max_kept_set`), `episode_timeout_s`, `request_timeout_s`, `close_timeout_s`, `truncate_timeout_s`, `verify_template`,
 `max_starting` and `cpu_slice_s`."""
 
 
@@ -245,10 +245,7 @@ class AgentLoop:
         budget = min(cfg.max_tokens_per_turn, cfg.max_total_tokens - len(ep.trajectory))
         if budget <= 0:
             raise _EpisodeOver(FinishReason.MAX_LENGTH, budget="rollout.max_total_tokens")
-        sampling = SamplingParams(
-            temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k, min_p=cfg.min_p,
-            max_kept_set=cfg.max_kept_set, max_tokens=budget, stop_token_ids=self.stop_token_ids,
-        )
+        sampling = sampling_params(cfg, max_tokens=budget, stop_token_ids=self.stop_token_ids)
         timeout = min(cfg.request_timeout_s, ep.time_left())
         if timeout <= 0:
             raise _EpisodeOver(FinishReason.TIMEOUT, "infra", "no time left for the next generation",

@@ -5,14 +5,15 @@ loss aggregation, rollout/trainer importance corrections and reward shaping; `pa
 list of `Trajectory` into padding-free model inputs; `objective` assembles one micro-batch's loss;
 `backend` is the interface every backend implements and the update loop they share, `fsdp2` the
 FSDP2 backend and `megatron` the Megatron-core one (each imported on first use, each filling the
-loop's hooks); `step.train_step` is one RL step for any backend (`train_step_with_tokens` also returns the
-trainer's per-token logprobs and entropy, `StepTokens`);
-`distributed` joins or spawns ranks.
+loop's hooks); `step.train_step` is one RL step for any backend (`train_step_with_tokens` returns
+the step's `agentrl.types.StepReport`, its metrics and the on-policy gate's per-row decisions, and
+the trainer's per-token logprobs and entropy, `StepTokens`); `distributed` joins or spawns ranks.
 This package imports torch, so nothing below the trainer layer may import it.
 
 Layer L4 (DESIGN.md §2): it sees `Trajectory` batches only. It may import `agentrl.weights` and
-the core modules, never rollout, the gateway, envs, tools or orchestration (an import contract
-in pyproject.toml checks it).
+the core modules (the kept-set rule and the sampling settings it shares with the servers among
+them: `agentrl.sampling`, `agentrl.kept_set`), never inference, rollout, the gateway, envs, tools
+or orchestration (import contracts in pyproject.toml check it).
 """
 
 from typing import Any

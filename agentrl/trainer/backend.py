@@ -43,8 +43,8 @@ from torch.optim.lr_scheduler import LRScheduler
 
 from agentrl.config import AgentRLConfig, AlgorithmConfig, TrainerConfig
 from agentrl.errors import TrainerError, UnknownNameError
-from agentrl.inference.kept_set import KeptSetRule
 from agentrl.registry import closest_names, import_object
+from agentrl.sampling import KeptSetRule
 from agentrl.trainer.objective import (
     MetricSums,
     ScoredRows,

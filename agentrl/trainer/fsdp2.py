@@ -55,7 +55,8 @@ from torch.distributed.tensor import DTensor
 
 from agentrl.config import AlgorithmConfig, TrainerConfig
 from agentrl.errors import ConfigError, FeatureUnavailableError, TrainerError
-from agentrl.inference.kept_set import KeptSetRule, entropy_of, masked_logits, outside_kept_set
+from agentrl.kept_set import entropy_of, masked_logits, outside_kept_set
+from agentrl.sampling import KeptSetRule
 from agentrl.trainer.backend import MicroBatches, TrainerBackend
 from agentrl.trainer.distributed import balanced_shares, init_distributed, resolve_device
 from agentrl.trainer.lm_head import ScoringHead, install_scoring_head, scoring

@@ -4,7 +4,7 @@ With a 150k-token vocabulary the fp32 logits of a micro-batch (and their gradien
 trainer's largest tensors by far: 0.6 MB per token each. `ScoringHead` replaces the model's
 `lm_head` and, while a `scoring` request is active, returns per-token `(logprob, entropy, outside)`
 at the sampling temperature instead of logits (over each token's kept set when the rollout
-recorded one: `agentrl.inference.kept_set`), computing logits for `chunk_size` tokens at a time (by
+recorded one: `agentrl.kept_set`), computing logits for `chunk_size` tokens at a time (by
 default as many as make 32M logits) and recomputing each chunk but the last in the backward pass,
 so full-vocabulary logits never exist for the whole micro-batch. The last chunk keeps what its
 backward needs: the backward starts with it, so this saves its recomputation (a head-sized matmul;
@@ -30,7 +30,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from agentrl.inference.kept_set import KeptSetRule, entropy_of, masked_logits, outside_kept_set
+from agentrl.kept_set import entropy_of, masked_logits, outside_kept_set
+from agentrl.sampling import KeptSetRule
 
 __all__ = ["SCORE_COLUMNS", "ScoringHead", "ScoringRequest", "install_scoring_head", "scoring"]
 

@@ -45,7 +45,8 @@ from torch.utils.checkpoint import checkpoint
 
 from agentrl.config import AlgorithmConfig, TrainerConfig
 from agentrl.errors import ConfigError, FeatureUnavailableError, TrainerError
-from agentrl.inference.kept_set import KeptSetRule, masked_logits, outside_kept_set
+from agentrl.kept_set import masked_logits, outside_kept_set
+from agentrl.sampling import KeptSetRule
 from agentrl.trainer.backend import MicroBatches, TrainerBackend
 from agentrl.trainer.distributed import balanced_shares, init_distributed, resolve_device
 from agentrl.trainer.megatron_convert import (

@@ -11,9 +11,9 @@ threshold of `algorithm.mismatch_gate` gets a reason (the first figure that trip
 of `GATE_REASONS`), and the step masks it out of the loss.
 
 The gate decides per sequence only; whether a step with too many gated sequences stops the run is
-the orchestration's call (`agentrl.orchestration.onpolicy_gate`). The per-sequence reasons travel
-back in the step's metrics as `onpolicy/gated_row/<row>` = index into `GATE_REASONS`
-(`GATED_ROW_PREFIX`), which the orchestration pops before it logs the metrics.
+the orchestration's call (`agentrl.orchestration.onpolicy_gate`). The per-sequence decisions travel
+back typed, as the `gated` rows of the step's `agentrl.types.StepReport` (`GatedRow`: which row,
+why, its figures); the metrics carry only the batch's numbers.
 """
 
 from __future__ import annotations
@@ -24,21 +24,27 @@ from dataclasses import dataclass, field
 import torch
 
 from agentrl.config import MismatchGateConfig
-from agentrl.types import Trajectory
+from agentrl.types import GATE_REASONS, GatedRow, GateReason, Trajectory
 
-__all__ = ["GATED_ROW_PREFIX", "GATE_REASONS", "GateDecision", "gate_sequences"]
-
-GATE_REASONS: tuple[str, ...] = ("template", "version", "logprob_gap", "mean_logprob_gap", "log_ratio_spread", "ess")
-"""Why a sequence was gated, in the order they are tested (the first that trips is recorded)."""
-GATED_ROW_PREFIX = "onpolicy/gated_row/"
+__all__ = ["GateDecision", "gate_sequences"]
 
 
 @dataclass
 class GateDecision:
-    """Per row of the batch: why it is gated (None: kept); the step's figures as metrics."""
+    """The gate's verdict on a batch of `rows` sequences: the gated ones (`GatedRow`, by row) and
+    the batch's figures as metrics (numbers only)."""
 
-    reasons: list[str | None]
+    rows: int
+    gated: list[GatedRow] = field(default_factory=list)
     metrics: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def reasons(self) -> list[GateReason | None]:
+        """Per row of the batch: why it is gated (None: kept)."""
+        out: list[GateReason | None] = [None] * self.rows
+        for g in self.gated:
+            out[g.row] = g.reason
+        return out
 
     @property
     def keep(self) -> torch.Tensor:
@@ -62,8 +68,8 @@ def gate_sequences(
     """Gate the rows of a padded batch (module docstring). `mask` (B, L) is 1 on sampled tokens;
     `policy_version` is the trainer version this step trains at (None: versions are not checked),
     and a token may be at most `allowed_staleness` versions older than it."""
-    gap_max, gap_mean, spread, ess = [], [], [], []
-    reasons: list[str | None] = []
+    figures_of: list[dict[str, float]] = []  # per row: its figures, GatedRow's fields
+    reasons: list[GateReason | None] = []
     stale_tokens = 0
     log_ratio_all = (old_logprobs.float() - rollout_logprobs.float()).detach()
     width = mask.shape[1]
@@ -89,13 +95,12 @@ def gate_sequences(
             "mean_logprob_gap": float(r.abs().mean()) if r.numel() else 0.0,
             "log_ratio_spread": float(r.max() - r.min()) if r.numel() else 0.0,
             "ess": _ess(r),
+            "out_of_window_tokens": stale,
+            "template_mismatches": float(t.metrics.get("template_mismatch", 0.0)),
         }
-        gap_max.append(figures["logprob_gap"])
-        gap_mean.append(figures["mean_logprob_gap"])
-        spread.append(figures["log_ratio_spread"])
-        ess.append(figures["ess"])
+        figures_of.append(figures)
         tripped = {
-            "template": t.metrics.get("template_mismatch", 0.0) > config.max_template_mismatches,
+            "template": figures["template_mismatches"] > config.max_template_mismatches,
             "version": stale > 0,
             "logprob_gap": figures["logprob_gap"] > config.max_logprob_gap,
             "mean_logprob_gap": figures["mean_logprob_gap"] > config.max_mean_logprob_gap,
@@ -112,21 +117,21 @@ def gate_sequences(
         if batch_ess < config.min_ess:
             for i in kept_rows:
                 reasons[i] = "ess"
-    gated = [r for r in reasons if r]
+    gated = [GatedRow(row=i, reason=reason, logprob_gap=f["logprob_gap"], mean_logprob_gap=f["mean_logprob_gap"],
+                      log_ratio_spread=f["log_ratio_spread"], ess=f["ess"],
+                      out_of_window_tokens=int(f["out_of_window_tokens"]), template_mismatches=f["template_mismatches"])
+             for i, (reason, f) in enumerate(zip(reasons, figures_of, strict=True)) if reason is not None]
     metrics: dict[str, float] = {
         "onpolicy/gated_sequences": float(len(gated)),
         "onpolicy/gated_share": len(gated) / max(1, len(reasons)),
-        "onpolicy/logprob_gap_max": max(gap_max, default=0.0),
-        "onpolicy/mean_logprob_gap_max": max(gap_mean, default=0.0),
-        "onpolicy/log_ratio_spread_max": max(spread, default=0.0),
-        "onpolicy/ess_min": min(ess, default=1.0),
+        "onpolicy/logprob_gap_max": max((f["logprob_gap"] for f in figures_of), default=0.0),
+        "onpolicy/mean_logprob_gap_max": max((f["mean_logprob_gap"] for f in figures_of), default=0.0),
+        "onpolicy/log_ratio_spread_max": max((f["log_ratio_spread"] for f in figures_of), default=0.0),
+        "onpolicy/ess_min": min((f["ess"] for f in figures_of), default=1.0),
         "onpolicy/batch_ess": batch_ess,
     }
     if policy_version is not None:
         metrics["onpolicy/out_of_window_tokens"] = float(stale_tokens)
     for name in GATE_REASONS:
         metrics[f"onpolicy/gated_sequences/{name}"] = float(sum(r == name for r in reasons))
-    for i, reason in enumerate(reasons):
-        if reason:
-            metrics[f"{GATED_ROW_PREFIX}{i}"] = float(GATE_REASONS.index(reason))
-    return GateDecision(reasons, metrics)
+    return GateDecision(len(reasons), gated, metrics)

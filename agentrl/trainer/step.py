@@ -8,7 +8,8 @@ batch with the current policy (old logprobs, unless the update scores them itsel
 advantages with the configured estimator (`ADVANTAGE_ESTIMATORS`); weigh the rollout/trainer
 mismatch and mask the sequences the on-policy gate finds too far off (`mismatch_gate`, which then
 needs the old logprobs before the update); then hand the batch to the backend's update loop
-(`TrainerBackend.update`). It returns the metrics an RL practitioner watches, named `group/metric`. The KL coefficient comes from a
+(`TrainerBackend.update`). It returns the metrics an RL practitioner watches, named `group/metric`
+(numbers only; the gate's per-row decisions travel typed, see below). The KL coefficient comes from a
 controller (`make_kl_controller`) that the caller keeps across steps: fixed, or adaptive when
 `algorithm.kl_target` is set, updated after each step with the batch's KL to the reference.
 
@@ -20,7 +21,9 @@ one reward per episode and every segment's tokens get its episode's advantage (t
 more in its group. Token-level estimators (gae, reinforce_pp) see each segment as a sequence that
 ends with the episode's reward.
 
-`train_step_with_tokens` does the same and also returns what the trainer computed per token
+`train_step_with_tokens` does the same and returns the step's `StepReport` (its metrics and the
+on-policy gate's per-row decisions, `GatedRow`: which sequences were masked, why, their figures),
+which the run reads to ledger and police the gate, and what the trainer computed per token
 (`StepTokens`: the old logprob the loss used and, when the update is one optimizer step, the
 policy's entropy), so that the run can store it beside the rollout's logprobs of the episodes it
 keeps: where the two differ, the rollout was off-policy on that token. The tensors are already in
@@ -43,13 +46,13 @@ import torch
 
 from agentrl.config import AlgorithmConfig, TrainerConfig
 from agentrl.errors import ConfigError, TrainerError
-from agentrl.inference.kept_set import KeptSetRule
 from agentrl.registry import ADVANTAGE_ESTIMATORS
+from agentrl.sampling import KeptSetRule
 from agentrl.trainer import algos
 from agentrl.trainer.backend import CriticBatch, PolicyBatch, TrainerBackend, UpdateResult
 from agentrl.trainer.mismatch_gate import gate_sequences
 from agentrl.trainer.packing import PaddedBatch, pad_trajectories
-from agentrl.types import FinishReason, Trajectory
+from agentrl.types import FinishReason, GatedRow, StepReport, Trajectory
 
 __all__ = ["StepTokens", "kept_set_metrics", "make_kl_controller", "train_step", "train_step_with_tokens"]
 
@@ -117,11 +120,11 @@ def train_step(
     `algorithm` is an `AlgorithmConfig`, `trainer` a `TrainerConfig`; see `train_step_with_tokens`
     for the rest of the arguments.
     """
-    metrics, _ = _train_step(backend, trajectories, algorithm, trainer, temperature=temperature,
-                             max_response_tokens=max_response_tokens, kl_controller=kl_controller,
-                             kept_rule=kept_rule, policy_version=policy_version,
-                             allowed_staleness=allowed_staleness, with_tokens=False)
-    return metrics
+    report, _ = _train_step(backend, trajectories, algorithm, trainer, temperature=temperature,
+                            max_response_tokens=max_response_tokens, kl_controller=kl_controller,
+                            kept_rule=kept_rule, policy_version=policy_version,
+                            allowed_staleness=allowed_staleness, with_tokens=False)
+    return report.metrics
 
 
 def train_step_with_tokens(
@@ -136,8 +139,9 @@ def train_step_with_tokens(
     kept_rule: KeptSetRule | None = None,
     policy_version: int | None = None,
     allowed_staleness: int = 0,
-) -> tuple[dict[str, float], StepTokens | None]:
-    """`train_step`, and what the trainer computed per token (None when nothing was trained).
+) -> tuple[StepReport, StepTokens | None]:
+    """`train_step`'s step as a `StepReport` (its metrics and the on-policy gate's per-row
+    decisions), and what the trainer computed per token (None when nothing was trained).
 
     `algorithm` is an `AlgorithmConfig`, `trainer` a `TrainerConfig` (the update's schedule:
     `ppo_epochs`, `mini_batches`, `zero_advantage_rows`, `score_in_update`). `temperature` is the
@@ -164,13 +168,13 @@ def _train_step(
     backend: TrainerBackend, trajectories: Sequence[Trajectory], algorithm: AlgorithmConfig, trainer: TrainerConfig,
     *, temperature: float, max_response_tokens: int | None, kl_controller: KLController | None,
     kept_rule: KeptSetRule | None, policy_version: int | None, allowed_staleness: int, with_tokens: bool,
-) -> tuple[dict[str, float], StepTokens | None]:  # fmt: skip
+) -> tuple[StepReport, StepTokens | None]:  # fmt: skip
     kl_coef = _kl_coefficient(algorithm, kl_controller)
     start = time.perf_counter()
     trajs = [t for t in trajectories if t.trainable]
     metrics = {"batch/trajectories": float(len(trajectories)), "batch/infra_masked": float(len(trajectories) - len(trajs))}
     if not trajs:
-        return {**metrics, "batch/skipped": 1.0}, None
+        return StepReport({**metrics, "batch/skipped": 1.0}), None
     scores = _shaped_scores(trajs, algorithm, max_response_tokens, metrics)
     layout = pad_trajectories(trajs)
 
@@ -188,7 +192,7 @@ def _train_step(
     rewards, kl = _kl_in_reward(scores, old_logprobs, ref_logprobs, layout.loss_mask, algorithm, kl_coef, metrics)
     advantages, returns, values = _advantages(backend, trajs, rewards, layout.loss_mask, algorithm, metrics)
 
-    policy_batch, critic_batch = _update_batches(
+    policy_batch, critic_batch, gated = _update_batches(
         trajs, layout, advantages, returns, values, old_logprobs, ref_logprobs, algorithm, metrics,
         temperature=temperature, max_len=max_response_tokens, kept_rule=rule if in_update else None,
         gate=(policy_version, allowed_staleness),
@@ -217,15 +221,16 @@ def _train_step(
     metrics["perf/update_tokens_per_s"] = tokens * trainer.ppo_epochs / max(update_s, 1e-9)
     metrics["perf/step_s"] = step_s
     metrics["perf/step_tokens_per_s"] = tokens / max(step_s, 1e-9)
+    report = StepReport(metrics, gated)
     if not with_tokens:
-        return metrics, None
+        return report, None
     # Rows a skipping update left out (`zero_advantage_rows=skip`) were not scored in the update.
     in_update_mask = layout.loss_mask if result.scored_rows is None else layout.loss_mask * result.scored_rows[:, None]
     used = old_logprobs if old_logprobs is not None else result.old_logprobs
     if used is None:  # the update skipped an all-masked batch: it scored nothing
-        return metrics, None
+        return report, None
     mask = layout.loss_mask if old_logprobs is not None else in_update_mask
-    return metrics, StepTokens(trajs, used, mask, result.entropy, in_update_mask)
+    return report, StepTokens(trajs, used, mask, result.entropy, in_update_mask)
 
 
 def kept_set_metrics(trajectories: Sequence[Trajectory]) -> dict[str, float]:
@@ -402,18 +407,20 @@ def _update_batches(
     algorithm: AlgorithmConfig, metrics: dict[str, float], *, temperature: float, max_len: int | None,
     kept_rule: KeptSetRule | None = None,
     gate: tuple[int | None, int] = (None, 0),
-) -> tuple[PolicyBatch, CriticBatch | None]:  # fmt: skip
+) -> tuple[PolicyBatch, CriticBatch | None, list[GatedRow]]:  # fmt: skip
     """The policy batch (with the rollout correction and the mismatch gate when the old logprobs
-    are known) and, for GAE, the critic batch. `max_len` None: the batch's longest response.
-    `gate`: (the policy version this step trains at, the staleness it allows)."""
+    are known), for GAE the critic batch, and the rows the gate masked. `max_len` None: the batch's
+    longest response. `gate`: (the policy version this step trains at, the staleness it allows)."""
     mask = layout.loss_mask
     is_weights, loss_mask = None, mask
+    gated: list[GatedRow] = []
     if old_logprobs is not None:
         is_weights, loss_mask = _rollout_mismatch(metrics, old_logprobs, layout.rollout_logprobs, mask, algorithm)
         if algorithm.mismatch_gate.enabled:
             decision = gate_sequences(trajs, old_logprobs, layout.rollout_logprobs, mask, algorithm.mismatch_gate,
                                       policy_version=gate[0], allowed_staleness=gate[1])
             metrics.update(decision.metrics)
+            gated = decision.gated
             loss_mask = loss_mask * decision.keep[:, None].to(loss_mask.dtype)
     max_len = max_len or max(1, int(mask.sum(-1).max().item()))
     policy = PolicyBatch(
@@ -426,7 +433,7 @@ def _update_batches(
         critic = CriticBatch(trajs, loss_mask=mask, returns=returns, old_values=values, max_len=max_len)
     tokens = sum(len(t.token_ids) for t in trajs)
     metrics.update({"batch/loss_tokens": float(loss_mask.sum().item()), "batch/tokens": float(tokens)})
-    return policy, critic
+    return policy, critic, gated
 
 
 def _measured_in_update(

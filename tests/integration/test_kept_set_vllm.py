@@ -20,7 +20,7 @@ import torch
 
 from agentrl.config import AlgorithmConfig, TrainerConfig
 from agentrl.inference import HTTPServerClient
-from agentrl.inference.kept_set import KeptSetRule
+from agentrl.sampling import KeptSetRule
 from agentrl.trainer.packing import pad_trajectories
 from agentrl.types import SamplingParams, TokenOrigin, Trajectory
 

@@ -349,7 +349,7 @@ def kept_batch() -> list[Trajectory]:
 
 
 def megatron_kept(model_dir: str, tp: int) -> dict[str, Any]:
-    from agentrl.inference.kept_set import KeptSetRule
+    from agentrl.sampling import KeptSetRule
     from agentrl.trainer.step import train_step
 
     backend = _megatron(model_dir, tensor_parallel=tp)
@@ -363,7 +363,7 @@ def megatron_kept(model_dir: str, tp: int) -> dict[str, Any]:
 def test_kept_sets_are_replayed_over_vocabulary_shards(gqa_model: Path) -> None:
     from transformers import AutoModelForCausalLM
 
-    from agentrl.inference.kept_set import kept_mask, masked_logits
+    from agentrl.kept_set import kept_mask, masked_logits
     from agentrl.trainer import launch
     from agentrl.trainer.fsdp2 import FSDP2Backend
     from agentrl.trainer.packing import pad_trajectories

@@ -10,6 +10,10 @@ import threading
 from typing import Any
 
 from agentrl.orchestration.trainer_group import ColocatedTrainerWorker
+from agentrl.types import GatedRow, StepReport
+
+GATED = GatedRow(row=1, reason="template", logprob_gap=0.0, mean_logprob_gap=0.0, log_ratio_spread=0.0, ess=1.0,
+                 template_mismatches=2.0)
 
 
 class FakeTrainer:
@@ -22,9 +26,9 @@ class FakeTrainer:
         self.calls.append((name, detail, threading.current_thread().name))
 
     def train(self, trajectories: list[Any], policy_version: int | None = None,
-              allowed_staleness: int = 0) -> dict[str, float]:
+              allowed_staleness: int = 0) -> StepReport:
         self._note("train", len(trajectories))
-        return {"loss": 1.0}
+        return StepReport({"loss": 1.0}, [GATED])
 
     def save(self, path: str, data_position: dict[str, Any], *, weights_version: int | None = None) -> tuple[float, dict]:
         self._note("save", weights_version)
@@ -70,20 +74,22 @@ def make_worker(release_weights: bool = False) -> tuple[ColocatedTrainerWorker, 
 
 def test_train_runs_the_trainer_on_a_thread_between_sleep_and_wake() -> None:
     worker, trainer, server = make_worker()
-    metrics = asyncio.run(worker.train([object(), object()]))
+    report = asyncio.run(worker.train([object(), object()]))
+    metrics = report.metrics
     assert trainer.calls[0][:2] == ("train", 2)
     assert trainer.calls[0][2] != threading.main_thread().name
     assert server.events == ["sleep weights=False", "wake"]
     assert worker.trainer_version == 1
     assert metrics == {"loss": 1.0, "time/engine_sleep_s": 0.25, "time/wait_push_s": metrics["time/wait_push_s"],
                        "time/engine_wake_s": 0.5}
+    assert report.gated == [GATED]  # the gate's decisions come back as the trainer gave them
 
 
 def test_train_waits_for_the_previous_push() -> None:
     worker, trainer, server = make_worker(release_weights=True)
     worker.trainer_version = 1  # an update the engine has not received yet
 
-    async def go() -> dict[str, float]:
+    async def go() -> StepReport:
         task = asyncio.create_task(worker.train([object()]))
         await asyncio.sleep(0.05)
         assert trainer.calls == []  # still waiting
@@ -92,10 +98,10 @@ def test_train_waits_for_the_previous_push() -> None:
         worker._pushed.set()
         return await task
 
-    metrics = asyncio.run(go())
+    report = asyncio.run(go())
     assert [c[0] for c in trainer.calls] == ["train"]
     assert server.events == ["sleep weights=True"]  # released weights come back with the next push
-    assert "time/engine_wake_s" not in metrics
+    assert "time/engine_wake_s" not in report.metrics
     assert worker.trainer_version == 2
 
 

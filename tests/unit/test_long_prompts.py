@@ -16,7 +16,7 @@ from agentrl.envs.arithmetic import ArithmeticEnv
 from agentrl.orchestration.build import Job, build_job
 from agentrl.orchestration.checkpoints import CheckpointStore
 from agentrl.orchestration.training import RunBooks, TrainingSteps
-from agentrl.types import Generation, SamplingParams, Trajectory
+from agentrl.types import GatedRow, Generation, SamplingParams, StepReport, Trajectory
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "verl"
 BUDGET = 512
@@ -48,6 +48,7 @@ class Fakes:
         self.trained: list[Trajectory] = []
         self.rolled_out: list[dict[str, Any]] = []
         self.metrics: list[dict[str, float]] = []
+        self.gated: list[GatedRow] = []  # what the trainer's on-policy gate reports masked
         self.sinks = ["jsonl"]  # as the metrics logger: no console, so no progress ticker
 
     async def run_group(self, row: dict[str, Any], n: int, *, seed: int, group_id: str) -> list[Trajectory]:
@@ -55,9 +56,11 @@ class Fakes:
         return [await self.loop.run_episode(self.job.make_env(), row=row, group_id=group_id) for _ in range(n)]
 
     async def train(self, trajectories: list[Trajectory], policy_version: int | None = None,
-                    allowed_staleness: int = 0) -> dict[str, float]:
+                    allowed_staleness: int = 0) -> StepReport:
         self.trained.extend(trajectories)
-        return {"loss": 0.0}
+        gated = len(self.gated)
+        return StepReport({"loss": 0.0, "onpolicy/gated_share": gated / len(trajectories),
+                           "onpolicy/gated_sequences": float(gated)}, list(self.gated))
 
     async def export(self, version: int) -> tuple[str, float]:
         return "weights", 0.0
@@ -79,7 +82,7 @@ class Fakes:
         self.metrics.append(metrics)
 
 
-def run_one_step(tmp_path: Path) -> tuple[Job, RunBooks, Fakes]:
+def run_one_step(tmp_path: Path, gated: list[GatedRow] | None = None) -> tuple[Job, RunBooks, Fakes]:
     rows = [json.loads(line) for line in (DATA / "gsm8k.jsonl").read_text().splitlines() if line.strip()]
     rows[0]["prompt"][0]["content"] = "Count the clips again. " * 60 + rows[0]["prompt"][0]["content"]
     path = tmp_path / "long.jsonl"
@@ -95,6 +98,7 @@ def run_one_step(tmp_path: Path) -> tuple[Job, RunBooks, Fakes]:
     books = RunBooks(job, run_dir, CheckpointStore(run_dir / "checkpoints"), None)
     books.val_rows = []
     fakes = Fakes(job)
+    fakes.gated = gated or []
     steps = TrainingSteps(job, books, trainer=fakes, router=fakes, worker=fakes, logger=fakes,  # type: ignore[arg-type]
                           make_env=job.make_env, start_step=0, version=0, eval_before={})
     asyncio.run(steps.run())
@@ -141,3 +145,17 @@ def test_a_too_long_prompt_the_env_cannot_measure_is_masked_by_the_agent_loop(
     assert entries[1].status == "trained"
     assert len(fakes.trained) == 2 and all(t.num_sampled > 0 for t in fakes.trained)  # no 0-token trajectory
     assert fakes.metrics[0]["data/filtered_too_long"] == 1.0
+
+
+def test_the_rows_the_trainers_gate_masked_reach_their_prompts_ledger_lines(tmp_path: Path) -> None:
+    """The driver reads the gate's typed per-row decisions: row 3 of the batch is the second
+    sample of the second trained prompt; the metrics it logs stay numbers only."""
+    gated = GatedRow(row=3, reason="logprob_gap", logprob_gap=2.5, mean_logprob_gap=0.8, log_ratio_spread=2.5,
+                     ess=0.9)
+    _job, books, fakes = run_one_step(tmp_path, [gated])
+    entries = {e.index: e for e in books.ledger.entries.values()}
+    assert entries[1].status == entries[2].status == "trained"
+    assert entries[1].reason == ""
+    assert entries[2].reason == "gated: 1 of 2 sequences masked out of the loss (logprob_gap 1)"
+    assert fakes.metrics[0]["onpolicy/gated_sequences"] == 1.0
+    assert all(isinstance(v, float) for v in fakes.metrics[0].values())

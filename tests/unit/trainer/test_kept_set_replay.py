@@ -19,8 +19,9 @@ import torch
 
 from agentrl.config import AlgorithmConfig, TrainerConfig
 from agentrl.inference.hf_server import HFEngine
-from agentrl.inference.kept_set import KeptSetRule, kept_mask
 from agentrl.inference.protocol import GenerateRequest, SamplingSpec
+from agentrl.kept_set import kept_mask
+from agentrl.sampling import KeptSetRule
 from agentrl.types import TokenOrigin, Trajectory
 
 PROMPTS = [[1, 2, 3, 4, 5, 6, 7, 8], [11, 12, 13, 14, 15, 16, 17, 18, 19]]

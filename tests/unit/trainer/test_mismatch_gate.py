@@ -1,31 +1,32 @@
 """The on-policy mismatch gate: which sequences it masks, why, and when the run stops.
 
 Guards: a sequence whose rollout logprobs, template re-render or policy versions do not match is
-masked out of the loss with its reason (and only that sequence); the reasons reach each group's
+masked out of the loss with its reason (and only that sequence); the decisions travel typed in
+the step's report (which row, why, its figures), never in the metrics, and reach each group's
 ledger text; a step where more than `max_gated_share` trip raises with the likely cause and the
 `agentrl check onpolicy` command; a healthy batch (equal logprobs) trips nothing.
 """
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from test_step import FakeBackend
 
 from agentrl.config import AgentRLConfig, AlgorithmConfig, MismatchGateConfig, TrainerConfig
-from agentrl.orchestration.onpolicy_gate import _REASONS as ORCHESTRATION_REASONS
 from agentrl.orchestration.onpolicy_gate import (
     LIKELY_CAUSES,
     OnPolicyMismatchError,
     allowed_staleness,
     check_gated_share,
     gated_groups,
-    take_gated_rows,
 )
-from agentrl.trainer.mismatch_gate import GATE_REASONS, gate_sequences
+from agentrl.trainer.mismatch_gate import gate_sequences
 from agentrl.trainer.packing import pad_trajectories
-from agentrl.trainer.step import train_step
-from agentrl.types import TokenOrigin, Trajectory
+from agentrl.trainer.step import train_step, train_step_with_tokens
+from agentrl.types import GATE_REASONS, GatedRow, TokenOrigin, Trajectory
 
 
 def traj(logprobs: list[float], *, version: int = 0, template_mismatch: float | None = None) -> Trajectory:
@@ -45,14 +46,17 @@ def gate(trajs: list[Trajectory], shift: dict[int, list[float]] | None = None, *
     return gate_sequences(trajs, old, layout.rollout_logprobs, layout.loss_mask, MismatchGateConfig(), **kw)
 
 
-def test_the_orchestration_reads_the_reasons_the_trainer_writes():
-    assert ORCHESTRATION_REASONS == GATE_REASONS
+def test_every_reason_the_trainer_gives_has_a_likely_cause_for_the_run_to_name():
     assert set(GATE_REASONS) <= set(LIKELY_CAUSES)
+
+
+def row(i: int, reason) -> GatedRow:
+    return GatedRow(row=i, reason=reason, logprob_gap=0.0, mean_logprob_gap=0.0, log_ratio_spread=0.0, ess=1.0)
 
 
 def test_a_healthy_batch_trips_nothing():
     d = gate([traj([-1.0, -2.0, -0.5]) for _ in range(4)], shift={0: [1e-5, -1e-5]}, policy_version=0)
-    assert d.reasons == [None] * 4
+    assert d.reasons == [None] * 4 and d.gated == []
     assert d.metrics["onpolicy/gated_sequences"] == 0.0 and d.metrics["onpolicy/batch_ess"] == pytest.approx(1.0)
     assert d.metrics["onpolicy/logprob_gap_max"] == pytest.approx(1e-5, rel=1e-2)
 
@@ -71,7 +75,19 @@ def test_each_figure_gates_only_its_sequence_with_its_reason():
     assert d.metrics["onpolicy/out_of_window_tokens"] == 2.0
     assert d.metrics["onpolicy/gated_sequences/template"] == 1.0
     assert d.metrics["onpolicy/gated_share"] == pytest.approx(0.8)
-    assert take_gated_rows(dict(d.metrics)) == {0: "template", 1: "version", 2: "logprob_gap", 3: "mean_logprob_gap"}
+    assert [(g.row, g.reason) for g in d.gated] == [(0, "template"), (1, "version"), (2, "logprob_gap"),
+                                                    (3, "mean_logprob_gap")]
+    template, version, gap, mean_gap = d.gated  # each with the figures the gate saw
+    assert (template.template_mismatches, template.out_of_window_tokens) == (1.0, 0)
+    assert (version.out_of_window_tokens, version.template_mismatches) == (2, 0.0)
+    assert gap.logprob_gap == pytest.approx(2.5) and gap.mean_logprob_gap == pytest.approx(2.5 / 3)
+    assert gap.log_ratio_spread == pytest.approx(2.5)
+    # its shift lands on two of its three sampled tokens: log ratios (0.3, 0.3, 0)
+    assert mean_gap.logprob_gap == pytest.approx(0.3) and mean_gap.mean_logprob_gap == pytest.approx(0.2)
+    weights = [1.0, 1.0, math.exp(-0.3)]
+    assert mean_gap.ess == pytest.approx(sum(weights) ** 2 / (3 * sum(w * w for w in weights)), rel=1e-5)
+    assert all(isinstance(v, float) for v in d.metrics.values())
+    assert not any(k.startswith("onpolicy/gated_row") for k in d.metrics)
 
 
 def test_versions_inside_the_staleness_window_pass():
@@ -89,20 +105,25 @@ def test_allowed_staleness_follows_the_mode():
 def test_train_step_masks_the_gated_sequence_out_of_the_loss():
     backend = FakeBackend()
     trajs = [traj([-1.0, -1.0]) for _ in range(3)] + [traj([-1.0, -1.0], template_mismatch=2.0)]
-    m = train_step(backend, trajs, AlgorithmConfig(), TrainerConfig(), policy_version=0)
+    report, _ = train_step_with_tokens(backend, trajs, AlgorithmConfig(), TrainerConfig(), policy_version=0)
     (batch,) = backend.policy_batches
     assert batch.loss_mask.sum(-1).tolist() == [2.0, 2.0, 2.0, 0.0]
+    m = report.metrics
     assert m["onpolicy/gated_sequences"] == 1.0 and m["onpolicy/gated_sequences/template"] == 1.0
     assert m["batch/scored_in_update"] == 0.0  # the gate needs the old logprobs before the update
-    assert take_gated_rows(m) == {3: "template"} and not any(k.startswith("onpolicy/gated_row") for k in m)
+    assert report.gated == [GatedRow(row=3, reason="template", logprob_gap=0.0, mean_logprob_gap=0.0,
+                                     log_ratio_spread=0.0, ess=1.0, template_mismatches=2.0)]
+    assert not any(k.startswith("onpolicy/gated_row") for k in m)
+    plain = train_step(FakeBackend(), trajs, AlgorithmConfig(), TrainerConfig(), policy_version=0)
+    assert plain.keys() == m.keys() and plain["onpolicy/gated_sequences"] == 1.0  # train_step: the metrics alone
 
 
 def test_ledger_text_names_the_gated_sequences_per_group():
-    assert gated_groups([2, 3], {1: "template", 3: "version", 4: "version"}) == [
+    assert gated_groups([2, 3], [row(1, "template"), row(3, "version"), row(4, "version")]) == [
         "gated: 1 of 2 sequences masked out of the loss (template 1)",
         "gated: 2 of 3 sequences masked out of the loss (version 2)",
     ]
-    assert gated_groups([2], {}) == [""]
+    assert gated_groups([2], []) == [""]
 
 
 def test_too_many_gated_sequences_stop_the_run_naming_the_cause_and_the_check(tmp_path):

@@ -641,8 +641,9 @@ def test_the_step_returns_the_trainers_logprob_and_entropy_of_each_trained_token
     batch.insert(2, make_traj([1, 2, 3], [X, X], reward=0.0, group="p0", fault="infra"))
     trainable = [t for t in batch if t.trainable]
     expected = fsdp2().compute_logprobs(trainable)  # the same initial weights, before any update
-    metrics, tokens = train_step_with_tokens(fsdp2(), batch, AlgorithmConfig(rollout_is="tis"),
-                                             TrainerConfig(score_in_update=score_in_update))
+    report, tokens = train_step_with_tokens(fsdp2(), batch, AlgorithmConfig(rollout_is="tis"),
+                                            TrainerConfig(score_in_update=score_in_update))
+    metrics = report.metrics
     assert tokens is not None and metrics["batch/scored_in_update"] == float(score_in_update)
     assert [id(t) for t in tokens.trained] == [id(t) for t in trainable]
     mask = pad_trajectories(trainable).loss_mask

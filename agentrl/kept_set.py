@@ -3,8 +3,11 @@
 A token sampled with `top_p < 1`, `top_k > 0` or `min_p > 0` was drawn from a subset of the
 vocabulary, renormalised. The engine records that subset (the *kept set*) and the trainer scores
 the token over the same subset, so the importance ratio compares like with like. This module is
-the one rule both sides use: the `hf` engine samples with it, the trainer checks with it whether
-its own logits would have kept the sampled token (`onpolicy/kept_set_disagreement`).
+the one rule both sides apply to logits: the `hf` engine samples with it, the trainer masks its
+logits to the recorded sets with it and checks whether its own logits would have kept the sampled
+token (`onpolicy/kept_set_disagreement`). Which truncations apply (`KeptSetRule`) is read from the
+config in `agentrl.sampling`, which imports no torch; this module is imported only by the trainer
+and the servers, where torch is (layer L0, DESIGN.md §2).
 
 The order is vLLM's (`vllm/v1/sample/sampler.py::Sampler.sample`): divide the logits by the
 temperature; then `min_p` (drop tokens whose probability is below `min_p` times the largest, an
@@ -19,34 +22,11 @@ It is torch only; it knows nothing of servers, requests or trajectories.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
-
 import torch
 
-__all__ = ["KeptSetRule", "entropy_of", "kept_mask", "kept_set_rule", "kept_sets_of", "masked_logits", "outside_kept_set"]
+from agentrl.sampling import KeptSetRule
 
-
-@dataclass(frozen=True, slots=True)
-class KeptSetRule:
-    """The truncation settings of a rollout (`rollout.top_k`, `top_p`, `min_p`): what the trainer
-    needs to compute its own kept set of each token, by `kept_mask`."""
-
-    top_k: int = 0
-    top_p: float = 1.0
-    min_p: float = 0.0
-
-    @property
-    def truncates(self) -> bool:
-        return self.top_k > 0 or self.top_p < 1.0 or self.min_p > 0.0
-
-
-def kept_set_rule(config: Any) -> KeptSetRule | None:
-    """The `KeptSetRule` of a run's `rollout` section (an `AgentRLConfig`); None when its sampling
-    keeps the whole vocabulary (or is greedy, which the trainer cannot score)."""
-    r = config.rollout
-    rule = KeptSetRule(top_k=r.top_k, top_p=r.top_p, min_p=r.min_p)
-    return rule if rule.truncates and r.temperature > 0 else None
+__all__ = ["entropy_of", "kept_mask", "kept_sets_of", "masked_logits", "outside_kept_set"]
 
 
 def kept_mask(scaled_logits: torch.Tensor, *, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0) -> torch.Tensor:
