@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import gc
 import math
 import warnings
 from collections.abc import Callable, Sequence
@@ -105,6 +106,9 @@ def check_env(
                   "astep and step gave different results for the same seed and actions")
 
     if not skip_gymnasium and first is not None and _resets_without_a_row(env):
+        # What the process left for the garbage collector before (an event loop someone did not close
+        # warns "unclosed socket" when collected) is collected now, so it is not blamed on this env.
+        gc.collect()
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             try:

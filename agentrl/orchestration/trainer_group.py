@@ -64,7 +64,7 @@ from agentrl.errors import AgentRLError, ServerUnavailableError, TrainerError, W
 from agentrl.orchestration.actor_watch import death_cause
 from agentrl.orchestration.placement import PlacementPlan, weights_backend
 from agentrl.orchestration.run_commands import resume_command
-from agentrl.orchestration.worker_logs import route_worker_logs
+from agentrl.orchestration.worker_logs import route_native_stderr, route_worker_logs
 from agentrl.sampling import kept_set_rule
 from agentrl.types import StepReport, Trajectory
 
@@ -111,7 +111,9 @@ class TrainerWorker:
         local_rank: int | None = None, ship_checkpoints: bool = False, assets: dict[str, bytes] | None = None,
     ) -> None:
         # Before anything imports vLLM: its start-up goes to the run's logs/, not through Ray to the console.
-        route_worker_logs(Path(weights_dir).parent / "logs", f"trainer-{rank}")
+        log = route_worker_logs(Path(weights_dir).parent / "logs", f"trainer-{rank}")
+        if log is not None:
+            route_native_stderr(log)  # torch's NUMA notice, written by C++ straight to stderr
         # Ray carries the config as a dict: validated here, once; the backend and train_step take the model.
         self.config = AgentRLConfig.model_validate(config)
         if world_size > 1:

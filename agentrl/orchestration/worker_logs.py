@@ -12,8 +12,8 @@ become log records too (`logging.captureWarnings`), and the progress bars of lib
 off in the worker (`TQDM_DISABLE`, `HF_HUB_DISABLE_PROGRESS_BARS`). torch logs through a stderr
 handler of its own (its "Triton not available" notice): that handler is removed so its records take
 the same path. What C++ code writes straight to the process's stderr (torch's NUMA-binding notice)
-is not a log record: file descriptor 2 is pointed at the same log file, while Python's `sys.stderr`
-(tracebacks, and the console handler above) keeps the stream Ray forwards. So a native crash's last
+is not a log record: `route_native_stderr` points file descriptor 2 at the same log file, while
+Python's `sys.stderr` (tracebacks, and the console handler above) keeps the stream Ray forwards. So a native crash's last
 words are in `logs/<name>.log`, not on the console; the driver still reports the actor's death.
 This module does not touch the driver's logging (`agentrl.cli` and `agentrl.records.library_logs`
 configure that).
@@ -26,9 +26,8 @@ import logging
 import os
 import sys
 from pathlib import Path
-from typing import TextIO
 
-__all__ = ["route_worker_logs"]
+__all__ = ["route_native_stderr", "route_worker_logs"]
 
 _FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
@@ -68,25 +67,30 @@ def route_worker_logs(log_dir: str | Path, name: str) -> Path | None:
         handler._agentrl_worker_log = True  # type: ignore[attr-defined]
         root.addHandler(handler)
     root.setLevel(logging.INFO)
-    _native_stderr_to(path, to_console)
     _adopt_torch_logger()
     return path
 
 
-def _native_stderr_to(path: Path, console: logging.StreamHandler[TextIO]) -> None:
-    """Point file descriptor 2 at `path` (what native code writes there), keeping Python's
-    `sys.stderr` and `console` on the stream Ray forwards to the driver."""
+def route_native_stderr(path: str | Path) -> bool:
+    """Point this process's file descriptor 2 at `path` (appended), so what native code writes
+    there (torch's NUMA-binding notice) goes to the log file, while Python's `sys.stderr`, and the
+    console handler `route_worker_logs` installed, keep the stream Ray forwards to the driver.
+    For a worker process that lives to its end: nothing undoes it. False when it could not be done."""
     try:
         forwarded = os.dup(2)
         native = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     except OSError:
-        return
+        return False
     sys.stderr.flush()
     stream = os.fdopen(forwarded, "w", buffering=1)
     os.dup2(native, 2)
     os.close(native)
     sys.stderr = stream
-    console.setStream(stream)
+    for handler in logging.getLogger().handlers:
+        if getattr(handler, "_agentrl_worker_log", False) and isinstance(handler, logging.StreamHandler) \
+                and not isinstance(handler, logging.FileHandler):
+            handler.setStream(stream)
+    return True
 
 
 def _adopt_torch_logger() -> None:
