@@ -29,6 +29,7 @@ This module holds no logic beyond the classes; it is imported by everything and 
     ├── CheckpointError              a checkpoint cannot be written, or none intact can be read
     ├── RunWriteError                a run's record cannot be written: disk full, read-only, directory gone
     ├── StartupError                 a part the run starts (Ray, an engine, the trainer, a sandbox) did not start
+    │   └── ChildNotReadyError       a child process exited or was not ready in time (`agentrl.child_process`)
     ├── ResourceCloseError           one or more of a job's resources did not close; `failures` names each
     ├── WeightSyncError              a weight push failed
     │   └── ChecksumError            a bucket arrived corrupted
@@ -45,6 +46,7 @@ __all__ = [
     "ChatTemplateError",
     "CheckpointError",
     "ChecksumError",
+    "ChildNotReadyError",
     "ConfigError",
     "DatasetError",
     "EnvContractError",
@@ -229,6 +231,34 @@ class StartupError(AgentRLError):
     def __init__(self, message: str, part: str = "") -> None:
         super().__init__(message)
         self.part = part
+
+
+class ChildNotReadyError(StartupError):
+    """A child process agentrl started exited, or did not become ready within its deadline.
+
+    `cause` says how, in `agentrl.child_process`'s words ("exited with code 1", "was killed by signal 9
+    (SIGKILL)", "did not become ready within 30 s"); `returncode` is None while it ran (it was then
+    stopped), `tail` the end of its log and `log_path` where the log is (None: a temporary file).
+    Callers add what to do next, in their own error."""
+
+    def __init__(self, name: str, cause: str, *, returncode: int | None = None, tail: str = "",
+                 log_path: str | None = None, timed_out: bool = False) -> None:
+        where = f" ({log_path})" if log_path else ""
+        super().__init__(f"{name} {cause}; its log{where} ends:\n{tail or '(nothing)'}", part=name)
+        self.name = name
+        self.cause = cause
+        self.returncode = returncode
+        self.tail = tail
+        self.log_path = log_path
+        self.timed_out = timed_out
+
+    def __reduce__(self) -> tuple[Any, tuple[str, str, int | None, str, str | None, bool]]:
+        return (_child_not_ready, (self.name, self.cause, self.returncode, self.tail, self.log_path, self.timed_out))
+
+
+def _child_not_ready(name: str, cause: str, returncode: int | None, tail: str, log_path: str | None,
+                     timed_out: bool) -> ChildNotReadyError:
+    return ChildNotReadyError(name, cause, returncode=returncode, tail=tail, log_path=log_path, timed_out=timed_out)
 
 
 class ResourceCloseError(AgentRLError):

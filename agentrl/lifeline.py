@@ -47,11 +47,13 @@ _POLL_S = 0.5
 
 
 def lifeline_argv(command: list[str], *, grace_s: float = 10.0, python: str | None = None,
-                  keep_stdin: bool = False) -> list[str]:
+                  keep_stdin: bool = False, pass_fds: tuple[int, ...] | list[int] = ()) -> list[str]:
     """`command` run under a lifeline (see the module docstring); start it with `start_new_session=True`.
-    `keep_stdin`: the command reads the lifeline's stdin (a stdio tool server) instead of /dev/null."""
+    `keep_stdin`: the command reads the lifeline's stdin (a stdio tool server) instead of /dev/null.
+    `pass_fds`: descriptors the command inherits (start the lifeline with the same `pass_fds`)."""
+    fds = [arg for fd in pass_fds for arg in ("--fd", str(fd))]
     return [python or sys.executable, "-I", LIFELINE_PATH, "--parent", str(os.getpid()), "--grace", str(grace_s),
-            *(["--stdin"] if keep_stdin else []), "--", *command]
+            *(["--stdin"] if keep_stdin else []), *fds, "--", *command]
 
 
 _reaper: subprocess.Popen[bytes] | None = None
@@ -146,7 +148,8 @@ def _kill_others(signum: int) -> None:
         time.sleep(0.02)
 
 
-def _watch(command: list[str], grace_s: float, parent: int, keep_stdin: bool = False) -> int:
+def _watch(command: list[str], grace_s: float, parent: int, keep_stdin: bool = False,
+           pass_fds: tuple[int, ...] = ()) -> int:
     stop = {"asked": False}
 
     def on_term(signum: int, frame: object) -> None:
@@ -157,7 +160,7 @@ def _watch(command: list[str], grace_s: float, parent: int, keep_stdin: bool = F
     if os.getppid() != parent:  # the parent died before we started looking
         stop["asked"] = True
     # same session and group as us
-    child = subprocess.Popen(command, stdin=None if keep_stdin else subprocess.DEVNULL)
+    child = subprocess.Popen(command, stdin=None if keep_stdin else subprocess.DEVNULL, pass_fds=pass_fds)
     deadline: float | None = None
     while True:
         code = child.poll()
@@ -178,13 +181,15 @@ def _watch(command: list[str], grace_s: float, parent: int, keep_stdin: bool = F
 
 
 def main(argv: list[str]) -> None:
-    grace_s, parent, keep_stdin = 10.0, os.getppid(), False
-    while argv[:1] in (["--grace"], ["--parent"], ["--stdin"]):
+    grace_s, parent, keep_stdin, fds = 10.0, os.getppid(), False, []
+    while argv[:1] in (["--grace"], ["--parent"], ["--stdin"], ["--fd"]):
         if argv[0] == "--stdin":
             keep_stdin, argv = True, argv[1:]
             continue
         if argv[0] == "--grace":
             grace_s = float(argv[1])
+        elif argv[0] == "--fd":
+            fds.append(int(argv[1]))
         else:
             parent = int(argv[1])
         argv = argv[2:]
@@ -193,8 +198,8 @@ def main(argv: list[str]) -> None:
     if argv[:1] == ["--"]:
         argv = argv[1:]
     if not argv:
-        sys.exit("usage: lifeline.py [--parent PID] [--grace S] [--stdin] (-- command [args...] | --reap-tree)")
-    code = _watch(argv, grace_s, parent, keep_stdin)
+        sys.exit("usage: lifeline.py [--parent PID] [--grace S] [--stdin] [--fd N]... (-- command [args...] | --reap-tree)")
+    code = _watch(argv, grace_s, parent, keep_stdin, tuple(fds))
     sys.stdout.flush()
     if code < 0:  # end by the same signal, so the parent sees what the command saw
         with contextlib.suppress(OSError, ValueError):  # SIGKILL and SIGSTOP have no handler to reset
