@@ -359,7 +359,8 @@ class ChildProcess:
 
     def stop(self, grace_s: float | None = None) -> int | None:
         """SIGTERM the group, SIGKILL what is left after the grace (the lifeline's plus a margin);
-        then close the pipes and the log. Its return code; stopping twice is harmless."""
+        then close its stdin. Its return code; stopping twice is harmless. The log stays readable
+        until `close_log`."""
         if self.popen is None:
             return None
         if self.popen.poll() is None:
@@ -369,10 +370,9 @@ class ChildProcess:
             except subprocess.TimeoutExpired:
                 self.kill()
         self.signal_group(signal.SIGKILL)  # what outlived the leader (an engine's workers) goes too
-        for pipe in (self.popen.stdin, self.popen.stdout, self.popen.stderr):
-            if pipe is not None:
-                with contextlib.suppress(OSError, ValueError):
-                    pipe.close()
+        if self.popen.stdin is not None:  # stdout and stderr are left to their readers, which see EOF
+            with contextlib.suppress(OSError, ValueError):
+                self.popen.stdin.close()
         return self.popen.returncode
 
     async def astop(self, grace_s: float | None = None) -> int | None:

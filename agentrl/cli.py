@@ -422,40 +422,11 @@ def cmd_serve(ns: argparse.Namespace) -> int:
 
 
 def cmd_gateway(ns: argparse.Namespace) -> int:
-    import asyncio
-    import time
-    from pathlib import Path
-
-    from agentrl.config import save_config
-    from agentrl.gateway.standalone import serve_gateway
-    from agentrl.inference.serve import serve_from_config
-    from agentrl.orchestration.build import build_job
+    from agentrl.orchestration.gateway_service import serve_gateway_service
 
     cfg = _load(ns.args)
     _log_to_console()
-    job = build_job(cfg, "eval")  # the model, its chat template, tool parser and budgets, checked
-    asyncio.run(job.aclose())  # the gateway runs no env: nothing of the job but its loop is needed
-    out = Path(ns.out or Path(cfg.run.output_dir) / f"gateway-{time.strftime('%Y%m%d-%H%M%S')}")
-    save_config(cfg, out)
-    print(f"starting {cfg.inference.num_servers} {cfg.inference.engine} server(s) for {cfg.model.path} ...",
-          flush=True)
-    service = serve_from_config(cfg, log_dir=out / "logs", model_path=job.model_path)
-
-    def ready(gateway: Any) -> None:
-        print(f"OpenAI-compatible gateway at {gateway.url}/v1 (any model name; one API key per agent run)", flush=True)
-        print(f"trajectories: {out}/trajectories.jsonl   press Ctrl-C to stop", flush=True)
-
-    async def main() -> Any:
-        loop = job.agent_loop(service.client, evaluation=True)
-        return await serve_gateway(loop, output_dir=out, host=ns.host, port=ns.port, model_name=cfg.model.path,
-                                   idle_timeout_s=ns.idle_timeout or None, ready=ready)
-
-    try:
-        writer = asyncio.run(main())
-    finally:
-        service.stop()
-    print(f"{writer.sessions} session(s), {writer.segments} trajectory segment(s) in {writer.path}")
-    return 0
+    return serve_gateway_service(cfg, host=ns.host, port=ns.port, out=ns.out, idle_timeout_s=ns.idle_timeout or None)
 
 
 def cmd_config(ns: argparse.Namespace) -> int:

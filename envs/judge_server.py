@@ -1,10 +1,11 @@
 """`JudgeServer`: the judge model a run serves itself (`reward.judge.model_path`), in a process of its own.
 
 When `reward.judge.url` is not given, the judge is a separate model that agentrl serves: on the first
-judge request of a process, this starts `agentrl gateway model.path=MODEL_PATH inference.engine=ENGINE
-SERVER_ARGS... --port 0` under a lifeline (it dies with the process that started it, SIGKILL
-included, and takes its inference servers with it), waits up to `startup_timeout_s` for it to say
-where it listens, and sends the judge's chat completions there: the gateway's own router over its
+judge request of a process, this starts the gateway service of `agentrl gateway` (its module,
+`python -m agentrl.orchestration.gateway_service model.path=MODEL_PATH inference.engine=ENGINE
+SERVER_ARGS... --port 0`) as an `agentrl.child_process.ChildProcess`: under a lifeline (it dies with
+the process that started it, SIGKILL included, and takes its inference servers with it). It waits up
+to `startup_timeout_s` (from the start) for the log to say where it listens, and sends the judge's chat completions there: the gateway's own router over its
 own servers, which generate token in, token out, as the policy's do. Each judge request is a gateway
 session of its own (`/s/judge-N/v1`), ended once its verdict is read, so the gateway holds nothing
 between requests and appends every exchange, tokens and all, to `OUT/trajectories.jsonl`; OUT is a
@@ -18,27 +19,23 @@ process that scores starts its own server; `close` (or the process's exit) stops
 
 from __future__ import annotations
 
-import asyncio
 import atexit
-import concurrent.futures
 import itertools
 import logging
-import re
-import subprocess
 import sys
 import tempfile
 import threading
-from collections import deque
 from pathlib import Path
 
-from agentrl.lifeline import lifeline_argv
+from agentrl.child_process import ChildProcess, LogLine, not_ready_cause
+from agentrl.errors import ChildNotReadyError
 
 __all__ = ["JudgeServer", "JudgeServerError"]
 
 log = logging.getLogger(__name__)
 
-_LISTENING = re.compile(r"gateway at (http://\S+)/v1\b")
-_CLI = "import sys; from agentrl.cli import main; sys.exit(main())"
+_LISTENING = r"gateway at (http://\S+)/v1\b"
+_SERVICE = "agentrl.orchestration.gateway_service"
 
 
 class JudgeServerError(RuntimeError):
@@ -46,7 +43,7 @@ class JudgeServerError(RuntimeError):
 
 
 class JudgeServer:
-    """One `agentrl gateway` of the judge model, started on first use (see the module docstring)."""
+    """One gateway service of the judge model, started on first use (see the module docstring)."""
 
     def __init__(self, model_path: str, engine: str, server_args: list[str], startup_timeout_s: float) -> None:
         self.model_path = model_path
@@ -54,11 +51,11 @@ class JudgeServer:
         self.server_args = list(server_args)
         self.startup_timeout_s = startup_timeout_s
         self.out_dir: Path | None = None
-        self._proc: subprocess.Popen[str] | None = None
-        self._ready: concurrent.futures.Future[str] | None = None
+        self._child: ChildProcess | None = None
+        self._base: str | None = None
         self._lock = threading.Lock()
-        self._tail: deque[str] = deque(maxlen=30)
-        self._dead: str | None = None
+        self._closed = False
+        self._timed_out = False
         self._keys = itertools.count()
 
     def __repr__(self) -> str:
@@ -66,56 +63,38 @@ class JudgeServer:
 
     @property
     def command(self) -> list[str]:
-        """The command line of the judge's gateway (with `--port 0` and `--out` added at start)."""
-        return [sys.executable, "-c", _CLI, "gateway", f"model.path={self.model_path}",
-                f"inference.engine={self.engine}", *self.server_args, "--host", "127.0.0.1"]
+        """The command line of the judge's gateway service (with `--port 0` and `--out` added at start)."""
+        return [sys.executable, "-m", _SERVICE, f"model.path={self.model_path}", f"inference.engine={self.engine}",
+                *self.server_args, "--host", "127.0.0.1"]
 
-    def _start(self) -> concurrent.futures.Future[str]:
+    def _start(self) -> ChildProcess:
         with self._lock:
-            if self._ready is not None:  # started once: one that died stays dead (see the module docstring)
-                return self._ready
+            if self._child is not None:  # started once: one that died stays dead (see the module docstring)
+                return self._child
             self.out_dir = Path(tempfile.mkdtemp(prefix="agentrl-judge-"))
             command = [*self.command, "--port", "0", "--out", str(self.out_dir)]
-            log.info("starting the judge server: %s", " ".join(command[3:]))
-            self._ready = concurrent.futures.Future()
-            self._proc = subprocess.Popen(lifeline_argv(command), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                          stdin=subprocess.DEVNULL, text=True, bufsize=1, start_new_session=True)
-            threading.Thread(target=self._read, args=(self._proc, self._ready), daemon=True,
-                             name="judge-server-reader").start()
+            log.info("starting the judge server: %s (log %s)", " ".join(command[1:]), self.log_path)
+            self._child = ChildProcess(command, name="the judge server", log_path=self.log_path, grace_s=25.0).start()
             atexit.register(self.close)
-            return self._ready
-
-    def _read(self, proc: subprocess.Popen[str], ready: concurrent.futures.Future[str]) -> None:
-        """The server's output: its address once it listens, then a tail kept for the error that says
-        why it died; at its exit, `_dead` and a failed `ready` if it never listened."""
-        assert proc.stdout is not None  # opened as a pipe above
-        log_path = self.log_path or Path(tempfile.gettempdir()) / "agentrl-judge-server.log"  # set by _start
-        with open(log_path, "a") as keep:
-            for line in proc.stdout:
-                keep.write(line)
-                keep.flush()
-                self._tail.append(line.rstrip())
-                found = _LISTENING.search(line)
-                if found and not ready.done():
-                    ready.set_result(found.group(1))
-        code = proc.wait()
-        tail = "\n".join(self._tail)
-        with self._lock:
-            self._dead = (f"the judge server the run started ({self.model_path}, engine {self.engine}) exited with "
-                          f"code {code}; its log is {log_path}, ending:\n{tail}")
-        if not ready.done():
-            ready.set_exception(JudgeServerError(self._dead))
-        elif self._proc is not None:  # not closed on purpose
-            log.error("%s", self._dead)
+            return self._child
 
     async def session_url(self) -> tuple[str, str]:
         """(base URL of a fresh session's `/v1`, the gateway's base URL), starting the server first if
-        needed; raises `JudgeServerError` (it failed or died) or TimeoutError (past `startup_timeout_s`)."""
-        async with asyncio.timeout(self.startup_timeout_s):
-            base = await asyncio.wrap_future(self._start())
-        if self._dead is not None:
-            raise JudgeServerError(self._dead)
-        return f"{base}/s/judge-{next(self._keys)}/v1", base
+        needed; raises `JudgeServerError` (it failed or died) or TimeoutError (past `startup_timeout_s`
+        from its start, when it is stopped)."""
+        child = self._start()
+        if self._base is None:
+            left = self.startup_timeout_s - child.uptime_s
+            try:
+                self._base = await child.await_ready(LogLine(_LISTENING), max(left, 0.0))
+            except ChildNotReadyError as exc:
+                if exc.timed_out:
+                    self._timed_out = True
+                    raise TimeoutError(f"the judge server {not_ready_cause(self.startup_timeout_s)}") from None
+                raise JudgeServerError(self.failure or str(exc)) from None
+        if self.failure is not None:
+            raise JudgeServerError(self.failure)
+        return f"{self._base}/s/judge-{next(self._keys)}/v1", self._base
 
     @property
     def log_path(self) -> Path | None:
@@ -124,21 +103,25 @@ class JudgeServer:
 
     @property
     def failure(self) -> str | None:
-        """Why the server is gone (exit code and log), or None while it runs or before it starts."""
-        return self._dead
+        """Why the server is gone (exit cause and log), or None while it runs or before it starts."""
+        child = self._child
+        if child is None or child.alive:
+            return None
+        cause = (not_ready_cause(self.startup_timeout_s) + " and was stopped" if self._timed_out
+                 else child.exit_cause())
+        return (f"the judge server the run started ({self.model_path}, engine {self.engine}) {cause}; its log is "
+                f"{self.log_path}, ending:\n{child.log_tail()}")
 
     @property
     def pid(self) -> int | None:
         """The lifeline's pid (it leads the server's process group), or None when none runs."""
-        proc = self._proc
-        return proc.pid if proc is not None and proc.poll() is None else None
+        child = self._child
+        return child.pid if child is not None and child.alive and not self._closed else None
 
     def close(self) -> None:
         """Stop the server and what it started (they also die with this process, by the lifeline)."""
-        proc, self._proc = self._proc, None
-        if proc is not None and proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        child = self._child
+        if child is not None and not self._closed:
+            self._closed = True
+            child.stop()
+            child.close_log()

@@ -6,8 +6,9 @@ plus the answer as the assistant's turn, rendered with the reward model's chat t
 tokenizer's; without one, the messages' contents joined by blank lines). A conversation longer than
 `reward.model.max_length` tokens is a missing reward with cause `truncated`, never cut and scored.
 
-The model runs in a child process (`python -m agentrl.inference.reward_model_server`, under a
-lifeline, so it dies with the process that started it), started on the first request and answering
+The model runs in a child process (`python -m agentrl.inference.reward_model_server`, an
+`agentrl.child_process.ChildProcess`: under a lifeline, so it dies with the process that started
+it; its stderr is kept for the error that says why it died), started on the first request and answering
 JSON lines on its stdin/stdout one request at a time; torch is imported there only, so this module
 stays torch-free. A process that fails to start within `startup_timeout_s` or answers nothing within
 `timeout_s` gives a missing reward (`infra`, `timeout`), which masks the episode. One that died is
@@ -24,15 +25,14 @@ import concurrent.futures
 import itertools
 import json
 import logging
-import subprocess
 import sys
 import threading
 from collections.abc import Mapping
 from typing import Any
 
+from agentrl.child_process import ChildProcess
 from agentrl.config import RewardModelConfig
 from agentrl.errors import RewardMissingError
-from agentrl.lifeline import lifeline_argv
 
 __all__ = ["RewardModelScorer", "conversation_of"]
 
@@ -59,7 +59,7 @@ class RewardModelScorer:
         self.max_length = config.max_length
         self.timeout_s = config.timeout_s
         self.startup_timeout_s = config.startup_timeout_s
-        self._proc: subprocess.Popen[str] | None = None
+        self._proc: ChildProcess | None = None
         self._pending: dict[int, concurrent.futures.Future[dict[str, Any]]] = {}
         self._ids = itertools.count()
         self._lock = threading.Lock()
@@ -80,14 +80,15 @@ class RewardModelScorer:
             command = [sys.executable, "-m", "agentrl.inference.reward_model_server", "--path", self.path,
                        "--max-length", str(self.max_length)]
             self._ready = concurrent.futures.Future()
-            self._proc = subprocess.Popen(lifeline_argv(command, keep_stdin=True), stdin=subprocess.PIPE,
-                                          stdout=subprocess.PIPE, text=True, bufsize=1, start_new_session=True)
+            # its stdout answers requests; its stderr goes to a log whose tail says why it died
+            self._proc = ChildProcess(command, name=f"the reward model process for {self.path}", stdin=True,
+                                      stdout=True, text=True).start()
             threading.Thread(target=self._read, args=(self._proc, self._ready), daemon=True,
                              name="reward-model-reader").start()
             atexit.register(self.close)
             return self._ready
 
-    def _read(self, proc: subprocess.Popen[str], ready: concurrent.futures.Future[dict[str, Any]]) -> None:
+    def _read(self, proc: ChildProcess, ready: concurrent.futures.Future[dict[str, Any]]) -> None:
         assert proc.stdout is not None  # opened as a pipe above
         for line in proc.stdout:
             try:
@@ -102,9 +103,9 @@ class RewardModelScorer:
             future = self._pending.pop(int(message.get("id", -1)), None)
             if future is not None and not future.done():
                 future.set_result(message)
-        code = proc.wait()
+        proc.wait()
         with self._lock:
-            self._dead = f"the reward model process for {self.path} exited with code {code}"
+            self._dead = str(proc.failure(proc.exit_cause() or "ended"))
             pending, self._pending = self._pending, {}
         error = RuntimeError(self._dead)
         if not ready.done():
@@ -116,12 +117,8 @@ class RewardModelScorer:
     def close(self) -> None:
         """Stop the child process (it also dies with this process, by its lifeline)."""
         proc, self._proc = self._proc, None
-        if proc is not None and proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        if proc is not None:
+            proc.stop(grace_s=10.0)
 
     # ── scoring ─────────────────────────────────────────────────────────────────────────────
     async def ascore(self, row: Mapping[str, Any], answer: str) -> tuple[float, dict[str, Any]]:
@@ -135,8 +132,8 @@ class RewardModelScorer:
             raise RewardMissingError("timeout", f"{where} did not load within reward.model.startup_timeout_s="
                                      f"{self.startup_timeout_s:g} s", record) from None
         except RuntimeError as exc:
-            raise RewardMissingError("infra", f"{where} could not start: {exc} (see the log above for its "
-                                     "error; check reward.model.path)", record) from None
+            raise RewardMissingError("infra", f"{where} could not start: {exc} (check reward.model.path)",
+                                     record) from None
         request_id = next(self._ids)
         future: concurrent.futures.Future[dict[str, Any]] = concurrent.futures.Future()
         with self._lock:
@@ -147,7 +144,7 @@ class RewardModelScorer:
             try:
                 proc.stdin.write(json.dumps({"id": request_id, "messages": conversation_of(row, answer)}) + "\n")
                 proc.stdin.flush()
-            except OSError as exc:
+            except (OSError, ValueError) as exc:  # a pipe broken, or closed by `close`
                 self._pending.pop(request_id, None)
                 raise RewardMissingError("infra", f"{where}: the process stopped taking requests ({exc})",
                                          record) from None

@@ -5,7 +5,8 @@ the vLLM venv's python, or SGLang's own launcher) bound to `host` (127.0.0.1 unl
 cluster, the node's address, so that the driver's router on another node reaches it), with its
 output in a log file. `launch_server` starts one and waits until `GET /health` answers (`wait_healthy`, or
 `await wait_healthy_async` from an event loop); `ServerProcess.stop` ends it (SIGTERM to its
-process group, then SIGKILL). Each server runs under a lifeline (`agentrl.lifeline`): a small
+process group, then SIGKILL). Each server is an `agentrl.child_process.ChildProcess`, so it runs
+under a lifeline (`agentrl.lifeline`): a small
 process that leads the server's process group and ends it, the engine's own children included
 (vLLM's engine core), when the driver dies in any way, SIGKILL included, or when the server itself
 exits. So no server outlives the process that started it, whether or not that process got to
@@ -17,13 +18,9 @@ see `router.py`.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import logging
 import os
-import signal
 import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -31,11 +28,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import httpx
-
-from agentrl.errors import ConfigError, InferenceError, ServerUnavailableError
+from agentrl.child_process import ChildProcess, HealthURL
+from agentrl.errors import ChildNotReadyError, ConfigError, InferenceError, ServerUnavailableError
 from agentrl.inference.protocol import SERVER_TOKEN_ENV
-from agentrl.lifeline import lifeline_argv
 from agentrl.registry import INFERENCE_ENGINES, import_object
 
 __all__ = [
@@ -144,7 +139,7 @@ class ServerProcess:
         self.token = token if spec.token_env else None
         if self.token and spec.token_env:
             self.env[spec.token_env] = self.token
-        self.proc: subprocess.Popen[bytes] | None = None
+        self.proc: ChildProcess | None = None
         self.startup_s: float | None = None
 
     @property
@@ -159,20 +154,14 @@ class ServerProcess:
     @property
     def server_pid(self) -> int | None:
         """The server process itself (the lifeline's child), while it runs."""
-        if not self.alive or self.proc is None:
-            return None
-        try:
-            children = Path(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children").read_text().split()
-        except OSError:
-            return None
-        return int(children[0]) if children else None
+        return self.proc.command_pid if self.proc is not None else None
 
     def __repr__(self) -> str:
         return f"ServerProcess({self.spec.name!r}, {self.url}, pid={self.pid}, alive={self.alive})"
 
     @property
     def alive(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
+        return self.proc is not None and self.proc.alive
 
     @property
     def returncode(self) -> int | None:
@@ -186,13 +175,8 @@ class ServerProcess:
     def start(self) -> ServerProcess:
         if self.proc is not None:
             raise InferenceError(f"{self!r} was already started")
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.log_path, "ab") as logf:
-            self.proc = subprocess.Popen(
-                lifeline_argv(self.command), stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT,
-                env=self.env, start_new_session=True,
-            )
-        self._t0 = time.monotonic()
+        self.proc = ChildProcess(self.command, name=f"the {self.spec.name} server", env=self.env,
+                                 log_path=self.log_path, grace_s=10.0).start()
         self.startup_s = None
         log.info("started %s: %s (log %s)", self.spec.name, " ".join(self.command), self.log_path)
         return self
@@ -203,47 +187,45 @@ class ServerProcess:
         except OSError:
             return ""
 
-    def _not_starting(self, deadline: float, timeout_s: float) -> None:
-        """Raise if the process died, or (stopping it) if `deadline` has passed."""
-        if not self.alive:
-            code = self.proc.returncode if self.proc else None
+    def _not_healthy(self, exc: ChildNotReadyError, timeout_s: float) -> ServerUnavailableError:
+        """The error for a server that exited or did not answer /health in time (the child's `cause`)."""
+        if not exc.timed_out:
             hint = ""
             if self.spec.python_env:
                 hint = f" (it ran under {self.command[0]}; set {self.spec.python_env} to the python of an environment with {self.spec.name} installed)"
-            raise ServerUnavailableError(
-                f"The {self.spec.name} server exited with code {code} before it became healthy{hint}; "
+            return ServerUnavailableError(
+                f"The {self.spec.name} server {exc.cause} before it became healthy{hint}; "
                 f"command: {' '.join(self.command)}\nlast lines of {self.log_path}:\n{self.log_tail()}"
             )
-        if time.monotonic() > deadline:
-            self.stop()
-            raise ServerUnavailableError(
-                f"No {self.spec.name} server answered at {self.url}/health within {timeout_s:.0f} s; "
-                f"see {self.log_path}:\n{self.log_tail()}"
-            )
+        return ServerUnavailableError(
+            f"No {self.spec.name} server answered at {self.url}/health within {timeout_s:.0f} s; "
+            f"see {self.log_path}:\n{self.log_tail()}"
+        )
+
+    def _child(self) -> ChildProcess:
+        if self.proc is None:
+            raise InferenceError(f"{self!r} was not started; call start() first")
+        return self.proc
 
     def wait_healthy(self, timeout_s: float = 600.0) -> ServerProcess:
-        """Block until `GET /health` answers 200; raise if the process dies or time runs out."""
-        deadline = time.monotonic() + timeout_s
-        with httpx.Client(timeout=2.0) as http:
-            while True:
-                self._not_starting(deadline, timeout_s)
-                with contextlib.suppress(httpx.HTTPError):
-                    if http.get(self.url + "/health").status_code == 200:
-                        self.startup_s = time.monotonic() - self._t0
-                        return self
-                time.sleep(0.25)
+        """Block until `GET /health` answers 200; raise if the process dies or time runs out (it is then stopped)."""
+        child = self._child()
+        try:
+            child.wait_ready(HealthURL(self.url + "/health"), timeout_s)
+        except ChildNotReadyError as exc:
+            raise self._not_healthy(exc, timeout_s) from None
+        self.startup_s = child.uptime_s
+        return self
 
     async def wait_healthy_async(self, timeout_s: float = 600.0) -> ServerProcess:
         """`wait_healthy` for an event loop: the same checks, without blocking the loop."""
-        deadline = time.monotonic() + timeout_s
-        async with httpx.AsyncClient(timeout=2.0) as http:
-            while True:
-                self._not_starting(deadline, timeout_s)
-                with contextlib.suppress(httpx.HTTPError):
-                    if (await http.get(self.url + "/health")).status_code == 200:
-                        self.startup_s = time.monotonic() - self._t0
-                        return self
-                await asyncio.sleep(0.5)
+        child = self._child()
+        try:
+            await child.await_ready(HealthURL(self.url + "/health"), timeout_s, interval_s=0.5)
+        except ChildNotReadyError as exc:
+            raise self._not_healthy(exc, timeout_s) from None
+        self.startup_s = child.uptime_s
+        return self
 
     def restart(self) -> ServerProcess:
         """Stop the server if it still runs (its whole process group), and start it again on the
@@ -265,24 +247,13 @@ class ServerProcess:
     def kill(self) -> None:
         """SIGKILL the whole process group at once (tests use it to simulate a crash)."""
         if self.alive and self.proc is not None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
+            self.proc.kill()
 
     def stop(self, timeout_s: float = 15.0) -> None:
         """SIGTERM the process group, then SIGKILL whatever is left after `timeout_s`."""
-        if self.proc is None:
-            return
-        if self.proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                self.kill()
-        # children that outlived the leader (engine workers) go too
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.proc.pid, signal.SIGKILL)
+        if self.proc is not None:
+            self.proc.stop(grace_s=timeout_s)
+            self.proc.close_log()
 
     def __enter__(self) -> ServerProcess:
         return self

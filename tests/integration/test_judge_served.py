@@ -103,7 +103,7 @@ def test_the_run_serves_its_judge_keeps_every_exchange_and_a_killed_one_is_missi
         assert _gone(lifeline)
         for outcome in _score(reward, rows[:2], "\\boxed{42}"):  # missing, naming the exit, never 0
             assert isinstance(outcome, RewardMissingError) and outcome.cause == "infra", outcome
-            assert "the reward judge the run serves" in str(outcome) and "exited with code -9" in str(outcome)
+            assert "the reward judge the run serves" in str(outcome) and "was killed by signal 9 (SIGKILL)" in str(outcome)
             assert str(server.log_path) in str(outcome)
     finally:
         reward.stop()

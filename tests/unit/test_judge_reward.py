@@ -228,8 +228,9 @@ def test_judge_config_errors_say_what_to_do(monkeypatch: pytest.MonkeyPatch, tmp
         assert reloaded is not None and (reloaded.url, reloaded.model_path) == (
             ("http://127.0.0.1:1/v1", None) if "url" in judge else (None, "smollm2-135m-instruct"))
     served = JudgeReward(JudgeConfig(model_path="smollm2-135m-instruct", engine="hf", server_args=["a=b"]))
-    assert served.server is not None and served.server.command[3:] == [
-        "gateway", "model.path=smollm2-135m-instruct", "inference.engine=hf", "a=b", "--host", "127.0.0.1"]
+    assert served.server is not None and served.server.command[1:] == [  # the gateway service's module, not the CLI
+        "-m", "agentrl.orchestration.gateway_service", "model.path=smollm2-135m-instruct", "inference.engine=hf",
+        "a=b", "--host", "127.0.0.1"]
     assert served.server.pid is None  # started by the first judge request, not before
     monkeypatch.delenv("NO_SUCH_KEY_VAR", raising=False)
     with pytest.raises(ConfigError, match=r"\$NO_SUCH_KEY_VAR, which is not set"):
