@@ -421,17 +421,17 @@ class ProbeResult:
 
 
 def _start_probe(argv: list[str], input: str | bytes | None, env: dict[str, str] | None, cwd: str | None,
-                 text: bool) -> subprocess.Popen[Any]:
+                 text: bool, grace_s: float = 1.0) -> subprocess.Popen[Any]:
     return subprocess.Popen(
-        lifeline_argv(argv, grace_s=1.0, keep_stdin=input is not None),
+        lifeline_argv(argv, grace_s=grace_s, keep_stdin=input is not None),
         stdin=subprocess.PIPE if input is not None else subprocess.DEVNULL, stdout=subprocess.PIPE,
         stderr=subprocess.PIPE, text=text, env=env, cwd=cwd, start_new_session=True,
     )  # fmt: skip
 
 
-def _kill_probe(proc: subprocess.Popen[Any]) -> None:
+def _kill_probe(proc: subprocess.Popen[Any], signum: int = signal.SIGKILL) -> None:
     with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(proc.pid, signal.SIGKILL)
+        os.killpg(proc.pid, signum)
 
 
 def run_probe(argv: Sequence[str], *, timeout_s: float, input: str | None = None, env: dict[str, str] | None = None,
@@ -454,11 +454,13 @@ def run_probe(argv: Sequence[str], *, timeout_s: float, input: str | None = None
 
 
 async def arun_probe(argv: Sequence[str], *, input: bytes | None = None, env: dict[str, str] | None = None,
-                     cwd: str | None = None, timeout_s: float | None = None) -> tuple[int | None, bytes, bytes]:
+                     cwd: str | None = None, timeout_s: float | None = None,
+                     grace_s: float = 1.0) -> tuple[int | None, bytes, bytes]:
     """`run_probe` for an event loop, in bytes: (return code or None past `timeout_s`, stdout, stderr).
-    Cancelled (the caller's deadline), it kills the whole group before it re-raises."""
+    Cancelled (the caller's deadline), it sends its group SIGTERM before it re-raises; the lifeline
+    SIGKILLs what is left after `grace_s`."""
     argv = [str(a) for a in argv]
-    proc = _start_probe(argv, input, env, cwd, text=False)
+    proc = _start_probe(argv, input, env, cwd, text=False, grace_s=grace_s)
     try:
         out, err = await asyncio.to_thread(proc.communicate, input, timeout_s)
     except subprocess.TimeoutExpired:
@@ -466,9 +468,6 @@ async def arun_probe(argv: Sequence[str], *, input: bytes | None = None, env: di
         out, err = await asyncio.to_thread(proc.communicate)
         return None, out or b"", err or b""
     except BaseException:
-        _kill_probe(proc)  # the thread's communicate then returns: the group's pipes close
+        _kill_probe(proc, signal.SIGTERM)  # the thread's communicate then returns: the group's pipes close
         raise
-    finally:
-        if proc.poll() is None:
-            _kill_probe(proc)
     return proc.returncode, out, err

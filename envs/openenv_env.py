@@ -42,26 +42,22 @@ typed action models other than one text field.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import os
 import re
-import signal
 import socket
-import subprocess
 import sys
-import tempfile
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
 import gymnasium
 import httpx
 
+from agentrl.child_process import ChildProcess, HealthURL
 from agentrl.envs.core import Env
 from agentrl.envs.gym_env import seed_row, seed_rows
-from agentrl.errors import ConfigError, EnvError, EnvServerError, FeatureUnavailableError
-from agentrl.lifeline import lifeline_argv
+from agentrl.errors import ChildNotReadyError, ConfigError, EnvError, EnvServerError, FeatureUnavailableError
 from agentrl.types import Action, Message
 
 __all__ = ["OpenEnvEnv", "require_openenv"]
@@ -93,7 +89,7 @@ def _free_port() -> int:
 
 
 class _ServerProcess:
-    """One OpenEnv server agentrl started: its process group, its log, its address."""
+    """One OpenEnv server agentrl started (an `agentrl.child_process.ChildProcess`): its address and log."""
 
     def __init__(self, command: Sequence[str], startup_timeout_s: float, cwd: str | None = None) -> None:
         self.port = _free_port()
@@ -101,53 +97,31 @@ class _ServerProcess:
         self.argv = [sys.executable if c == "python" else c.replace("{port}", str(self.port)) for c in command]
         self.startup_timeout_s = startup_timeout_s
         self.url = f"http://127.0.0.1:{self.port}"
-        self.proc: subprocess.Popen[bytes] | None = None
-        self.log_file: Any = None
+        self.proc: ChildProcess | None = None
 
     async def start(self) -> None:
-        self.log_file = tempfile.TemporaryFile()
-        # a plain Popen, not an asyncio subprocess: the episode may end on another event loop than it began
-        self.proc = subprocess.Popen(lifeline_argv(self.argv, grace_s=5.0), stdin=subprocess.DEVNULL,
-                                     stdout=self.log_file, stderr=self.log_file, start_new_session=True, cwd=self.cwd)
-        deadline = asyncio.get_running_loop().time() + self.startup_timeout_s
-        async with httpx.AsyncClient(timeout=2.0, trust_env=False) as client:
-            while True:
-                if self.proc.poll() is not None:
-                    where = f" (in {self.cwd})" if self.cwd else ""
-                    raise EnvServerError(f"the OpenEnv server {self.argv}{where} exited with code "
-                                         f"{self.proc.returncode} before it answered; its output ends:\n{self.log_tail()}")
-                with contextlib.suppress(httpx.HTTPError):
-                    if (await client.get(f"{self.url}/health")).status_code == 200:
-                        return
-                if asyncio.get_running_loop().time() > deadline:
-                    raise EnvServerError(
-                        f"the OpenEnv server {self.argv} did not answer {self.url}/health within "
-                        f"{self.startup_timeout_s:.0f} s; raise env.kwargs.startup_timeout_s if it starts slowly. "
-                        f"Its output ends:\n{self.log_tail()}")
-                await asyncio.sleep(0.2)
+        # a process of its own, not an asyncio subprocess: the episode may end on another event loop than it began
+        self.proc = ChildProcess(self.argv, name=f"the OpenEnv server {self.argv}", cwd=self.cwd, grace_s=5.0).start()
+        try:
+            await self.proc.await_ready(HealthURL(f"{self.url}/health"), self.startup_timeout_s, interval_s=0.2)
+        except ChildNotReadyError as exc:
+            if exc.timed_out:
+                raise EnvServerError(
+                    f"the OpenEnv server {self.argv} did not answer {self.url}/health within "
+                    f"{self.startup_timeout_s:.0f} s; raise env.kwargs.startup_timeout_s if it starts slowly. "
+                    f"Its output ends:\n{exc.tail}") from None
+            where = f" (in {self.cwd})" if self.cwd else ""
+            raise EnvServerError(f"the OpenEnv server {self.argv}{where} {exc.cause} before it answered; its "
+                                 f"output ends:\n{exc.tail}") from None
 
     def log_tail(self, chars: int = 2000) -> str:
-        if self.log_file is None:
-            return ""
-        self.log_file.seek(0)
-        return self.log_file.read().decode(errors="replace")[-chars:]
+        return self.proc.log_tail(lines=200, chars=chars) if self.proc is not None else ""
 
     async def stop(self) -> None:
         proc, self.proc = self.proc, None
-        if proc is not None and proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGTERM)
-            for _ in range(100):  # up to 10 s for the lifeline to stop the server gracefully
-                if proc.poll() is not None:
-                    break
-                await asyncio.sleep(0.1)
-            else:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGKILL)
-                await asyncio.to_thread(proc.wait)
-        if self.log_file is not None:
-            self.log_file.close()
-            self.log_file = None
+        if proc is not None:
+            await proc.astop()  # SIGTERM, then up to its grace for the lifeline to stop the server gracefully
+            proc.close_log()
 
 
 class OpenEnvEnv(Env):
@@ -223,7 +197,6 @@ class OpenEnvEnv(Env):
         A `command`'s server starts per episode, so there is nothing running to ask."""
         if self.url is None:
             return None
-        import httpx
 
         health = self.url.replace("ws://", "http://", 1).replace("wss://", "https://", 1) + "/health"
         try:
@@ -340,8 +313,8 @@ class OpenEnvEnv(Env):
         if parting is not None:
             message += f" (the server's last word: {parting.get('message')} (code {parting.get('code')}))"
         server = self._server
-        if server is not None and server.proc is not None and server.proc.poll() is not None:
-            message += f" (it exited with code {server.proc.returncode}; its output ends:\n{server.log_tail()})"
+        if server is not None and server.proc is not None and server.proc.exit_cause() is not None:
+            message += f" (it {server.proc.exit_cause()}; its output ends:\n{server.log_tail()})"
         return message
 
     async def _parting_error(self) -> dict[str, Any] | None:

@@ -3,8 +3,8 @@
 verifiers 0.4 lives in a folder of its own beside agentrl's environment (`verifiers_folder()`,
 filled by `bash scripts/install.sh verifiers`), because it pins `openai<3` and `mcp==2.0.0`; it is
 only ever imported in the worker process, whose `sys.path` starts with that folder. This object
-starts that process on first use, under a lifeline (`agentrl.lifeline`: it dies with the process
-that started it, SIGKILL included), sends it requests (`load`, `score`, `play`: see the worker's
+starts that process on first use, an `agentrl.child_process.ChildProcess` (under a lifeline: it dies
+with the process that started it, SIGKILL included), sends it requests (`load`, `score`, `play`: see the worker's
 docstring) as JSON lines and hands back the answers. Requests from any thread or event loop may be
 in flight at once: a reader thread matches answers to requests by number, and async callers await
 them through `asyncio.wrap_future`.
@@ -24,17 +24,15 @@ import concurrent.futures
 import contextlib
 import json
 import logging
-import os
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
-from agentrl.errors import ConfigError, EnvError, EnvServerError, FeatureUnavailableError
-from agentrl.lifeline import lifeline_argv
+from agentrl.child_process import ChildProcess, Condition
+from agentrl.errors import ChildNotReadyError, ConfigError, EnvError, EnvServerError, FeatureUnavailableError
 
 __all__ = ["INSTALL_HINT", "WORKER_PATH", "VerifiersWorker", "checked_answer", "require_verifiers", "verifiers_folder"]
 
@@ -65,14 +63,12 @@ def require_verifiers() -> Path:
 
 
 class _Process:
-    """One worker process: its lifeline's Popen, its stderr log, and the requests it was sent."""
+    """One worker process (an `agentrl.child_process.ChildProcess`: stdin and stdout are the protocol's,
+    stderr its log), and the requests it was sent."""
 
     def __init__(self, folder: Path) -> None:
-        self.log: IO[bytes] = tempfile.TemporaryFile()
-        argv = lifeline_argv([sys.executable, "-I", WORKER_PATH, "--path", str(folder)], grace_s=_STOP_GRACE_S,
-                             keep_stdin=True)
-        self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log,
-                                     start_new_session=True)
+        self.child = ChildProcess([sys.executable, "-I", WORKER_PATH, "--path", str(folder)], name="the verifiers worker",
+                                  stdin=True, stdout=True, grace_s=_STOP_GRACE_S).start()
         self.pending: dict[int, concurrent.futures.Future[dict[str, Any]]] = {}
         self.ready: concurrent.futures.Future[dict[str, Any]] = concurrent.futures.Future()
         self.write_lock = threading.Lock()
@@ -80,43 +76,33 @@ class _Process:
 
     @property
     def pid(self) -> int:
-        return self.proc.pid
+        return self.child.pid or 0
 
     def log_tail(self, chars: int = 2000) -> str:
-        with contextlib.suppress(OSError, ValueError):
-            self.log.seek(0)
-            return self.log.read().decode(errors="replace")[-chars:].strip()
-        return ""
+        return self.child.log_tail(lines=400, chars=chars)
 
     def send(self, obj: dict[str, Any]) -> None:
-        assert self.proc.stdin is not None  # Popen(stdin=PIPE)
+        assert self.child.stdin is not None  # started with a stdin pipe
         with self.write_lock:
-            self.proc.stdin.write((json.dumps(obj) + "\n").encode())
-            self.proc.stdin.flush()
+            self.child.stdin.write((json.dumps(obj) + "\n").encode())
+            self.child.stdin.flush()
 
     def kill(self) -> None:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.proc.pid, signal.SIGKILL)
+        """SIGKILL the group now, without waiting (the reader sees the exit)."""
+        self.child.signal_group(signal.SIGKILL)
 
     def stop(self) -> None:
         """Close stdin (the worker exits), then TERM and KILL the lifeline's group if it lingers."""
         with contextlib.suppress(OSError, ValueError), self.write_lock:
-            if self.proc.stdin is not None:
-                self.proc.stdin.close()
+            if self.child.stdin is not None:
+                self.child.stdin.close()
         try:
-            self.proc.wait(timeout=2.0)
+            self.child.wait(timeout=2.0)
         except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=_STOP_GRACE_S + 1.0)
-            except subprocess.TimeoutExpired:
-                self.kill()
-                self.proc.wait()
+            self.child.stop()
         if self.reader is not None and self.reader is not threading.current_thread():
             self.reader.join(timeout=5.0)  # it closes stdout and fails what was still pending
-        with contextlib.suppress(OSError, ValueError):
-            self.log.close()
+        self.child.close_log()
 
 
 class VerifiersWorker:
@@ -137,31 +123,30 @@ class VerifiersWorker:
     def pid(self) -> int | None:
         """The pid of the worker itself (the lifeline's child), or None when none runs."""
         process = self._process
-        if process is None or process.proc.poll() is not None:
-            return None
-        children = Path(f"/proc/{process.pid}/task/{process.pid}/children")
-        with contextlib.suppress(OSError, ValueError):
-            return int(children.read_text().split()[0])
-        return None
+        return process.child.command_pid if process is not None else None
 
     def _started(self) -> _Process:
         """The running worker, started (and waited for) when there is none. Blocks; call it off the loop."""
         with self._start_lock:
             with self._lock:
                 process = self._process
-                if process is not None and process.proc.poll() is None:
+                if process is not None and process.child.alive:
                     return process
                 process = self._process = _Process(self.folder)
             process.reader = threading.Thread(target=self._read, args=(process,), name="verifiers-worker-reader",
                                               daemon=True)
             process.reader.start()
+            ready = process.ready
             try:
-                hello = process.ready.result(timeout=self.startup_timeout_s)
-            except concurrent.futures.TimeoutError:
-                process.kill()
-                raise EnvServerError(
-                    f"the verifiers worker did not start within {self.startup_timeout_s:.0f} s (it imports verifiers "
-                    f"from {self.folder}); its stderr ends:\n{process.log_tail()}") from None
+                hello = process.child.wait_ready(Condition(lambda: ready.result() if ready.done() else None),
+                                                 self.startup_timeout_s, interval_s=0.05)
+            except ChildNotReadyError as exc:
+                if exc.timed_out:  # wait_ready stopped it
+                    raise EnvServerError(
+                        f"the verifiers worker {exc.cause} (it imports verifiers from {self.folder}); its stderr "
+                        f"ends:\n{exc.tail}") from None
+                raise EnvServerError(f"the verifiers worker (pid {process.pid}) {exc.cause}; its stderr ends:\n"
+                                     f"{exc.tail or '(nothing)'}") from None
             except EnvServerError:
                 raise
             if not hello.get("ready"):
@@ -175,8 +160,8 @@ class VerifiersWorker:
 
     def _read(self, process: _Process) -> None:
         """The reader thread of one process: answers to their requests; at EOF, every open one fails."""
-        assert process.proc.stdout is not None  # Popen(stdout=PIPE)
-        for raw in process.proc.stdout:
+        assert process.child.stdout is not None  # started with a stdout pipe
+        for raw in process.child.stdout:
             try:
                 answer = json.loads(raw)
             except ValueError:
@@ -189,13 +174,12 @@ class VerifiersWorker:
                 future = process.pending.pop(answer.get("n"), None)
             if future is not None and not future.done():
                 future.set_result(answer)
-        process.proc.stdout.close()
+        process.child.stdout.close()
         with contextlib.suppress(OSError, ValueError), process.write_lock:
-            if process.proc.stdin is not None:
-                process.proc.stdin.close()  # BrokenPipe now: no one reads it
-        code = process.proc.wait()
-        how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
-        error = EnvServerError(f"the verifiers worker (pid {process.pid}) {how}; its stderr ends:\n"
+            if process.child.stdin is not None:
+                process.child.stdin.close()  # BrokenPipe now: no one reads it
+        process.child.wait()
+        error = EnvServerError(f"the verifiers worker (pid {process.pid}) {process.child.exit_cause()}; its stderr ends:\n"
                                f"{process.log_tail() or '(nothing)'}")
         if not process.ready.done():  # first: a start waiting for the hello must not wait for the lock
             process.ready.set_exception(error)
@@ -206,8 +190,7 @@ class VerifiersWorker:
         for future in failed:
             if not future.done():
                 future.set_exception(error)
-        with contextlib.suppress(OSError, ValueError):
-            process.log.close()
+        process.child.close_log()
 
     def _submit(self, request: dict[str, Any]) -> tuple[_Process, concurrent.futures.Future[dict[str, Any]]]:
         process = self._started()

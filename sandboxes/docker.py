@@ -704,6 +704,7 @@ class DockerSandbox:
                 dog.stdin.close()
             with contextlib.suppress(Exception):
                 dog.wait(timeout=30)
+            dog.close_log()
 
     def _remove_all_now(self) -> None:
         for c in list(self._all):

@@ -26,10 +26,10 @@ import argparse
 import contextlib
 import importlib
 import os
-import subprocess
 import sys
 from typing import Any
 
+from agentrl.child_process import ChildProcess
 from agentrl.errors import SandboxUnavailableError
 
 __all__ = ["LABEL_HOST", "LABEL_OWNER", "LABEL_OWNER_PID", "LABEL_OWNER_START", "LABEL_PIDNS", "LABEL_SANDBOX",
@@ -129,13 +129,15 @@ def reap_orphans(client: Any) -> int:
     return removed
 
 
-def start_watchdog(token: str, base_url: str | None) -> subprocess.Popen[bytes]:
-    """Start the watchdog of sandbox `token`; closing the returned process's stdin releases it."""
+def start_watchdog(token: str, base_url: str | None) -> ChildProcess:
+    """Start the watchdog of sandbox `token`; closing the returned process's stdin releases it.
+
+    It is the one child agentrl starts without a lifeline (`lifeline=False`), on purpose: it must
+    outlive its owner, to remove the owner's containers after it died."""
     argv = [sys.executable, "-m", "agentrl.sandboxes.docker_reaper", "--owner", token]
     if base_url:
         argv += ["--base-url", base_url]
-    return subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True, close_fds=True)
+    return ChildProcess(argv, name="the Docker sandbox's watchdog", stdin=True, lifeline=False).start()
 
 
 def main(argv: list[str] | None = None) -> int:

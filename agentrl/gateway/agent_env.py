@@ -47,7 +47,6 @@ import json
 import math
 import os
 import shlex
-import signal
 import sys
 import tempfile
 import threading
@@ -59,6 +58,7 @@ from typing import Any, cast
 
 import gymnasium
 
+from agentrl.child_process import arun_probe, exit_cause
 from agentrl.envs.arithmetic import ArithmeticEnv, make_arithmetic_row
 from agentrl.envs.core import Env, EpisodeLoop, ExternalAgentEnv
 from agentrl.envs.reward_sources import ascore_row
@@ -359,24 +359,19 @@ class AgentEnv(Env, ExternalAgentEnv):
             json.dump({"messages": task.messages, "row": task.row, "episode_id": task.episode_id}, f, default=str)
             task_file = f.name
         env = {**os.environ, **task.environ(), "AGENTRL_TASK_FILE": task_file}
-        try:
-            proc = await asyncio.create_subprocess_exec(
-                *self.command, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
-                stderr=asyncio.subprocess.PIPE, env=env, cwd=self.cwd, start_new_session=True)
+        try:  # under a lifeline, in a group of its own; a cancelled episode kills the group
+            returncode, out, err = await arun_probe(self.command, input=task.prompt.encode(), env=env, cwd=self.cwd,
+                                                    grace_s=_KILL_GRACE_S)
         except OSError as exc:
-            os.unlink(task_file)
             raise _AgentCrashedError(f"cannot start {self.command[0]!r}: {exc}") from exc
-        try:
-            out, err = await proc.communicate(task.prompt.encode())
         finally:
-            if proc.returncode is None:
-                await _kill_group(proc)
             os.unlink(task_file)
         stderr = err.decode(errors="replace")[-_STDERR_TAIL:]
         if stderr:
             info["agent_stderr"] = stderr
-        if proc.returncode != 0:
-            raise _AgentCrashedError(f"{' '.join(self.command)} exited with status {proc.returncode}: {stderr[-800:]}")
+        if returncode != 0:
+            cause = exit_cause(returncode) if returncode is not None else "did not finish"  # (no timeout given)
+            raise _AgentCrashedError(f"{' '.join(self.command)} {cause}: {stderr[-800:]}")
         return out.decode(errors="replace").strip()
 
 
@@ -399,15 +394,3 @@ async def _in_own_thread(fn: Callable[[AgentTask], Any], task: AgentTask) -> Any
 
     threading.Thread(target=target, name=f"agentrl-agent-{task.episode_id}", daemon=True).start()
     return await done
-
-
-async def _kill_group(proc: asyncio.subprocess.Process) -> None:
-    """Stop an agent process and everything it started: SIGTERM, then SIGKILL after a grace period."""
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, sig)
-        try:
-            await asyncio.wait_for(proc.wait(), _KILL_GRACE_S)
-            return
-        except TimeoutError:
-            continue

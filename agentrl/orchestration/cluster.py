@@ -25,12 +25,12 @@ from __future__ import annotations
 
 import logging
 import os
-import subprocess
 import sys
 import time
 from dataclasses import dataclass
 from typing import Any
 
+from agentrl.child_process import run_probe
 from agentrl.config import AgentRLConfig
 from agentrl.errors import ConfigError, FeatureUnavailableError, PreflightError
 
@@ -387,10 +387,8 @@ def unauthenticated_join(address: str, *, timeout_s: float = 90.0) -> str | None
     """
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH")}
     env["HOME"] = os.environ.get("TMPDIR", "/tmp")  # not the user's ~/.ray/auth_token
-    try:
-        done = subprocess.run([sys.executable, "-c", _JOIN_WITHOUT_TOKEN, address], capture_output=True,
-                              text=True, env=env, timeout=timeout_s, stdin=subprocess.DEVNULL)
-    except subprocess.TimeoutExpired:
+    done = run_probe([sys.executable, "-c", _JOIN_WITHOUT_TOKEN, address], env=env, timeout_s=timeout_s)
+    if done.timed_out:
         return None  # not let in within the deadline: it did not join
     if done.returncode != 0 or "JOINED" not in done.stdout:
         return None

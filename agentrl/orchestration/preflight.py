@@ -37,12 +37,12 @@ import json
 import logging
 import os
 import shutil
-import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from agentrl.child_process import run_probe
 from agentrl.envs.core import Env
 from agentrl.envs.rewards import check_ground_truths, render_answer
 from agentrl.errors import AgentRLError, EnvServerError, PreflightError, RewardMissingError
@@ -170,7 +170,10 @@ def _check_inference(job: Job) -> Check:
     if inference.engine == "vllm":
         python = os.environ.get("AGENTRL_VLLM_PYTHON")
         if python:
-            ok = subprocess.run([python, "-c", "import vllm"], capture_output=True, timeout=300).returncode == 0
+            try:
+                ok = run_probe([python, "-c", "import vllm"], timeout_s=300).ok
+            except OSError:
+                ok = False
             where = f"AGENTRL_VLLM_PYTHON={python}"
         else:
             ok = importlib.util.find_spec("vllm") is not None
@@ -203,9 +206,11 @@ def _cpu_compiler_problem(python: str) -> str:
     probe = ("import sys, sysconfig, torch; "
              "print('cuda' if torch.cuda.is_available() else sysconfig.get_paths()['include'])")
     try:
-        seen = subprocess.run([python, "-c", probe], capture_output=True, text=True, timeout=300)
-    except (OSError, subprocess.TimeoutExpired) as exc:
+        seen = run_probe([python, "-c", probe], timeout_s=300)
+    except OSError as exc:
         return f"cannot ask {python} about torch: {exc}"
+    if seen.timed_out:
+        return f"cannot ask {python} about torch: it {seen.cause}"
     include = seen.stdout.strip().splitlines()[-1] if seen.returncode == 0 and seen.stdout.strip() else ""
     if include == "cuda":
         return ""
@@ -215,10 +220,11 @@ def _cpu_compiler_problem(python: str) -> str:
     if not cxx:
         return "no C++ compiler (g++) found: vLLM on CPU compiles its sampler with torch.compile at the first request"
     try:
-        built = subprocess.run([cxx, "-x", "c++", "-fsyntax-only", f"-I{include}", "-"], input=_PY_HEADER_PROBE,
-                               capture_output=True, text=True, timeout=60)
-    except (OSError, subprocess.TimeoutExpired) as exc:
+        built = run_probe([cxx, "-x", "c++", "-fsyntax-only", f"-I{include}", "-"], input=_PY_HEADER_PROBE, timeout_s=60)
+    except OSError as exc:
         return f"the C++ compiler {cxx} does not run: {exc}"
+    if built.timed_out:
+        return f"the C++ compiler {cxx} does not run: it {built.cause}"
     if built.returncode != 0:
         return (f"{cxx} cannot compile against the Python headers in {include} (vLLM on CPU compiles its "
                 f"sampler with torch.compile): {built.stderr.strip()[-300:]}")

@@ -23,9 +23,7 @@ import json
 import logging
 import os
 import secrets
-import subprocess
 import sys
-import tempfile
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -50,62 +48,39 @@ class SandboxHostActor:
     def __init__(self, backend: str, kwargs: dict[str, Any], token: str) -> None:
         import ray.util
 
+        from agentrl.child_process import ChildProcess
         from agentrl.inference.launcher import free_port
-        from agentrl.lifeline import lifeline_argv
 
         self.ip = ray.util.get_node_ip_address()
         self.port = free_port(self.ip)
-        # The server's output goes to a file that is unlinked at once: the actor keeps it open to
-        # quote its tail when the server fails, and nothing is left in the node's /tmp afterwards,
+        # The server's output goes to a file that is unlinked at once (ChildProcess's default log): the
+        # actor quotes its tail when the server fails, and nothing is left in the node's /tmp afterwards,
         # however the run ends.
-        self._log = tempfile.TemporaryFile(prefix="agentrl-sandbox-host-", suffix=".log")
         argv = [sys.executable, "-c", _SERVE, self.ip, str(self.port), backend, json.dumps(kwargs)]
-        self.proc = subprocess.Popen(
-            lifeline_argv(argv), stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT,
-            env={**os.environ, "AGENTRL_SANDBOX_TOKEN": token}, start_new_session=True,
-        )  # fmt: skip
+        self.proc = ChildProcess(argv, name=f"the sandbox server on node {self.ip}",
+                                 env={**os.environ, "AGENTRL_SANDBOX_TOKEN": token}).start()
 
     def log_tail(self, lines: int = 20) -> str:
         """The last `lines` lines the server wrote."""
-        self._log.seek(0)
-        return "".join(self._log.read().decode(errors="replace").splitlines(keepends=True)[-lines:])
+        return self.proc.log_tail(lines=lines)
 
     def url(self) -> str:
         return f"http://{self.ip}:{self.port}"
 
     def wait_healthy(self, timeout_s: float) -> str:
         """Block until the server answers /health; its URL. Raise with its log if it exits or times out."""
-        import time
+        from agentrl.child_process import HealthURL
+        from agentrl.errors import ChildNotReadyError
 
-        import httpx
-
-        deadline = time.monotonic() + timeout_s
-        while True:
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                tail = self.log_tail()
-                why = (
-                    f"exited with code {self.proc.returncode}"
-                    if self.proc.poll() is not None
-                    else f"did not answer within {timeout_s:.0f} s"
-                )
-                raise SandboxError(f"the sandbox server on node {self.ip} {why}; its log ends:\n{tail}")
-            try:
-                if httpx.get(self.url() + "/health", timeout=2.0).status_code == 200:
-                    return self.url()
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.25)
+        try:
+            self.proc.wait_ready(HealthURL(self.url() + "/health"), timeout_s)
+        except ChildNotReadyError as exc:
+            raise SandboxError(f"{exc.name} {exc.cause}; its log ends:\n{exc.tail}") from None
+        return self.url()
 
     def stop(self) -> None:
-        import signal
-
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-        self._log.close()
+        self.proc.stop()
+        self.proc.close_log()
 
 
 @dataclass(frozen=True)
