@@ -170,7 +170,9 @@ class ChildProcess:
     `log_path`: where stdout and stderr go (appended to); None: an unlinked temporary file, read for
     the tail and gone with this object. `stdin`, `stdout`, `stderr` True: a pipe instead (stdin
     False: /dev/null). `grace_s`: how long the child has to end after SIGTERM (the lifeline's grace
-    too). `lifeline=False` starts it detached (see the module docstring: only on purpose).
+    too). `pass_fds`: descriptors the command inherits. `cgroup_procs`: `cgroup.procs` files the
+    command (not its lifeline) is moved into. `lifeline=False` starts it detached (see the module
+    docstring: only on purpose).
     """
 
     def __init__(
@@ -188,7 +190,7 @@ class ChildProcess:
         grace_s: float = 10.0,
         lifeline: bool = True,
         pass_fds: Sequence[int] = (),
-        preexec_fn: Callable[[], Any] | None = None,
+        cgroup_procs: Sequence[str] = (),
     ) -> None:
         self.argv = [str(a) for a in argv]
         self.name = name
@@ -200,7 +202,7 @@ class ChildProcess:
         self.grace_s = grace_s
         self.lifeline = lifeline
         self.pass_fds = tuple(pass_fds)
-        self.preexec_fn = preexec_fn
+        self.cgroup_procs = tuple(cgroup_procs)
         self.popen: subprocess.Popen[Any] | None = None
         self._log: IO[bytes] | None = None
         self._started_at = 0.0
@@ -222,13 +224,16 @@ class ChildProcess:
                 self._log = tempfile.TemporaryFile(prefix=f"agentrl-{re.sub(r'[^A-Za-z0-9]+', '-', self.name)}-")
         argv = self.argv
         if self.lifeline:
-            argv = lifeline_argv(argv, grace_s=self.grace_s, keep_stdin=want_in, pass_fds=self.pass_fds)
+            argv = lifeline_argv(argv, grace_s=self.grace_s, keep_stdin=want_in, pass_fds=self.pass_fds,
+                                 cgroup_procs=self.cgroup_procs)
+        elif self.cgroup_procs:
+            raise ValueError(f"{self!r}: cgroup_procs needs the lifeline (it moves the command into them)")
         self.popen = subprocess.Popen(
             argv, stdin=subprocess.PIPE if want_in else subprocess.DEVNULL,
             stdout=subprocess.PIPE if want_out else self._log,
             stderr=subprocess.PIPE if want_err else (self._log if want_out else subprocess.STDOUT),
             env=self.env, cwd=self.cwd, text=self.text, bufsize=1 if self.text else -1, start_new_session=True,
-            pass_fds=self.pass_fds, preexec_fn=self.preexec_fn,
+            pass_fds=self.pass_fds,
         )  # fmt: skip
         self._started_at = time.monotonic()
         return self
@@ -349,11 +354,27 @@ class ChildProcess:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(self.popen.pid, signum)
 
+    def kill_now(self) -> None:
+        """SIGKILL the command without waiting: its lifeline reaps it, SIGKILLs the rest of the group
+        and ends as it did (a group SIGKILL would leave the command to be reaped by init). Before the
+        lifeline has started it, the whole group is SIGKILLed."""
+        if self.popen is None or self.popen.poll() is not None:
+            return
+        command = self.command_pid if self.lifeline else None
+        if command is None:
+            self.signal_group(signal.SIGKILL)
+            return
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(command, signal.SIGKILL)
+
     def kill(self) -> None:
-        """SIGKILL the whole group at once and reap the lifeline."""
+        """SIGKILL the command and the whole group (`kill_now`), and reap the lifeline."""
         if self.popen is None:
             return
-        self.signal_group(signal.SIGKILL)
+        self.kill_now()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.popen.wait(timeout=2.0)
+        self.signal_group(signal.SIGKILL)  # a lifeline that did not answer, and what it left
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.popen.wait(timeout=5.0)
 

@@ -47,13 +47,17 @@ _POLL_S = 0.5
 
 
 def lifeline_argv(command: list[str], *, grace_s: float = 10.0, python: str | None = None,
-                  keep_stdin: bool = False, pass_fds: tuple[int, ...] | list[int] = ()) -> list[str]:
+                  keep_stdin: bool = False, pass_fds: tuple[int, ...] | list[int] = (),
+                  cgroup_procs: tuple[str, ...] | list[str] = ()) -> list[str]:
     """`command` run under a lifeline (see the module docstring); start it with `start_new_session=True`.
     `keep_stdin`: the command reads the lifeline's stdin (a stdio tool server) instead of /dev/null.
-    `pass_fds`: descriptors the command inherits (start the lifeline with the same `pass_fds`)."""
+    `pass_fds`: descriptors the command inherits (start the lifeline with the same `pass_fds`).
+    `cgroup_procs`: `cgroup.procs` files the command is moved into before it starts (the lifeline
+    stays out, so a kill of the whole cgroup leaves it to reap the command and end as it did)."""
     fds = [arg for fd in pass_fds for arg in ("--fd", str(fd))]
+    groups = [arg for path in cgroup_procs for arg in ("--cgroup-procs", path)]
     return [python or sys.executable, "-I", LIFELINE_PATH, "--parent", str(os.getpid()), "--grace", str(grace_s),
-            *(["--stdin"] if keep_stdin else []), *fds, "--", *command]
+            *(["--stdin"] if keep_stdin else []), *fds, *groups, "--", *command]
 
 
 _reaper: subprocess.Popen[bytes] | None = None
@@ -148,8 +152,17 @@ def _kill_others(signum: int) -> None:
         time.sleep(0.02)
 
 
+def _join_cgroups(procs_files: tuple[str, ...]) -> None:
+    for path in procs_files:  # between fork and exec: the child moves itself
+        fd = os.open(path, os.O_WRONLY)
+        try:
+            os.write(fd, b"0")
+        finally:
+            os.close(fd)
+
+
 def _watch(command: list[str], grace_s: float, parent: int, keep_stdin: bool = False,
-           pass_fds: tuple[int, ...] = ()) -> int:
+           pass_fds: tuple[int, ...] = (), cgroup_procs: tuple[str, ...] = ()) -> int:
     stop = {"asked": False}
 
     def on_term(signum: int, frame: object) -> None:
@@ -160,7 +173,8 @@ def _watch(command: list[str], grace_s: float, parent: int, keep_stdin: bool = F
     if os.getppid() != parent:  # the parent died before we started looking
         stop["asked"] = True
     # same session and group as us
-    child = subprocess.Popen(command, stdin=None if keep_stdin else subprocess.DEVNULL, pass_fds=pass_fds)
+    child = subprocess.Popen(command, stdin=None if keep_stdin else subprocess.DEVNULL, pass_fds=pass_fds,
+                             preexec_fn=(lambda: _join_cgroups(cgroup_procs)) if cgroup_procs else None)
     deadline: float | None = None
     while True:
         code = child.poll()
@@ -181,8 +195,8 @@ def _watch(command: list[str], grace_s: float, parent: int, keep_stdin: bool = F
 
 
 def main(argv: list[str]) -> None:
-    grace_s, parent, keep_stdin, fds = 10.0, os.getppid(), False, []
-    while argv[:1] in (["--grace"], ["--parent"], ["--stdin"], ["--fd"]):
+    grace_s, parent, keep_stdin, fds, groups = 10.0, os.getppid(), False, [], []
+    while argv[:1] in (["--grace"], ["--parent"], ["--stdin"], ["--fd"], ["--cgroup-procs"]):
         if argv[0] == "--stdin":
             keep_stdin, argv = True, argv[1:]
             continue
@@ -190,6 +204,8 @@ def main(argv: list[str]) -> None:
             grace_s = float(argv[1])
         elif argv[0] == "--fd":
             fds.append(int(argv[1]))
+        elif argv[0] == "--cgroup-procs":
+            groups.append(argv[1])
         else:
             parent = int(argv[1])
         argv = argv[2:]
@@ -198,8 +214,8 @@ def main(argv: list[str]) -> None:
     if argv[:1] == ["--"]:
         argv = argv[1:]
     if not argv:
-        sys.exit("usage: lifeline.py [--parent PID] [--grace S] [--stdin] [--fd N]... (-- command [args...] | --reap-tree)")
-    code = _watch(argv, grace_s, parent, keep_stdin, tuple(fds))
+        sys.exit("usage: lifeline.py [--parent PID] [--grace S] [--stdin] [--fd N]... [--cgroup-procs PATH]... (-- command [args...] | --reap-tree)")
+    code = _watch(argv, grace_s, parent, keep_stdin, tuple(fds), tuple(groups))
     sys.stdout.flush()
     if code < 0:  # end by the same signal, so the parent sees what the command saw
         with contextlib.suppress(OSError, ValueError):  # SIGKILL and SIGSTOP have no handler to reset

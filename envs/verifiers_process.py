@@ -24,7 +24,6 @@ import concurrent.futures
 import contextlib
 import json
 import logging
-import signal
 import subprocess
 import sys
 import threading
@@ -88,8 +87,8 @@ class _Process:
             self.child.stdin.flush()
 
     def kill(self) -> None:
-        """SIGKILL the group now, without waiting (the reader sees the exit)."""
-        self.child.signal_group(signal.SIGKILL)
+        """SIGKILL the worker now, without waiting (the reader sees the exit; the lifeline ends the rest)."""
+        self.child.kill_now()
 
     def stop(self) -> None:
         """Close stdin (the worker exits), then TERM and KILL the lifeline's group if it lingers."""

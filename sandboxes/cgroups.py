@@ -78,17 +78,9 @@ class Cgroup:
 
     @property
     def procs_files(self) -> list[str]:
-        """The `cgroup.procs` files a process must join (write "0" to each)."""
+        """The `cgroup.procs` files a process must join (write "0" to each: the lifeline does, for the
+        sandbox worker it starts, `agentrl.lifeline.lifeline_argv(cgroup_procs=...)`)."""
         return sorted({os.path.join(d, "cgroup.procs") for d, _ in self.dirs.values()})
-
-    def join_self(self) -> None:
-        """Move the calling process into the groups; safe to call between fork and exec."""
-        for path in self.procs_files:
-            fd = os.open(path, os.O_WRONLY)
-            try:
-                os.write(fd, b"0")
-            finally:
-                os.close(fd)
 
     def oom_kills(self) -> int:
         """How many processes the kernel's OOM killer has ended in this group so far."""

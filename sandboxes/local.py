@@ -51,7 +51,6 @@ import math
 import os
 import posixpath
 import struct
-import subprocess
 import tempfile
 import time
 import weakref
@@ -59,6 +58,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from agentrl.child_process import ChildProcess
 from agentrl.errors import ConfigError, SandboxClosedError, SandboxError, SandboxUnavailableError
 from agentrl.sandboxes import forkserver
 from agentrl.sandboxes.bwrap import SANDBOX_HOME, bwrap_argv, check_ro_paths, find_bwrap, sandbox_python
@@ -98,30 +98,41 @@ def _check_relative(path: str) -> str:
 
 
 class _PipedProcess:
-    """A child process with asyncio streams on its pipes, started without asyncio's child watcher.
+    """A sandbox worker (an `agentrl.child_process.ChildProcess`, under a lifeline) with asyncio streams
+    on its pipes, started without asyncio's child watcher.
 
     `asyncio.create_subprocess_exec` cannot be cancelled safely while it is starting a child: on
     Python 3.11 a task cancelled there (as `asyncio.run` does to leftover tasks, such as a pool
     refill, when it ends) waits for the child to exit by itself, which a sandbox worker never does,
-    so the program hangs at exit. Here the fork/exec is one synchronous `Popen` call that cannot be
+    so the program hangs at exit. Here the fork/exec is one synchronous start that cannot be
     interrupted halfway, the pipes become asyncio streams, and the exit is watched through a pidfd
-    on the event loop, so nothing is left to hang on.
+    on the event loop, so nothing is left to hang on. `pid` is the worker's own (the outer bwrap),
+    once the lifeline started it; `kill` ends the lifeline's whole group.
     """
 
-    def __init__(self, popen: subprocess.Popen[bytes], stdin: asyncio.StreamWriter,
+    def __init__(self, child: ChildProcess, stdin: asyncio.StreamWriter,
                  stdout: asyncio.StreamReader, stderr: asyncio.StreamReader) -> None:
-        self._popen = popen
-        self.pid = popen.pid
+        assert child.popen is not None  # started by `start`
+        self._child = child
+        self._popen = child.popen
         self.stdin, self.stdout, self.stderr = stdin, stdout, stderr
         self._exited = asyncio.get_running_loop().create_future()
-        self._pidfd = os.pidfd_open(popen.pid)
+        self._pidfd = os.pidfd_open(child.popen.pid)
         asyncio.get_running_loop().add_reader(self._pidfd, self._on_exit)
 
+    @property
+    def pid(self) -> int:
+        return self._child.command_pid or self._popen.pid
+
     @classmethod
-    async def start(cls, argv: list[str], **popen_kwargs: Any) -> _PipedProcess:
+    async def start(cls, argv: list[str], *, env: dict[str, str], pass_fds: list[int], cwd: str,
+                    cgroup: Cgroup | None = None) -> _PipedProcess:
         loop = asyncio.get_running_loop()
-        popen = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                 start_new_session=True, **popen_kwargs)
+        child = ChildProcess(argv, name="the local sandbox worker", env=env, cwd=cwd, stdin=True, stdout=True,
+                             stderr=True, grace_s=1.0, pass_fds=pass_fds,
+                             cgroup_procs=cgroup.procs_files if cgroup is not None else ()).start()
+        popen = child.popen
+        assert popen is not None and popen.stdin is not None and popen.stdout is not None and popen.stderr is not None
         try:
             stdout = asyncio.StreamReader(limit=2**26)
             await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(stdout), popen.stdout)
@@ -129,10 +140,9 @@ class _PipedProcess:
             await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(stderr), popen.stderr)
             transport, protocol = await loop.connect_write_pipe(asyncio.streams.FlowControlMixin, popen.stdin)
             stdin = asyncio.StreamWriter(transport, protocol, None, loop)
-            return cls(popen, stdin, stdout, stderr)
+            return cls(child, stdin, stdout, stderr)
         except BaseException:
-            popen.kill()
-            popen.wait()
+            child.kill()
             raise
 
     def _on_exit(self) -> None:
@@ -147,8 +157,9 @@ class _PipedProcess:
         return self._popen.returncode if self._exited.done() else None
 
     def kill(self) -> None:
+        """SIGKILL the worker, without waiting; its lifeline ends the rest of its group (`ChildProcess.kill_now`)."""
         if not self._exited.done():
-            self._popen.kill()
+            self._child.kill_now()
 
     async def wait(self) -> int:
         return await asyncio.shield(self._exited)
@@ -213,7 +224,7 @@ class _Worker:
         """Synchronous kill, for a worker whose event loop is gone."""
         self.healthy = False
         with contextlib.suppress(ProcessLookupError, OSError):
-            os.kill(self.proc.pid, 9)
+            self.proc.kill()
         self._cleanup_files()
 
     def _cleanup_files(self) -> None:
@@ -356,7 +367,7 @@ class LocalSandbox:
             argv += [self.python, "-I", script, json.dumps(config)]
             proc = await _PipedProcess.start(
                 argv, env=env, pass_fds=fds, cwd=tmpdir or "/",
-                preexec_fn=cgroup.join_self if cgroup else None,
+                cgroup=cgroup,
             )
         except OSError as exc:
             if cgroup is not None:
