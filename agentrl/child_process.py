@@ -36,9 +36,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import inspect
 import os
 import re
+import shutil
 import signal
 import subprocess
 import tempfile
@@ -76,6 +78,26 @@ EXEMPT_MODULES: dict[str, str] = {
 """Files (relative to the repository root) that may start processes without `ChildProcess`, and why."""
 
 _TAIL_BYTES = 65536
+
+
+def _require_program(argv: list[str], env: dict[str, str] | None, cwd: str | None) -> None:
+    """Raise the OSError `Popen(argv)` would raise for a program that is missing or not executable:
+    under a lifeline the exec happens in the lifeline, which cannot raise into this process."""
+    if not argv:
+        raise ValueError("an empty command line")
+    program = argv[0]
+    if "/" in program:
+        path = program if os.path.isabs(program) or cwd is None else os.path.join(cwd, program)
+    else:
+        search = (env if env is not None else os.environ).get("PATH", os.defpath)
+        found = shutil.which(program, path=search)
+        if found is None:
+            raise FileNotFoundError(errno.ENOENT, "No such file or directory (not on PATH)", program)
+        path = found
+    if not os.path.isfile(path):
+        raise FileNotFoundError(errno.ENOENT, "No such file or directory", program)
+    if not os.access(path, os.X_OK):
+        raise PermissionError(errno.EACCES, "Permission denied", program)
 
 
 def exit_cause(returncode: int) -> str:
@@ -223,6 +245,7 @@ class ChildProcess:
             else:
                 self._log = tempfile.TemporaryFile(prefix=f"agentrl-{re.sub(r'[^A-Za-z0-9]+', '-', self.name)}-")
         argv = self.argv
+        _require_program(argv, self.env, self.cwd)
         if self.lifeline:
             argv = lifeline_argv(argv, grace_s=self.grace_s, keep_stdin=want_in, pass_fds=self.pass_fds,
                                  cgroup_procs=self.cgroup_procs)
@@ -443,6 +466,7 @@ class ProbeResult:
 
 def _start_probe(argv: list[str], input: str | bytes | None, env: dict[str, str] | None, cwd: str | None,
                  text: bool, grace_s: float = 1.0) -> subprocess.Popen[Any]:
+    _require_program(argv, env, cwd)
     return subprocess.Popen(
         lifeline_argv(argv, grace_s=grace_s, keep_stdin=input is not None),
         stdin=subprocess.PIPE if input is not None else subprocess.DEVNULL, stdout=subprocess.PIPE,

@@ -173,8 +173,12 @@ def _watch(command: list[str], grace_s: float, parent: int, keep_stdin: bool = F
     if os.getppid() != parent:  # the parent died before we started looking
         stop["asked"] = True
     # same session and group as us
-    child = subprocess.Popen(command, stdin=None if keep_stdin else subprocess.DEVNULL, pass_fds=pass_fds,
-                             preexec_fn=(lambda: _join_cgroups(cgroup_procs)) if cgroup_procs else None)
+    try:
+        child = subprocess.Popen(command, stdin=None if keep_stdin else subprocess.DEVNULL, pass_fds=pass_fds,
+                                 preexec_fn=(lambda: _join_cgroups(cgroup_procs)) if cgroup_procs else None)
+    except OSError as exc:  # as a shell says it: 127 not found, 126 not runnable
+        sys.stderr.write(f"lifeline: cannot start {command[0]!r}: {exc}\n")
+        return 127 if isinstance(exc, FileNotFoundError) else 126
     deadline: float | None = None
     while True:
         code = child.poll()

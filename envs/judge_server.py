@@ -5,8 +5,8 @@ judge request of a process, this starts the gateway service of `agentrl gateway`
 `python -m agentrl.orchestration.gateway_service model.path=MODEL_PATH inference.engine=ENGINE
 SERVER_ARGS... --port 0`) as an `agentrl.child_process.ChildProcess`: under a lifeline (it dies with
 the process that started it, SIGKILL included, and takes its inference servers with it). It waits up
-to `startup_timeout_s` (from the start) for the log to say where it listens, and sends the judge's chat completions there: the gateway's own router over its
-own servers, which generate token in, token out, as the policy's do. Each judge request is a gateway
+to `startup_timeout_s` (from the start; past it the server is stopped) for the log to say where it
+listens, and sends the judge's chat completions there: the gateway's own router over its own servers, which generate token in, token out, as the policy's do. Each judge request is a gateway
 session of its own (`/s/judge-N/v1`), ended once its verdict is read, so the gateway holds nothing
 between requests and appends every exchange, tokens and all, to `OUT/trajectories.jsonl`; OUT is a
 fresh directory under the system's temp directory, named in the log, and never deleted.

@@ -143,3 +143,14 @@ def test_async_probe_feeds_stdin_and_a_cancel_kills_the_group(tmp_path):
         return answer
 
     assert asyncio.run(both()) == (0, b"cba\n", b"")
+
+
+def test_a_program_that_cannot_start_raises_as_popen_would(tmp_path):
+    with pytest.raises(FileNotFoundError):
+        run_probe([str(tmp_path / "no-such-program")], timeout_s=5)
+    with pytest.raises(FileNotFoundError):
+        ChildProcess(["no-such-program-on-path"], name="x").start()
+    script = tmp_path / "not-executable"
+    script.write_text("#!/bin/sh\n")
+    with pytest.raises(PermissionError):
+        run_probe([str(script)], timeout_s=5)
