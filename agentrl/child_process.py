@@ -44,6 +44,7 @@ import shutil
 import signal
 import subprocess
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -193,7 +194,8 @@ class ChildProcess:
     the tail and gone with this object. `stdin`, `stdout`, `stderr` True: a pipe instead (stdin
     False: /dev/null). `grace_s`: how long the child has to end after SIGTERM (the lifeline's grace
     too). `pass_fds`: descriptors the command inherits. `cgroup_procs`: `cgroup.procs` files the
-    command (not its lifeline) is moved into. `lifeline=False` starts it detached (see the module
+    command (not its lifeline) is moved into. `on_exit`: called (in a thread of its own) as soon as
+    the child has ended, however it ended. `lifeline=False` starts it detached (see the module
     docstring: only on purpose).
     """
 
@@ -213,6 +215,7 @@ class ChildProcess:
         lifeline: bool = True,
         pass_fds: Sequence[int] = (),
         cgroup_procs: Sequence[str] = (),
+        on_exit: Callable[[ChildProcess], None] | None = None,
     ) -> None:
         self.argv = [str(a) for a in argv]
         self.name = name
@@ -225,6 +228,7 @@ class ChildProcess:
         self.lifeline = lifeline
         self.pass_fds = tuple(pass_fds)
         self.cgroup_procs = tuple(cgroup_procs)
+        self.on_exit = on_exit
         self.popen: subprocess.Popen[Any] | None = None
         self._log: IO[bytes] | None = None
         self._started_at = 0.0
@@ -259,7 +263,14 @@ class ChildProcess:
             pass_fds=self.pass_fds,
         )  # fmt: skip
         self._started_at = time.monotonic()
+        if self.on_exit is not None:
+            threading.Thread(target=self._watch_exit, name=f"exit of {self.name}", daemon=True).start()
         return self
+
+    def _watch_exit(self) -> None:
+        assert self.popen is not None and self.on_exit is not None
+        self.popen.wait()  # reaped at once: no zombie waits for the next look
+        self.on_exit(self)
 
     # ── what it is doing ────────────────────────────────────────────────────────────────────
     @property

@@ -74,9 +74,14 @@ class JudgeServer:
             self.out_dir = Path(tempfile.mkdtemp(prefix="agentrl-judge-"))
             command = [*self.command, "--port", "0", "--out", str(self.out_dir)]
             log.info("starting the judge server: %s (log %s)", " ".join(command[1:]), self.log_path)
-            self._child = ChildProcess(command, name="the judge server", log_path=self.log_path, grace_s=25.0).start()
+            self._child = ChildProcess(command, name="the judge server", log_path=self.log_path, grace_s=25.0,
+                                       on_exit=self._exited).start()
             atexit.register(self.close)
             return self._child
+
+    def _exited(self, child: ChildProcess) -> None:
+        if not self._closed and self._base is not None:  # it served, and was not closed on purpose
+            log.error("%s", self.failure)
 
     async def session_url(self) -> tuple[str, str]:
         """(base URL of a fresh session's `/v1`, the gateway's base URL), starting the server first if

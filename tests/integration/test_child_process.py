@@ -154,3 +154,16 @@ def test_a_program_that_cannot_start_raises_as_popen_would(tmp_path):
     script.write_text("#!/bin/sh\n")
     with pytest.raises(PermissionError):
         run_probe([str(script)], timeout_s=5)
+
+
+def test_on_exit_is_called_once_the_child_has_ended_and_it_is_reaped():
+    import threading
+
+    ended = threading.Event()
+    causes: list[str | None] = []
+    child = ChildProcess([PY, "-c", "import sys; sys.exit(5)"], name="short",
+                         on_exit=lambda c: (causes.append(c.exit_cause()), ended.set()))
+    child.start()
+    assert ended.wait(20)
+    assert causes == ["exited with code 5"]
+    assert not Path(f"/proc/{child.pid}").exists()  # reaped: no zombie left for the next look
