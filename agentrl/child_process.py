@@ -12,7 +12,9 @@ SIGTERM, a grace period, SIGKILL. How a child ended is said in one vocabulary (`
 within T s"), carried by the one error the waits raise, `ChildNotReadyError` (with `cause`,
 `returncode` and `tail`), which callers turn into their own error, adding the fix. `run_probe` runs a
 short command under a lifeline with a timeout and captured output; on timeout the whole group is
-killed and the result says so. Processes that must outlive their starter on purpose (the Docker
+killed and the result says so (`arun_probe`: the same for an event loop, the group ended when the
+awaiting task is cancelled). A program that cannot be started raises OSError at the start, as
+`Popen` would. Processes that must outlive their starter on purpose (the Docker
 watchdog) pass `lifeline=False`; that is the only way around the lifeline, and it is explicit.
 
 Not here: who owns a process (the job's resources, a server's supervisor), restarting one, or what
