@@ -173,7 +173,7 @@ def test_failures_are_classified_like_tool_failures(template: ChatTemplate, tmp_
         "timeout": (lambda: AgentEnv(sleeps, timeout_s=2.0), FinishReason.TIMEOUT, "infra", "within 2.0 s"),
         "no calls": (lambda: AgentEnv(never_calls), FinishReason.ERROR, "infra", "no successful model call"),
         "exit code": (lambda: AgentEnv(command=[sys.executable, str(exits)]), FinishReason.ERROR, "infra",
-                      "status 3"),
+                      "exited with code 3"),
         "budget": (lambda: AgentEnv(loops_forever), FinishReason.MAX_TURNS, None, None),
     }
     for name, (factory, reason, fault, error) in cases.items():
