@@ -394,7 +394,7 @@ def unauthenticated_join(address: str, *, timeout_s: float = 90.0) -> str | None
         return None
     return (f"the Ray cluster at {address} lets in clients without an auth token: anyone who reaches "
             "its port can run code on every node. Restart it with token auth on (RAY_AUTH_MODE=token "
-            "and the same token on every node; README, 'Run on a cluster').")
+            "and the same token on every node; docs/placement.md, 'Run on a cluster').")
 
 
 def _model_problems(
