@@ -294,6 +294,26 @@ TOOL_PARSERS = Registry(
             "agentrl.tools.parsers:RetoolParser",
             "ReTool code blocks (```python or <code>) as calls to the python tool.",
         ),
+        "qwen3_coder": (
+            "agentrl.tools.parsers_more:Qwen3CoderParser",
+            "Qwen3-Coder XML calls: <tool_call><function=NAME><parameter=KEY>VALUE</parameter>...</tool_call>.",
+        ),
+        "glm45": (
+            "agentrl.tools.parsers_more:Glm45Parser",
+            "GLM-4.5 calls: <tool_call>NAME<arg_key>K</arg_key><arg_value>V</arg_value>...</tool_call>.",
+        ),
+        "kimi_k2": (
+            "agentrl.tools.parsers_more:KimiK2Parser",
+            "Kimi-K2 calls: <|tool_call_begin|>functions.NAME:IDX<|tool_call_argument_begin|>{...}, id kept.",
+        ),
+        "deepseek_v3": (
+            "agentrl.tools.parsers_more:DeepSeekV3Parser",
+            "DeepSeek-V3/R1 calls: <｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME ```json {...}``` (and V3.1's form).",
+        ),
+        "gpt_oss": (
+            "agentrl.tools.parsers_more:GptOssParser",
+            "gpt-oss harmony: commentary to=functions.NAME is a call, final is the text, analysis is left out.",
+        ),
     },
 )
 
