@@ -5,7 +5,8 @@ parsers read texts the way vLLM's parsers do.
 Round trips: deepseek_v3 and gpt_oss render through their real tokenizers' `apply_chat_template`, glm45
 through the GLM-4.5 template in the shared assets. qwen3_coder and kimi_k2 have no template in the assets,
 so their text is written by the small renderers below (`_qwen3_coder_text`, `_kimi_text`), which follow
-the families' documented formats byte for byte.
+the families' documented formats byte for byte. The comparisons with vLLM's parsers (and with
+`openai_harmony` for gpt-oss, whose vLLM parser is a stub) are `slow`: importing vLLM takes seconds.
 """
 
 from __future__ import annotations
@@ -306,3 +307,142 @@ def test_every_prefix_of_a_valid_turn_parses_without_raising(parser: Any) -> Non
         action = parser.parse(text[:cut])
         assert isinstance(action, Action)
         assert all(isinstance(c.arguments, dict) for c in action.tool_calls)
+
+
+# ── the same calls as vLLM's parsers and openai_harmony ─────────────────────────────────────────
+# vLLM's XML-format parsers (qwen3_coder, glm45) type values by the request's tool schema, so each text is
+# compared with a request whose tools declare every argument's JSON type; agentrl's parsers, which see no
+# schema, must reach the same values from the text alone. Importing vLLM takes seconds: `slow`.
+def _calls_without_nulls(seed: int) -> list[tuple[str, dict[str, Any]]]:
+    # A top-level null has no schema type that vLLM types from text; nested nulls stay.
+    # Each call gets its own function, so that one schema per function fits all its calls.
+    return [
+        (f"{name}_{i}", {k: v for k, v in args.items() if v is not None})
+        for i, (name, args) in enumerate(_generated_calls(seed))
+    ]
+
+
+def _schema_type(value: Any) -> str:
+    for kind, name in [
+        (bool, "boolean"),
+        (int, "integer"),
+        (float, "number"),
+        (str, "string"),
+        (dict, "object"),
+    ]:
+        if isinstance(value, kind):
+            return name
+    return "array"
+
+
+def _request(tool_calls: list[tuple[str, dict[str, Any]]]) -> Any:
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+
+    schemas: dict[str, dict[str, Any]] = {}
+    for name, args in tool_calls:
+        props = schemas.setdefault(name, {})
+        props.update({k: {"type": _schema_type(v)} for k, v in args.items()})
+    tools = [
+        {"type": "function", "function": {"name": n, "parameters": {"type": "object", "properties": p}}}
+        for n, p in schemas.items()
+    ]
+    return ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], model="m", tools=tools)
+
+
+def _vllm_calls(parser: Any, text: str, request: Any) -> list[tuple[str, dict[str, Any]]]:
+    info = parser.extract_tool_calls(text, request)
+    return [(c.function.name, json.loads(c.function.arguments)) for c in info.tool_calls]
+
+
+def _texts(family: str, seed: int, tool_calls: list[tuple[str, dict[str, Any]]]) -> str:
+    if family == "qwen3_coder":
+        return "Calling.\n" + _qwen3_coder_text(tool_calls)
+    if family == "kimi_k2":
+        return "Calling." + _kimi_text(tool_calls)
+    if family == "glm45":
+        return "Calling." + "".join(
+            f"\n<tool_call>{name}\n"
+            + "".join(
+                f"<arg_key>{k}</arg_key>\n<arg_value>{v if isinstance(v, str) else json.dumps(v, ensure_ascii=False)}"
+                "</arg_value>\n"
+                for k, v in args.items()
+            )
+            + "</tool_call>"
+            for name, args in tool_calls
+        )
+    return (
+        "Calling.<｜tool▁calls▁begin｜>"
+        + "\n".join(
+            f"<｜tool▁call▁begin｜>function<｜tool▁sep｜>{name}\n```json\n{json.dumps(args, ensure_ascii=False)}\n```"
+            "<｜tool▁call▁end｜>"
+            for name, args in tool_calls
+        )
+        + "<｜tool▁calls▁end｜>"
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("family", "ours", "theirs", "tokenizer"),
+    [
+        (
+            "qwen3_coder",
+            Qwen3CoderParser(),
+            "vllm.tool_parsers.qwen3_engine_tool_parser:Qwen3EngineToolParser",
+            "qwen3-0.6b",
+        ),
+        (
+            "glm45",
+            Glm45Parser(),
+            "vllm.tool_parsers.glm47_moe_tool_parser:Glm47MoeModelToolParser",
+            "qwen3-0.6b",
+        ),
+        ("kimi_k2", KimiK2Parser(), "vllm.tool_parsers.kimi_k2_tool_parser:KimiK2ToolParser", "qwen3-0.6b"),
+        # vLLM's own table names a class that its deepseekv3 module lacks, so the class is imported directly.
+        (
+            "deepseek_v3",
+            DeepSeekV3Parser(),
+            "vllm.tool_parsers.deepseekv3_tool_parser:DeepSeekV3ToolParser",
+            "deepseek-v3-tokenizer",
+        ),
+    ],
+    ids=lambda v: v if isinstance(v, str) and "." not in v and "-" not in v else "",
+)
+def test_same_calls_as_vllm(family: str, ours: Any, theirs: str, tokenizer: str, assets: Path) -> None:
+    pytest.importorskip("vllm")
+    import importlib
+
+    from transformers import AutoTokenizer
+
+    module, _, cls = theirs.partition(":")
+    parser = getattr(importlib.import_module(module), cls)(AutoTokenizer.from_pretrained(assets / tokenizer))
+    for seed in range(CONVERSATIONS):
+        tool_calls = _calls_without_nulls(seed)
+        text = _texts(family, seed, tool_calls)
+        mine = [(c.name, c.arguments) for c in ours.parse(text).tool_calls]
+        assert mine == tool_calls, text
+        assert _vllm_calls(parser, text, _request(tool_calls)) == mine, text
+
+
+@pytest.mark.slow
+def test_same_calls_as_openai_harmony(assets: Path) -> None:
+    harmony = pytest.importorskip("openai_harmony")
+    from transformers import AutoTokenizer
+
+    encoding = harmony.load_harmony_encoding(harmony.HarmonyEncodingName.HARMONY_GPT_OSS)
+    tok = AutoTokenizer.from_pretrained(assets / "gpt-oss-tokenizer")
+    for seed in range(CONVERSATIONS):
+        text = "<|channel|>analysis<|message|>Thinking about it.<|end|>" + "".join(
+            f"<|start|>assistant<|channel|>commentary to=functions.{name} <|constrain|>json<|message|>"
+            f"{json.dumps(args, ensure_ascii=False)}<|call|>"
+            for name, args in _generated_calls(seed)
+        )
+        tokens = tok.encode(text, add_special_tokens=False)
+        messages = encoding.parse_messages_from_completion_tokens(tokens, role=harmony.Role.ASSISTANT)
+        theirs = [
+            (m.recipient.removeprefix("functions."), json.loads(m.content[0].text))
+            for m in messages
+            if m.recipient
+        ]
+        mine = [(c.name, c.arguments) for c in GptOssParser().parse(text).tool_calls]
+        assert mine == theirs == _generated_calls(seed), text
