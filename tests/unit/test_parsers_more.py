@@ -213,13 +213,14 @@ def test_kimi_ids_are_the_call_names() -> None:
     assert [c.id for c in action.tool_calls] == ["functions.f:0", "functions.g:1"]
 
 
-@pytest.mark.parametrize("parser", PARSERS[:4], ids=lambda p: p.name)
+@pytest.mark.parametrize("parser", PARSERS, ids=lambda p: p.name)
 def test_a_last_block_left_open_by_the_stop_string_is_read(parser: Any) -> None:
     text = {
         "qwen3_coder": _qwen3_coder_text([("f", {"a": "x"})]).removesuffix("</tool_call>"),
         "glm45": "<tool_call>f\n<arg_key>a</arg_key>\n<arg_value>x</arg_value>\n",
         "kimi_k2": _kimi_text([("f", {"a": "x"})]).removesuffix("<|tool_calls_section_end|>"),
         "deepseek_v3": '<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>f\n```json\n{"a": "x"}\n```<｜tool▁call▁end｜>',
+        "gpt_oss": '<|channel|>commentary to=functions.f <|constrain|>json<|message|>{"a": "x"}',
     }[parser.name]
     assert calls(parser.parse(text)) == [("f", {"a": "x"})]
 
