@@ -101,6 +101,16 @@ def wait_ready(driver: Any, timeout_s: float = 60.0) -> None:
     assert state == "1", driver.find_element(By.ID, "main").text
 
 
+def show_curves(driver: Any, timeout_s: float = 30.0) -> dict[str, Any]:
+    """Click "curves" and wait until the dashboard (fetched on the click) is drawn; its panels by title."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    driver.find_element(By.ID, "show-curves").click()
+    WebDriverWait(driver, timeout_s).until(lambda d: d.find_elements(By.CSS_SELECTOR, "#curves .panel"))
+    return {p.get_attribute("data-title"): p for p in driver.find_elements(By.CSS_SELECTOR, "#curves .panel")}
+
+
 def screenshot(driver: Any, name: str) -> Path:
     """Save a screenshot under tests/artifacts/ (ignored by git) and print where it went."""
     ARTIFACTS.mkdir(exist_ok=True)

@@ -31,6 +31,7 @@ from browser import (
     need_browser,
     page_errors,
     screenshot,
+    show_curves,
     wait_ready,
 )
 from viewer_runs import ENTROPY, GAP, NOT_EPISODES, QWEN25, make_big_run, make_failing_run, make_run_dir
@@ -140,8 +141,7 @@ def test_the_page_shows_turns_tool_calls_and_what_was_trained(browser, calc_run:
         assert all(t["mask"] == "0" for t in shown)
 
         # The curves: the infra panel is raised, flat and missing panels are named, not drawn.
-        browser.find_element(By.ID, "show-curves").click()
-        panels = {p.get_attribute("data-title"): p for p in browser.find_elements(By.CSS_SELECTOR, "#curves .panel")}
+        panels = show_curves(browser)
         assert {"Reward", "Held-out pass@k", "Infrastructure failures", "Finish reasons", "Time split"} <= set(panels)
         assert "alarm" in panels["Infrastructure failures"].get_attribute("class")
         assert "KL" not in panels
@@ -278,8 +278,7 @@ def test_the_stopped_run_and_a_failing_runs_curves(browser, failing_run: Path) -
         sides = [s.get_attribute("data-side") for s in browser.find_elements(By.CSS_SELECTOR, "#episode .turn")]
         assert sides == ["prompt"]
 
-        browser.find_element(By.ID, "show-curves").click()
-        panels = {p.get_attribute("data-title"): p for p in browser.find_elements(By.CSS_SELECTOR, "#curves .panel")}
+        panels = show_curves(browser)
         assert {"Reward", "Held-out pass@k", "Infrastructure failures"} <= set(panels)
         assert panels["Reward"].find_element(By.TAG_NAME, "h3").text == "Reward"  # two curves: no 'last'
         assert "alarm" not in panels["Infrastructure failures"].get_attribute("class")
