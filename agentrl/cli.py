@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Literal
 
 __all__ = ["build_parser", "main"]
 
@@ -164,7 +164,7 @@ def _load(args: Sequence[str]) -> Any:
     return load_config(config, overrides)
 
 
-def _purpose(cfg: Any, for_eval: bool) -> str:
+def _purpose(cfg: Any, for_eval: bool) -> Literal["run", "eval"]:
     return "eval" if for_eval or cfg.inference.engine == "external" else "run"
 
 
@@ -178,7 +178,7 @@ def cmd_validate(ns: argparse.Namespace) -> int:
 
     cfg = _load(ns.args)
     purpose = _purpose(cfg, ns.for_eval)
-    job = build_job(cfg, purpose)  # type: ignore[arg-type]
+    job = build_job(cfg, purpose)
     sandbox = cfg.sandbox.name if job.sandbox is not None else "none"
     asyncio.run(job.aclose())
     # A run's directory: a resume must match the run it continues (checked as `agentrl run` would).
@@ -226,7 +226,7 @@ def cmd_doctor(ns: argparse.Namespace) -> int:
     purpose = _purpose(cfg, ns.for_eval)
     print(f"Checking 'agentrl {purpose}' with env={cfg.env.name} model={cfg.model.path} ...", flush=True)
     try:
-        job = build_job(cfg, purpose)  # type: ignore[arg-type]
+        job = build_job(cfg, purpose)
     except AgentRLError as exc:
         print(f"[FAIL] build: {exc}")
         return EXIT_ERROR
@@ -263,7 +263,7 @@ def _log_to_console() -> None:
 
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("%(asctime)s %(message)s", datefmt="%H:%M:%S"))
-    handler._agentrl_console = True  # type: ignore[attr-defined]
+    handler._agentrl_console = True  # type: ignore[attr-defined]  # our mark on a stdlib handler
     root = logging.getLogger("agentrl")
     for old in [h for h in root.handlers if getattr(h, "_agentrl_console", False)]:
         root.removeHandler(old)  # one console handler, on the stderr of now (main() may run again in a process)

@@ -139,7 +139,7 @@ def _check_ground_truth(check: _Recorder, env: Env, options: dict[str, Any] | No
         rows.append(("options['row']", options["row"]))
     elif callable(getattr(env, "generate_row", None)):
         try:
-            rows.append((f"generate_row({seed})", env.generate_row(seed)))  # type: ignore[attr-defined]
+            rows.append((f"generate_row({seed})", env.generate_row(seed)))  # type: ignore[attr-defined]  # an optional hook, checked just above
         except Exception:  # an env that needs a dataset row; reset reports any other failure
             pass
     for label, row in rows:

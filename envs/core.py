@@ -28,7 +28,8 @@ that cannot tell without a reset returns None (the default).
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING, Any, ClassVar, Protocol, SupportsFloat, runtime_checkable
+from collections.abc import Coroutine
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, SupportsFloat, TypeVar, runtime_checkable
 
 import gymnasium
 import numpy as np
@@ -42,9 +43,10 @@ if TYPE_CHECKING:
 __all__ = ["ActionSpace", "ChatSpace", "Env", "EpisodeLoop", "ExternalAgentEnv", "TurnBackend"]
 
 _ROLES = ("system", "user", "assistant", "tool")
+_T = TypeVar("_T")
 
 
-class ChatSpace(gymnasium.Space[list]):
+class ChatSpace(gymnasium.Space[list[Message]]):
     """The space of chat-message lists: each a dict with a known `role` and string `content`."""
 
     def __init__(self, seed: int | np.random.Generator | None = None) -> None:
@@ -102,7 +104,7 @@ def _is_message(m: Any) -> bool:
     )
 
 
-class Env(gymnasium.Env[list, Action]):
+class Env(gymnasium.Env[list[Message], Action]):
     """Base class of agentrl environments (a `gymnasium.Env`; see the module docstring).
 
     Subclasses implement `reset` and `step` (sync), or `areset` and `astep` (async) and inherit
@@ -200,7 +202,7 @@ class Env(gymnasium.Env[list, Action]):
         if loop is not None and not loop.is_closed():
             loop.close()
 
-    def _drive(self, coro: Any) -> Any:
+    def _drive(self, coro: Coroutine[Any, Any, _T]) -> _T:
         """Run a coroutine of this env to completion on the env's own private event loop.
 
         One loop per env keeps loop-bound resources (subprocess pipes, HTTP clients) valid across

@@ -114,7 +114,7 @@ class GymTextEnv(Env):
         if isinstance(prompt, str):
             messages.append({"role": "user", "content": prompt})
         elif isinstance(prompt, list):
-            messages.extend(dict(m) for m in prompt)  # type: ignore[misc]
+            messages.extend(dict(m) for m in prompt)  # type: ignore[misc]  # a plain copy of each TypedDict message
         messages.append({"role": "user", "content": self._text(observation)})
         return messages, {"tools": [], "seed": episode_seed}
 

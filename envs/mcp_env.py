@@ -74,7 +74,7 @@ def _isolation(sandbox: Any) -> Isolation:
         return "bwrap"
     isolation = getattr(sandbox, "isolation", None)
     if type(sandbox).__name__ == "LocalSandbox" and isolation in ("bwrap", "none"):
-        return isolation
+        return "bwrap" if isolation == "bwrap" else "none"
     raise ConfigError(
         f"env=mcp starts its stdio MCP servers on this machine under the local sandbox's isolation, and the "
         f"run's sandbox is a {type(sandbox).__name__}: use sandbox=local (isolation bwrap or none), or give "
@@ -137,7 +137,7 @@ class McpEnv(ToolEnv):
         return make_arithmetic_row(seed or 0)
 
     # ToolEnv narrows Env.first_prompt to always answer; this env cannot, so it answers as Env allows
-    def first_prompt(self, row: dict[str, Any]) -> None:  # type: ignore[override]
+    def first_prompt(self, row: dict[str, Any]) -> None:  # type: ignore[override]  # narrower than ToolEnv's: see above
         """None: the tool schemas are the servers', known only once an episode has started them."""
         return None
 

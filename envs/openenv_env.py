@@ -244,7 +244,7 @@ class OpenEnvEnv(Env):
         if isinstance(prompt, str):
             messages.append({"role": "user", "content": prompt})
         elif isinstance(prompt, list):
-            messages.extend(dict(m) for m in prompt)  # type: ignore[misc]
+            messages.extend(dict(m) for m in prompt)  # type: ignore[misc]  # a plain copy of each TypedDict message
         messages.append({"role": "user", "content": self._observation_text(result.observation)})
         return messages, {"tools": [], "seed": reset_kwargs.get("seed")}
 
@@ -329,7 +329,8 @@ class OpenEnvEnv(Env):
         except Exception:  # closed with nothing left to read, or not JSON: no parting words
             return None
         if isinstance(answer, dict) and answer.get("type") == "error" and isinstance(answer.get("data"), dict):
-            return answer["data"]
+            data: dict[str, Any] = answer["data"]
+            return data
         return None
 
     def _observation_text(self, observation: Any) -> str:

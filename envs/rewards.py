@@ -298,7 +298,8 @@ def _resolve(spec: str) -> RewardFn:
         )
     if not callable(fn):
         raise ConfigError(f"reward.function: '{spec}' is a {type(fn).__name__}, not a function.")
-    return fn
+    function: Callable[..., Any] = fn
+    return function
 
 
 def _check_signature(fn: RewardFn, spec: str, kwargs: dict[str, Any]) -> None:

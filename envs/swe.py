@@ -46,6 +46,7 @@ from agentrl.envs.swe_grading import grade, pristine_test_files
 from agentrl.envs.swe_tasks import SweTask, load_tasks, row_task, shipped_tasks, tasks_rows
 from agentrl.envs.tool_env import ToolEnv
 from agentrl.errors import ConfigError, SandboxError
+from agentrl.sandboxes.protocol import SandboxSession
 from agentrl.tools.bash import BashTool
 from agentrl.tools.core import ToolContext, tool
 from agentrl.tools.editor import EditorTool
@@ -150,7 +151,7 @@ def swe_predictions(groups: Iterable[Sequence[Trajectory]], model: str) -> list[
 class _SetupShell:
     """A session whose shell commands first run the instance's `env_setup` (e.g. activating its conda env)."""
 
-    def __init__(self, session: Any, setup: str) -> None:
+    def __init__(self, session: SandboxSession, setup: str) -> None:
         self.session = session
         self.setup = setup
 
@@ -334,7 +335,7 @@ class SweEnv(ToolEnv):
         return ToolContext(episode_id=episode_id, sandbox=session,
                            state={"swe_task": task, "swe_pristine": pristine, "swe_base": base.strip()})
 
-    async def _run(self, session: Any, command: str, task: SweTask, what: str, timeout_s: float,
+    async def _run(self, session: SandboxSession, command: str, task: SweTask, what: str, timeout_s: float,
                    stdin: bytes | None = None) -> str:
         res = await session.exec(command, stdin=stdin, timeout_s=timeout_s)
         if not res.ok:

@@ -93,7 +93,7 @@ class ToolEnv(Env):
         if isinstance(prompt, str):
             return [{"role": "user", "content": prompt}]
         if isinstance(prompt, list) and prompt:
-            return [dict(m) for m in prompt]  # type: ignore[misc]
+            return [dict(m) for m in prompt]  # type: ignore[misc]  # a plain copy of each TypedDict message
         raise EnvError(
             f"Dataset row has no usable 'prompt' (got {type(prompt).__name__}); "
             "a row needs 'prompt' as a list of chat messages or a string."

@@ -274,7 +274,7 @@ class _ChatHarness:
                 _write_once(path, data)
                 return [*argv, str(path)]
 
-        class AgentrlChatHarness(NullHarness):
+        class AgentrlChatHarness(NullHarness):  # type: ignore[misc]  # verifiers ships no types: NullHarness is Any
             async def setup(self, runtime: Any) -> None:
                 """Nothing to install: the program's packages are in the verifiers folder."""
 

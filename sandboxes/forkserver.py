@@ -39,6 +39,8 @@ import struct
 import sys
 import time
 import traceback  # imported here, once: importing it in every child would cost ~5 ms a job
+from collections.abc import Callable
+from typing import Any
 
 __all__ = ["main"]
 
@@ -46,10 +48,10 @@ _HEADER = struct.Struct(">I")
 _MEMORY_MARK = b"M"
 _PR_SET_DUMPABLE = 4
 _EMPTY_TMPFS_DIR_SIZE = 40  # st_size of an empty directory on tmpfs
-_LIBC: list = []
+_LIBC: list[ctypes.CDLL] = []
 
 
-def _libc():
+def _libc() -> ctypes.CDLL:
     """The C library, loaded once in the server (a dlopen per job would cost every job)."""
     if not _LIBC:
         _LIBC.append(ctypes.CDLL(None, use_errno=True))
@@ -113,21 +115,24 @@ def _read_exact(fd: int, n: int) -> bytes | None:
     return b"".join(chunks)
 
 
-def _recv_header(fd: int) -> dict | None:
+def _recv_header(fd: int) -> dict[str, Any] | None:
     head = _read_exact(fd, _HEADER.size)
     if head is None:
         return None
     body = _read_exact(fd, _HEADER.unpack(head)[0])
-    return None if body is None else json.loads(body)
+    if body is None:
+        return None
+    header: dict[str, Any] = json.loads(body)
+    return header
 
 
-def _write_all(fd: int, data) -> None:
+def _write_all(fd: int, data: bytes | memoryview) -> None:
     view = memoryview(data)
     while view:
         view = view[os.write(fd, view):]
 
 
-def _send(fd: int, header: dict, blobs: tuple = ()) -> None:
+def _send(fd: int, header: dict[str, Any], blobs: tuple[bytes | memoryview, ...] = ()) -> None:
     header = {**header, "blobs": [len(b) for b in blobs]}
     body = json.dumps(header).encode()
     _write_all(fd, _HEADER.pack(len(body)) + body)
@@ -139,7 +144,7 @@ def _send(fd: int, header: dict, blobs: tuple = ()) -> None:
 class ForkServer:
     """Serves requests one at a time (see the module docstring)."""
 
-    def __init__(self, config: dict) -> None:
+    def __init__(self, config: dict[str, Any]) -> None:
         self.workdir: str = config["workdir"]
         self.scratch: list[str] = config.get("scratch", [])
         self.uid: int | None = config.get("uid")
@@ -169,7 +174,7 @@ class ForkServer:
                 self.kept[path] = frozenset(os.listdir(path))
                 self.clean_size[path] = os.stat(path).st_size
 
-    def handle(self, header: dict, ctl_in: int, ctl_out: int) -> bool:
+    def handle(self, header: dict[str, Any], ctl_in: int, ctl_out: int) -> bool:
         """Serve one request; False when the server should stop."""
         op = header.get("op")
         lengths = [int(n) for n in header.get("blobs", [])]
@@ -212,7 +217,7 @@ class ForkServer:
             raise PermissionError(f"path {path!r} is outside the work dir {self.workdir}")
         return full
 
-    def _in_child(self, work) -> bool:
+    def _in_child(self, work: Callable[[], None]) -> bool:
         """Run `work()` in a forked child as the job's user and wait for it; it answers the host."""
         pid = os.fork()
         if pid == 0:  # pragma: no cover - runs in the child
@@ -227,7 +232,7 @@ class ForkServer:
         return os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
 
     # ── files ───────────────────────────────────────────────────────────────────────────────
-    def file_op(self, op: str, header: dict, blobs: list[memoryview], ctl_out: int) -> None:
+    def file_op(self, op: str, header: dict[str, Any], blobs: list[memoryview], ctl_out: int) -> None:
         def work() -> None:  # pragma: no cover - runs in the child
             try:
                 full = self._confined(bytes(blobs[0]).decode())
@@ -251,7 +256,7 @@ class ForkServer:
             _send(ctl_out, {"ok": False, "error": "OSError: the file operation failed in the sandbox"})
 
     # ── jobs ────────────────────────────────────────────────────────────────────────────────
-    def exec(self, header: dict, blobs: list[memoryview], ctl_out: int) -> None:
+    def exec(self, header: dict[str, Any], blobs: list[memoryview], ctl_out: int) -> None:
         start = time.monotonic()
         deadline = start + float(header["timeout"])
         max_output = int(header["max_output"])
@@ -282,7 +287,8 @@ class ForkServer:
             out.clear()
             err.clear()
 
-    def _supervise(self, pid, deadline, max_output, in_w, out_r, err_r, st_r, stdin: memoryview) -> dict:
+    def _supervise(self, pid: int, deadline: float, max_output: int, in_w: int, out_r: int, err_r: int, st_r: int,
+                   stdin: memoryview) -> dict[str, Any]:
         # poll(2) rather than a selector object: no epoll fd to create and close per job.
         poller = select.poll()
         tags: dict[int, str] = {}
@@ -446,7 +452,7 @@ class ForkServer:
             return
 
         def work() -> None:  # pragma: no cover - runs in the child
-            def fix_and_retry(func, path, _exc):
+            def fix_and_retry(func: Callable[..., Any], path: str, _exc: object) -> None:
                 with contextlib.suppress(OSError):
                     os.chmod(os.path.dirname(path), 0o700)
                     os.chmod(path, 0o700)
@@ -478,7 +484,7 @@ class ForkServer:
         return True
 
     # ── the child ───────────────────────────────────────────────────────────────────────────
-    def _child(self, header: dict, blobs: list[memoryview], in_r: int, out_w: int, err_w: int,
+    def _child(self, header: dict[str, Any], blobs: list[memoryview], in_r: int, out_w: int, err_w: int,
                st_w: int) -> None:  # pragma: no cover - runs in the child
         os.setsid()
         os.dup2(in_r, 0)

@@ -54,9 +54,9 @@ import struct
 import tempfile
 import time
 import weakref
-from collections.abc import Mapping
+from collections.abc import Awaitable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from agentrl.child_process import ChildProcess
 from agentrl.errors import ConfigError, SandboxClosedError, SandboxError, SandboxUnavailableError
@@ -66,6 +66,7 @@ from agentrl.sandboxes.cgroups import Cgroup, create_cgroup
 from agentrl.types import ExecResult
 
 __all__ = ["LocalSandbox", "LocalSession"]
+_T = TypeVar("_T")
 
 _log = logging.getLogger(__name__)
 _HEADER = struct.Struct(">I")
@@ -599,7 +600,7 @@ class LocalSession:
         self._pending: asyncio.Future[Any] | None = None
         self.workdir = SANDBOX_HOME if owner.isolation == "bwrap" else (worker.tmpdir or SANDBOX_HOME)
 
-    async def _guarded(self, coro: Any) -> Any:
+    async def _guarded(self, coro: Awaitable[_T]) -> _T:
         """Await a request to the sandbox; if the caller is cancelled, the request still completes.
 
         The pipe protocol is one request, one answer: abandoning an answer would leave the next

@@ -157,7 +157,8 @@ class RemoteSandbox:
 
     async def health(self) -> dict[str, Any]:
         """The server's `/health` answer."""
-        return await self._call("GET", "/health")
+        answer: dict[str, Any] = await self._call("GET", "/health")
+        return answer
 
     async def close(self) -> None:
         """Close the connection pool (the server's sessions are closed by their owners)."""

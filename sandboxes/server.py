@@ -50,6 +50,7 @@ import logging
 import time
 import uuid
 from collections import Counter
+from collections.abc import AsyncIterator
 from dataclasses import asdict
 from typing import Any
 
@@ -162,7 +163,7 @@ def create_app(
                     await sessions.pop(sid).close()
 
     @contextlib.asynccontextmanager
-    async def lifespan(app: FastAPI):
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         reaper = asyncio.ensure_future(reap_idle())
         try:
             yield
@@ -197,7 +198,7 @@ def create_app(
         async with limit:
             stats.in_flight += 1
             try:
-                result = await target.exec(req.command, code=req.code, timeout_s=req.timeout_s,
+                result: ExecResult = await target.exec(req.command, code=req.code, timeout_s=req.timeout_s,
                                            stdin=req.stdin, files=_decode_files(req.files))
             except ValueError as exc:
                 raise HTTPException(400, str(exc)) from None

@@ -44,7 +44,7 @@ import os
 import re
 import sys
 import tempfile
-from typing import Annotated, Any, Literal
+from typing import IO, Annotated, Any, Literal
 
 import pydantic
 
@@ -196,7 +196,7 @@ class MCPConnection:
         self._stop: asyncio.Event | None = None
         self._ready: asyncio.Future[None] | None = None
         self._failure: BaseException | None = None
-        self._errlog: Any = None
+        self._errlog: IO[str] | None = None
 
     @property
     def alive(self) -> bool:

@@ -105,7 +105,7 @@ class HFEngine(ServerEngine):
         self.device = torch.device(os.environ.get("AGENTRL_HF_DEVICE", "cpu"))
         self.model = AutoModelForCausalLM.from_pretrained(
             self.model_path, dtype=self.torch_dtype(), trust_remote_code=self.trust_remote_code
-        ).eval().to(self.device)
+        ).eval().to(self.device)  # type: ignore[no-untyped-call]  # transformers leaves eval() unannotated
         eos: Any = None
         try:
             eos = GenerationConfig.from_pretrained(self.model_path).eos_token_id

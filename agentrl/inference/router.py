@@ -286,7 +286,7 @@ class Router:
                 self.counters["retries"] += 1
             try:
                 remaining = max(deadline - time.monotonic(), 0.001)
-                gen = await server.client.generate(
+                gen: Generation = await server.client.generate(
                     prompt_ids, sampling, session_id=session_id, timeout_s=remaining
                 )
             except ServerUnavailableError as exc:

@@ -38,7 +38,7 @@ class VLLMWorkerExtension:
         """
         from agentrl.weights import receive_weights
 
-        runner: Any = self.model_runner  # type: ignore[attr-defined]
+        runner: Any = self.model_runner  # type: ignore[attr-defined]  # vLLM's worker class, which this extends, has it
         touched = False
 
         def tensors(stream: Any) -> Iterator[Any]:
@@ -71,7 +71,7 @@ class VLLMWorkerExtension:
         old ones back, partly loaded layers are processed, so the model holds real tensors again."""
         from vllm.model_executor.model_loader.reload.layerwise import finalize_layerwise_reload
 
-        finalize_layerwise_reload(runner.get_model(), runner.model_config)
+        finalize_layerwise_reload(runner.get_model(), runner.model_config)  # type: ignore[no-untyped-call]  # vLLM leaves it unannotated
 
     @staticmethod
     def _agentrl_repack_cpu_gemms(model: Any) -> int:

@@ -73,7 +73,7 @@ from agentrl.rollout import AgentLoop, GenerateClient
 from agentrl.rollout.agent_loop import end_of_turn_ids
 from agentrl.sandboxes.protocol import Sandbox
 from agentrl.tools.mcp_shared import SharedMCPServers
-from agentrl.types import truncates_vocabulary
+from agentrl.types import ActionParser, truncates_vocabulary
 
 __all__ = ["BUILTIN_TEMPLATES", "ENV_RESOURCES", "Job", "build_job", "build_sandbox", "env_arguments", "env_takes"]
 
@@ -99,7 +99,7 @@ class Job:
     purpose: Purpose
     model_path: str
     template: ChatTemplate
-    parser_factory: Callable[[], Any]
+    parser_factory: Callable[[], ActionParser]
     stop_token_ids: tuple[int, ...]
     env_cls: type[Env]
     env_kwargs: dict[str, Any]
@@ -314,9 +314,9 @@ def _template(config: AgentRLConfig, model_path: str) -> ChatTemplate:
     return template
 
 
-def _parser(config: AgentRLConfig) -> Callable[[], Any]:
+def _parser(config: AgentRLConfig) -> Callable[[], ActionParser]:
     try:
-        parser_cls = TOOL_PARSERS.resolve(config.model.tool_parser)
+        parser_cls: Callable[[], ActionParser] = TOOL_PARSERS.resolve(config.model.tool_parser)
         parser_cls()
     except AgentRLError as exc:
         raise ConfigError(f"model.tool_parser: {exc}") from exc

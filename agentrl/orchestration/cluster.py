@@ -254,10 +254,10 @@ class Reservation:
 
 def cluster_view() -> tuple[dict[str, float], dict[str, dict[str, float]], str]:
     """(cluster resources, each alive node's resources by address, this driver's node address)."""
-    import ray
+    from agentrl.orchestration.ray_calls import cluster_resources, node_ip, nodes
 
-    nodes = {str(n["NodeManagerAddress"]): dict(n["Resources"]) for n in ray.nodes() if n.get("Alive")}
-    return dict(ray.cluster_resources()), nodes, ray.util.get_node_ip_address()
+    alive = {str(n["NodeManagerAddress"]): dict(n["Resources"]) for n in nodes() if n.get("Alive")}
+    return cluster_resources(), alive, node_ip()
 
 
 def reserve(plan: ClusterPlan, *, timeout_s: float = 120.0) -> Reservation:
@@ -266,8 +266,10 @@ def reserve(plan: ClusterPlan, *, timeout_s: float = 120.0) -> Reservation:
     import ray
     import ray.util
 
-    total, nodes, driver_ip = cluster_view()
-    check_fits(plan, total, nodes, driver_ip)
+    from agentrl.orchestration.ray_calls import nodes
+
+    total, alive, driver_ip = cluster_view()
+    check_fits(plan, total, alive, driver_ip)
     bundles = [s.bundle() for s in plan.slots]
     bundles[plan.index("trainer", 0)][f"node:{driver_ip}"] = PIN
     group = ray.util.placement_group(bundles, strategy=plan.strategy, name=f"agentrl-{int(time.time())}")
@@ -281,7 +283,7 @@ def reserve(plan: ClusterPlan, *, timeout_s: float = 120.0) -> Reservation:
             f"{plan.strategy}); nothing was started. See 'ray status'."
         ) from None
     table = ray.util.placement_group_table(group)
-    by_id = {str(n["NodeID"]): str(n["NodeManagerAddress"]) for n in ray.nodes()}
+    by_id = {str(n["NodeID"]): str(n["NodeManagerAddress"]) for n in nodes()}
     placed = [by_id.get(str(table["bundles_to_node_id"][i]), "?") for i in range(len(bundles))]
     for slot, ip in zip(plan.slots, placed, strict=True):
         log.info("cluster: %s on node %s (%s)", slot.name, ip, slot.describe())

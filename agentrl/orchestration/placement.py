@@ -204,7 +204,10 @@ def build_plan(config: AgentRLConfig, purpose: str = "run", model_path: str | No
     gb = 1 << 30
     trainer_gb = (params * 16 + (params * 4 if config.algorithm.kl_coef > 0 else 0)) / gb + 0.5
     engine_gb = weight_bytes / gb + (inf.cpu_kv_cache_gb if device == "cpu" else 0.0) + VLLM_RUNTIME_GB
-    mem = (lambda v: {"memory_gb": round(v, 1)}) if params else (lambda v: {})
+
+    def mem(gb: float) -> dict[str, float]:
+        return {"memory_gb": round(gb, 1)} if params else {}
+
     gpu = {"gpu": 1.0} if device == "cuda" else {}
 
     if purpose != "run" or choice == "split":  # `agentrl eval` starts its own servers whatever the placement
@@ -285,7 +288,8 @@ async def start_inference(plan: PlacementPlan, config: AgentRLConfig, model_path
     if reservation is not None:
         from agentrl.orchestration.server_actor import start_placed_servers
 
-        return await start_placed_servers(config, reservation, model_path, log_dir=log_dir)
+        placed: InferenceService = await start_placed_servers(config, reservation, model_path, log_dir=log_dir)
+        return placed
     if not plan.colocated:
         return serve_from_config(config, log_dir=log_dir, model_path=model_path)
     from agentrl.inference.router import Router

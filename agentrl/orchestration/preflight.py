@@ -297,7 +297,8 @@ def _check_judge(job: Job) -> Check | None:
 
     async def ask() -> float:
         try:
-            return (await judge.ascore(row, answer))[0]
+            score: float = (await judge.ascore(row, answer))[0]
+            return score
         finally:
             await judge.aclose()
 

@@ -46,12 +46,11 @@ class SandboxHostActor:
     """One sandbox server on this actor's node (see the module docstring); wrapped by `ray.remote`."""
 
     def __init__(self, backend: str, kwargs: dict[str, Any], token: str) -> None:
-        import ray.util
-
         from agentrl.child_process import ChildProcess
         from agentrl.inference.launcher import free_port
+        from agentrl.orchestration.ray_calls import node_ip
 
-        self.ip = ray.util.get_node_ip_address()
+        self.ip = node_ip()
         self.port = free_port(self.ip)
         # The server's output goes to a file that is unlinked at once (ChildProcess's default log): the
         # actor quotes its tail when the server fails, and nothing is left in the node's /tmp afterwards,

@@ -44,13 +44,12 @@ class ServerActor:
         self, engine: str, model: str, engine_kwargs: dict[str, Any], log_path: str, port: int | None = None,
         token: str | None = None,
     ) -> None:
-        import ray.util
-
         from agentrl.inference.launcher import ServerProcess
         from agentrl.models import resolve_model_path
+        from agentrl.orchestration.ray_calls import node_ip
         from agentrl.registry import INFERENCE_ENGINES
 
-        self.ip = ray.util.get_node_ip_address()
+        self.ip = node_ip()
         path = resolve_model_path(model)
         if not Path(path).is_dir():
             raise ConfigError(
@@ -249,7 +248,7 @@ async def start_placed_servers(
 
     inf = config.inference
     kwargs = engine_kwargs_from_config(config)
-    actor_cls = ray.remote(max_concurrency=4)(ServerActor)  # type: ignore[call-overload]
+    actor_cls = ray.remote(max_concurrency=4)(ServerActor)  # type: ignore[call-overload]  # Ray's overloads take no options with a class
     servers: list[PlacedServer] = []
     # The servers listen on their nodes' addresses: only this run's clients hold the token they take.
     token = secrets.token_urlsafe(32)
@@ -294,7 +293,7 @@ async def start_placed_servers(
         startup_timeout_s=inf.startup_timeout_s,
         max_restarts=inf.max_restarts,
     )
-    return InferenceService(router, servers, supervisor)  # type: ignore[arg-type]
+    return InferenceService(router, servers, supervisor)  # type: ignore[arg-type]  # the same surface as ServerProcess
 
 
 def actor_death_reason(exc: BaseException) -> str:

@@ -63,6 +63,7 @@ from agentrl.config import AgentRLConfig
 from agentrl.errors import AgentRLError, ServerUnavailableError, TrainerError, WeightSyncError
 from agentrl.orchestration.actor_watch import death_cause
 from agentrl.orchestration.placement import PlacementPlan, weights_backend
+from agentrl.orchestration.ray_calls import cluster_resources, node_ip
 from agentrl.orchestration.run_commands import resume_command
 from agentrl.orchestration.worker_logs import route_native_stderr, route_worker_logs
 from agentrl.sampling import kept_set_rule
@@ -160,9 +161,7 @@ class TrainerWorker:
             self.files = FilesCheckpointEngine(directory=weights_dir, keep_last=FILES_KEEP_LAST,
                                                bucket_bytes=bucket_bytes, assets=assets or {})
             if weights == "http":
-                import ray.util
-
-                self.http = HTTPCheckpointEngine(host=ray.util.get_node_ip_address(), bucket_bytes=bucket_bytes)
+                self.http = HTTPCheckpointEngine(host=node_ip(), bucket_bytes=bucket_bytes)
                 self.nonce = self.http.nonce
             elif weights == "files":  # colocated ("inprocess") weights never touch the disk
                 self.nonce = write_probe(weights_dir)
@@ -449,9 +448,7 @@ async def _awaited(ref: Any) -> Any:
 
 
 def _node_ip() -> str:
-    import ray.util
-
-    return str(ray.util.get_node_ip_address())
+    return node_ip()
 
 
 def _interface_of(ip: str) -> str | None:
@@ -504,7 +501,7 @@ class TrainerGroup:
         self.endpoint: dict[str, Any] = {}
         n = config.trainer.num_processes
         use_gpu = config.trainer.device == "cuda" or (
-            config.trainer.device == "auto" and bool(ray.cluster_resources().get("GPU"))
+            config.trainer.device == "auto" and bool(cluster_resources().get("GPU"))
         )
         cpus = os.cpu_count() or 1
         worker_cls = ColocatedTrainerWorker if self.colocated else TrainerWorker
@@ -631,15 +628,19 @@ class TrainerGroup:
                     allowed_staleness: int = 0) -> StepReport:
         """One update on every rank (rank 0's report); `policy_version` and `allowed_staleness` feed
         the on-policy gate."""
-        return await self._all("train", trajectories, policy_version, allowed_staleness)
+        report: StepReport = await self._all("train", trajectories, policy_version, allowed_staleness)
+        return report
 
     async def export(self, version: int) -> tuple[str, float]:
-        return await self._all("export", version)
+        exported: tuple[str, float] = await self._all("export", version)
+        return exported
 
     async def trainer_tokens(self, indices: list[int]) -> dict[int, tuple[list[float | None], list[float | None] | None]]:
         """The trainer's per-token values of the last batch's trajectories `indices` (rank 0 keeps them)."""
         rank0: Any = self.actors[0]
-        return (await self._gather("trainer_tokens", [rank0.trainer_tokens.remote(indices)]))[0]
+        values: dict[int, tuple[list[float | None], list[float | None] | None]] = (
+            await self._gather("trainer_tokens", [rank0.trainer_tokens.remote(indices)]))[0]
+        return values
 
     async def save(self, path: str, data_position: dict[str, Any]) -> float:
         """Every rank saves; the shards of ranks on other nodes are copied into `path` here, a
@@ -734,7 +735,8 @@ class TrainerGroup:
     async def load(self, path: str) -> dict[str, Any]:
         """Every rank loads the checkpoint at `path`; ranks on other nodes get its files from here."""
         if not any(self.ships):
-            return await self._all("load", path)
+            loaded: dict[str, Any] = await self._all("load", path)
+            return loaded
         root = Path(path)
         for actor, ship in zip(self.actors, self.ships, strict=True):
             if not ship:
@@ -754,7 +756,8 @@ class TrainerGroup:
                         if len(piece) < SHIP_PIECE_BYTES:
                             break
         refs = [a.load.remote(path, ship) for a, ship in zip(self.actors, self.ships, strict=True)]
-        return (await self._gather("load", refs))[0]
+        state: dict[str, Any] = (await self._gather("load", refs))[0]
+        return state
 
     def shutdown(self) -> None:
         import ray

@@ -64,7 +64,7 @@ def route_worker_logs(log_dir: str | Path, name: str) -> Path | None:
     to_console.addFilter(_NeedsTheUser())
     to_console.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
     for handler in (to_file, to_console):
-        handler._agentrl_worker_log = True  # type: ignore[attr-defined]
+        handler._agentrl_worker_log = True  # type: ignore[attr-defined]  # our mark on a stdlib handler
         root.addHandler(handler)
     root.setLevel(logging.INFO)
     _adopt_torch_logger()
