@@ -398,6 +398,8 @@ class SweEnv(ToolEnv):
 
     async def _grade(self, task: SweTask, ctx: ToolContext) -> float:
         session = ctx.sandbox
+        if session is None:
+            raise SandboxError(f"{task.instance_id}: the episode has no sandbox session to grade in (it was released).")
         diff = ""
         base = ctx.state.get("swe_base") or "HEAD"
         try:

@@ -33,12 +33,15 @@ import time
 import typing
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, cast, get_type_hints, overload
+from typing import TYPE_CHECKING, Any, ClassVar, cast, get_type_hints, overload
 
 import pydantic
 
 from agentrl.errors import ToolArgumentError, ToolError
 from agentrl.types import Fault, ToolResult, ToolSchema
+
+if TYPE_CHECKING:
+    from agentrl.sandboxes.protocol import Sandbox, SandboxSession
 
 __all__ = ["FunctionTool", "Tool", "ToolContext", "tool"]
 
@@ -50,7 +53,7 @@ class ToolContext:
     """What a tool call knows about its episode. Built by the environment, one per episode."""
 
     episode_id: str = ""
-    sandbox: Any = None  # SandboxSession | Sandbox | None once agentrl.envs.swe checks it for None
+    sandbox: SandboxSession | Sandbox | None = None
     """The episode's `SandboxSession` (or a `Sandbox`), when the environment provides one."""
     state: dict[str, Any] = field(default_factory=dict)
     """Scratch space a stateful tool keeps between calls of one episode."""
