@@ -37,7 +37,22 @@ from agentrl.inference.protocol import (
 )
 from agentrl.types import GenerateClient, Generation, SamplingParams
 
-__all__ = ["ControllableClient", "HTTPServerClient", "InferenceClient"]
+__all__ = ["ControllableClient", "HTTPServerClient", "InferenceClient", "raise_for_status"]
+
+
+def raise_for_status(resp: httpx.Response, request: str) -> None:
+    """Raise for an HTTP error answer to `request` (its method and URL, as messages name it): 5xx is the
+    server's fault (`ServerUnavailableError`: the router tries another server), 4xx the request's
+    (`InferenceRequestError`: no retry); each carries the status code. Every server client uses it, so
+    the router sees one vocabulary whatever the engine."""
+    if resp.status_code >= 500:
+        unavailable = ServerUnavailableError(f"{request} failed: HTTP {resp.status_code} {resp.text[:300]}")
+        unavailable.status_code = resp.status_code
+        raise unavailable
+    if resp.status_code >= 400:
+        rejected = InferenceRequestError(f"{request} was rejected: HTTP {resp.status_code} {resp.text[:500]}")
+        rejected.status_code = resp.status_code
+        raise rejected
 
 
 @runtime_checkable
@@ -102,18 +117,7 @@ class HTTPServerClient:
                 f"Cannot reach the inference server at {self.base_url} ({type(exc).__name__}: {exc}); "
                 "is it running? Start one with 'agentrl serve'."
             ) from exc
-        if resp.status_code >= 500:
-            unavailable = ServerUnavailableError(
-                f"{method} {self.base_url}{path} failed: HTTP {resp.status_code} {resp.text[:300]}"
-            )
-            unavailable.status_code = resp.status_code
-            raise unavailable
-        if resp.status_code >= 400:
-            rejected = InferenceRequestError(
-                f"{method} {self.base_url}{path} was rejected: HTTP {resp.status_code} {resp.text[:500]}"
-            )
-            rejected.status_code = resp.status_code
-            raise rejected
+        raise_for_status(resp, f"{method} {self.base_url}{path}")
         return resp.json()
 
     # ── GenerateClient ──────────────────────────────────────────────────────────────────────

@@ -46,7 +46,8 @@ from typing import Any, Literal
 import httpx
 
 from agentrl.config import AgentRLConfig
-from agentrl.errors import ConfigError, InferenceError, InferenceRequestError, ServerUnavailableError
+from agentrl.errors import ConfigError, InferenceError, ServerUnavailableError
+from agentrl.inference.client import raise_for_status
 from agentrl.inference.launcher import ServerProcess, launch_server
 from agentrl.inference.protocol import HealthResponse
 from agentrl.inference.router import Router
@@ -102,16 +103,7 @@ class ExternalClient:
             raise ServerUnavailableError(
                 f"Cannot reach the OpenAI-compatible server at {self.base_url}: {exc}"
             ) from exc
-        if resp.status_code >= 500:
-            unavailable = ServerUnavailableError(f"{self.base_url}{path}: HTTP {resp.status_code} {resp.text[:300]}")
-            unavailable.status_code = resp.status_code
-            raise unavailable
-        if resp.status_code >= 400:
-            rejected = InferenceRequestError(
-                f"{self.base_url}{path} rejected the request: HTTP {resp.status_code} {resp.text[:500]}"
-            )
-            rejected.status_code = resp.status_code
-            raise rejected
+        raise_for_status(resp, f"{method} {self.base_url}{path}")
         return resp.json()
 
     async def _model_name(self) -> str:

@@ -28,7 +28,8 @@ from typing import Any, Literal
 
 import httpx
 
-from agentrl.errors import InferenceError, InferenceRequestError, ServerUnavailableError
+from agentrl.errors import InferenceError, ServerUnavailableError
+from agentrl.inference.client import raise_for_status
 from agentrl.inference.protocol import HealthResponse, MetricsResponse
 from agentrl.types import Generation, SamplingParams
 
@@ -98,18 +99,7 @@ class SGLangClient:
             ) from exc
         except httpx.TransportError as exc:
             raise ServerUnavailableError(f"Cannot reach the SGLang server at {self.base_url}: {exc}") from exc
-        if resp.status_code >= 500:
-            unavailable = ServerUnavailableError(
-                f"SGLang {self.base_url}{path}: HTTP {resp.status_code} {resp.text[:300]}"
-            )
-            unavailable.status_code = resp.status_code
-            raise unavailable
-        if resp.status_code >= 400:
-            rejected = InferenceRequestError(
-                f"SGLang {self.base_url}{path} rejected the request: HTTP {resp.status_code} {resp.text[:500]}"
-            )
-            rejected.status_code = resp.status_code
-            raise rejected
+        raise_for_status(resp, f"SGLang {method} {self.base_url}{path}")
         return resp.json() if resp.content else {}
 
     async def generate(
