@@ -38,6 +38,7 @@ import logging
 import os
 import shutil
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -92,9 +93,14 @@ def preflight(job: Job) -> list[Check]:
 
 
 def run_checks(job: Job) -> list[Check]:
-    """Every pre-flight check of `job`, passed or not (see the module docstring)."""
-    checks = [_check_sandbox(job), _check_inference(job), _check_env(job), _check_rows(job), _check_judge(job),
-              _check_prompt_lengths(job)]
+    """Every pre-flight check of `job`, passed or not (see the module docstring). The inference check
+    waits on child processes (a python importing torch, and vLLM): it runs in a thread while the
+    others run here, so a run pays for the longest, not for the sum."""
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="preflight-inference") as pool:
+        inference = pool.submit(_check_inference, job)
+        sandbox = _check_sandbox(job)
+        checks = [sandbox, inference.result(), _check_env(job), _check_rows(job), _check_judge(job),
+                  _check_prompt_lengths(job)]
     if job.purpose == "run":
         checks.append(_check_disk(job))
     if job.plan is None or job.plan.cluster is None:  # on a cluster, Ray's reservation checks memory
@@ -169,7 +175,7 @@ def _check_inference(job: Job) -> Check:
         return Check(f"inference ({inference.engine})", True, f"using {len(inference.urls)} running server(s)")
     if inference.engine == "vllm":
         python = os.environ.get("AGENTRL_VLLM_PYTHON")
-        if python:
+        if python and not _is_this_python(python):
             try:
                 ok = run_probe([python, "-c", "import vllm"], timeout_s=300).ok
             except OSError:
@@ -191,6 +197,23 @@ def _check_inference(job: Job) -> Check:
                          "python3-dev), or use inference.engine=hf")
         return Check("inference (vllm)", True, f"vLLM imports under {where}")
     return Check(f"inference ({inference.engine})", True, "engine found")
+
+
+def _is_this_python(python: str) -> bool:
+    """Whether `python` is the interpreter running this code, in the same environment: then whether
+    vLLM imports is known here (`find_spec`), without starting a python that imports it (seconds
+    to tens of seconds). Same binary (symlinks resolved) and the same virtual environment (the
+    `pyvenv.cfg` next to it or one folder up, as Python finds its own, symlinks not resolved)."""
+    def venv(path: str) -> Path | None:
+        where = Path(path).absolute().parent
+        return next((d for d in (where, where.parent) if (d / "pyvenv.cfg").is_file()), None)
+
+    found = shutil.which(python) or python
+    try:
+        same = os.path.samefile(found, sys.executable)
+    except OSError:
+        return False
+    return same and venv(found) == venv(sys.executable)
 
 
 _PY_HEADER_PROBE = "#include <Python.h>\nint main(void) { return 0; }\n"

@@ -153,3 +153,50 @@ def test_an_openenv_server_that_does_not_answer_is_named_before_anything_starts(
     finally:
         server.shutdown()
     assert "env (arithmetic)" not in checks_by_name(job_for(tmp_path))
+
+
+def test_the_vllm_check_starts_no_python_to_import_vllm_when_it_is_this_python(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """AGENTRL_VLLM_PYTHON naming this very interpreter: whether vLLM imports is known here, so the
+    check starts only the torch probe; another python is still asked, and its answer decides."""
+    import sys
+
+    from agentrl.child_process import ProbeResult
+    from agentrl.orchestration import preflight as module
+
+    started: list[list[str]] = []
+
+    def probe(argv, *, timeout_s, input=None, env=None, cwd=None):
+        started.append(list(argv))
+        if argv[-1] == "import vllm":
+            return ProbeResult(list(argv), 1, "", "ModuleNotFoundError: No module named 'vllm'", False, timeout_s)
+        return ProbeResult(list(argv), 0, "cuda\n", "", False, timeout_s)  # a GPU python: no compiler needed
+
+    monkeypatch.setattr(module, "run_probe", probe)
+    monkeypatch.setattr(module.importlib.util, "find_spec", lambda name: object() if name == "vllm" else None)
+    job = job_for(tmp_path, "inference.engine=vllm")
+    monkeypatch.setenv("AGENTRL_VLLM_PYTHON", sys.executable)
+    check = module._check_inference(job)
+    assert check.ok and check.detail == "vLLM imports under this python"
+    assert [argv[-1] for argv in started if argv[-1] == "import vllm"] == []
+    assert [argv[0] for argv in started] == [sys.executable]  # the torch probe only
+
+    other = tmp_path / "venv" / "bin" / "python"  # the same binary in another environment is another python
+    other.parent.mkdir(parents=True)
+    other.symlink_to(sys.executable)
+    (tmp_path / "venv" / "pyvenv.cfg").write_text("home = /usr/bin\n")
+    monkeypatch.setenv("AGENTRL_VLLM_PYTHON", str(other))
+    started.clear()
+    check = module._check_inference(job)
+    assert not check.ok and check.detail == f"vLLM does not import under AGENTRL_VLLM_PYTHON={other}"
+    assert started == [[str(other), "-c", "import vllm"]]
+
+
+def test_this_python_is_told_apart_from_others(tmp_path: Path) -> None:
+    import sys
+
+    from agentrl.orchestration.preflight import _is_this_python
+
+    assert _is_this_python(sys.executable)
+    assert not _is_this_python(str(tmp_path / "no-such-python"))
+    assert not _is_this_python("/bin/sh")
