@@ -38,6 +38,7 @@ import logging
 import os
 import shutil
 import sys
+import sysconfig
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -216,6 +217,15 @@ def _is_this_python(python: str) -> bool:
     return same and venv(found) == venv(sys.executable)
 
 
+# Device nodes of a GPU torch may use (NVIDIA's driver, AMD's ROCm, WSL's GPU): where one exists,
+# only the serving python itself can say whether torch sees a device.
+_GPU_DEVICE_NODES = ("/dev/nvidiactl", "/dev/kfd", "/dev/dxg")
+
+
+def _gpu_device_nodes() -> list[str]:
+    return [node for node in _GPU_DEVICE_NODES if os.path.exists(node)]
+
+
 _PY_HEADER_PROBE = "#include <Python.h>\nint main(void) { return 0; }\n"
 
 
@@ -226,19 +236,26 @@ def _cpu_compiler_problem(python: str) -> str:
     needs a C++ compiler and the Python headers of the python that serves; without them the engine
     dies on the first token (seen on a fresh Debian machine).
     """
-    probe = ("import sys, sysconfig, torch; "
-             "print('cuda' if torch.cuda.is_available() else sysconfig.get_paths()['include'])")
-    try:
-        seen = run_probe([python, "-c", probe], timeout_s=300)
-    except OSError as exc:
-        return f"cannot ask {python} about torch: {exc}"
-    if seen.timed_out:
-        return f"cannot ask {python} about torch: it {seen.cause}"
-    include = seen.stdout.strip().splitlines()[-1] if seen.returncode == 0 and seen.stdout.strip() else ""
-    if include == "cuda":
-        return ""
-    if not include:
-        return f"torch does not import under {python}: {seen.stderr.strip()[-300:]}"
+    if _is_this_python(python) and not _gpu_device_nodes():
+        # No GPU device here, so torch runs on the CPU: the headers are this python's own, known
+        # without starting a python that imports torch (seconds, more on a busy machine).
+        if importlib.util.find_spec("torch") is None:
+            return f"torch is not installed for {python}"
+        include = sysconfig.get_paths()["include"]
+    else:
+        probe = ("import sys, sysconfig, torch; "
+                 "print('cuda' if torch.cuda.is_available() else sysconfig.get_paths()['include'])")
+        try:
+            seen = run_probe([python, "-c", probe], timeout_s=300)
+        except OSError as exc:
+            return f"cannot ask {python} about torch: {exc}"
+        if seen.timed_out:
+            return f"cannot ask {python} about torch: it {seen.cause}"
+        include = seen.stdout.strip().splitlines()[-1] if seen.returncode == 0 and seen.stdout.strip() else ""
+        if include == "cuda":
+            return ""
+        if not include:
+            return f"torch does not import under {python}: {seen.stderr.strip()[-300:]}"
     cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
     if not cxx:
         return "no C++ compiler (g++) found: vLLM on CPU compiles its sampler with torch.compile at the first request"
