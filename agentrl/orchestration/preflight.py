@@ -38,6 +38,8 @@ import logging
 import os
 import shutil
 import sys
+import sysconfig
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -92,9 +94,14 @@ def preflight(job: Job) -> list[Check]:
 
 
 def run_checks(job: Job) -> list[Check]:
-    """Every pre-flight check of `job`, passed or not (see the module docstring)."""
-    checks = [_check_sandbox(job), _check_inference(job), _check_env(job), _check_rows(job), _check_judge(job),
-              _check_prompt_lengths(job)]
+    """Every pre-flight check of `job`, passed or not (see the module docstring). The inference check
+    waits on child processes (a python importing torch, and vLLM): it runs in a thread while the
+    others run here, so a run pays for the longest, not for the sum."""
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="preflight-inference") as pool:
+        inference = pool.submit(_check_inference, job)
+        sandbox = _check_sandbox(job)
+        checks = [sandbox, inference.result(), _check_env(job), _check_rows(job), _check_judge(job),
+                  _check_prompt_lengths(job)]
     if job.purpose == "run":
         checks.append(_check_disk(job))
     if job.plan is None or job.plan.cluster is None:  # on a cluster, Ray's reservation checks memory
@@ -169,7 +176,7 @@ def _check_inference(job: Job) -> Check:
         return Check(f"inference ({inference.engine})", True, f"using {len(inference.urls)} running server(s)")
     if inference.engine == "vllm":
         python = os.environ.get("AGENTRL_VLLM_PYTHON")
-        if python:
+        if python and not _is_this_python(python):
             try:
                 ok = run_probe([python, "-c", "import vllm"], timeout_s=300).ok
             except OSError:
@@ -193,6 +200,32 @@ def _check_inference(job: Job) -> Check:
     return Check(f"inference ({inference.engine})", True, "engine found")
 
 
+def _is_this_python(python: str) -> bool:
+    """Whether `python` is the interpreter running this code, in the same environment: then whether
+    vLLM imports is known here (`find_spec`), without starting a python that imports it (seconds
+    to tens of seconds). Same binary (symlinks resolved) and the same virtual environment (the
+    `pyvenv.cfg` next to it or one folder up, as Python finds its own, symlinks not resolved)."""
+    def venv(path: str) -> Path | None:
+        where = Path(path).absolute().parent
+        return next((d for d in (where, where.parent) if (d / "pyvenv.cfg").is_file()), None)
+
+    found = shutil.which(python) or python
+    try:
+        same = os.path.samefile(found, sys.executable)
+    except OSError:
+        return False
+    return same and venv(found) == venv(sys.executable)
+
+
+# Device nodes of a GPU torch may use (NVIDIA's driver, AMD's ROCm, WSL's GPU): where one exists,
+# only the serving python itself can say whether torch sees a device.
+_GPU_DEVICE_NODES = ("/dev/nvidiactl", "/dev/kfd", "/dev/dxg")
+
+
+def _gpu_device_nodes() -> list[str]:
+    return [node for node in _GPU_DEVICE_NODES if os.path.exists(node)]
+
+
 _PY_HEADER_PROBE = "#include <Python.h>\nint main(void) { return 0; }\n"
 
 
@@ -203,19 +236,26 @@ def _cpu_compiler_problem(python: str) -> str:
     needs a C++ compiler and the Python headers of the python that serves; without them the engine
     dies on the first token (seen on a fresh Debian machine).
     """
-    probe = ("import sys, sysconfig, torch; "
-             "print('cuda' if torch.cuda.is_available() else sysconfig.get_paths()['include'])")
-    try:
-        seen = run_probe([python, "-c", probe], timeout_s=300)
-    except OSError as exc:
-        return f"cannot ask {python} about torch: {exc}"
-    if seen.timed_out:
-        return f"cannot ask {python} about torch: it {seen.cause}"
-    include = seen.stdout.strip().splitlines()[-1] if seen.returncode == 0 and seen.stdout.strip() else ""
-    if include == "cuda":
-        return ""
-    if not include:
-        return f"torch does not import under {python}: {seen.stderr.strip()[-300:]}"
+    if _is_this_python(python) and not _gpu_device_nodes():
+        # No GPU device here, so torch runs on the CPU: the headers are this python's own, known
+        # without starting a python that imports torch (seconds, more on a busy machine).
+        if importlib.util.find_spec("torch") is None:
+            return f"torch is not installed for {python}"
+        include = sysconfig.get_paths()["include"]
+    else:
+        probe = ("import sys, sysconfig, torch; "
+                 "print('cuda' if torch.cuda.is_available() else sysconfig.get_paths()['include'])")
+        try:
+            seen = run_probe([python, "-c", probe], timeout_s=300)
+        except OSError as exc:
+            return f"cannot ask {python} about torch: {exc}"
+        if seen.timed_out:
+            return f"cannot ask {python} about torch: it {seen.cause}"
+        include = seen.stdout.strip().splitlines()[-1] if seen.returncode == 0 and seen.stdout.strip() else ""
+        if include == "cuda":
+            return ""
+        if not include:
+            return f"torch does not import under {python}: {seen.stderr.strip()[-300:]}"
     cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
     if not cxx:
         return "no C++ compiler (g++) found: vLLM on CPU compiles its sampler with torch.compile at the first request"

@@ -77,7 +77,8 @@ COMMANDS: dict[str, How] = {
     "agentrl run env=retool trainer.backend=megatron trainer.tensor_parallel=3 trainer.num_processes=3":
         How("SIZED", RUN_SIZE),
     "agentrl plot runs/mine": How("QUICK"),
-    "agentrl eval env=swe": How("SIZED", SWE_EVAL_SIZE),
+    # SHARED: `agentrl eval` starting its own vLLM server is checked by test_eval_of_a_trained_policy
+    "agentrl eval env=swe": How("SHARED", SWE_EVAL_SIZE),
     "python examples/swe_scripted_agent.py": How("SIZED", "--limit 2"),
     "agentrl validate env=arithmetic trainer.lr=1e-6 rollout.max_turns=4": How("QUICK"),
     "agentrl validate env=arithmetic --show": How("QUICK"),
@@ -253,12 +254,13 @@ def lines(path: Path) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def default_model_server(vllm_ready: str):
-    """One vLLM server of the default model for the SHARED commands (the preset's engine and dtype)."""
+    """One vLLM server of the default model for the SHARED commands (the presets' engine and dtype; the
+    longest context of theirs, swe.yaml's 8192 tokens)."""
     from agentrl.inference import launch_server
     from agentrl.models import resolve_model_path
 
     server = launch_server("vllm", resolve_model_path("smollm2-135m-instruct"), startup_timeout_s=900,
-                           dtype="float32", max_model_len=2048, cpu_kv_cache_gb=1)
+                           dtype="float32", max_model_len=8192, cpu_kv_cache_gb=1)
     yield server.url
     server.stop()
 
@@ -500,8 +502,8 @@ def test_eval_against_an_external_openai_server(openai_vllm_server, tmp_path: Pa
 
 @pytest.mark.slow
 @pytest.mark.timeout(3600)
-def test_swe_eval(tmp_path: Path) -> None:
-    report = _check_eval(run("agentrl eval env=swe", tmp_path), tmp_path, 1)
+def test_swe_eval(default_model_server: str, tmp_path: Path) -> None:
+    report = _check_eval(run("agentrl eval env=swe", tmp_path, server=default_model_server), tmp_path, 1)
     assert report["resolved_rate"] is not None
 
 

@@ -153,3 +153,60 @@ def test_an_openenv_server_that_does_not_answer_is_named_before_anything_starts(
     finally:
         server.shutdown()
     assert "env (arithmetic)" not in checks_by_name(job_for(tmp_path))
+
+
+def test_the_vllm_check_starts_no_python_when_the_answers_are_known_here(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """AGENTRL_VLLM_PYTHON naming this very interpreter: whether vLLM imports is known here, and on a
+    machine without a GPU device so is where its headers are, so no python is started (only the
+    compiler); with a GPU device node the python is asked about torch; another python is asked
+    whether vLLM imports, and its answer decides."""
+    import sys
+
+    from agentrl.child_process import ProbeResult
+    from agentrl.orchestration import preflight as module
+
+    started: list[list[str]] = []
+
+    def probe(argv, *, timeout_s, input=None, env=None, cwd=None):
+        started.append(list(argv))
+        if argv[-1] == "import vllm":
+            return ProbeResult(list(argv), 1, "", "ModuleNotFoundError: No module named 'vllm'", False, timeout_s)
+        return ProbeResult(list(argv), 0, "cuda\n", "", False, timeout_s)  # torch sees a GPU; the compiler passes
+
+    monkeypatch.setattr(module, "run_probe", probe)
+    job = job_for(tmp_path, "inference.engine=vllm")
+    # vLLM and torch are found here (after building the job: transformers asks find_spec too)
+    monkeypatch.setattr(module.importlib.util, "find_spec", lambda name: object())
+    monkeypatch.setenv("CXX", "fake-c++")
+    monkeypatch.setenv("AGENTRL_VLLM_PYTHON", sys.executable)
+
+    monkeypatch.setattr(module, "_gpu_device_nodes", lambda: [])
+    check = module._check_inference(job)
+    assert check.ok and check.detail == "vLLM imports under this python"
+    assert [argv[0] for argv in started] == ["fake-c++"]  # the headers compiled; no python started
+
+    monkeypatch.setattr(module, "_gpu_device_nodes", lambda: ["/dev/nvidiactl"])
+    started.clear()
+    assert module._check_inference(job).ok
+    assert [argv[0] for argv in started] == [sys.executable] and "torch" in started[0][-1]  # asked about torch
+
+    other = tmp_path / "venv" / "bin" / "python"  # the same binary in another environment is another python
+    other.parent.mkdir(parents=True)
+    other.symlink_to(sys.executable)
+    (tmp_path / "venv" / "pyvenv.cfg").write_text("home = /usr/bin\n")
+    monkeypatch.setenv("AGENTRL_VLLM_PYTHON", str(other))
+    started.clear()
+    check = module._check_inference(job)
+    assert not check.ok and check.detail == f"vLLM does not import under AGENTRL_VLLM_PYTHON={other}"
+    assert started == [[str(other), "-c", "import vllm"]]
+
+
+def test_this_python_is_told_apart_from_others(tmp_path: Path) -> None:
+    import sys
+
+    from agentrl.orchestration.preflight import _is_this_python
+
+    assert _is_this_python(sys.executable)
+    assert not _is_this_python(str(tmp_path / "no-such-python"))
+    assert not _is_this_python("/bin/sh")
