@@ -1,8 +1,10 @@
 """The FSDP2 backend across real processes: 1 rank vs 2 ranks, and exact resume from a checkpoint.
 
-Each test spawns ranks with `agentrl.trainer.launch` (gloo on 127.0.0.1, a free port), runs the
-tiny random Qwen2 on CPU and compares what the ranks wrote. The rank functions live at module
-level so the spawned processes can import them by name.
+The tests spawn ranks with `agentrl.trainer.launch` (gloo on 127.0.0.1, a free port), run the
+tiny random Qwen2 on CPU and compare what the ranks wrote. The rank functions live at module
+level so the spawned processes can import them by name. A launch costs a spawn, a torch import and
+a model build per rank, so the tests that compare the same rank counts share launches through
+module fixtures (`one_and_two_ranks`, `checkpoints`), each asserting its own facts about them.
 """
 
 from __future__ import annotations
@@ -68,11 +70,23 @@ def train_two_steps(out: str) -> dict[str, Any]:
     return {"metrics": metrics, "logprobs": first_logprobs, "world": backend.world_size}
 
 
-def test_one_and_two_processes_give_the_same_losses_and_weights(tmp_path: Path) -> None:
+def train_two_ways(out: str) -> dict[str, Any]:
+    """Both comparisons of 1 rank vs 2 in one launch per rank count (a launch spawns and imports torch)."""
+    return {"two_steps": train_two_steps(out), "flat": train_with_flat_groups(out)}
+
+
+@pytest.fixture(scope="module")
+def one_and_two_ranks(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[Any], list[Any]]:
+    """(the directory the ranks wrote their weights to, the 1-rank results, the 2-rank results)."""
     from agentrl.trainer import launch
 
-    one = launch(train_two_steps, 1, str(tmp_path))
-    two = launch(train_two_steps, 2, str(tmp_path))
+    out = tmp_path_factory.mktemp("ranks")
+    return out, launch(train_two_ways, 1, str(out)), launch(train_two_ways, 2, str(out))
+
+
+def test_one_and_two_processes_give_the_same_losses_and_weights(one_and_two_ranks) -> None:
+    tmp_path, one_both, two_both = one_and_two_ranks
+    one, two = [r["two_steps"] for r in one_both], [r["two_steps"] for r in two_both]
     assert [r["world"] for r in two] == [2, 2]
     # both ranks hand back the whole batch's logprobs, equal to the single process's
     torch.testing.assert_close(two[0]["logprobs"], two[1]["logprobs"], atol=0, rtol=0)
@@ -110,13 +124,11 @@ def train_with_flat_groups(out: str) -> dict[str, Any]:
     return {"metrics": metrics}
 
 
-def test_flat_groups_train_alike_on_one_and_two_ranks(tmp_path: Path) -> None:
+def test_flat_groups_train_alike_on_one_and_two_ranks(one_and_two_ranks) -> None:
     """Ranks plan the trained and the scored rows separately, padding each plan to the busiest
     rank; with every row flat each still runs one zero-loss micro-batch, so all stay in step."""
-    from agentrl.trainer import launch
-
-    one = launch(train_with_flat_groups, 1, str(tmp_path))
-    two = launch(train_with_flat_groups, 2, str(tmp_path))
+    tmp_path, one_both, two_both = one_and_two_ranks
+    one, two = [r["flat"] for r in one_both], [r["flat"] for r in two_both]
     for step, skipped in enumerate((8.0, 8.0)):
         m1, m2 = one[0]["metrics"][step], two[0]["metrics"][step]
         assert m1["batch/zero_adv_skipped"] == m2["batch/zero_adv_skipped"] == skipped
@@ -168,10 +180,8 @@ def continue_or_resume(ckpt: str) -> dict[str, Any]:
 
 
 @pytest.mark.parametrize("ranks", [1, 2])
-def test_resume_continues_exactly(tmp_path: Path, ranks: int) -> None:
-    from agentrl.trainer import launch
-
-    for result in launch(continue_or_resume, ranks, str(tmp_path / "ckpt")):
+def test_resume_continues_exactly(checkpoints: dict[str, Any], ranks: int) -> None:
+    for result in checkpoints["resume"][ranks]:
         assert result["position"] == {"epoch": 0, "row": 12}
         assert result["steps"] == (4, 4)
         saved, loaded = result["draws"]
@@ -204,13 +214,45 @@ def save_or_load(ckpt: str, out: str, save: bool) -> dict[str, Any]:
     return {"step": backend.global_step, "grad_norm": metrics["actor/grad_norm"]}
 
 
-@pytest.mark.parametrize(("save_ranks", "load_ranks"), [(2, 1), (1, 2)])
-def test_a_checkpoint_resumes_on_another_rank_count(tmp_path: Path, save_ranks: int, load_ranks: int) -> None:
-    """One rank trains an unwrapped model, two ranks a sharded one; DCP checkpoints move between them."""
+def checkpoint_work(out: str, resume: bool, load: str | None, save: str | None) -> dict[str, Any]:
+    """What one launch does for the checkpoint tests: the exact resume (on this rank count), then
+    the loading side of a checkpoint another rank count saved (`load`: its name under `out`), then
+    the saving side of one for another rank count (`save`)."""
+    done: dict[str, Any] = {}
+    if resume:
+        done["resume"] = continue_or_resume(str(Path(out) / "resume" / "ckpt"))
+    for name, save_side in ((load, False), (save, True)):
+        if name is not None:
+            done[name] = save_or_load(str(Path(out) / name / "ckpt"), str(Path(out) / name), save_side)
+    return done
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """The resume and rank-count tests' ranks, in three launches instead of six (each spawns ranks
+    that import torch and build the model): 1 rank resumes and saves "1-2"; 2 ranks resume, load
+    "1-2" and save "2-1"; 1 rank loads "2-1". Results by test: `resume` by rank count, and for each
+    direction the saving and the loading ranks' results and the directory they wrote to."""
     from agentrl.trainer import launch
 
-    saved = launch(save_or_load, save_ranks, str(tmp_path / "ckpt"), str(tmp_path), True)
-    loaded = launch(save_or_load, load_ranks, str(tmp_path / "ckpt"), str(tmp_path), False)
+    out = tmp_path_factory.mktemp("checkpoints")
+    for name in ("1-2", "2-1"):
+        (out / name).mkdir()
+    first = launch(checkpoint_work, 1, str(out), True, None, "1-2")
+    second = launch(checkpoint_work, 2, str(out), True, "1-2", "2-1")
+    third = launch(checkpoint_work, 1, str(out), False, "2-1", None)
+    return {
+        "resume": {1: [r["resume"] for r in first], 2: [r["resume"] for r in second]},
+        "1-2": (out / "1-2", [r["1-2"] for r in first], [r["1-2"] for r in second]),
+        "2-1": (out / "2-1", [r["2-1"] for r in second], [r["2-1"] for r in third]),
+    }
+
+
+@pytest.mark.parametrize(("save_ranks", "load_ranks"), [(2, 1), (1, 2)])
+def test_a_checkpoint_resumes_on_another_rank_count(checkpoints: dict[str, Any], save_ranks: int,
+                                                    load_ranks: int) -> None:
+    """One rank trains an unwrapped model, two ranks a sharded one; DCP checkpoints move between them."""
+    tmp_path, saved, loaded = checkpoints[f"{save_ranks}-{load_ranks}"]
     assert [r["step"] for r in saved + loaded] == [2] * (save_ranks + load_ranks)
     assert loaded[0]["grad_norm"] == pytest.approx(saved[0]["grad_norm"], rel=1e-5)
     a, b = torch.load(tmp_path / "saved.pt"), torch.load(tmp_path / "loaded.pt")
