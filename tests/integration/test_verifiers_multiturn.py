@@ -225,9 +225,10 @@ def test_agentrl_eval_plays_the_example_with_the_tiny_model_and_books_every_samp
         assets: Path, tmp_path: Path) -> None:
     out = tmp_path / "eval"
     tag = f"verifiers-guess-{os.getpid()}-{time.monotonic_ns()}"  # what the command starts carries it
-    eval_with_tiny_model(assets, out, tag, f"env.kwargs.id={GUESS}", "env.kwargs.max_rows=4", "rollout.max_turns=4")
+    # two games (each episode runs verifiers' chat program, seconds to start), four turns each at most
+    eval_with_tiny_model(assets, out, tag, f"env.kwargs.id={GUESS}", "env.kwargs.max_rows=2", "rollout.max_turns=4")
     episodes = [json.loads(line) for line in (out / "trajectories.jsonl").read_text().splitlines()]
-    assert sorted(secret_of(e) for e in episodes) == sorted(SECRETS)
+    assert sorted(secret_of(e) for e in episodes) == sorted(SECRETS[:2])
     for episode in episodes:
         assert episode["fault"] is None and episode["segment"] == {"index": 0, "of": 1}, episode["error"]
         secret, messages = secret_of(episode), episode["messages"]
@@ -273,11 +274,11 @@ def test_verifiers_own_openenv_taskset_plays_a_local_openenv_server_through_the_
     if not any(verifiers_folder().glob("openenv-*.dist-info")):
         pytest.skip(f"verifiers' openenv taskset imports `openenv` (PyPI openenv>=0.4.1, verifiers' `openenv` extra), "
                     f"which is not in {verifiers_folder()}: install it with 'bash scripts/install.sh verifiers'")
-    seeds = [1, 2, 3]
+    seeds = [1, 3]  # secrets 3 and 4: bisected as 5, 2, 3 (lower, higher) and 5, 2, 3, 4 (the fourth try)
     config = load_config(overrides=[
         "env=verifiers", "env.kwargs.id=openenv",
-        f"env.kwargs.taskset_kwargs={{base_url: '{openenv_guess_url}', resets: [{{seed: 1}}, {{seed: 2}}, "
-        "{seed: 3}]}", f"model.path={assets / 'tiny-random-qwen2'}", "eval.k=1", "rollout.max_turns=6",
+        f"env.kwargs.taskset_kwargs={{base_url: '{openenv_guess_url}', resets: [{{seed: 1}}, {{seed: 3}}]}}",
+        f"model.path={assets / 'tiny-random-qwen2'}", "eval.k=1", "rollout.max_turns=6",
         f"eval.output_dir={tmp_path / 'eval'}"])
     run_eval(config, client=OpenEnvGuesser(ChatTemplate.from_pretrained(config.model.path).tokenizer))
     episodes = [json.loads(line) for line in (tmp_path / "eval" / "trajectories.jsonl").read_text().splitlines()]
