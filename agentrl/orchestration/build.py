@@ -109,6 +109,9 @@ class Job:
     the reward and what it runs on, each opened and closed by the job."""
     reward_fn: RewardFunction | None = None
     """The rule part of the reward (pre-flight checks rows with it); None when the reward has none."""
+    own_client: bool = False
+    """The caller generates with a client of its own (an eval given one): no engine is started, so
+    pre-flight does not check one."""
     train_rows: list[dict[str, Any] | None] = field(default_factory=list)
     """Training rows at their dataset row numbers (the prompt ledger's indices); None where a
     malformed row was skipped (`data.skip_bad_rows`), which `train_skipped` names."""
@@ -201,7 +204,7 @@ def build_job(config: AgentRLConfig, purpose: Purpose, *, own_client: bool = Fal
     if isinstance(reward_fn, CombinedReward):
         reward_fn = reward_fn.rule  # pre-flight checks the rows with the rule part only (None: no rule)
     job = Job(config, purpose, model_path, template, parser_factory, tuple(sorted(stop_ids)), env_cls,
-              env_kwargs, resources, reward_fn)
+              env_kwargs, resources, reward_fn, own_client=own_client)
     try:
         _check_env_builds(job)
         _check_names(config, purpose)

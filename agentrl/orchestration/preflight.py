@@ -7,7 +7,8 @@ cheap (seconds):
 - `sandbox`: the sandbox runs a snippet under its isolation (a shell command, and Python code when
   the env has a `python` tool), on an instance of its own that is closed afterwards.
 - `inference`: the engine can start here (vLLM importable by the python that will run it and, on
-  CPU, a C++ compiler and Python headers for the kernels it compiles), or the external servers answer.
+  CPU, a C++ compiler and Python headers for the kernels it compiles), or the external servers answer;
+  nothing to check for an eval given a client of its own, which starts no engine.
 - `env`: what the env connects to answers (`Env.apreflight`: an OpenEnv server's /health at
   `env.kwargs.url`); an env with nothing outside its process adds no line.
 - `rows`: the dataset has rows, and the reward function scores rows' own answers (ground truths
@@ -156,6 +157,8 @@ def _check_sandbox(job: Job) -> Check | None:
 
 def _check_inference(job: Job) -> Check:
     inference = job.config.inference
+    if job.own_client:  # an eval given a client: the engine is never started (its probes cost seconds)
+        return Check("inference", True, "the caller's own client generates; no engine is started")
     if inference.engine == "external":
         import httpx
 

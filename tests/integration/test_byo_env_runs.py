@@ -36,10 +36,13 @@ def lines(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
 
 
-def agentrl_run(tmp_path: Path, name: str, assets: Path, *args: str) -> tuple[subprocess.CompletedProcess[str], Path]:
+def agentrl_run(tmp_path: Path, name: str, assets: Path, *args: str,
+                prompts_per_step: int = 2) -> tuple[subprocess.CompletedProcess[str], Path]:
+    """`agentrl run` on the tiny model, `prompts_per_step` groups of 2 episodes a step; its run directory."""
     command = [sys.executable, "-m", "agentrl.cli", "run", *args, f"model.path={assets / 'tiny-random-qwen2'}",
                "model.chat_template=chatml-tools", "inference.engine=hf", "trainer.device=cpu",
-               "data.prompts_per_step=2", "rollout.samples_per_prompt=2", "rollout.max_tokens_per_turn=16",
+               f"data.prompts_per_step={prompts_per_step}", "rollout.samples_per_prompt=2",
+               "rollout.max_tokens_per_turn=16",
                "data.num_val_rows=1", "eval.k=1", "run.eval_every=0", "run.loggers=[jsonl]",
                f"run.output_dir={tmp_path}", f"run.name={name}"]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])}
@@ -70,15 +73,15 @@ def test_run_trains_on_an_openenv_server_and_masks_the_episodes_of_one_that_dies
     pytest.importorskip("openenv.core")
     rows = tmp_path / "rows.jsonl"
     with rows.open("w") as f:
-        for seed in (1, 2, DYING_SEED, 4):  # 2 steps of 2 prompts draw the dying row at least once
+        for seed in (1, DYING_SEED):  # one step of 2 prompts draws both rows, the dying one among them
             f.write(json.dumps({"prompt": [{"role": "user", "content": f"Seed {seed}. Play the game."}],
                                 "data_source": "openenv", "extra_info": {"seed": seed}}) + "\n")
     _, run_dir = agentrl_run(
         tmp_path, "openenv", assets, "env=openenv", f"data.train_files=[{rows}]", f"data.val_files=[{rows}]",
         f"env.kwargs.command=[python, {DYING_SERVER}, --port, '{{port}}']", "env.kwargs.message_timeout_s=30",
-        "env.kwargs.startup_timeout_s=120", "rollout.max_turns=3", "run.total_steps=2",
+        "env.kwargs.startup_timeout_s=120", "rollout.max_turns=3", "run.total_steps=1",
         "run.max_infra_failure_rate=0.9", STOPS)
-    episodes = check_trained(run_dir, 2)
+    episodes = check_trained(run_dir, 1)
     seed13 = [e for e in episodes if f"Seed {DYING_SEED}." in json.dumps(e["messages"])]
     died = [e for e in episodes if e["fault"] == "infra"]
     assert died and all(e in seed13 for e in died), "the seed-13 row's server dies, and only it"
@@ -146,7 +149,8 @@ def test_run_trains_on_a_multi_turn_verifiers_taskset_played_through_the_gateway
 
     _, run_dir = agentrl_run(tmp_path, "verifiers-turns", assets, "env=verifiers",
                              f"env.kwargs.id={REPO / 'examples' / 'verifiers_guess.py'}", "env.kwargs.max_rows=4",
-                             "rollout.max_turns=3", "run.total_steps=1", STOPS)
+                             "rollout.max_turns=3", "run.total_steps=1", STOPS,
+                             prompts_per_step=1)  # each episode runs verifiers' chat program: one group
     episodes = check_trained(run_dir, 1)
     assert all(e["fault"] is None for e in episodes)
     # verifiers played the game (the seat's max_turns is the run's 3: the game's 4 guesses are cut there), and
@@ -172,7 +176,7 @@ def test_run_trains_on_verifiers_own_openenv_taskset(assets: Path, tmp_path: Pat
     _, run_dir = agentrl_run(
         tmp_path, "verifiers-openenv", assets, "env=verifiers", "env.kwargs.id=openenv",
         f"env.kwargs.taskset_kwargs={{base_url: '{openenv_guess_url}', resets: [{{seed: 1}}, {{seed: 2}}]}}",
-        "rollout.max_turns=2", "run.total_steps=1", STOPS)
+        "rollout.max_turns=2", "run.total_steps=1", STOPS, prompts_per_step=1)  # one group, as above
     episodes = check_trained(run_dir, 1)
     assert all(e["fault"] is None for e in episodes), [e["error"] for e in episodes if e["fault"]]
     for e in episodes:

@@ -111,17 +111,18 @@ def check_echoed(episode: dict[str, Any]) -> None:
 def test_agentrl_eval_scores_the_generated_echo_env_by_its_rewards(
         echo_env: Path, assets: Path, tmp_path: Path) -> None:
     done = agentrl("eval", assets, tmp_path, "env=openenv", f"env.kwargs.command={SERVE}", f"env.kwargs.cwd={echo_env}",
-                   "eval.k=2", "eval.max_rows=2", f"rollout.max_turns={MAX_TURNS}", STOPS,
+                   # one row, two samples (each episode starts a server of its own: seconds each)
+                   "eval.k=2", "eval.max_rows=1", f"rollout.max_turns={MAX_TURNS}", STOPS,
                    f"eval.output_dir={tmp_path / 'eval'}")
     report = json.loads((tmp_path / "eval" / "report.json").read_text())
     episodes = lines(tmp_path / "eval" / "trajectories.jsonl")
-    assert len(episodes) == report["episodes"] == 4 and report["infra_failed_episodes"] == 0
-    assert "eval: 4/4 episodes done" in done.stderr
+    assert len(episodes) == report["episodes"] == 2 and report["infra_failed_episodes"] == 0
+    assert "eval: 2/2 episodes done" in done.stderr
     for episode in episodes:
         check_echoed(episode)
-    assert sum(report["finish_reasons"].values()) == 4
+    assert sum(report["finish_reasons"].values()) == 2
     assert report["finish_reasons"].get("max_turns", 0) >= 1
-    assert report["mean_reward"] == pytest.approx(sum(e["reward"] for e in episodes) / 4)
+    assert report["mean_reward"] == pytest.approx(sum(e["reward"] for e in episodes) / 2)
     assert echo_servers(echo_env) == []
 
 
@@ -130,15 +131,15 @@ def test_agentrl_run_trains_on_the_generated_echo_env_and_only_on_sampled_tokens
     from agentrl.orchestration.ledger import journal_balance
 
     agentrl("run", assets, tmp_path, "env=openenv", f"env.kwargs.command={SERVE}", f"env.kwargs.cwd={echo_env}",
-            "trainer.device=cpu", "data.prompts_per_step=2", "rollout.samples_per_prompt=2", "data.num_val_rows=1",
+            "trainer.device=cpu", "data.prompts_per_step=1", "rollout.samples_per_prompt=2", "data.num_val_rows=1",
             "eval.k=1", "run.eval_every=0", "run.loggers=[jsonl]", "run.total_steps=1",
             f"rollout.max_turns={MAX_TURNS}", STOPS, f"run.output_dir={tmp_path}", "run.name=echo")
     run_dir = tmp_path / "echo"
     books = journal_balance(run_dir / "ledger.jsonl")
-    assert books["trained"] == 2 and books.get("in_flight", 0) == 0
+    assert books["trained"] == 1 and books.get("in_flight", 0) == 0
     assert [m["step"] for m in lines(run_dir / "metrics.jsonl")] == [0]
     episodes = [e for f in sorted((run_dir / "rollouts").glob("step-*.jsonl")) for e in lines(f)]
-    assert len(episodes) == 4 and all(e["trained"] for e in episodes)
+    assert len(episodes) == 2 and all(e["trained"] for e in episodes)
     tok = ChatTemplate.from_pretrained(str(assets / "tiny-random-qwen2")).tokenizer
     for episode in episodes:
         check_echoed(episode)

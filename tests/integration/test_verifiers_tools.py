@@ -5,10 +5,12 @@ the run's tool parser, the chat program calls the server and the result is the m
 
 Guards, on examples/verifiers_calculator.py (a calculator MCP tool; the reward checks the product):
 with a scripted policy that calls the tool and then answers with what the tool returned, every episode
-is rewarded 1.0 by the taskset's rubric, the tool's result is in the prompt of the second call and in
-the trajectory as a masked tool turn, the tool server ran as its own process while the episode ran
-and none is left after the eval; a worker SIGKILLed mid-episode leaves no tool server behind; and the
-tiny random model through the `agentrl eval` command (hf engine) books every token once."""
+played to its end is rewarded 1.0 by the taskset's rubric, the tool's result is in the prompt of the
+second call and in the trajectory as a masked tool turn, the tool server ran as its own process while
+the episode ran and none is left after the eval, whether the tasks or the taskset declare the toolset;
+a worker SIGKILLed mid-episode (in the first of the three episodes of the task-scoped eval, which the
+tests of both share) fails that episode only and leaves no tool server behind; and the tiny random
+model through the `agentrl eval` command (hf engine) books every token once."""
 
 from __future__ import annotations
 
@@ -119,15 +121,28 @@ def factors(episode: dict) -> tuple[int, int]:
     return int(a), int(b)
 
 
-@pytest.mark.parametrize("scope", ["task", "taskset"])
-def test_a_scripted_policy_calls_the_toolsets_mcp_tool_and_the_rubric_scores_its_answer(
-        assets: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, scope: str) -> None:
-    tag = f"verifiers-tools-{os.getpid()}-{time.monotonic_ns()}"
-    monkeypatch.setenv("AGENTRL_TEST_TAG", tag)
-    taskset = CALCULATOR if scope == "task" else taskset_scoped(tmp_path)
-    episodes, policy = run_calculator_eval(assets, tmp_path / "eval", tag, rows=2, taskset=taskset)
-    assert len(episodes) == 2
-    for episode in episodes:
+@pytest.fixture(scope="module")
+def task_scoped_eval(assets: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[list[dict], CalculatorCaller, str]:
+    """One eval of three rows of examples/verifiers_calculator.py (a tool server per task) whose caller
+    SIGKILLs the verifiers worker at the first episode's second call (1 of 3 failed: under the 0.6
+    allowed); a fresh worker plays the two after it. Its episodes, the caller, and the tag every process
+    it started carries (the workers and their tool servers inherit AGENTRL_TEST_TAG)."""
+    tag = f"verifiers-tools-kill-{os.getpid()}-{time.monotonic_ns()}"
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("AGENTRL_TEST_TAG", tag)
+        episodes, policy = run_calculator_eval(assets, tmp_path_factory.mktemp("tools") / "eval", tag, rows=3,
+                                               kill=True)
+    return episodes, policy, tag
+
+
+def check_tool_use(episodes: list[dict], policy: CalculatorCaller, tag: str) -> None:
+    """Every episode the worker played to its end (two) called the tool and was rewarded 1.0 by the
+    rubric; the tool was offered in the rendered prompt, its answer reached the episode's second call,
+    and each episode had a tool server of its own, gone after the eval. A killed episode (first, in
+    row order) has only its calls before those of the played ones in `policy`."""
+    played = [e for e in episodes if e["fault"] is None]
+    assert len(played) == 2
+    for episode in played:
         a, b = factors(episode)
         assert (episode["fault"], episode["reward"], episode["finish_reason"]) == (None, 1.0, "done"), episode
         assert episode["metrics"]["reward/correct"] == 1.0 and episode["metrics"]["tool_calls"] == 1.0
@@ -140,25 +155,38 @@ def test_a_scripted_policy_calls_the_toolsets_mcp_tool_and_the_rubric_scores_its
         tool_ids = [s for s in episode["segments"] if s["origin"] == "tool"]
         assert tool_ids and all("logprobs" not in s for s in tool_ids)
     # the tool was offered in the rendered prompt, and its answer reached the second call's prompt
-    assert len(policy.prompts) == 4 and "calculator_multiply" in policy.prompts[0]
-    products = sorted(a * b for a, b in map(factors, episodes))
+    prompts, servers_seen = policy.prompts[-4:], policy.servers_seen[-2:]
+    assert len(policy.prompts) == 2 * len(episodes) and "calculator_multiply" in prompts[0]
+    products = sorted(a * b for a, b in map(factors, played))
     assert sorted(int(re.search(r"<tool_response>\n(\d+)\n</tool_response>", p).group(1))
-                  for p in policy.prompts[1::2]) == products
+                  for p in prompts[1::2]) == products
     # one tool server per episode, alive while it ran: this interpreter running the taskset's module
-    assert [len(s) for s in policy.servers_seen] == [1, 1] and policy.servers_seen[0] != policy.servers_seen[1]
-    assert all(s[0][1].startswith(f"{sys.executable} -m agentrl_taskset_") for s in policy.servers_seen)
+    assert [len(s) for s in servers_seen] == [1, 1] and servers_seen[0] != servers_seen[1]
+    assert all(s[0][1].startswith(f"{sys.executable} -m agentrl_taskset_") for s in servers_seen)
     assert tagged_processes(tag) == [] and worker_pids() == []
 
 
-def test_a_worker_killed_mid_episode_leaves_no_tool_server(
+def test_a_scripted_policy_calls_the_tasks_mcp_tool_and_the_rubric_scores_its_answer(
+        task_scoped_eval: tuple[list[dict], CalculatorCaller, str]) -> None:
+    check_tool_use(*task_scoped_eval)
+
+
+def test_a_scripted_policy_calls_the_tasksets_mcp_tool_and_the_rubric_scores_its_answer(
         assets: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    tag = f"verifiers-tools-kill-{os.getpid()}-{time.monotonic_ns()}"
+    tag = f"verifiers-tools-{os.getpid()}-{time.monotonic_ns()}"
     monkeypatch.setenv("AGENTRL_TEST_TAG", tag)
-    episodes, policy = run_calculator_eval(assets, tmp_path / "eval", tag, rows=2, kill=True)
+    episodes, policy = run_calculator_eval(assets, tmp_path / "eval", tag, rows=2, taskset=taskset_scoped(tmp_path))
+    assert len(episodes) == 2
+    check_tool_use(episodes, policy, tag)
+
+
+def test_a_worker_killed_mid_episode_leaves_no_tool_server(
+        task_scoped_eval: tuple[list[dict], CalculatorCaller, str]) -> None:
+    episodes, policy, tag = task_scoped_eval
     assert len(policy.killed) == 1 and [len(s) for s in policy.servers_seen][:1] == [1]
     faults = sorted((e["fault"], e["reward"]) for e in episodes if e["fault"])
     assert faults == [("infra", None)], episodes
-    assert [e["reward"] for e in episodes if not e["fault"]] == [1.0]
+    assert [e["reward"] for e in episodes if not e["fault"]] == [1.0, 1.0]
     assert tagged_processes(tag) == [] and worker_pids() == []  # nor the killed worker's tool server
 
 

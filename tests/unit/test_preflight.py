@@ -66,6 +66,20 @@ def test_vllm_on_cpu_needs_a_cpp_compiler_and_python_headers(tmp_path: Path, mon
     assert "cannot compile against the Python headers" in problem and "Python.h" in problem
 
 
+def test_an_eval_given_its_own_client_checks_no_engine(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`run_eval(config, client=...)` starts no server: the engine's probes (a python importing torch, a
+    compiler run) are not run, and a machine without the engine is not refused for it."""
+    from agentrl.orchestration import preflight as preflight_module
+
+    def no_probe(*args: object, **kwargs: object) -> None:
+        raise AssertionError(f"probed the engine: {args}")
+
+    monkeypatch.setattr(preflight_module, "run_probe", no_probe)
+    config = load_config(None, ["env=arithmetic", "inference.engine=vllm", f"eval.output_dir={tmp_path}"])
+    inference = checks_by_name(build_job(config, "eval", own_client=True))["inference"]
+    assert (inference.ok, inference.detail) == (True, "the caller's own client generates; no engine is started")
+
+
 def test_a_tensor_parallel_size_that_does_not_split_the_model_is_refused_before_anything_starts(
         tmp_path: Path, assets: Path) -> None:
     """SmolLM2-135M has 9 attention heads and 3 key/value heads: trainer.tensor_parallel=2 cannot split
