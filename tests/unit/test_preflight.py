@@ -66,6 +66,38 @@ def test_vllm_on_cpu_needs_a_cpp_compiler_and_python_headers(tmp_path: Path, mon
     assert "cannot compile against the Python headers" in problem and "Python.h" in problem
 
 
+def test_a_vllm_python_is_started_once_to_ask_whether_vllm_imports_and_where_torch_has_its_headers(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Pre-flight asks AGENTRL_VLLM_PYTHON both questions in one interpreter start (each start imports
+    torch: seconds on every run); a vLLM that does not import, or a torch without headers to compile
+    against, is still named."""
+    from agentrl.child_process import ProbeResult
+    from agentrl.orchestration import preflight as module
+
+    started: list[list[str]] = []
+    answer = {"returncode": 0, "stdout": "INFO vllm says hello\n/usr/include/python3.11\n", "stderr": ""}
+
+    def fake_probe(argv, *, timeout_s, input=None, **_):
+        started.append(list(argv))
+        if argv[0] == "/venv-vllm/bin/python":
+            return ProbeResult(list(argv), answer["returncode"], answer["stdout"], answer["stderr"], False, timeout_s)
+        return ProbeResult(list(argv), 0, "", "", False, timeout_s)  # the compiler: the headers compile
+
+    monkeypatch.setattr(module, "run_probe", fake_probe)
+    monkeypatch.setenv("AGENTRL_VLLM_PYTHON", "/venv-vllm/bin/python")
+    monkeypatch.setenv("CXX", "/usr/bin/g++")
+    job = job_for(tmp_path, "inference.engine=vllm")
+    check = module._check_inference(job)
+    assert check.ok and check.detail == "vLLM imports under AGENTRL_VLLM_PYTHON=/venv-vllm/bin/python"
+    pythons = [argv for argv in started if argv[0] == "/venv-vllm/bin/python"]
+    assert len(pythons) == 1 and "import vllm" in pythons[0][2] and "sysconfig" in pythons[0][2]
+    assert started[-1][:2] == ["/usr/bin/g++", "-x"] and "-I/usr/include/python3.11" in started[-1]
+
+    answer.update(returncode=1, stdout="", stderr="ModuleNotFoundError: No module named 'vllm'")
+    check = module._check_inference(job)
+    assert not check.ok and check.detail == "vLLM does not import under AGENTRL_VLLM_PYTHON=/venv-vllm/bin/python"
+
+
 def test_a_tensor_parallel_size_that_does_not_split_the_model_is_refused_before_anything_starts(
         tmp_path: Path, assets: Path) -> None:
     """SmolLM2-135M has 9 attention heads and 3 key/value heads: trainer.tensor_parallel=2 cannot split
