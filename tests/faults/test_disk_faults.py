@@ -4,7 +4,8 @@ The run's directory is a small tmpfs (as root). Just before the rollout log of t
 written, the disk is filled to its last byte. The run stops at once with exit 1, saying the disk is
 full on that mount and giving the command that continues the run, with no traceback on the
 console; `metrics.jsonl` and the ledger agree about the last completed step (the first); and once
-the space is free, `resume=true` finishes the run from its checkpoint, the journal balanced.
+the space is free, `resume=true` finishes the run (its second and last step) from its checkpoint,
+the journal balanced.
 """
 
 from __future__ import annotations
@@ -64,7 +65,7 @@ def test_a_full_disk_at_the_rollout_log_stops_the_run_cleanly_and_it_resumes(
     run_dir.mkdir()
     subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1g", "tmpfs", str(run_dir)], check=True)
     try:
-        args = overrides(tmp_path, "diskfull", assets, "run.total_steps=3", "run.keep_checkpoints=1", url=shared_url)
+        args = overrides(tmp_path, "diskfull", assets, "run.total_steps=2", "run.keep_checkpoints=1", url=shared_url)
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), str(E2E), os.environ.get("PYTHONPATH", "")])}
         proc = subprocess.run([sys.executable, "-c", _FILL_THEN_RUN, "run", *args], capture_output=True, text=True,
                               env=env, cwd=tmp_path, timeout=1800)
@@ -89,9 +90,9 @@ def test_a_full_disk_at_the_rollout_log_stops_the_run_cleanly_and_it_resumes(
                                  timeout=1800)
         assert resumed.returncode == 0, resumed.stderr[-3000:]
         result = json.loads((run_dir / "result.json").read_text())
-        assert result["steps_done"] == 3
-        assert sorted(trained_by_step(run_dir)) == [0, 1, 2]
-        assert [r["step"] for r in lines(run_dir / "metrics.jsonl")] == [0, 1, 2]
+        assert result["steps_done"] == 2
+        assert sorted(trained_by_step(run_dir)) == [0, 1]
+        assert [r["step"] for r in lines(run_dir / "metrics.jsonl")] == [0, 1]
         books = check_books(run_dir)  # every attempt of both sessions has exactly one final line
         assert books["trained"] == sum(len(uids) for uids in trained_by_step(run_dir).values()), \
             "no trained line outside the run's lineage: the stopped step's prompts were closed unfinished"

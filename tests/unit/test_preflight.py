@@ -80,6 +80,38 @@ def test_an_eval_given_its_own_client_checks_no_engine(tmp_path: Path, monkeypat
     assert (inference.ok, inference.detail) == (True, "the caller's own client generates; no engine is started")
 
 
+def test_a_vllm_python_is_started_once_to_ask_whether_vllm_imports_and_where_torch_has_its_headers(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Pre-flight asks AGENTRL_VLLM_PYTHON both questions in one interpreter start (each start imports
+    torch: seconds on every run); a vLLM that does not import, or a torch without headers to compile
+    against, is still named."""
+    from agentrl.child_process import ProbeResult
+    from agentrl.orchestration import preflight as module
+
+    started: list[list[str]] = []
+    answer = {"returncode": 0, "stdout": "INFO vllm says hello\n/usr/include/python3.11\n", "stderr": ""}
+
+    def fake_probe(argv, *, timeout_s, input=None, **_):
+        started.append(list(argv))
+        if argv[0] == "/venv-vllm/bin/python":
+            return ProbeResult(list(argv), answer["returncode"], answer["stdout"], answer["stderr"], False, timeout_s)
+        return ProbeResult(list(argv), 0, "", "", False, timeout_s)  # the compiler: the headers compile
+
+    monkeypatch.setattr(module, "run_probe", fake_probe)
+    monkeypatch.setenv("AGENTRL_VLLM_PYTHON", "/venv-vllm/bin/python")
+    monkeypatch.setenv("CXX", "/usr/bin/g++")
+    job = job_for(tmp_path, "inference.engine=vllm")
+    check = module._check_inference(job)
+    assert check.ok and check.detail == "vLLM imports under AGENTRL_VLLM_PYTHON=/venv-vllm/bin/python"
+    pythons = [argv for argv in started if argv[0] == "/venv-vllm/bin/python"]
+    assert len(pythons) == 1 and "import vllm" in pythons[0][2] and "sysconfig" in pythons[0][2]
+    assert started[-1][:2] == ["/usr/bin/g++", "-x"] and "-I/usr/include/python3.11" in started[-1]
+
+    answer.update(returncode=1, stdout="", stderr="ModuleNotFoundError: No module named 'vllm'")
+    check = module._check_inference(job)
+    assert not check.ok and check.detail == "vLLM does not import under AGENTRL_VLLM_PYTHON=/venv-vllm/bin/python"
+
+
 def test_a_tensor_parallel_size_that_does_not_split_the_model_is_refused_before_anything_starts(
         tmp_path: Path, assets: Path) -> None:
     """SmolLM2-135M has 9 attention heads and 3 key/value heads: trainer.tensor_parallel=2 cannot split
@@ -184,7 +216,7 @@ def test_the_vllm_check_starts_no_python_when_the_answers_are_known_here(
 
     def probe(argv, *, timeout_s, input=None, env=None, cwd=None):
         started.append(list(argv))
-        if argv[-1] == "import vllm":
+        if argv[-1].startswith("import vllm"):
             return ProbeResult(list(argv), 1, "", "ModuleNotFoundError: No module named 'vllm'", False, timeout_s)
         return ProbeResult(list(argv), 0, "cuda\n", "", False, timeout_s)  # torch sees a GPU; the compiler passes
 
@@ -213,7 +245,7 @@ def test_the_vllm_check_starts_no_python_when_the_answers_are_known_here(
     started.clear()
     check = module._check_inference(job)
     assert not check.ok and check.detail == f"vLLM does not import under AGENTRL_VLLM_PYTHON={other}"
-    assert started == [[str(other), "-c", "import vllm"]]
+    assert started == [[str(other), "-c", module._VLLM_PROBE]]  # one start asks both questions
 
 
 def test_this_python_is_told_apart_from_others(tmp_path: Path) -> None:
