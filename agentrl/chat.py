@@ -69,7 +69,7 @@ from agentrl.errors import ChatTemplateError
 from agentrl.segments import SegmentEncoder
 from agentrl.types import Generation, Message, TokenOrigin, ToolSchema, Trajectory
 
-__all__ = ["ChatTemplate", "ConversationTokenizer", "TokenDelta", "render_difference"]
+__all__ = ["ChatTemplate", "ConversationTokenizer", "TokenDelta", "render_difference", "token_spans"]
 
 log = logging.getLogger(__name__)
 
@@ -279,6 +279,12 @@ class ChatTemplate:
                 ids = ids[:-k]
                 break
         return str(self.tokenizer.decode(ids, skip_special_tokens=False))
+
+    def token_spans(
+        self, token_ids: Sequence[int], char_spans: Sequence[tuple[int, int] | None]
+    ) -> list[tuple[int, int] | None]:
+        """Where character spans of `decode_turn(token_ids)` lie in `token_ids` (`token_spans`)."""
+        return token_spans(self.tokenizer, token_ids, char_spans)
 
     # ── deltas ──────────────────────────────────────────────────────────────────────────────
     def encode_delta(
@@ -677,3 +683,52 @@ class ConversationTokenizer:
         )
         log.debug("chat template is not prefix-stable at turn %d: %s", self.turn, reason)
         return False
+
+
+def token_spans(
+    tokenizer: Any, token_ids: Sequence[int], char_spans: Sequence[tuple[int, int] | None]
+) -> list[tuple[int, int] | None]:
+    """Where each [start, end) character span of the text `token_ids` decode to (`ChatTemplate.decode_turn`,
+    special tokens kept) lies in `token_ids`: the [first, end) token span whose text holds it (None stays None).
+
+    By incremental decoding: the decoded length of a prefix of the ids, found by bisection (a few
+    decodes per span, cached within the call), so it holds for any tokenizer, byte-level or
+    SentencePiece, without offsets of a re-encoding (the sampled ids are never re-tokenised). A token
+    that holds part of a character (a byte of an emoji) counts with the token that completes it.
+    """
+    ids = list(token_ids)
+    lengths: dict[int, int] = {0: 0}
+
+    def length(k: int) -> int:
+        if k not in lengths:
+            lengths[k] = len(tokenizer.decode(ids[:k], skip_special_tokens=False))
+        return lengths[k]
+
+    def first_token(char: int) -> int:  # the last prefix that ends at or before `char`
+        lo, hi = 0, len(ids)
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if length(mid) <= char:
+                lo = mid
+            else:
+                hi = mid - 1
+        return min(lo, max(len(ids) - 1, 0))
+
+    def end_token(char: int) -> int:  # the shortest prefix that covers `char` characters
+        lo, hi = 0, len(ids)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if length(mid) >= char:
+                hi = mid
+            else:
+                lo = mid + 1
+        return lo
+
+    spans: list[tuple[int, int] | None] = []
+    for span in char_spans:
+        if span is None or not ids:
+            spans.append(None)
+            continue
+        start = first_token(span[0])
+        spans.append((start, max(end_token(span[1]), start + 1)))
+    return spans
