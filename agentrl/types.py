@@ -123,7 +123,8 @@ class CallOutcome:
 
     `chars` is its [start, end) in the turn's decoded text (what the parser read); `tokens` the same span in
     the turn's sampled token ids (index 0 is the turn's first sampled token), set by the AgentLoop from
-    `chars` (None until then, and for outcomes a parser could not place).
+    `chars` for the outcomes that failed in the parser (None until then, for `ok` ones, whose text is
+    `call.raw`, and for outcomes a parser could not place).
     """
 
     status: ParseStatus

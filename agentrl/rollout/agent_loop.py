@@ -9,7 +9,8 @@ concurrently) and appends the env's messages as a delta-tokenised suffix. One ha
 
 Each call the model attempted is a typed `CallOutcome` (`agentrl.types.ParseStatus`). The parser places it
 on the decoded text; the loop places it on the turn's sampled ids (`ChatTemplate.token_spans`, by
-incremental decoding) before the env sees the Action, and keeps every turn's outcomes, as the env typed
+incremental decoding; the failed ones, whose spans a reader needs, while a turn whose calls all parse pays
+nothing for it) before the env sees the Action, and keeps every turn's outcomes, as the env typed
 them (`info["call_outcomes"]`, which `ToolEnv` fills) or else as the parser did, in
 `trajectory.info["call_outcomes"]`: turn, status, tool name, [start, end) ledger positions, and the message
 a failed call got. A failed call is the env's to answer; the loop never ends an episode for one.
@@ -318,11 +319,14 @@ class AgentLoop:
 
     # ── helpers ─────────────────────────────────────────────────────────────────────────────
     def _parse(self, text: str, token_ids: list[int]) -> Action:
-        """The turn's Action, each typed outcome placed on the sampled ids it came from."""
+        """The turn's Action, each failed outcome placed on the sampled ids it came from."""
         action = self.parser.parse(text)
-        if not action.outcomes:  # a parser that types nothing (written against `parse_errors` only)
+        if all(o.ok for o in action.outcomes):  # nothing to place (or a parser that types nothing)
             return action
-        spans = self.template.token_spans(token_ids, [o.chars for o in action.outcomes])
+        # Placing a span costs a dozen prefix decodes: done for the failed calls, the ones a reader has
+        # to find, so a turn whose calls all parse costs what it did before outcomes existed.
+        spans = self.template.token_spans(token_ids, [None if o.ok else o.chars for o in action.outcomes],
+                                          text=text)
         outcomes = tuple(dataclasses.replace(o, tokens=s) for o, s in zip(action.outcomes, spans, strict=True))
         return dataclasses.replace(action, outcomes=outcomes)
 

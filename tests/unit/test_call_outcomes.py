@@ -275,7 +275,7 @@ def template(assets: Path) -> ChatTemplate:
     return ChatTemplate.from_pretrained(assets / "qwen2.5-0.5b-instruct")
 
 
-def test_the_loop_records_each_outcome_on_its_ledger_tokens_and_a_bad_call_costs_no_reward(
+def test_the_loop_records_each_outcome_and_a_failed_ones_ledger_tokens_and_it_costs_no_reward(
         template: ChatTemplate) -> None:
     row = make_arithmetic_row(3)
     expr, truth = row["extra_info"]["expression"], row["reward_model"]["ground_truth"]
@@ -293,9 +293,11 @@ def test_the_loop_records_each_outcome_on_its_ledger_tokens_and_a_bad_call_costs
         (1, "invalid_json"), (2, "unknown_tool"), (2, "bad_arguments"), (3, "ok"), (3, "missing_name")]
     assert [o.get("name") for o in recorded] == [None, "calculate", "calculator", "calculator", None]
     assert all(("message" in o) == (o["status"] != "ok") for o in recorded)
-    # each span covers sampled tokens only, and their text is the call's block
+    # each failed call's span covers sampled tokens only, and their text is the call's block; calls the
+    # parser read are left unplaced (their text is the call's `raw`)
     tok = template.tokenizer
-    for o in recorded:
+    assert [o["tokens"] is None for o in recorded] == [False, True, True, True, False]
+    for o in recorded[:1] + recorded[4:]:
         start, end = o["tokens"]
         assert all(traj.origins[i] == TokenOrigin.SAMPLED for i in range(start, end))
         block = tok.decode(traj.token_ids[start:end])
