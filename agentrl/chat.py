@@ -69,7 +69,7 @@ from agentrl.errors import ChatTemplateError
 from agentrl.segments import SegmentEncoder
 from agentrl.types import Generation, Message, TokenOrigin, ToolSchema, Trajectory
 
-__all__ = ["ChatTemplate", "ConversationTokenizer", "TokenDelta", "render_difference"]
+__all__ = ["ChatTemplate", "ConversationTokenizer", "TokenDelta", "render_difference", "token_spans"]
 
 log = logging.getLogger(__name__)
 
@@ -279,6 +279,13 @@ class ChatTemplate:
                 ids = ids[:-k]
                 break
         return str(self.tokenizer.decode(ids, skip_special_tokens=False))
+
+    def token_spans(
+        self, token_ids: Sequence[int], char_spans: Sequence[tuple[int, int] | None], *, text: str | None = None
+    ) -> list[tuple[int, int] | None]:
+        """Where character spans of `decode_turn(token_ids)` (given as `text` when at hand) lie in `token_ids`
+        (`token_spans`)."""
+        return token_spans(self.tokenizer, token_ids, char_spans, text=text)
 
     # ── deltas ──────────────────────────────────────────────────────────────────────────────
     def encode_delta(
@@ -677,3 +684,76 @@ class ConversationTokenizer:
         )
         log.debug("chat template is not prefix-stable at turn %d: %s", self.turn, reason)
         return False
+
+
+def token_spans(
+    tokenizer: Any, token_ids: Sequence[int], char_spans: Sequence[tuple[int, int] | None], *, text: str | None = None
+) -> list[tuple[int, int] | None]:
+    """Where each [start, end) character span of the text `token_ids` decode to (`ChatTemplate.decode_turn`,
+    special tokens kept; pass it as `text` when it is at hand) lies in `token_ids`: the [first, end) token
+    span whose text holds it (None stays None).
+
+    By incremental decoding: the decoded length of a prefix of the ids, found by bisection (a few
+    decodes per span boundary, cached within the call), so it holds for any tokenizer, byte-level or
+    SentencePiece, without offsets of a re-encoding (the sampled ids are never re-tokenised). A token
+    that holds part of a character (a byte of an emoji) counts with the token that completes it. The
+    decodes go straight to a fast tokenizer's backend when that gives the same text (`text` is checked
+    against it), which is several times cheaper than the Python `decode`.
+    """
+    ids = list(token_ids)
+    if not ids or all(span is None for span in char_spans):
+        return [None] * len(char_spans)
+    decode = _prefix_decoder(tokenizer, ids, text)
+    lengths: dict[int, int] = {0: 0}
+
+    def length(k: int) -> int:
+        if k not in lengths:
+            lengths[k] = len(decode(ids[:k]))
+        return lengths[k]
+
+    def first_token(char: int) -> int:  # the last prefix that ends at or before `char`
+        lo, hi = 0, len(ids)
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if length(mid) <= char:
+                lo = mid
+            else:
+                hi = mid - 1
+        return min(lo, len(ids) - 1)
+
+    def end_token(char: int, lo: int) -> int:  # the shortest prefix that covers `char` characters
+        hi = len(ids)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if length(mid) >= char:
+                hi = mid
+            else:
+                lo = mid + 1
+        return lo
+
+    spans: list[tuple[int, int] | None] = []
+    for span in char_spans:
+        if span is None:
+            spans.append(None)
+            continue
+        start = first_token(span[0])
+        spans.append((start, max(end_token(span[1], start), start + 1)))
+    return spans
+
+
+def _prefix_decoder(tokenizer: Any, ids: list[int], text: str | None) -> Any:
+    """How to decode prefixes of `ids`: a fast tokenizer's backend when it decodes them as the tokenizer does."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None and not getattr(tokenizer, "clean_up_tokenization_spaces", False):
+        def fast(prefix: list[int]) -> str:
+            return str(backend.decode(prefix, skip_special_tokens=False))
+
+        whole = fast(ids)
+        expected = text if text is not None else str(tokenizer.decode(ids, skip_special_tokens=False))
+        if whole.startswith(expected):
+            return fast
+
+    def slow(prefix: list[int]) -> str:
+        return str(tokenizer.decode(prefix, skip_special_tokens=False))
+
+    return slow

@@ -190,6 +190,7 @@ def cmd_validate(ns: argparse.Namespace) -> int:
         print(f"Config OK for 'agentrl {purpose}': env={cfg.env.name} model={cfg.model.path} "
               f"engine={cfg.inference.engine} mode={cfg.run.mode} steps={cfg.run.total_steps} "
               f"sandbox={sandbox} rows={rows}")
+        print(f"tool parser: {job.parser_choice}")
         lines = job.plan.describe() if job.plan is not None else []
         if job.plan is not None and job.plan.cluster is not None:
             from agentrl.orchestration.cluster import (

@@ -108,7 +108,9 @@ class ModelConfig(_Section):
     chat_template: str | None = None
     """A chat template to use instead of the tokenizer's own: a built-in name or a Jinja file path."""
     tool_parser: str = "hermes"
-    """How tool calls are parsed out of model text: a tool-call parser name or import path."""
+    """How tool calls are parsed out of model text: a tool-call parser name (`agentrl tools parsers`), an
+    import path, or `auto`: the family whose markers the chat template writes (`agentrl validate` prints
+    which and why; a template of no known family is refused, naming the choices)."""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     """The dtype servers hold the weights in and the trainer computes in (its master weights and optimizer
     state stay float32, as in verl's mixed precision); `auto` is float32 on CPU and bfloat16 on GPU."""
@@ -922,6 +924,8 @@ def _unregistered_names(data: dict[str, Any]) -> list[str]:
         registry = REGISTRIES[kind]
         if not isinstance(name, str) or ":" in name or name in registry or not len(registry):
             continue
+        if dotted == "model.tool_parser" and name == "auto":
+            continue  # resolved from the chat template when the job is built
         close = closest_names(name, registry.names())
         hint = f" Did you mean '{close[0]}'?" if close else f" Known: {', '.join(registry.names())}."
         errors.append(f"{dotted}: unknown {registry.kind} '{name}'.{hint} Run '{registry.list_command}'.")

@@ -25,8 +25,10 @@ from typing import Any, Literal, Protocol, TypedDict, get_args, runtime_checkabl
 
 __all__ = [
     "GATE_REASONS",
+    "PARSE_STATUSES",
     "Action",
     "ActionParser",
+    "CallOutcome",
     "ExecResult",
     "Fault",
     "FinishReason",
@@ -35,6 +37,7 @@ __all__ = [
     "GenerateClient",
     "Generation",
     "Message",
+    "ParseStatus",
     "Role",
     "SamplingParams",
     "Segment",
@@ -94,24 +97,78 @@ class ToolCall:
         }
 
 
+ParseStatus = Literal["ok", "invalid_json", "unclosed_block", "missing_name", "unknown_tool", "bad_arguments",
+                     "malformed"]
+"""What became of one tool call the model attempted.
+
+- `ok`: it parsed, names a tool the episode has, and its arguments fit that tool's schema.
+- `invalid_json`: its body is not well formed in the family's syntax (JSON for the JSON families; the
+  `<parameter=...>` / `<arg_key>` markup for qwen3_coder and glm45), or there is text where none may be.
+- `unclosed_block`: it is cut off: its block, message or JSON never ends (a turn cut mid-argument).
+- `missing_name`: no function name can be read from it.
+- `unknown_tool`: it names a function the episode does not offer (the tool env decides, or gpt_oss for a
+  harmony built-in such as `browser.search`).
+- `bad_arguments`: its arguments are not a JSON object, or do not fit the tool's JSON schema (the tool env
+  decides the latter with the tool's own validation).
+- `malformed`: a parse error from a parser that reports no status (one written against `parse_errors` only).
+"""
+
+PARSE_STATUSES: tuple[ParseStatus, ...] = get_args(ParseStatus)
+
+
+@dataclass(frozen=True, slots=True)
+class CallOutcome:
+    """One tool call the model attempted, typed: its status, the call when one was read, what the model is
+    told when it failed, and where it came from.
+
+    `chars` is its [start, end) in the turn's decoded text (what the parser read); `tokens` the same span in
+    the turn's sampled token ids (index 0 is the turn's first sampled token), set by the AgentLoop from
+    `chars` for the outcomes that failed in the parser (None until then, for `ok` ones, whose text is
+    `call.raw`, and for outcomes a parser could not place).
+    """
+
+    status: ParseStatus
+    call: ToolCall | None = None
+    message: str = ""
+    chars: tuple[int, int] | None = None
+    tokens: tuple[int, int] | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok"
+
+
 @dataclass(frozen=True, slots=True)
 class Action:
     """One assistant turn as the environment receives it in `Env.step`.
 
     `text` is the decoded assistant message; `tool_calls` are the calls parsed from it;
     `parse_errors` describes text that looked like a tool call but was malformed (the environment
-    answers each with an error message, so the model can learn from it).
+    answers each with an error message, so the model can learn from it). `outcomes`, when the parser
+    gives them (agentrl's do), type every call attempted, in order: the `ok` ones are `tool_calls`, the
+    others' messages are among `parse_errors`. A parser that fills only the first three fields still
+    works: `call_outcomes()` derives outcomes from them.
     """
 
     text: str
     tool_calls: tuple[ToolCall, ...] = ()
     parse_errors: tuple[str, ...] = ()
+    outcomes: tuple[CallOutcome, ...] = field(default=(), compare=False)
+    """Left out of `==`, so that Actions compare as they did before outcomes existed."""
 
     def to_message(self) -> Message:
         msg: Message = {"role": "assistant", "content": self.text}
         if self.tool_calls:
             msg["tool_calls"] = [c.to_message_dict() for c in self.tool_calls]
         return msg
+
+    def call_outcomes(self) -> tuple[CallOutcome, ...]:
+        """`outcomes`, or for a parser that gives none, one `ok` per call and one `malformed` per parse error
+        (without spans)."""
+        if self.outcomes:
+            return self.outcomes
+        return (*(CallOutcome("ok", call) for call in self.tool_calls),
+                *(CallOutcome("malformed", message=err) for err in self.parse_errors))
 
 
 @dataclass(frozen=True, slots=True)
@@ -259,7 +316,9 @@ class GenerateClient(Protocol):
 class ActionParser(Protocol):
     """Reads an assistant turn's text into an `Action`: the tool calls in it, and the malformed ones
     as `parse_errors` (never raises for model text). The tool-call parsers of `agentrl.tools`
-    (`ToolCallParser`: hermes, llama3, mistral, retool) implement it."""
+    (`ToolCallParser`: hermes, llama3, mistral, retool and the families of `parsers_more`) implement it,
+    and also type every call attempted (`Action.outcomes`, each with its span in `text`); a parser may
+    leave `outcomes` empty."""
 
     def parse(self, text: str) -> Action: ...
 

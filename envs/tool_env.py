@@ -5,7 +5,11 @@ which tools the agent may call (`tools`), and how the final answer is scored (`s
 does the rest natively in async: per-episode tool lifecycle (create on reset, release when the
 episode ends or the env closes, always), running the calls of one turn concurrently with a deadline
 each, turning unknown tools, bad arguments and malformed calls into tool messages the model can
-learn from, and counting them by fault class in `info["metrics"]`. A call that fails for
+learn from, and counting them by fault class in `info["metrics"]`. Each call the model attempted is
+typed (`agentrl.types.CallOutcome`): the parser's outcome, where the env decides `unknown_tool` and
+`bad_arguments` (the tool's schema refusing the arguments, checked before anything runs); the turn's
+outcomes are `info["call_outcomes"]` and their counts `info["metrics"]["tools/parse/<status>"]`. A failed
+call never ends the episode and never sets its reward. A call that fails for
 infrastructure reasons (no sandbox, a sandbox process that died, the tool deadline) ends the
 episode with `ToolInfrastructureError`, which the AgentLoop records as `fault="infra"`: such an
 episode is masked and requeued, never scored. Tools run in `sandbox`, the run's sandbox (built
@@ -26,6 +30,7 @@ or sample from a model; the AgentLoop does.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import uuid
 from collections.abc import Sequence
@@ -34,10 +39,19 @@ from typing import Any, ClassVar
 import gymnasium
 
 from agentrl.envs.core import Env
-from agentrl.errors import EnvError, ToolInfrastructureError
+from agentrl.errors import EnvError, ToolArgumentError, ToolInfrastructureError
 from agentrl.tools.core import Tool, ToolContext
 from agentrl.tools.session import release_episode_resources
-from agentrl.types import Action, Message, ToolCall, ToolResult, ToolSchema
+from agentrl.types import (
+    PARSE_STATUSES,
+    Action,
+    CallOutcome,
+    Message,
+    ParseStatus,
+    ToolCall,
+    ToolResult,
+    ToolSchema,
+)
 
 __all__ = ["ToolEnv"]
 
@@ -160,7 +174,8 @@ class ToolEnv(Env):
             await _quietly(self.release_context(ctx))
             raise
         self._ctx, self._row, self._turn, self._done = ctx, row, 0, False
-        self._metrics = {"tool_calls": 0, "tool_errors_model": 0, "tool_errors_infra": 0, "parse_errors": 0}
+        self._metrics = {"tool_calls": 0, "tool_errors_model": 0, "tool_errors_infra": 0, "parse_errors": 0,
+                         **{f"tools/parse/{status}": 0 for status in PARSE_STATUSES}}
         info = {"tools": self.prompt_tools(), "episode_id": episode_id}
         return messages, info
 
@@ -183,14 +198,18 @@ class ToolEnv(Env):
         calls = action.tool_calls
         # One call (the common case) is awaited in place: a task per call is only worth its cost
         # when there are several to overlap.
-        results = [await self._call(calls[0], ctx)] if len(calls) == 1 else (
+        ran = [await self._call(calls[0], ctx)] if len(calls) == 1 else (
             await asyncio.gather(*(self._call(c, ctx) for c in calls))
         )
+        results = [r for r, _ in ran]
         for r in results:
             self._metrics["tool_calls"] += 1
             if r.fault:
                 self._metrics[f"tool_errors_{r.fault}"] += 1
             messages.append(r.to_message())
+        outcomes = _typed_outcomes(action, [status for _, status in ran])
+        for outcome in outcomes:
+            self._metrics[f"tools/parse/{outcome.status}"] += 1
         infra = [r for r in results if r.fault == "infra"]
         if infra:
             # The tool could not run (no sandbox, a dead sandbox process, a deadline passed): what
@@ -211,7 +230,7 @@ class ToolEnv(Env):
         if not terminated:
             why = "max_turns" if self._turn >= self.max_turns else self.budget_exceeded(action, messages)
         truncated = why is not None
-        info: dict[str, Any] = {"metrics": dict(self._metrics), "turn": self._turn}
+        info: dict[str, Any] = {"metrics": dict(self._metrics), "turn": self._turn, "call_outcomes": outcomes}
         if truncated:
             info["truncated_by"] = why
         if terminated or truncated:
@@ -248,15 +267,23 @@ class ToolEnv(Env):
         await self._end_episode()
 
     # ── internals ───────────────────────────────────────────────────────────────────────────
-    async def _call(self, call: ToolCall, ctx: ToolContext) -> ToolResult:
+    async def _call(self, call: ToolCall, ctx: ToolContext) -> tuple[ToolResult, ParseStatus]:
+        """Run one parsed call; its result and its outcome's status (`unknown_tool` and `bad_arguments`, the
+        tool's schema refusing the arguments, are decided here, before anything runs)."""
         t = self.tools.get(call.name)
         if t is None:
             available = ", ".join(sorted(self.tools)) or "none"
             return ToolResult(
                 f"Error: there is no tool named '{call.name}'. Available tools: {available}.",
                 fault="model", tool_name=call.name, tool_call_id=call.id,
-            )
-        return await t.invoke(call.arguments, ctx, tool_call_id=call.id, timeout_s=self.tool_timeout_s)
+            ), "unknown_tool"
+        try:
+            t.validate_arguments(call.arguments)
+        except (ToolArgumentError, ValueError, TypeError) as exc:  # what `invoke` would answer as the model's fault
+            return ToolResult(f"Error: {exc}", fault="model", tool_name=call.name, tool_call_id=call.id), "bad_arguments"
+        except Exception:  # not a verdict on the arguments: `invoke` meets it again and answers it as always
+            _log.debug("validating the arguments of %s failed; invoke reports it", call.name, exc_info=True)
+        return await t.invoke(call.arguments, ctx, tool_call_id=call.id, timeout_s=self.tool_timeout_s), "ok"
 
     async def _end_episode(self) -> None:
         ctx, self._ctx = self._ctx, None
@@ -266,6 +293,13 @@ class ToolEnv(Env):
             await _quietly(t.release(ctx))
         await _quietly(self.release_context(ctx))
         await _quietly(release_episode_resources(ctx))
+
+
+def _typed_outcomes(action: Action, statuses: list[ParseStatus]) -> tuple[CallOutcome, ...]:
+    """The turn's outcomes with the statuses the tools gave its parsed calls (`statuses`, in the order of
+    `action.tool_calls`, which is the order of the `ok` outcomes)."""
+    given = iter(statuses)
+    return tuple(dataclasses.replace(o, status=next(given, "ok")) if o.ok else o for o in action.call_outcomes())
 
 
 async def _quietly(coro: Any) -> None:

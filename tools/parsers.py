@@ -14,6 +14,10 @@ One parser per model family, all with the same small interface, `parse(text) -> 
 Rules shared by all of them. Several calls per turn are read in order. A call that is malformed (bad
 JSON, no name, arguments that are not an object) is not returned; instead `parse_errors` gets one message
 per bad call that says what was wrong and shows the expected format, for the environment to send back.
+Every call attempted is also a typed `CallOutcome` in `Action.outcomes`, in order, with its span in the
+text (`agentrl.types.ParseStatus`): `ok`, `invalid_json`, `unclosed_block` (a block, message or JSON that
+never ends: in a block without its closing tag, a body that does not parse was cut off), `missing_name`,
+`bad_arguments` (not an object); `unknown_tool` and schema `bad_arguments` are the tool env's to decide.
 Arguments given as a JSON *string* holding an object (the OpenAI wire form) are decoded. A call without
 an id gets a deterministic 9-character one (a hash of its position and text), because Mistral's template
 refuses any other length. A final block left open because generation stopped on the closing tag (a stop
@@ -30,6 +34,7 @@ This module parses text only; it does not run tools, check arguments against sch
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -37,7 +42,7 @@ import re
 from abc import ABC, abstractmethod
 from typing import Any, ClassVar
 
-from agentrl.types import Action, ToolCall
+from agentrl.types import Action, CallOutcome, ParseStatus, ToolCall
 
 __all__ = [
     "HermesParser",
@@ -61,7 +66,21 @@ def call_id(index: int, raw: str) -> str:
 
 
 class _CallError(Exception):
-    """One malformed call; its message is what the model will read."""
+    """One malformed call; its message is what the model will read, its `status` the outcome's type."""
+
+    def __init__(self, message: str, status: ParseStatus = "invalid_json") -> None:
+        super().__init__(message)
+        self.status: ParseStatus = status
+
+    def cut(self, close_tag: str) -> _CallError:
+        """This error as seen in a block that never closed: a body that does not parse there was cut off."""
+        if self.status != "invalid_json":
+            return self
+        return _CallError(f"it is cut off before {close_tag} ({self})", "unclosed_block")
+
+
+_Items = list[tuple[int, int, "ToolCall | CallOutcome"]]
+"""What a parser found, in order: (start, end, the call or the failed outcome) with its span in the text."""
 
 
 class ToolCallParser(ABC):
@@ -97,52 +116,90 @@ class ToolCallParser(ABC):
     def _parse(self, text: str) -> Action: ...
 
     # ── shared helpers ──────────────────────────────────────────────────────────────────────
-    def _collect(
-        self, text: str, items: list[tuple[int, int, ToolCall | str]], keep_text: bool = False
-    ) -> Action:
-        """Build the Action from (start, end, call-or-error) items found in `text`."""
+    def _collect(self, text: str, items: _Items, keep_text: bool = False) -> Action:
+        """Build the Action from (start, end, call-or-failure) items found in `text`: its calls, errors and
+        typed outcomes, each outcome with its span in `text`."""
         calls: list[ToolCall] = []
         errors: list[str] = []
+        outcomes: list[CallOutcome] = []
         pieces: list[str] = []
         pos = 0
         extra = 0
+        span = (0, 0)
         for start, end, item in items:
-            if len(calls) + len(errors) >= self.max_calls:
+            if len(outcomes) >= self.max_calls:
                 extra += 1
                 continue
+            # A list of calls (Mistral, Llama 3) gives its later calls an empty span, so that its markup
+            # leaves the text once; each call of the list came from the whole list.
+            span = span if start == end and outcomes else (start, end)
             if isinstance(item, ToolCall):
                 calls.append(item)
+                outcomes.append(CallOutcome("ok", item, chars=span))
                 pieces.append(text[pos:start])
                 pos = end
             else:
-                errors.append(item)
+                errors.append(item.message)
+                outcomes.append(CallOutcome(item.status, item.call, item.message, chars=span))
         if extra:
             errors.append(f"Only {self.max_calls} tool calls are read per turn; the rest were ignored.")
         pieces.append(text[pos:])
         body = text if keep_text else "".join(pieces).strip()
-        return Action(body, tuple(calls), tuple(errors))
+        return Action(body, tuple(calls), tuple(errors), tuple(outcomes))
 
-    def _error(self, index: int, what: str) -> str:
-        return f"Tool call {index + 1} was not understood: {what}. {self.expected_format}"
+    def _error(self, index: int, what: str, status: ParseStatus = "invalid_json") -> CallOutcome:
+        """The failed outcome of the `index`-th call, with the message the model reads."""
+        return CallOutcome(status, message=f"Tool call {index + 1} was not understood: {what}. {self.expected_format}")
+
+    def _fail(self, index: int, exc: _CallError) -> CallOutcome:
+        return self._error(index, str(exc), exc.status)
 
 
-def _decode_json(fragment: str, start: int = 0) -> tuple[Any, int]:
-    """Decode one JSON value at `start`; return it and where it ended. Raises _CallError."""
+def _decode_json(fragment: str, start: int = 0, *, at_end: bool = False) -> tuple[Any, int]:
+    """Decode one JSON value at `start`; return it and where it ended. Raises _CallError.
+
+    `at_end`: `fragment` runs to the end of the turn, so JSON that never closes there was cut off
+    (`unclosed_block`) rather than written wrong (`invalid_json`)."""
     try:
         return _DECODER.raw_decode(fragment, start)
     except json.JSONDecodeError as exc:
-        raise _CallError(f"it is not valid JSON ({exc.msg} at character {exc.pos - start})") from None
+        what = f"it is not valid JSON ({exc.msg} at character {exc.pos - start})"
+        if at_end and _json_incomplete(fragment, start):
+            raise _CallError(f"{what}: the turn ends before its JSON does", "unclosed_block") from None
+        raise _CallError(what) from None
     except RecursionError:
         raise _CallError("its JSON is nested too deeply") from None
+
+
+def _json_incomplete(fragment: str, start: int = 0) -> bool:
+    """Whether JSON starting at `start` is still inside a string or an object or list at the end of `fragment`."""
+    depth, in_string, escaped = 0, False, False
+    for ch in fragment[start:]:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == '"':
+                in_string = False
+        elif ch == '"':
+            in_string = True
+        elif ch in "{[":
+            depth += 1
+        elif ch in "}]":
+            depth -= 1
+            if depth <= 0:
+                return False
+    return in_string or depth > 0
 
 
 def _make_call(obj: Any, index: int, raw: str, arg_keys: tuple[str, ...], keep_id: bool = False) -> ToolCall:
     """Validate a decoded `{"name": ..., <args key>: {...}}` object. Raises _CallError."""
     if not isinstance(obj, dict):
-        raise _CallError(f"expected a JSON object, got {_json_type(obj)}")
+        raise _CallError(f"expected a JSON object, got {_json_type(obj)}", "missing_name")
     name = obj.get("name")
     if not isinstance(name, str) or not name.strip():
-        raise _CallError('it has no "name" string')
+        raise _CallError('it has no "name" string', "missing_name")
     key = next((k for k in arg_keys if k in obj), None)
     args: Any = {} if key is None else obj[key]
     if isinstance(args, str):
@@ -151,7 +208,7 @@ def _make_call(obj: Any, index: int, raw: str, arg_keys: tuple[str, ...], keep_i
         except (json.JSONDecodeError, RecursionError):
             raise _CallError(f'"{key}" of {name!r} is a string that is not a JSON object') from None
     if not isinstance(args, dict):
-        raise _CallError(f'"{key}" of {name!r} must be a JSON object, got {_json_type(args)}')
+        raise _CallError(f'"{key}" of {name!r} must be a JSON object, got {_json_type(args)}', "bad_arguments")
     given_id = obj.get("id")
     ident = (
         given_id
@@ -187,7 +244,7 @@ class HermesParser(ToolCallParser):
     close_tag = "</tool_call>"
 
     def _parse(self, text: str) -> Action:
-        items: list[tuple[int, int, ToolCall | str]] = []
+        items: _Items = []
         pos = _end_of_thinking(text, self.open_tag)
         while len(items) <= self.max_calls:
             start = text.find(self.open_tag, pos)
@@ -207,10 +264,10 @@ class HermesParser(ToolCallParser):
             index = len(items)
             try:
                 if unclosed and reopen >= 0:
-                    raise _CallError(f"its {self.open_tag} tag is never closed with {self.close_tag}")
+                    raise _CallError(f"its {self.open_tag} tag is never closed with {self.close_tag}", "unclosed_block")
                 stripped = body.strip()
                 if not stripped:
-                    raise _CallError(f"the {self.open_tag} block is empty")
+                    raise _CallError(f"the {self.open_tag} block is empty", "missing_name")
                 obj, end_json = _decode_json(stripped)
                 if stripped[end_json:].strip():
                     raise _CallError("there is text after the JSON object inside the block")
@@ -222,7 +279,9 @@ class HermesParser(ToolCallParser):
                     )
                 )
             except _CallError as exc:
-                items.append((start, block_end, self._error(index, str(exc))))
+                if unclosed:
+                    exc = exc.cut(self.close_tag)
+                items.append((start, block_end, self._fail(index, exc)))
             pos = block_end
         return self._collect(text, items)
 
@@ -253,7 +312,7 @@ class MistralParser(ToolCallParser):
     marker = "[TOOL_CALLS]"
 
     def _parse(self, text: str) -> Action:
-        items: list[tuple[int, int, ToolCall | str]] = []
+        items: _Items = []
         pos = 0
         while len(items) <= self.max_calls:
             start = text.find(self.marker, pos)
@@ -268,18 +327,18 @@ class MistralParser(ToolCallParser):
                 pos = self._read_named(text, start, at, items)
         return self._collect(text, items)
 
-    def _read_list(self, text: str, start: int, at: int, items: list[tuple[int, int, ToolCall | str]]) -> int:
+    def _read_list(self, text: str, start: int, at: int, items: _Items) -> int:
         try:
-            value, end = _decode_json(text, at)
+            value, end = _decode_json(text, at, at_end=True)
         except _CallError as exc:
             nxt = text.find(self.marker, at)
             end = len(text) if nxt < 0 else nxt
-            items.append((start, end, self._error(len(items), str(exc))))
+            items.append((start, end, self._fail(len(items), exc)))
             return end
         raw = text[start:end]
         entries = value if isinstance(value, list) else [value]
         if not entries:
-            items.append((start, end, self._error(len(items), "the list of calls is empty")))
+            items.append((start, end, self._error(len(items), "the list of calls is empty", "missing_name")))
         for k, obj in enumerate(entries):
             index = len(items)
             try:
@@ -287,36 +346,35 @@ class MistralParser(ToolCallParser):
                 # Only the first call of a list carries the span, so the markup leaves the text once.
                 items.append((start, end, call) if k == 0 else (end, end, call))
             except _CallError as exc:
-                items.append((start, end, self._error(index, str(exc))))
+                items.append((start, end, self._fail(index, exc)))
         return end
 
-    def _read_named(
-        self, text: str, start: int, at: int, items: list[tuple[int, int, ToolCall | str]]
-    ) -> int:
+    def _read_named(self, text: str, start: int, at: int, items: _Items) -> int:
         index = len(items)
         args_at = text.find("[ARGS]", at)
         nxt = text.find(self.marker, at)
         if args_at < 0 or (0 <= nxt < args_at):
             end = len(text) if nxt < 0 else nxt
-            items.append((start, end, self._error(index, "no [ARGS] follows the function name")))
+            status: ParseStatus = "unclosed_block" if nxt < 0 else "invalid_json"  # the turn ends before [ARGS]
+            items.append((start, end, self._error(index, "no [ARGS] follows the function name", status)))
             return end
         head = text[at:args_at]
         name, _, given_id = head.partition("[CALL_ID]")
         if not _NAME.fullmatch(name.strip()):
             end = args_at + len("[ARGS]")
-            items.append((start, end, self._error(index, f"{name.strip()[:40]!r} is not a function name")))
+            items.append((start, end, self._error(index, f"{name.strip()[:40]!r} is not a function name", "missing_name")))
             return end
         try:
-            args, end = _decode_json(text, args_at + len("[ARGS]"))
+            args, end = _decode_json(text, args_at + len("[ARGS]"), at_end=True)
         except _CallError as exc:
             end = len(text) if nxt < 0 else nxt
-            items.append((start, end, self._error(index, str(exc))))
+            items.append((start, end, self._fail(index, exc)))
             return end
         try:
             obj = {"name": name, "arguments": args, "id": given_id.strip()}
             items.append((start, end, _make_call(obj, index, text[start:end], ("arguments",), keep_id=True)))
         except _CallError as exc:
-            items.append((start, end, self._error(index, str(exc))))
+            items.append((start, end, self._fail(index, exc)))
         return end
 
 
@@ -350,19 +408,21 @@ class Llama3Parser(ToolCallParser):
         if tag >= 0 and not text.startswith(("{", "["), at):
             code = text[at:].strip()
             if not code:
-                return Action(text[:tag].strip(), (), (self._error(0, f"nothing follows {self.python_tag}"),))
+                failed = self._collect(text, [(tag, len(text), self._error(0, f"nothing follows {self.python_tag}",
+                                                                           "missing_name"))])
+                return dataclasses.replace(failed, text=text[:tag].strip())
             call = ToolCall(self.code_tool, {"code": code}, call_id(0, text[tag:]), text[tag:])
-            return Action(text[:tag].strip(), (call,))
+            return self._collect(text, [(tag, len(text), call)])
         return self._collect(text, self._read_calls(text, start, at))
 
-    def _read_calls(self, text: str, start: int, at: int) -> list[tuple[int, int, ToolCall | str]]:
-        items: list[tuple[int, int, ToolCall | str]] = []
+    def _read_calls(self, text: str, start: int, at: int) -> _Items:
+        items: _Items = []
         while at < len(text) and len(items) <= self.max_calls:
             index = len(items)
             try:
-                value, end = _decode_json(text, at)
+                value, end = _decode_json(text, at, at_end=True)
             except _CallError as exc:
-                items.append((at, len(text), self._error(index, str(exc))))
+                items.append((at, len(text), self._fail(index, exc)))
                 break
             entries = value if isinstance(value, list) else [value]
             for k, obj in enumerate(entries):
@@ -370,7 +430,7 @@ class Llama3Parser(ToolCallParser):
                     call = _make_call(obj, len(items), text[at:end], ("parameters", "arguments"))
                     items.append((start if k == 0 else end, end, call))
                 except _CallError as exc:
-                    items.append((at, end, self._error(len(items), str(exc))))
+                    items.append((at, end, self._fail(len(items), exc)))
             start = at = end
             while at < len(text) and (text[at].isspace() or text[at] in ";,"):
                 at += 1
@@ -389,7 +449,7 @@ class RetoolParser(ToolCallParser):
     _FENCE = re.compile(r"```[ \t]*(?:python3?|py)[ \t]*\n", re.IGNORECASE)
 
     def _parse(self, text: str) -> Action:
-        items: list[tuple[int, int, ToolCall | str]] = []
+        items: _Items = []
         pos = 0
         while pos < len(text) and len(items) <= self.max_calls:
             block = self._next_block(text, pos)
@@ -401,7 +461,7 @@ class RetoolParser(ToolCallParser):
             if code.strip():
                 items.append((start, end, ToolCall(self.tool_name, {"code": code}, call_id(index, raw), raw)))
             else:
-                items.append((start, end, self._error(index, "the code block is empty")))
+                items.append((start, end, self._error(index, "the code block is empty", "bad_arguments")))
             pos = max(end, start + 1)
         return self._collect(text, items, keep_text=True)
 

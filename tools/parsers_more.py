@@ -23,6 +23,7 @@ whose `functions.NAME:IDX` is the id. This module parses text only, like `agentr
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from typing import Any
@@ -32,13 +33,12 @@ from agentrl.tools.parsers import (
     _CallError,
     _decode_json,
     _end_of_thinking,
+    _Items,
     call_id,
 )
 from agentrl.types import Action, ToolCall
 
 __all__ = ["DeepSeekV3Parser", "Glm45Parser", "GptOssParser", "KimiK2Parser", "Qwen3CoderParser"]
-
-_Items = list[tuple[int, int, ToolCall | str]]
 _NAME = re.compile(r"[A-Za-z0-9_.:\-]{1,128}")
 
 
@@ -54,31 +54,34 @@ def _typed(value: str) -> Any:
     return value if isinstance(decoded, str) else decoded
 
 
-def _json_args(fragment: str, name: str) -> dict[str, Any]:
-    """The JSON object that is the whole of `fragment`. Raises _CallError."""
+def _json_args(fragment: str, name: str, *, at_end: bool = False) -> dict[str, Any]:
+    """The JSON object that is the whole of `fragment` (`at_end`: which runs to the end of the turn).
+    Raises _CallError."""
     stripped = fragment.strip()
     if not stripped:
-        raise _CallError(f"the arguments of {name!r} are missing (write {{}} for none)")
-    value, end = _decode_json(stripped)
+        raise _CallError(f"the arguments of {name!r} are missing (write {{}} for none)",
+                         "unclosed_block" if at_end else "invalid_json")
+    value, end = _decode_json(stripped, at_end=at_end)
     if stripped[end:].strip():
         raise _CallError(f"there is text after the JSON arguments of {name!r}")
     if not isinstance(value, dict):
-        raise _CallError(f"the arguments of {name!r} must be a JSON object")
+        raise _CallError(f"the arguments of {name!r} must be a JSON object", "bad_arguments")
     return value
 
 
 def _check_name(name: str) -> str:
     name = name.strip()
     if not _NAME.fullmatch(name):
-        raise _CallError("it has no function name" if not name else f"{name[:40]!r} is not a function name")
+        raise _CallError("it has no function name" if not name else f"{name[:40]!r} is not a function name",
+                         "missing_name")
     return name
 
 
 def _blocks(text: str, open_tag: str, close_tag: str, pos: int) -> list[tuple[int, int, str, str]]:
     """Each `open_tag ... close_tag` block from `pos`: (start, end, body, problem or "").
 
-    The last block may be left open (generation stopped on its closing tag); an open block that
-    another block follows is a problem.
+    The last block may be left open (generation stopped on its closing tag): it ends at the end of the
+    text without `close_tag` (`_cut_off` tells); an open block that another block follows is a problem.
     """
     found: list[tuple[int, int, str, str]] = []
     while True:
@@ -111,12 +114,14 @@ class _BlockParser(ToolCallParser):
             index = len(items)
             try:
                 if problem:
-                    raise _CallError(problem)
+                    raise _CallError(problem, "unclosed_block")
                 name, args = self._read_body(body)
                 raw = text[start:end]
                 items.append((start, end, ToolCall(name, args, call_id(index, raw), raw)))
             except _CallError as exc:
-                items.append((start, end, self._error(index, str(exc))))
+                if _cut_off(text, end, self.close_tag):
+                    exc = exc.cut(self.close_tag)
+                items.append((start, end, self._fail(index, exc)))
             if len(items) > self.max_calls:
                 break
         return self._collect(text, items)
@@ -140,7 +145,7 @@ class Qwen3CoderParser(_BlockParser):
     def _read_body(self, body: str) -> tuple[str, dict[str, Any]]:
         head = self._FUNCTION.match(body)
         if head is None:
-            raise _CallError("it does not start with <function=NAME>")
+            raise _CallError("it does not start with <function=NAME>", "missing_name")
         name = _check_name(head.group(1))
         close = body.find("</function>", head.end())
         if close >= 0 and body[close + len("</function>") :].strip():
@@ -160,7 +165,7 @@ class Qwen3CoderParser(_BlockParser):
             if not key:
                 raise _CallError(f"a parameter of {name!r} has no name")
             if end < 0:
-                raise _CallError(f"parameter {key!r} of {name!r} is never closed with </parameter>")
+                raise _CallError(f"parameter {key!r} of {name!r} is never closed with </parameter>", "unclosed_block")
             value = inner[param.end() : end]
             value = value[1:] if value.startswith("\n") else value
             value = value[:-1] if value.endswith("\n") else value
@@ -218,22 +223,30 @@ class _SectionParser(ToolCallParser):
             loose = "".join(body[a:b] for a, b in _gaps(calls, len(body)))
             if not calls:
                 section.append(
-                    (sec_start, sec_end, self._error(len(items), "the tool-call section has no call"))
+                    (sec_start, sec_end, self._error(len(items), "the tool-call section has no call",
+                                                     "unclosed_block" if sec_end == len(text) else "missing_name"))
                 )
             for start, end, call_body, problem in calls:
                 index = len(items) + len(section)
                 raw = body[start:end]
                 try:
                     if problem:
-                        raise _CallError(problem)
+                        raise _CallError(problem, "unclosed_block")
                     call = self._read_call(call_body, index, raw)
                     section.append((offset + start, offset + end, call))
                 except _CallError as exc:
-                    section.append((offset + start, offset + end, self._error(index, str(exc))))
+                    if _cut_off(body, end, self.call_end):
+                        exc = exc.cut(self.call_end)
+                    section.append((offset + start, offset + end, self._fail(index, exc)))
             if all(isinstance(item, ToolCall) for _, _, item in section) and not loose.strip():
                 # Every call parsed: the section markers leave the text with them.
                 section[0] = (sec_start, section[0][1], section[0][2])
                 section[-1] = (section[-1][0], sec_end, section[-1][2])
+            else:  # a failed call's span (which leaves nothing out of the text) takes in the markers next to it
+                if not isinstance(section[0][2], ToolCall):
+                    section[0] = (sec_start, section[0][1], section[0][2])
+                if not isinstance(section[-1][2], ToolCall):
+                    section[-1] = (section[-1][0], sec_end, section[-1][2])
             items.extend(section)
             if len(items) > self.max_calls:
                 break
@@ -241,6 +254,11 @@ class _SectionParser(ToolCallParser):
 
     def _read_call(self, body: str, index: int, raw: str) -> ToolCall:
         raise NotImplementedError
+
+
+def _cut_off(text: str, end: int, close_tag: str) -> bool:
+    """Whether the block that ends at `end` in `text` was cut off: it runs to the end without `close_tag`."""
+    return end == len(text) and not text.endswith(close_tag)
 
 
 def _gaps(blocks: list[tuple[int, int, str, str]], length: int) -> list[tuple[int, int]]:
@@ -270,10 +288,11 @@ class KimiK2Parser(_SectionParser):
     def _read_call(self, body: str, index: int, raw: str) -> ToolCall:
         ident, sep, args_text = body.partition("<|tool_call_argument_begin|>")
         if not sep:
-            raise _CallError("no <|tool_call_argument_begin|> follows the call id")
+            raise _CallError("no <|tool_call_argument_begin|> follows the call id", "missing_name"
+                             if not ident.strip() else "invalid_json")
         match = self._ID.fullmatch(ident)
         if match is None:
-            raise _CallError(f"{ident.strip()[:40]!r} is not a call id of the form functions.NAME:INDEX")
+            raise _CallError(f"{ident.strip()[:40]!r} is not a call id of the form functions.NAME:INDEX", "missing_name")
         name = _check_name(match.group(1))
         return ToolCall(name, _json_args(args_text, name), ident.strip(), raw)
 
@@ -295,12 +314,12 @@ class DeepSeekV3Parser(_SectionParser):
     def _read_call(self, body: str, index: int, raw: str) -> ToolCall:
         head, sep, rest = body.partition("<｜tool▁sep｜>")
         if not sep:
-            raise _CallError("no <｜tool▁sep｜> separates the type from the function name")
+            raise _CallError("no <｜tool▁sep｜> separates the type from the function name", "missing_name")
         fenced = self._FENCED.fullmatch(rest)
         if fenced is not None:
             name, args_text = fenced.group(1), fenced.group(2)
         elif head.strip() == "function" and "```" in rest:
-            raise _CallError("its ```json fence is not closed")
+            raise _CallError("its ```json fence is not closed", "unclosed_block")
         else:  # V3.1: NAME<｜tool▁sep｜>{json}
             name, args_text = head, rest
         name = _check_name(name)
@@ -336,18 +355,22 @@ class GptOssParser(ToolCallParser):
             raw = text[start:end]
             try:
                 if body is None:
-                    raise _CallError("the message to it stops before <|message|>")
+                    raise _CallError("the message to it stops before <|message|>", "unclosed_block")
                 target = recipient.group(1)
                 if not target.startswith("functions."):
-                    raise _CallError(f"{target[:40]!r} is not a function; call functions.<function-name>")
+                    raise _CallError(f"{target[:40]!r} is not a function; call functions.<function-name>",
+                                     "unknown_tool")
                 name = _check_name(target[len("functions.") :])
-                items.append((start, end, ToolCall(name, _json_args(body, name), call_id(index, raw), raw)))
+                # A message that runs to the end of the turn without an end token may have been cut off.
+                at_end = end == len(text) and not text.endswith(self._ENDS)
+                items.append((start, end, ToolCall(name, _json_args(body, name, at_end=at_end), call_id(index, raw),
+                                                   raw)))
             except _CallError as exc:
-                items.append((start, end, self._error(index, str(exc))))
+                items.append((start, end, self._fail(index, exc)))
             if len(items) > self.max_calls:
                 break
         action = self._collect(text, items)
-        return Action("\n".join(part for part in shown if part), action.tool_calls, action.parse_errors)
+        return dataclasses.replace(action, text="\n".join(part for part in shown if part))
 
     def _messages(self, text: str) -> list[tuple[int, int, str, str | None]]:
         """Each message as (start, end, header, body or None when cut before `<|message|>`)."""

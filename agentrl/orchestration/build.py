@@ -5,7 +5,8 @@ anything `validate` accepts, `run` can build, and every error surfaces in second
 `AgentRLError` naming the config key, instead of minutes later after servers and trainers started.
 It builds, in this order: the model directory (`model.path`, converting the built-in default once;
 it must hold weights when the trainer or a server agentrl starts will load them),
-the chat template and tokenizer, the tool-call parser and the end-of-turn ids, the env class and its
+the chat template and tokenizer, the tool-call parser (`model.tool_parser=auto`: the family the chat
+template's markers name, `agentrl.tools.parser_auto`) and the end-of-turn ids, the env class and its
 constructor arguments (`env.kwargs` and the job's resources the env takes, in the table's order:
 the verifiers worker, the sandbox, the gateway, the shared MCP servers, a judge server and reward
 model for the reward, the reward function, the budgets; one env is built to check them), on a
@@ -73,6 +74,7 @@ from agentrl.rollout import AgentLoop, GenerateClient
 from agentrl.rollout.agent_loop import end_of_turn_ids
 from agentrl.sandboxes.protocol import Sandbox
 from agentrl.tools.mcp_shared import SharedMCPServers
+from agentrl.tools.parser_auto import AUTO_TOOL_PARSER, pick_tool_parser, template_source
 from agentrl.types import ActionParser, truncates_vocabulary
 
 __all__ = ["BUILTIN_TEMPLATES", "ENV_RESOURCES", "Job", "build_job", "build_sandbox", "env_arguments", "env_takes"]
@@ -100,6 +102,9 @@ class Job:
     model_path: str
     template: ChatTemplate
     parser_factory: Callable[[], ActionParser]
+    parser_choice: str
+    """Which tool-call parser the job uses and why (`model.tool_parser`, or what `auto` read off the
+    chat template), as `agentrl validate` prints it."""
     stop_token_ids: tuple[int, ...]
     env_cls: type[Env]
     env_kwargs: dict[str, Any]
@@ -197,14 +202,14 @@ def build_job(config: AgentRLConfig, purpose: Purpose, *, own_client: bool = Fal
     loads_weights = purpose == "run" or not (own_client or given_servers)
     model_path = _model_path(config, loads_weights=loads_weights)
     template = _template(config, model_path)
-    parser_factory = _parser(config)
+    parser_factory, parser_choice = _parser(config, template, model_path)
     stop_ids = set(end_of_turn_ids(template.tokenizer)) | set(config.rollout.extra_stop_token_ids)
     env_cls, env_kwargs, resources = env_arguments(config)
     reward_fn = env_kwargs.get("reward_fn")
     if isinstance(reward_fn, CombinedReward):
         reward_fn = reward_fn.rule  # pre-flight checks the rows with the rule part only (None: no rule)
-    job = Job(config, purpose, model_path, template, parser_factory, tuple(sorted(stop_ids)), env_cls,
-              env_kwargs, resources, reward_fn, own_client=own_client)
+    job = Job(config, purpose, model_path, template, parser_factory, parser_choice, tuple(sorted(stop_ids)),
+              env_cls, env_kwargs, resources, reward_fn, own_client=own_client)
     try:
         _check_env_builds(job)
         _check_names(config, purpose)
@@ -317,13 +322,24 @@ def _template(config: AgentRLConfig, model_path: str) -> ChatTemplate:
     return template
 
 
-def _parser(config: AgentRLConfig) -> Callable[[], ActionParser]:
+def _parser(config: AgentRLConfig, template: ChatTemplate, model_path: str) -> tuple[Callable[[], ActionParser], str]:
+    """The parser class `model.tool_parser` names (with `auto`, the family of the chat template in use) and
+    a line saying which it is and why."""
+    name = config.model.tool_parser
     try:
-        parser_cls: Callable[[], ActionParser] = TOOL_PARSERS.resolve(config.model.tool_parser)
+        if name == AUTO_TOOL_PARSER:
+            source = template.template if template.template is not None else template.tokenizer.chat_template
+            where = (f"model.chat_template '{config.model.chat_template}'" if config.model.chat_template
+                     else f"the chat template of '{config.model.tokenizer or model_path}'")
+            choice = pick_tool_parser(template_source(source), where=where)
+            name, why = choice.family, f"auto: {choice.reason}"
+        else:
+            why = "named by model.tool_parser"
+        parser_cls: Callable[[], ActionParser] = TOOL_PARSERS.resolve(name)
         parser_cls()
     except AgentRLError as exc:
         raise ConfigError(f"model.tool_parser: {exc}") from exc
-    return parser_cls
+    return parser_cls, f"{name} ({why})"
 
 
 def env_arguments(config: AgentRLConfig) -> tuple[type[Env], dict[str, Any], JobResources]:

@@ -3,7 +3,8 @@
 `episode_metrics` turns the groups of one step into the numbers an RL practitioner watches:
 reward mean/std and solve rate, the fraction of groups with zero reward variance (they teach
 GRPO nothing), response length, truncation rate and finish reasons, tool calls per episode and
-tool error rates by class (model / infrastructure), episodes whose reward is missing by cause
+tool error rates by class (model / infrastructure), the step's attempted tool calls by typed outcome
+(`tools/parse/<status>`, counts, from envs that type them), episodes whose reward is missing by cause
 (`reward/missing_<cause>`, from the trajectory's `info["reward_missing"]`), staleness in policy versions, and the time
 episodes spent generating and in the environment. `segment_metrics` adds, for episodes an external
 agent played through the gateway, its segments, rewrites and model calls per episode. The trainer's own numbers (KL, entropy, clip
@@ -30,7 +31,7 @@ from typing import Any
 
 from agentrl.errors import ConfigError, RewardMissingError
 from agentrl.records.run_files import append_text, replace_text
-from agentrl.types import FinishReason, Trajectory, final_segments
+from agentrl.types import PARSE_STATUSES, FinishReason, Trajectory, final_segments
 
 __all__ = [
     "CONSOLE_KEYS",
@@ -104,6 +105,8 @@ PANELS: tuple[Panel, ...] = (
     Panel("Tool use", ("tools/calls_per_episode", "tools/used_frac"), "calls per episode; share of episodes with one"),
     Panel("Model's tool errors", ("tools/error_rate_model", "tools/parse_errors_per_episode"),
           "calls that failed by the model's fault; malformed calls per episode"),
+    Panel("Tool-call outcomes", ("tools/parse/*",),
+          "the step's attempted calls by outcome: ok, or what was wrong (agentrl.types.ParseStatus)", stacked=True),
     Panel("Finish reasons", ("finish/*",), "how episodes ended (shares)", stacked=True),
     Panel("Response length", ("episodes/response_tokens_mean", "episodes/response_tokens_max"),
           "sampled tokens per episode"),
@@ -264,6 +267,9 @@ def episode_metrics(
         errors = sum(t.metrics.get(f"tool_errors_{fault}", 0.0) for t in trajs)
         out[f"tools/error_rate_{fault}"] = errors / calls if calls else 0.0
     out["tools/parse_errors_per_episode"] = _mean([t.metrics.get("parse_errors", 0.0) for t in trajs])
+    if any("tools/parse/ok" in t.metrics for t in trajs):  # an env that types its calls (ToolEnv)
+        for status in PARSE_STATUSES:
+            out[f"tools/parse/{status}"] = sum(t.metrics.get(f"tools/parse/{status}", 0.0) for t in trajs)
     out["time/episode_s_mean"] = _mean([t.metrics.get("episode_s", 0.0) for t in trajs])
     out["time/episode_generate_s_mean"] = _mean([t.metrics.get("generate_s", 0.0) for t in trajs])
     out["time/episode_env_s_mean"] = _mean([t.metrics.get("env_s", 0.0) for t in trajs])

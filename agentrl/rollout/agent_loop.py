@@ -7,6 +7,14 @@ inference client (token in, token out) and appends the sampled ids exactly as re
 PROCESSING_TOOLS parses the turn into an `Action`, steps the env (which runs the turn's tool calls
 concurrently) and appends the env's messages as a delta-tokenised suffix. One handler per state.
 
+Each call the model attempted is a typed `CallOutcome` (`agentrl.types.ParseStatus`). The parser places it
+on the decoded text; the loop places it on the turn's sampled ids (`ChatTemplate.token_spans`, by
+incremental decoding; the failed ones, whose spans a reader needs, while a turn whose calls all parse pays
+nothing for it) before the env sees the Action, and keeps every turn's outcomes, as the env typed
+them (`info["call_outcomes"]`, which `ToolEnv` fills) or else as the parser did, in
+`trajectory.info["call_outcomes"]`: turn, status, tool name, [start, end) ledger positions, and the message
+a failed call got. A failed call is the env's to answer; the loop never ends an episode for one.
+
 Budgets end an episode with a reason recorded in the trajectory: `done` (the env terminated it),
 `max_turns` (the env truncated it, or the loop's turn budget ran out), `max_length` (a turn was
 cut by its token budget, or the episode's is spent), `timeout` (the wall-clock budget is spent) or `error`. Every await has a deadline
@@ -46,6 +54,7 @@ It knows nothing of training, batching or weight pushes; `RolloutWorker` runs ma
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import enum
 import logging
 import time
@@ -62,6 +71,7 @@ from agentrl.sampling import sampling_params
 from agentrl.types import (
     Action,
     ActionParser,
+    CallOutcome,
     Fault,
     FinishReason,
     GenerateClient,
@@ -119,6 +129,8 @@ class _Episode:
     seed: int | None
     deadline: float
     action: Action | None = None
+    turn_start: int = 0
+    """Where the latest sampled turn starts in the ledger."""
     env_open: bool = False
     """The env has been reset and has not ended the episode itself."""
     turns: int = 0
@@ -270,7 +282,8 @@ class AgentLoop:
             generation = Generation([], [], generation.finish_reason, generation.weight_version)
         async with self.gate:
             text = self.template.decode_turn(generation.token_ids)
-            ep.action = self.parser.parse(text)
+            ep.action = self._parse(text, generation.token_ids)
+            ep.turn_start = len(ep.trajectory)
             ep.conv.add_generation(generation, ep.action.to_message())
         ep.turns += 1
         if generation.finish_reason == "length":
@@ -289,6 +302,7 @@ class AgentLoop:
             ep.timings["env_s"] += time.perf_counter() - t0
         ep.reward += float(reward)
         ep.last_info = info if isinstance(info, dict) else {}
+        self._record_outcomes(ep)
         if terminated or truncated:
             ep.env_open = False
         if terminated:
@@ -304,6 +318,38 @@ class AgentLoop:
         return EpisodeState.GENERATING
 
     # ── helpers ─────────────────────────────────────────────────────────────────────────────
+    def _parse(self, text: str, token_ids: list[int]) -> Action:
+        """The turn's Action, each failed outcome placed on the sampled ids it came from."""
+        action = self.parser.parse(text)
+        if all(o.ok for o in action.outcomes):  # nothing to place (or a parser that types nothing)
+            return action
+        # Placing a span costs a dozen prefix decodes: done for the failed calls, the ones a reader has
+        # to find, so a turn whose calls all parse costs what it did before outcomes existed.
+        spans = self.template.token_spans(token_ids, [None if o.ok else o.chars for o in action.outcomes],
+                                          text=text)
+        outcomes = tuple(dataclasses.replace(o, tokens=s) for o, s in zip(action.outcomes, spans, strict=True))
+        return dataclasses.replace(action, outcomes=outcomes)
+
+    def _record_outcomes(self, ep: _Episode) -> None:
+        """Keep the turn's call outcomes in `trajectory.info["call_outcomes"]`, their token spans as ledger
+        positions: the env's (`info["call_outcomes"]`, typed against its tools) or else the parser's."""
+        assert ep.action is not None  # the step that produced this info was given it
+        given = ep.last_info.get("call_outcomes")
+        outcomes = given if isinstance(given, (tuple, list)) else ep.action.call_outcomes()
+        if not outcomes:
+            return
+        recorded = ep.trajectory.info.setdefault("call_outcomes", [])
+        for o in outcomes:
+            if not isinstance(o, CallOutcome):
+                continue
+            tokens = None if o.tokens is None else [ep.turn_start + o.tokens[0], ep.turn_start + o.tokens[1]]
+            entry: dict[str, Any] = {"turn": ep.turns, "status": o.status, "tokens": tokens}
+            if o.call is not None:
+                entry["name"] = o.call.name
+            if not o.ok:
+                entry["message"] = o.message
+            recorded.append(entry)
+
     async def _await(self, ep: _Episode, coro: Coroutine[Any, Any, _T], what: str) -> _T:
         timeout = ep.time_left()
         if timeout <= 0:

@@ -15,7 +15,7 @@ from agentrl.envs.arithmetic import ArithmeticEnv, make_arithmetic_row
 from agentrl.errors import ConfigError, EnvContractError, EnvError, FeatureUnavailableError, UnknownNameError
 from agentrl.registry import ENVS
 from agentrl.tools import Tool, ToolContext, tool
-from agentrl.types import Action, ToolCall
+from agentrl.types import PARSE_STATUSES, Action, ToolCall
 
 
 def _call(name: str, **arguments: Any) -> ToolCall:
@@ -119,7 +119,13 @@ def test_tool_env_turns_bad_calls_into_messages_and_counts_them() -> None:
         "Error: there is no tool named 'weather'. Available tools: calculator.",
         "6",
     ]
-    assert info["metrics"] == {"tool_calls": 3, "tool_errors_model": 2, "tool_errors_infra": 0, "parse_errors": 1}
+    # The calls of an Action without outcomes (a parser written against parse_errors) are typed by the env:
+    # its parse error is `malformed`; the arithmetic error is the tool's own (its arguments fit the schema).
+    typed = {f"tools/parse/{s}": 0 for s in PARSE_STATUSES} | {
+        "tools/parse/ok": 2, "tools/parse/unknown_tool": 1, "tools/parse/malformed": 1}
+    assert info["metrics"] == {"tool_calls": 3, "tool_errors_model": 2, "tool_errors_infra": 0, "parse_errors": 1,
+                               **typed}
+    assert [o.status for o in info["call_outcomes"]] == ["ok", "unknown_tool", "ok", "malformed"]
     obs, reward, term, trunc, info = env.step(Action("again", (_call("calculator", expression="1"),)))
     assert (reward, term, trunc) == (0.0, False, True)  # max_turns reached
     with pytest.raises(EnvError, match="after the episode ended"):

@@ -151,4 +151,6 @@ def test_envs_that_do_not_grade_truncations_score_zero(template: ChatTemplate) -
     env = Plain()
     traj = play(template, env, AgentLoopConfig(max_turns=2))
     assert (traj.reward, traj.fault, env.scored, traj.info["truncated_by"]) == (0.0, None, 0, "rollout.max_turns")
-    assert json.loads(json.dumps(traj.to_dict()))["info"] == {"truncated_by": "rollout.max_turns"}
+    info = json.loads(json.dumps(traj.to_dict()))["info"]
+    assert [(o["turn"], o["status"]) for o in info.pop("call_outcomes")] == [(1, "ok"), (2, "ok")]
+    assert info == {"truncated_by": "rollout.max_turns"}

@@ -79,7 +79,7 @@ def _resources(events: list[str], *, failing: str = "") -> JobResources:
 
 def _job(resources: JobResources) -> Job:
     """A Job around `resources` only (the rest is never touched by these tests)."""
-    return Job(resources.config, "eval", "model", None, lambda: None, (), GadgetEnv,  # type: ignore[arg-type]
+    return Job(resources.config, "eval", "model", None, lambda: None, "hermes", (), GadgetEnv,  # type: ignore[arg-type]
                resources.env_kwargs(), resources)
 
 

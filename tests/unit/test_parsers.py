@@ -197,7 +197,7 @@ def test_mistral_named_form_with_and_without_call_id() -> None:
     [
         (
             '[TOOL_CALLS][{"name": "f", "arguments": {}',
-            "it is not valid JSON (Expecting ',' delimiter at character 30)",
+            "it is not valid JSON (Expecting ',' delimiter at character 30): the turn ends before its JSON does",
         ),
         ("[TOOL_CALLS][]", "the list of calls is empty"),
         ('[TOOL_CALLS]["f"]', "expected a JSON object, got a string"),
@@ -252,7 +252,7 @@ def test_llama3_prose_after_calls_stays_text() -> None:
     [
         (
             '{"name": "f", "parameters": {"x": 1}',
-            "it is not valid JSON (Expecting ',' delimiter at character 36)",
+            "it is not valid JSON (Expecting ',' delimiter at character 36): the turn ends before its JSON does",
         ),
         ('{"parameters": {}}', 'it has no "name" string'),
         (
