@@ -25,7 +25,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from agentrl.inference.client import ControllableClient, HTTPServerClient, InferenceClient
+    from agentrl.inference.client import ControllableClient, HTTPServerClient, InferenceClient, ScoringClient
     from agentrl.inference.colocated import ColocatedServer, InProcessVLLM
     from agentrl.inference.colocated_client import ColocatedClient
     from agentrl.inference.launcher import EngineSpec, ServerProcess, launch_server
@@ -44,6 +44,7 @@ _EXPORTS: dict[str, str] = {
     "InferenceClient": "agentrl.inference.client",
     "Router": "agentrl.inference.router",
     "SGLangClient": "agentrl.inference.sglang",
+    "ScoringClient": "agentrl.inference.client",
     "ServerProcess": "agentrl.inference.launcher",
     "launch_server": "agentrl.inference.launcher",
     "serve_from_config": "agentrl.inference.serve",
@@ -60,6 +61,7 @@ __all__ = [
     "InferenceClient",
     "Router",
     "SGLangClient",
+    "ScoringClient",
     "ServerProcess",
     "launch_server",
     "serve_from_config",

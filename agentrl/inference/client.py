@@ -4,7 +4,7 @@ The generate call itself is `agentrl.types.GenerateClient` (L0, what the agent l
 code against: `generate(prompt_ids, sampling, session_id=...) -> Generation`). `InferenceClient`
 is that plus `aclose`, what the owner of a client holds; `ControllableClient` adds what the router
 needs of one server (`server_id`, `health`). `HTTPServerClient` speaks the agentrl HTTP API
-(`protocol.py`) to one server and adds the control calls (`health`, `pause`, `resume`,
+(`protocol.py`) to one server and adds `score` (`ScoringClient`) and the control calls (`health`, `pause`, `resume`,
 `update_weights`, `probe_weights`, `metrics`) that the router, the launcher and the weight sync use. The router
 (`router.py`) implements the same protocol over many servers; `sglang.SGLangClient` and
 `serve.ExternalClient` implement it over other engines' native APIs.
@@ -32,12 +32,14 @@ from agentrl.inference.protocol import (
     ProbeWeightsRequest,
     ProbeWeightsResponse,
     SamplingSpec,
+    ScoreRequest,
+    ScoreResponse,
     UpdateWeightsRequest,
     UpdateWeightsResponse,
 )
 from agentrl.types import GenerateClient, Generation, SamplingParams
 
-__all__ = ["ControllableClient", "HTTPServerClient", "InferenceClient", "raise_for_status"]
+__all__ = ["ControllableClient", "HTTPServerClient", "InferenceClient", "ScoringClient", "raise_for_status"]
 
 
 def raise_for_status(resp: httpx.Response, request: str) -> None:
@@ -70,6 +72,17 @@ class ControllableClient(InferenceClient, Protocol):
     server_id: str
 
     async def health(self, timeout_s: float | None = None) -> HealthResponse: ...
+
+
+@runtime_checkable
+class ScoringClient(Protocol):
+    """A client of one server that scores given token ids (`protocol.ScoreRequest`): `HTTPServerClient`,
+    `ColocatedClient`, `SGLangClient`. The router's `score` and `score_each` use it."""
+
+    server_id: str
+
+    async def score(self, token_ids: list[int], *, start: int = 1, session_id: str = "",
+                    timeout_s: float | None = None) -> ScoreResponse: ...
 
 
 class HTTPServerClient:
@@ -139,6 +152,14 @@ class HTTPServerClient:
             timeout_s=self.timeout_s if timeout_s is None else timeout_s,
         )
         return GenerateResponse.model_validate(data).to_generation(self.server_id)
+
+    async def score(self, token_ids: list[int], *, start: int = 1, session_id: str = "",
+                    timeout_s: float | None = None) -> ScoreResponse:
+        """The logprobs of `token_ids[start:]` under the server's weights, nothing sampled (`ScoreRequest`)."""
+        body = ScoreRequest(token_ids=list(token_ids), start=start, session_id=session_id)
+        data = await self._call("POST", "/score", json=body.model_dump(),
+                                timeout_s=self.timeout_s if timeout_s is None else timeout_s)
+        return ScoreResponse.model_validate(data)
 
     async def aclose(self) -> None:
         await self._http.aclose()

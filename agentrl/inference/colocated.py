@@ -55,6 +55,8 @@ from agentrl.inference.protocol import (
     GenerateRequest,
     GenerateResponse,
     HealthResponse,
+    ScoreRequest,
+    ScoreResponse,
     WeightLoadReport,
 )
 from agentrl.inference.server_app import ServerEngine, ServerState, WeightLoadError, weight_load_report
@@ -300,6 +302,32 @@ class InProcessVLLM(ServerEngine):
             self._cache_queries += len(request.prompt_ids)
             self._cache_hits += final.num_cached_tokens
         return generate_response(final, version, aborted=final is None, max_kept_set=kept_set_cap(request))
+
+    async def score(self, request: ScoreRequest, version: int) -> ScoreResponse:
+        """The ids' prompt logprobs, as `vllm_server.VLLMEngine.score` asks vLLM for them."""
+        from vllm.sampling_params import RequestOutputKind
+
+        from agentrl.inference.vllm_server import cache_salt, engine_prompt, prompt_scores, score_params
+
+        if self.broken is not None:
+            raise InferenceError(f"the colocated vLLM engine failed earlier: {self.broken!r}")
+        params = score_params()
+        params.output_kind = RequestOutputKind.FINAL_ONLY
+        request_id = f"score-{request.session_id or 'anon'}-{uuid.uuid4().hex[:12]}"
+        done: Future[Any] = Future()
+
+        def add() -> None:
+            self._waiting[request_id] = done
+            prompt = engine_prompt(request.token_ids, cache_salt(version, self.weight_loads))
+            self._engine.add_request(request_id, prompt, params)
+
+        await self._call(add)
+        try:
+            final = await asyncio.wrap_future(done)
+        except asyncio.CancelledError:
+            self._commands.put((lambda: self._abort([request_id]), Future()))
+            raise
+        return ScoreResponse(logprobs=prompt_scores(final, request.token_ids, request.start), weight_version=version)
 
     def _abort(self, request_ids: list[str]) -> None:
         self._engine.abort_request(request_ids)

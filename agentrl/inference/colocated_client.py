@@ -4,7 +4,7 @@ With placement `colocated` the vLLM engine runs inside a trainer process (`coloc
 is no URL to call: the client is given `call(method, *args)`, which runs a method of the engine's
 host (the trainer actor, whose `engine_*` methods forward to its `ColocatedServer`) and returns an
 awaitable of the answer. It speaks the same protocol objects as `HTTPServerClient`
-(`GenerateRequest` in, `GenerateResponse`/`HealthResponse` out), so the router, the agent loop and
+(`GenerateRequest`/`ScoreRequest` in, `GenerateResponse`/`ScoreResponse`/`HealthResponse` out), so the router, the agent loop and
 the scheduler treat it like any other server. The host's layer supplies `call` and maps its own
 failures (a dead actor) to `ServerUnavailableError`; this module imports neither Ray nor torch.
 Weights are not pushed through this client: the host loads its own trainer's tensors.
@@ -23,6 +23,8 @@ from agentrl.inference.protocol import (
     HealthResponse,
     MetricsResponse,
     SamplingSpec,
+    ScoreRequest,
+    ScoreResponse,
 )
 from agentrl.types import Generation, SamplingParams
 
@@ -66,6 +68,14 @@ class ColocatedClient:
         answer: GenerateResponse = await self._call(
             "engine_generate", request, timeout_s=self.timeout_s if timeout_s is None else timeout_s)
         return answer.to_generation(self.server_id)
+
+    async def score(self, token_ids: list[int], *, start: int = 1, session_id: str = "",
+                    timeout_s: float | None = None) -> ScoreResponse:
+        """The logprobs of `token_ids[start:]` under the engine's weights (`protocol.ScoreRequest`)."""
+        request = ScoreRequest(token_ids=list(token_ids), start=start, session_id=session_id)
+        result: ScoreResponse = await self._call(
+            "engine_score", request, timeout_s=self.timeout_s if timeout_s is None else timeout_s)
+        return result
 
     async def health(self, timeout_s: float | None = None) -> HealthResponse:
         result: HealthResponse = await self._call("engine_health", timeout_s=timeout_s or self.control_timeout_s)

@@ -13,6 +13,9 @@ trainer replays it. With the RL defaults (top_p=1, top_k off, min_p=0) that is e
 `log_softmax(logits / temperature)[token]` over the full vocabulary and no kept set is sent. With temperature 0 (greedy) the
 logits are not scaled. vLLM reports the same quantity with `logprobs_mode="processed_logprobs"`.
 
+Scoring (`POST /score`) is one forward pass over the given ids: the raw `log_softmax(logits)` of
+each id given the ids before it, as the trainer computes it.
+
 Seeds are honoured: the same prompt, sampling parameters and seed give the same tokens. Generation
 ends at a stop token id (by default the EOS ids of the model's generation_config; the stop token is
 included in the output), at `max_tokens`, or at the model's maximum length ("length").
@@ -30,7 +33,13 @@ from typing import Any
 import torch
 
 from agentrl.errors import ConfigError
-from agentrl.inference.protocol import GenerateRequest, GenerateResponse, WeightLoadReport
+from agentrl.inference.protocol import (
+    GenerateRequest,
+    GenerateResponse,
+    ScoreRequest,
+    ScoreResponse,
+    WeightLoadReport,
+)
 from agentrl.inference.server_app import (
     ServerEngine,
     WeightLoadError,
@@ -157,6 +166,21 @@ class HFEngine(ServerEngine):
 
     async def abort_all(self) -> None:
         self._abort_epoch += 1
+
+    # ── scoring ─────────────────────────────────────────────────────────────────────────────
+    async def score(self, request: ScoreRequest, version: int) -> ScoreResponse:
+        async with self._lock:
+            logprobs = await asyncio.to_thread(self._score, request.token_ids, request.start)
+        return ScoreResponse(logprobs=logprobs, weight_version=version)
+
+    @torch.inference_mode()
+    def _score(self, token_ids: list[int], start: int) -> list[float]:
+        """One forward pass over `token_ids`; the raw logprob of each id from `start` on (`ScoreRequest`)."""
+        device = getattr(self, "device", torch.device("cpu"))
+        logits = self.model(input_ids=torch.tensor([token_ids], dtype=torch.long, device=device)).logits[0]
+        logp = torch.log_softmax(logits[start - 1 : -1].float(), dim=-1)
+        targets = torch.tensor(token_ids[start:], dtype=torch.long, device=logp.device)
+        return [float(x) for x in logp.gather(1, targets.unsqueeze(1)).squeeze(1).cpu()]
 
     # ── weights ─────────────────────────────────────────────────────────────────────────────
     async def load_weights(self, source: str, *, version: int, token: str | None) -> WeightLoadReport:

@@ -9,6 +9,7 @@ One request shape and one answer shape per endpoint, shared by the servers (`hf_
     POST /resume                               -> HealthResponse
     POST /update_weights  UpdateWeightsRequest -> UpdateWeightsResponse (a HealthResponse plus the load's report)
     POST /probe_weights   ProbeWeightsRequest  -> ProbeWeightsResponse
+    POST /score           ScoreRequest         -> ScoreResponse
     GET  /metrics                              -> MetricsResponse
 
 Every route but /health takes `Authorization: Bearer <token>` when the server has a token
@@ -22,7 +23,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import AliasChoices, BaseModel, ConfigDict, Field
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, model_validator
 
 from agentrl.types import Generation, SamplingParams, truncates_vocabulary
 
@@ -37,6 +38,8 @@ __all__ = [
     "ProbeWeightsRequest",
     "ProbeWeightsResponse",
     "SamplingSpec",
+    "ScoreRequest",
+    "ScoreResponse",
     "UpdateWeightsRequest",
     "UpdateWeightsResponse",
     "WeightLoadReport",
@@ -182,6 +185,34 @@ class ProbeWeightsResponse(_Wire):
     error: str | None = None
 
 
+class ScoreRequest(_Wire):
+    """Score given token ids under the served weights: no sampling, nothing generated.
+
+    The answer holds `log p(token_ids[i] | token_ids[:i])` for every i from `start` to the end, under
+    the model's raw distribution: `log_softmax(logits)` at temperature 1 over the whole vocabulary
+    (no temperature, no truncation), the quantity a trainer computes for the same ids. This is the
+    call the served-policy check and a distillation teacher use."""
+
+    token_ids: list[int] = Field(min_length=2)
+    start: int = Field(1, ge=1)
+    """The first position scored (position 0 has no context, so it is never scored)."""
+    session_id: str = ""
+
+    @model_validator(mode="after")
+    def _start_inside(self) -> ScoreRequest:
+        if self.start >= len(self.token_ids):
+            raise ValueError(f"start={self.start} leaves nothing to score in {len(self.token_ids)} token ids; "
+                             "pass a start below the number of ids")
+        return self
+
+
+class ScoreResponse(_Wire):
+    logprobs: list[float]
+    """`logprobs[k]` is the logprob of `token_ids[start + k]` given the ids before it (see `ScoreRequest`)."""
+    weight_version: int
+    """The weight version that computed these scores."""
+
+
 class MetricsResponse(_Wire):
     requests: int = 0
     aborted: int = 0
@@ -198,3 +229,5 @@ class MetricsResponse(_Wire):
     weight_buckets_retried: int = 0
     weight_load_failures: int = 0
     """Pushes that failed on this server (a corrupted bucket, an unreachable source, a wrong model)."""
+    scored_tokens: int = 0
+    """Token positions scored by `POST /score`, over all requests."""

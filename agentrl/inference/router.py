@@ -32,6 +32,12 @@ Routing rules (DESIGN.md §4 Inference):
   whose load fails is asked again, and one that still fails stops the push with a WeightSyncError
   that names it and its reason; a server that dies during the push is re-synced when it is back.
 
+Scoring (the logprobs of given ids, `protocol.ScoreRequest`) goes to one named server, whatever its
+eligibility (`score(..., server_id=...)`: the served-policy check scores a server that has just
+loaded a version before it serves it), to the least-loaded eligible server (`score`), or to every
+healthy server at once (`score_each`). It is not retried: a scoring caller wants the answer of the
+server it asked, or to know that server failed.
+
 A server's load is the requests this router has in flight there plus the part of its reported
 `/health` load that is not ours. A routing decision costs one dict lookup and O(1) arithmetic on a
 sticky turn, and a scan of the servers (not of the sessions) when a session is placed or moved,
@@ -50,6 +56,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from agentrl.errors import InferenceError, InferenceRequestError, ServerUnavailableError, WeightSyncError
+from agentrl.inference.protocol import ScoreResponse
 from agentrl.types import Generation, SamplingParams
 
 __all__ = ["MAX_SERVER_ERRORS", "RoutedServer", "Router"]
@@ -406,6 +413,61 @@ class Router:
             except Exception:  # never let one bad answer end the health checks
                 log.exception("router health check failed")
             await asyncio.sleep(self.health_interval_s)
+
+    # ── scoring ─────────────────────────────────────────────────────────────────────────────
+    def _scorer(self, s: RoutedServer) -> Any:
+        score = getattr(s.client, "score", None)
+        if score is None:
+            raise InferenceError(f"Server {s.server_id} cannot score token ids ({type(s.client).__name__} has no "
+                                 "score call; external OpenAI-compatible servers have none). Serve the policy with "
+                                 "the hf, vllm or sglang engine.")
+        return score
+
+    async def _score_on(self, s: RoutedServer, token_ids: Sequence[int], start: int,
+                        timeout_s: float | None) -> ScoreResponse:
+        score = self._scorer(s)
+        self._add_load(s, 1)
+        try:
+            result: ScoreResponse = await score(list(token_ids), start=start,
+                                                timeout_s=self.request_timeout_s if timeout_s is None else timeout_s)
+            return result
+        finally:
+            self._add_load(s, -1)
+
+    async def score(self, token_ids: Sequence[int], *, start: int = 1, server_id: str | None = None,
+                    timeout_s: float | None = None) -> ScoreResponse:
+        """The logprobs of `token_ids[start:]` on the server named `server_id` (any server behind this
+        router, eligible or not), or on the least-loaded eligible one; not retried elsewhere."""
+        if server_id is not None:
+            server = next((s for s in self.servers if s.server_id == server_id), None)
+            if server is None:
+                raise InferenceError(f"No server {server_id!r} behind this router; known: "
+                                     f"{[s.server_id for s in self.servers]}")
+        else:
+            server = self._least_loaded()
+            if server is None:
+                raise ServerUnavailableError(
+                    "No inference server can score now (none is healthy at the current weight version): "
+                    + "; ".join(repr(s) for s in self.servers))
+        return await self._score_on(server, token_ids, start, timeout_s)
+
+    async def score_each(self, token_ids: Sequence[int], *, start: int = 1,
+                         timeout_s: float | None = None) -> dict[str, ScoreResponse]:
+        """The logprobs of `token_ids[start:]` on every healthy server (not restarting, not given up), at
+        once, by server id; each answer carries the weight version that computed it. Raises
+        InferenceError naming every server that failed to answer (none of the answers is returned then)."""
+        targets = [s for s in self.servers if s.healthy and not s.restarting and s.given_up is None]
+        if not targets:
+            raise ServerUnavailableError("No healthy inference server to score on: "
+                                         + "; ".join(repr(s) for s in self.servers))
+        for s in targets:
+            self._scorer(s)
+        answers = await asyncio.gather(*(self._score_on(s, token_ids, start, timeout_s) for s in targets),
+                                       return_exceptions=True)
+        failed = [f"{s.server_id}: {a}" for s, a in zip(targets, answers, strict=True) if isinstance(a, BaseException)]
+        if failed:
+            raise InferenceError(f"{len(failed)} of {len(targets)} server(s) failed to score: " + "; ".join(failed))
+        return {s.server_id: a for s, a in zip(targets, answers, strict=True) if isinstance(a, ScoreResponse)}
 
     # ── fleet control ───────────────────────────────────────────────────────────────────────
     def _lock(self) -> asyncio.Lock:

@@ -1,7 +1,8 @@
 """The FastAPI application every agentrl server process runs, whatever engine is behind it.
 
 An engine (`hf_server.HFEngine`, `vllm_server.VLLMEngine`) only knows how to generate from token
-ids, abort what it is generating, and load weights. This module adds what is the same for all of
+ids, score given token ids (`POST /score`: their logprobs under the served weights, nothing
+sampled), abort what it is generating, and load weights. This module adds what is the same for all of
 them: the HTTP routes of `protocol.py`, pause and resume (new requests wait while paused; in-flight
 ones finish, or end with finish_reason "abort"), the weight version, the load figure the router
 balances on, and the counters behind `/metrics`. It runs inside the server process; clients never
@@ -39,6 +40,7 @@ from __future__ import annotations
 import abc
 import argparse
 import asyncio
+import contextlib
 import logging
 import os
 from collections.abc import AsyncIterator
@@ -53,6 +55,8 @@ from agentrl.inference.protocol import (
     PauseRequest,
     ProbeWeightsRequest,
     ProbeWeightsResponse,
+    ScoreRequest,
+    ScoreResponse,
     UpdateWeightsRequest,
     UpdateWeightsResponse,
     WeightLoadReport,
@@ -116,6 +120,12 @@ class ServerEngine(abc.ABC):
     async def generate(self, request: GenerateRequest, version: int) -> GenerateResponse:
         """Generate for one request; must return finish_reason "abort" once `abort_all` is called."""
 
+    async def score(self, request: ScoreRequest, version: int) -> ScoreResponse:
+        """The logprobs of `request.token_ids` from `request.start` on (`ScoreRequest`), under the
+        weights serving now. Engines that cannot score keep this default, which rejects the request."""
+        raise RequestRejected(f"the {self.engine_name} engine cannot score token ids (POST /score); use the hf or "
+                              "vllm engine for a policy whose served scores are checked")
+
     @abc.abstractmethod
     async def abort_all(self) -> None:
         """Make every in-flight `generate` return soon with finish_reason "abort"."""
@@ -153,13 +163,10 @@ class ServerState:
     def paused(self) -> bool:
         return not self._resumed.is_set()
 
-    async def generate(self, request: GenerateRequest) -> GenerateResponse:
-        limit = self.engine.max_model_len
-        if limit is not None and len(request.prompt_ids) >= limit:
-            raise RequestRejected(
-                f"the prompt has {len(request.prompt_ids)} tokens; the model's context (max_model_len) is "
-                f"{limit} tokens, which must hold the prompt and at least one generated token"
-            )
+    @contextlib.asynccontextmanager
+    async def _admitted(self) -> AsyncIterator[None]:
+        """One request's turn on the engine: counted in the load, held while paused, refused while the
+        weights are incomplete, and awaited by a pause (which waits for the engine to be idle)."""
         self.inflight += 1
         try:
             while not self._resumed.is_set():
@@ -169,18 +176,39 @@ class ServerState:
             self._running += 1
             self._idle.clear()
             try:
-                out = await self.engine.generate(request, self.weight_version)
+                yield
             finally:
                 self._running -= 1
                 if self._running == 0:
                     self._idle.set()
         finally:
             self.inflight -= 1
+
+    async def generate(self, request: GenerateRequest) -> GenerateResponse:
+        limit = self.engine.max_model_len
+        if limit is not None and len(request.prompt_ids) >= limit:
+            raise RequestRejected(
+                f"the prompt has {len(request.prompt_ids)} tokens; the model's context (max_model_len) is "
+                f"{limit} tokens, which must hold the prompt and at least one generated token"
+            )
+        async with self._admitted():
+            out = await self.engine.generate(request, self.weight_version)
         m = self.metrics
         m.requests += 1
         m.prompt_tokens += len(request.prompt_ids)
         m.generated_tokens += len(out.token_ids)
         m.aborted += out.finish_reason == "abort"
+        return out
+
+    async def score(self, request: ScoreRequest) -> ScoreResponse:
+        """Score like `generate` is served: after a pause ends, never from weights left incomplete."""
+        limit = self.engine.max_model_len
+        if limit is not None and len(request.token_ids) > limit:
+            raise RequestRejected(f"{len(request.token_ids)} token ids to score; the model's context "
+                                  f"(max_model_len) is {limit} tokens")
+        async with self._admitted():
+            out = await self.engine.score(request, self.weight_version)
+        self.metrics.scored_tokens += len(out.logprobs)
         return out
 
     async def pause(self, abort: bool) -> None:
@@ -241,7 +269,6 @@ class ServerState:
 def build_app(engine: ServerEngine, weight_version: int = 0, *, token: str | None = None) -> Any:
     """The FastAPI app serving `engine`; the engine is started in the app's lifespan. With `token`,
     every route but `/health` needs it as a bearer token (see the module docstring)."""
-    import contextlib
     import hmac
 
     from fastapi import FastAPI, HTTPException, Request
@@ -281,6 +308,13 @@ def build_app(engine: ServerEngine, weight_version: int = 0, *, token: str | Non
     async def generate(request: GenerateRequest) -> GenerateResponse:
         try:
             return await state_box["s"].generate(request)
+        except (RequestRejected, ValueError) as exc:
+            raise HTTPException(status_code=400, detail=f"request rejected: {exc}") from exc
+
+    @app.post("/score", response_model=ScoreResponse)
+    async def score(request: ScoreRequest) -> ScoreResponse:
+        try:
+            return await state_box["s"].score(request)
         except (RequestRejected, ValueError) as exc:
             raise HTTPException(status_code=400, detail=f"request rejected: {exc}") from exc
 

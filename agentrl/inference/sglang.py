@@ -7,6 +7,9 @@ which `launch_server("sglang", P)` runs) and spoken to through its native API, t
                     max_new_tokens, stop_token_ids, ignore_eos, sampling_seed}, return_logprob: true}
                     -> meta_info.output_token_logprobs [[logprob, token_id, text], ...],
                        meta_info.finish_reason.type, meta_info.weight_version
+    score           POST /generate {input_ids, sampling_params{max_new_tokens: 1, temperature: 0},
+                    return_logprob: true, logprob_start_len: 0}
+                    -> meta_info.input_token_logprobs [[logprob, token_id, text], ...] (None first)
     health          GET /health (liveness) + GET /model_info (falling back to /get_model_info)
                     for weight_version
     pause / resume  POST /pause_generation {mode: "abort" | "in_place"} / POST /continue_generation
@@ -19,7 +22,8 @@ directory (config and weights), not bare safetensors; pause without abort freeze
 in place (they continue on resume) rather than letting them finish. SGLang needs CUDA, so it cannot
 run on the CPU machines this was written on: this translation is tested only against SGLang's
 documented request/response shapes with `httpx.MockTransport` (tests/unit/test_inference_clients.py),
-never against a live SGLang server.
+never against a live SGLang server. `score` is written the same way, against SGLang's documented
+`input_token_logprobs` (its test is marked `gpu`); it has not run against SGLang either.
 """
 
 from __future__ import annotations
@@ -30,10 +34,10 @@ import httpx
 
 from agentrl.errors import InferenceError, ServerUnavailableError
 from agentrl.inference.client import raise_for_status
-from agentrl.inference.protocol import HealthResponse, MetricsResponse
+from agentrl.inference.protocol import HealthResponse, MetricsResponse, ScoreRequest, ScoreResponse
 from agentrl.types import Generation, SamplingParams
 
-__all__ = ["SGLangClient", "sglang_request"]
+__all__ = ["SGLangClient", "sglang_request", "sglang_score_request"]
 
 _FINISH: dict[str, Literal["stop", "length", "abort"]] = {
     "stop": "stop",
@@ -62,6 +66,18 @@ def sglang_request(prompt_ids: list[int], sampling: SamplingParams) -> dict[str,
         "sampling_params": sp,
         "return_logprob": True,
         "logprob_start_len": -1,
+    }
+
+
+def sglang_score_request(request: ScoreRequest) -> dict[str, Any]:
+    """The body of SGLang's native POST /generate that returns the input ids' own logprobs
+    (`input_token_logprobs`, from position 0: SGLang's documented `logprob_start_len`); one greedy
+    token is generated and ignored. SGLang computes input logprobs from the raw logits."""
+    return {
+        "input_ids": list(request.token_ids),
+        "sampling_params": {"max_new_tokens": 1, "temperature": 0.0, "skip_special_tokens": False},
+        "return_logprob": True,
+        "logprob_start_len": 0,
     }
 
 
@@ -127,6 +143,26 @@ class SGLangClient:
         return Generation(
             ids, lps, _FINISH.get(reason, "abort"), _version(meta.get("weight_version")), self.server_id
         )
+
+    async def score(self, token_ids: list[int], *, start: int = 1, session_id: str = "",
+                    timeout_s: float | None = None) -> ScoreResponse:
+        """The logprobs of `token_ids[start:]` (`ScoreRequest`), from SGLang's input logprobs."""
+        request = ScoreRequest(token_ids=list(token_ids), start=start, session_id=session_id)
+        data = await self._call("POST", "/generate", json=sglang_score_request(request), timeout_s=timeout_s)
+        if isinstance(data, list):
+            data = data[0]
+        meta = data.get("meta_info") or {}
+        pairs = meta.get("input_token_logprobs")
+        if pairs is None or len(pairs) != len(token_ids):
+            raise InferenceError(
+                f"SGLang {self.base_url} answered {'no' if pairs is None else len(pairs)} input_token_logprobs for "
+                f"{len(token_ids)} ids to score: {str(data)[:300]}")
+        for i in range(start, len(token_ids)):
+            if pairs[i][0] is None or int(pairs[i][1]) != token_ids[i]:
+                raise InferenceError(f"SGLang {self.base_url}'s input logprob at position {i} is {pairs[i][:2]}, "
+                                     f"not a logprob of id {token_ids[i]}")
+        return ScoreResponse(logprobs=[float(p[0]) for p in pairs[start:]],
+                             weight_version=_version(meta.get("weight_version")))
 
     async def health(self, timeout_s: float | None = None) -> HealthResponse:
         t = timeout_s or self.control_timeout_s

@@ -47,6 +47,12 @@ start-up to a healthy /health measured 66-69 s on a shared, busy 2-core machine 
   outside the set; the engine starts with `max_logprobs` = `MAX_KEPT_SET + 1`), or from vLLM's
   `sampling_mask` where the engine returns one (Model Runner V2's `return_sampling_mask`; not
   enabled here, as the CPU model runner is V1 and cannot).
+- Scoring (`POST /score`): the ids are the prompt of a one-token request with
+  `prompt_logprobs=0` (`score_params`); vLLM computes prompt logprobs from the raw logits (its
+  model runner: "prompt tokens skip sampling processors", whatever `logprobs_mode`), i.e. the
+  temperature-1 `log_softmax` the trainer computes, and skips reading the prefix cache for such
+  requests (`SamplingParams.skip_reading_prefix_cache`), so every id is scored by this forward pass
+  (`prompt_scores` reads them back).
 - Errors: vLLM's request errors (`VLLMClientError`, e.g. a prompt longer than `max_model_len`) are
   raised as `server_app.RequestRejected` (HTTP 400); a dead engine core fails `check_health`
   (`/health` answers 503).
@@ -63,7 +69,14 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from agentrl.inference.protocol import MAX_KEPT_SET, GenerateRequest, GenerateResponse, WeightLoadReport
+from agentrl.inference.protocol import (
+    MAX_KEPT_SET,
+    GenerateRequest,
+    GenerateResponse,
+    ScoreRequest,
+    ScoreResponse,
+    WeightLoadReport,
+)
 from agentrl.inference.server_app import (
     RequestRejected,
     ServerEngine,
@@ -81,7 +94,9 @@ __all__ = [
     "kept_set_cap",
     "kept_sets_from_logprobs",
     "main",
+    "prompt_scores",
     "sampling_params",
+    "score_params",
 ]
 
 log = logging.getLogger(__name__)
@@ -183,6 +198,26 @@ class VLLMEngine(ServerEngine):
             self._cache_hits += final.num_cached_tokens
         return generate_response(final, version, aborted=aborted, max_kept_set=kept_set_cap(request))
 
+    async def score(self, request: ScoreRequest, version: int) -> ScoreResponse:
+        request_id = f"score-{request.session_id or 'anon'}-{uuid.uuid4().hex[:12]}"
+        self._inflight.add(request_id)
+        final: Any = None
+        try:
+            prompt = engine_prompt(request.token_ids, cache_salt(version, self.weight_loads))
+            async for out in self.llm.generate(prompt, score_params(), request_id):
+                final = out
+        except asyncio.CancelledError:
+            await self.llm.abort(request_id)
+            raise
+        except Exception as exc:
+            if _is_request_error(exc):
+                raise RequestRejected(str(exc)) from exc
+            raise
+        finally:
+            self._inflight.discard(request_id)
+            self._aborted.discard(request_id)
+        return ScoreResponse(logprobs=prompt_scores(final, request.token_ids, request.start), weight_version=version)
+
     async def abort_all(self) -> None:
         ids = list(self._inflight)
         self._aborted.update(ids)
@@ -274,6 +309,32 @@ def sampling_params(request: GenerateRequest) -> Any:
         detokenize=False,
         skip_special_tokens=False,
     )
+
+
+def score_params() -> Any:
+    """vLLM's `SamplingParams` of a scoring request: the prompt's own logprobs (`prompt_logprobs=0`:
+    each prompt id's, no alternatives), one greedy token generated and ignored."""
+    from vllm import SamplingParams
+
+    return SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0, detokenize=False,
+                          skip_special_tokens=False)
+
+
+def prompt_scores(final: Any, token_ids: list[int], start: int) -> list[float]:
+    """The logprob of each of `token_ids[start:]` from vLLM's last `RequestOutput` of a scoring
+    request (`score_params`): `prompt_logprobs[i]` maps the prompt id at i to its Logprob (None at 0)."""
+    steps = None if final is None else final.prompt_logprobs
+    if steps is None or len(steps) != len(token_ids):
+        got = "nothing" if steps is None else f"{len(steps)} positions"
+        raise RuntimeError(f"vLLM returned {got} of prompt logprobs for {len(token_ids)} token ids to score "
+                           "(aborted, or a vLLM without prompt_logprobs)")
+    out: list[float] = []
+    for i in range(start, len(token_ids)):
+        step = steps[i]
+        if step is None or token_ids[i] not in step:
+            raise RuntimeError(f"vLLM's prompt logprobs at position {i} lack the prompt id {token_ids[i]}")
+        out.append(float(step[token_ids[i]].logprob))
+    return out
 
 
 def kept_sets_from_logprobs(steps: list[Any], max_kept_set: int) -> list[list[int]]:

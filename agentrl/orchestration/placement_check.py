@@ -196,6 +196,8 @@ def _local_host(server: Any) -> Any:
     async def call(method: str, *args: Any) -> Any:
         if method == "engine_generate":
             return await server.generate(args[0])
+        if method == "engine_score":
+            return await server.score(args[0])
         if method == "engine_pause":
             await server.pause(abort=args[0])
         elif method == "engine_resume":

@@ -400,6 +400,9 @@ class ColocatedTrainerWorker:
     async def engine_generate(self, request: Any) -> Any:
         return await self.server.generate(request)
 
+    async def engine_score(self, request: Any) -> Any:
+        return await self.server.score(request)
+
     async def engine_health(self) -> Any:
         return self.server.health()
 

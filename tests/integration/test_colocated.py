@@ -191,6 +191,30 @@ def test_the_server_contracts_push_loads_a_verified_files_directory(colocated, t
     assert agreement(backend, trajectories(generate(server, run, temperature=1.0, seed=200))) <= 1e-6
 
 
+def test_scores_through_the_colocated_client_equal_transformers_after_a_push(colocated) -> None:
+    """Runs before the corrupted push below, which leaves the engine broken for the module."""
+    from transformers import AutoModelForCausalLM
+
+    from agentrl.inference.colocated_client import ColocatedClient
+
+    backend, server, run = colocated
+    push(backend, server, run, 7)
+
+    async def host(method: str, *args: Any) -> Any:
+        return await server.score(*args) if method == "engine_score" else server.health()
+
+    ids = PROMPTS[0] + PROMPTS[1]
+    answer = run(ColocatedClient(host, "colocated-0").score(ids, start=3))
+    model = AutoModelForCausalLM.from_pretrained(server.engine.model_path, dtype=torch.float32).eval()
+    model.load_state_dict({k: v.detach().clone() for k, v in backend.export_weights()}, strict=False)
+    with torch.no_grad():  # transformers at the trainer's weights, the ones pushed as version 7
+        logits = model(torch.tensor([ids])).logits[0, 2:-1].float()
+    ref = torch.log_softmax(logits, -1).gather(-1, torch.tensor(ids[3:])[:, None])[:, 0].tolist()
+    gap = max(abs(a - b) for a, b in zip(answer.logprobs, ref, strict=True))
+    print(f"colocated vLLM served vs transformers scores: largest gap {gap:.2e} over {len(ref)} ids")
+    assert answer.weight_version == 7 and gap <= 1e-3
+
+
 def test_a_corrupted_push_is_refused_and_the_engine_stops_serving(colocated) -> None:
     backend, server, run = colocated  # last: it leaves the shared engine broken on purpose
     with pytest.raises(ChecksumError, match="failed its sum64 check"):

@@ -90,6 +90,51 @@ def test_sampled_logprobs_match_a_forward_pass_and_seeds_repeat(server, hf_model
     assert a.logprobs == pytest.approx(ref, abs=1e-4)
 
 
+def score_logprobs(model, ids, start):
+    """Transformers' own logprob of each of `ids[start:]` given the ids before it (temperature 1)."""
+    import torch
+
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits[0, start - 1 : -1].float()
+    return torch.log_softmax(logits, -1).gather(-1, torch.tensor(ids[start:])[:, None])[:, 0].tolist()
+
+
+SCORE_TOLERANCE = 1e-4
+"""Largest |served - transformers| logprob gap the scoring call may show in float32 on CPU: the same
+model code in the same dtype (measured 0 on the tiny model); the bound only allows for thread counts."""
+
+
+def test_score_equals_transformers_logprobs_of_the_same_ids(server, hf_model, prompt_ids):
+    ids = prompt_ids + [int(t) for t in range(300, 340)]
+
+    async def go():
+        client = HTTPServerClient(server.url)
+        try:
+            return await client.score(ids), await client.score(ids, start=len(prompt_ids))
+        finally:
+            await client.aclose()
+
+    whole, tail = asyncio.run(go())
+    ref = score_logprobs(hf_model, ids, 1)
+    assert len(whole.logprobs) == len(ids) - 1 and len(tail.logprobs) == 40
+    gap = max(abs(a - b) for a, b in zip(whole.logprobs, ref, strict=True))
+    print(f"hf served vs transformers scores: largest gap {gap:.2e} over {len(ref)} ids")
+    assert gap <= SCORE_TOLERANCE
+    assert tail.logprobs == pytest.approx(ref[len(prompt_ids) - 1 :], abs=SCORE_TOLERANCE)
+    assert whole.weight_version == server_version(server)
+
+
+def server_version(server):
+    async def go():
+        client = HTTPServerClient(server.url)
+        try:
+            return (await client.health()).weight_version
+        finally:
+            await client.aclose()
+
+    return asyncio.run(go())
+
+
 def test_stop_token_ends_generation_and_is_included(server, prompt_ids):
     free = generate(server, prompt_ids, SamplingParams(temperature=0.0, max_tokens=8))
     stop_id = free.token_ids[3]

@@ -97,6 +97,36 @@ def test_token_ids_in_and_out_with_logprobs_close_to_transformers(
     assert mean_diff < 1e-3 and max(diffs) < 1e-2
 
 
+def score_logprobs(model, ids, start):
+    """Transformers' own logprob of each of `ids[start:]` given the ids before it (temperature 1)."""
+    import torch
+
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits[0, start - 1 : -1].float()
+    return torch.log_softmax(logits, -1).gather(-1, torch.tensor(ids[start:])[:, None])[:, 0].tolist()
+
+
+SCORE_TOLERANCE = 1e-3
+"""Largest |vLLM - transformers| score gap accepted in float32 on CPU (other kernels, other summation
+order; the gap measured on the tiny model is printed by the test)."""
+
+
+def test_score_equals_transformers_logprobs_even_with_the_prefix_cached(server, hf_model, prompt_ids):
+    ids = prompt_ids + [int(t) for t in range(300, 340)]
+
+    async def go(client):
+        await client.generate(ids, SamplingParams(temperature=0.0, max_tokens=2), session_id="warm")  # cache it
+        return await client.score(ids), await client.score(ids, start=len(prompt_ids))
+
+    whole, tail = run(go, server)
+    ref = score_logprobs(hf_model, ids, 1)
+    assert len(whole.logprobs) == len(ids) - 1 and len(tail.logprobs) == 40
+    gap = max(abs(a - b) for a, b in zip(whole.logprobs, ref, strict=True))
+    print(f"vLLM served vs transformers scores: largest gap {gap:.2e} over {len(ref)} ids")
+    assert gap <= SCORE_TOLERANCE
+    assert tail.logprobs == pytest.approx(whole.logprobs[len(prompt_ids) - 1 :], abs=1e-5)
+
+
 def test_stop_token_id_ends_generation_and_is_included(server, prompt_ids):
     free = generate(server, prompt_ids, SamplingParams(temperature=0.0, max_tokens=6))
     stop_id = free.token_ids[2]
