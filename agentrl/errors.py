@@ -32,7 +32,8 @@ This module holds no logic beyond the classes; it is imported by everything and 
     │   └── ChildNotReadyError       a child process exited or was not ready in time (`agentrl.child_process`)
     ├── ResourceCloseError           one or more of a job's resources did not close; `failures` names each
     ├── WeightSyncError              a weight push failed
-    │   └── ChecksumError            a bucket arrived corrupted
+    │   ├── ChecksumError            a bucket arrived corrupted
+    │   └── ServedPolicyError        a replica serves other weights than the trainer's after a push
     ├── InfraFailureError            too many episodes failed for infrastructure reasons
     └── PreflightError               a pre-flight check found the job cannot do useful work
 """
@@ -64,6 +65,7 @@ __all__ = [
     "SandboxClosedError",
     "SandboxError",
     "SandboxUnavailableError",
+    "ServedPolicyError",
     "ServerUnavailableError",
     "StartupError",
     "ToolArgumentError",
@@ -280,6 +282,10 @@ class WeightSyncError(AgentRLError):
 
 class ChecksumError(WeightSyncError):
     """A weight bucket's checksum did not match what the sender computed."""
+
+
+class ServedPolicyError(WeightSyncError):
+    """After a weight push, a replica's scores of the probe are not the trainer's (`served_policy`)."""
 
 
 class InfraFailureError(AgentRLError):

@@ -1,0 +1,151 @@
+"""The served-policy probe and its two tests, with planted scores: (i) the served/trainer gap at the
+new version within tol, (ii) tokens the trainer moved must move alike on the replica; plus the probe
+built from a real chat template (seeded, a tool-call turn included) and the tolerance table."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from agentrl.chat import ChatTemplate
+from agentrl.orchestration.served_policy import (
+    MOVED_FACTOR,
+    TOLERANCES,
+    build_probe,
+    compare_served,
+    served_tolerance,
+)
+
+TOL = 1e-3
+TRAINER_V1 = [[-1.0, -2.0, -0.5], [-3.0, -0.25]]
+TRAINER_V2 = [[-1.0, -2.4, -0.5], [-3.0, -0.05]]  # the step moved two tokens by 0.4 and 0.2 nats
+
+
+def shifted(scores, by):
+    return [[x + by for x in row] for row in scores]
+
+
+def test_a_replica_serving_the_new_weights_passes_both_tests():
+    check = compare_served(replica="s0", version=2, served=shifted(TRAINER_V2, 4e-4), trainer=TRAINER_V2, tol=TOL,
+                           served_version=2, previous=(1, shifted(TRAINER_V1, -2e-4), TRAINER_V1))
+    assert check.ok and check.reasons == ()
+    assert check.gap == pytest.approx(4e-4)
+    assert check.moved_tokens == 2 and check.trainer_moved == pytest.approx(0.4)
+    assert check.moved_gap == pytest.approx(6e-4)  # Δserved - Δtrainer = 4e-4 - (-2e-4)
+
+
+def test_a_replica_left_on_the_old_weights_fails_both_tests_and_names_itself():
+    check = compare_served(replica="http://10.0.0.2:8001", version=2, served=TRAINER_V1, trainer=TRAINER_V2, tol=TOL,
+                           served_version=2, previous=(1, TRAINER_V1, TRAINER_V1))
+    assert not check.ok
+    assert check.gap == pytest.approx(0.4) and check.gap_at == (0, 2)
+    assert check.moved_tokens == 2 and check.moved_gap == pytest.approx(0.4)
+    text = check.describe()
+    assert text.startswith("replica http://10.0.0.2:8001 at weight version 2: FAIL")
+    assert "(i) served and trainer scores differ by more than tol at version 2" in text
+    assert "(ii) where the trainer's scores moved since version 1, the served scores did not move alike" in text
+    assert "largest |served - trainer| logprob gap 0.4 nats at sequence 0 token 2 (tol 0.001)" in text
+
+
+def test_test_two_catches_a_stale_replica_whose_gap_alone_stays_under_tol():
+    # the policy moved 3 tol on one token; the stale replica differs from the trainer by 3 tol there,
+    # which (i) catches; with a noise offset planted against the move, (i) alone would pass
+    trainer_v2 = [[-1.0 - 3 * TOL * 1.5, -2.0]]
+    trainer_v1 = [[-1.0, -2.0]]
+    served_v1 = [[-1.0 - 3.9 * TOL, -2.0]]  # old weights plus an offset of the same sign
+    check = compare_served(replica="s1", version=5, served=served_v1, trainer=trainer_v2, tol=TOL,
+                           previous=(4, served_v1, trainer_v1))
+    assert check.gap == pytest.approx(0.6 * TOL)  # (i) alone passes
+    assert check.moved_tokens == 1 and check.moved_gap == pytest.approx(4.5 * TOL)
+    assert not check.ok and len(check.reasons) == 1 and check.reasons[0].startswith("(ii)")
+
+
+def test_moves_within_a_few_tol_are_not_tested_and_the_first_check_has_no_move_test():
+    small = [[-1.0 - 0.9 * MOVED_FACTOR * TOL, -2.0]]
+    check = compare_served(replica="s0", version=3, served=[[-1.0, -2.0]], trainer=small, tol=TOL,
+                           previous=(2, [[-1.0, -2.0]], [[-1.0, -2.0]]))
+    assert check.moved_tokens == 0 and check.moved_gap == 0.0
+    assert check.reasons == ("(i) served and trainer scores differ by more than tol at version 3",)
+    first = compare_served(replica="s0", version=1, served=TRAINER_V1, trainer=TRAINER_V1, tol=TOL)
+    assert first.ok and first.previous_version is None
+    assert "no previous version to compare moves with" in first.describe()
+
+
+def test_a_replica_that_scored_at_another_version_or_gave_nan_fails():
+    other = compare_served(replica="s0", version=2, served=TRAINER_V2, trainer=TRAINER_V2, tol=TOL, served_version=1)
+    assert not other.ok and other.reasons == ("it scored at version 1, not 2",)
+    nan = compare_served(replica="s0", version=2, served=[[-1.0, math.nan, -0.5], [-3.0, -0.05]],
+                         trainer=TRAINER_V2, tol=TOL)
+    assert not nan.ok and nan.gap == math.inf and nan.gap_at == (0, 2)
+
+
+def test_scores_of_another_probe_or_a_bad_tol_are_refused():
+    with pytest.raises(ValueError, match="the served scores has \\[2\\] scores per sequence"):
+        compare_served(replica="s0", version=1, served=[[-1.0, -2.0]], trainer=[[-1.0, -2.0, -3.0]], tol=TOL)
+    with pytest.raises(ValueError, match="tol must be positive, got 0"):
+        compare_served(replica="s0", version=1, served=TRAINER_V1, trainer=TRAINER_V1, tol=0)
+
+
+def test_tolerance_per_dtype_pair_and_the_loosest_for_an_unknown_pair():
+    assert served_tolerance("float32", "float32") == 1e-3
+    assert served_tolerance("bfloat16", "float32") == 5e-2
+    assert served_tolerance("auto", "float32") == max(TOLERANCES.values())
+
+
+def test_the_probe_is_seeded_rendered_by_the_run_template_and_holds_a_tool_call(assets):
+    template = ChatTemplate.from_pretrained(assets / "tiny-random-qwen2")
+    probe = build_probe(template, seed=7)
+    assert probe == build_probe(template, seed=7) and probe != build_probe(template, seed=8)
+    assert len(probe.sequences) == 3 and probe.with_tool_turn
+    text = template.tokenizer.decode(list(probe.sequences[0]))
+    assert "<tool_call>" in text and '"name": "python"' in text and "<tool_response>" in text
+    assert text.count("<|im_start|>assistant") == 2
+    assert probe.scored_tokens == sum(len(s) for s in probe.sequences) - 3
+    assert all(20 < len(s) < 400 for s in probe.sequences)
+
+
+class FakeTrainer:
+    def __init__(self, scores):
+        self.scores = scores
+
+    async def score_probe(self, sequences):
+        assert [len(s) - 1 for s in sequences] == [len(r) for r in self.scores]
+        return self.scores
+
+
+class FakeFleet:
+    """`score_each` of a router over replicas whose scores are planted per sequence."""
+
+    def __init__(self, answers):
+        self.answers = answers  # replica -> (version, [scores per sequence])
+        self.calls = 0
+
+    async def score_each(self, token_ids, *, start=1):
+        from agentrl.inference.protocol import ScoreResponse
+
+        i = self.calls
+        self.calls += 1
+        return {r: ScoreResponse(logprobs=scores[i], weight_version=v) for r, (v, scores) in self.answers.items()}
+
+
+def test_the_check_after_a_push_stops_on_the_replica_left_behind_and_keeps_the_good_ones():
+    import asyncio
+
+    from agentrl.errors import ServedPolicyError
+    from agentrl.orchestration.served_policy import ServedPolicyCheck, ServedProbe
+
+    probe = ServedProbe(((1, 2, 3, 4), (5, 6, 7)), seed=0, with_tool_turn=True)
+    check = ServedPolicyCheck(probe, TOL, resume_command="agentrl run runs/x/config.yaml resume=true run.name=x")
+    first = asyncio.run(check.after_push(1, router=FakeFleet({"a": (1, TRAINER_V1), "b": (1, TRAINER_V1)}),
+                                         trainer=FakeTrainer(TRAINER_V1)))
+    assert [c.ok for c in first] == [True, True] and set(check.last) == {"a", "b"}
+    fleet = FakeFleet({"a": (2, TRAINER_V2), "b": (2, TRAINER_V1)})  # b reports version 2, serves version 1
+    with pytest.raises(ServedPolicyError) as stopped:
+        asyncio.run(check.after_push(2, router=fleet, trainer=FakeTrainer(TRAINER_V2)))
+    message = str(stopped.value)
+    assert message.startswith("After the push of weight version 2, 1 of 2 inference replica(s) do not serve")
+    assert "replica b at weight version 2: FAIL" in message and "replica a" not in message
+    assert "moved by more than 4 x tol since version 1" in message
+    assert message.endswith("resume with: agentrl run runs/x/config.yaml resume=true run.name=x")
+    assert check.last["a"][0] == 2 and check.last["b"][0] == 1  # a failed replica keeps its last good scores
