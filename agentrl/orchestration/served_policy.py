@@ -42,7 +42,7 @@ from typing import Any, Literal
 
 from agentrl.chat import ChatTemplate
 from agentrl.errors import ChatTemplateError, ServedPolicyError
-from agentrl.types import TokenOrigin, Trajectory
+from agentrl.types import Message, TokenOrigin, ToolSchema, Trajectory
 
 __all__ = [
     "MOVED_FACTOR",
@@ -100,23 +100,24 @@ class ServedProbe:
 _WORDS = ("apple", "river", "seven", "orbit", "lemon", "copper", "violet", "harbor", "quartz", "maple",
           "signal", "garden", "thunder", "pixel", "canyon", "meadow", "rocket", "silver", "tundra", "velvet")
 
-_PYTHON_TOOL: dict[str, Any] = {"type": "function", "function": {
+_PYTHON_TOOL: ToolSchema = {"type": "function", "function": {
     "name": "python", "description": "Run Python code and return what it prints.",
     "parameters": {"type": "object", "properties": {"code": {"type": "string", "description": "The code."}},
                    "required": ["code"]}}}
 
 
-def _conversation(rng: random.Random, with_tool_turn: bool) -> list[dict[str, Any]]:
+def _conversation(rng: random.Random, with_tool_turn: bool) -> list[Message]:
     a, b = rng.randint(12, 999), rng.randint(12, 999)
     words = " ".join(rng.choice(_WORDS) for _ in range(rng.randint(3, 8)))
-    question = {"role": "user", "content": f"About {words}: what is {a} * {b}? Use the python tool."}
-    answer = {"role": "assistant", "content": f"{a} * {b} = {a * b}. The {words.split()[0]} can wait."}
+    question: Message = {"role": "user", "content": f"About {words}: what is {a} * {b}? Use the python tool."}
+    answer: Message = {"role": "assistant", "content": f"{a} * {b} = {a * b}. The {words.split()[0]} can wait."}
     if not with_tool_turn:
         return [question, answer]
-    call = {"role": "assistant", "content": "", "tool_calls": [{
-        "id": f"call_{rng.randint(0, 10**6)}", "type": "function",
+    call_id = f"call_{rng.randint(0, 10**6)}"
+    call: Message = {"role": "assistant", "content": "", "tool_calls": [{
+        "id": call_id, "type": "function",
         "function": {"name": "python", "arguments": {"code": f"print({a} * {b})"}}}]}
-    result = {"role": "tool", "name": "python", "tool_call_id": call["tool_calls"][0]["id"], "content": str(a * b)}
+    result: Message = {"role": "tool", "name": "python", "tool_call_id": call_id, "content": str(a * b)}
     return [question, call, result, answer]
 
 
