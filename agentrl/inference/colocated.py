@@ -272,32 +272,14 @@ class InProcessVLLM(ServerEngine):
     async def generate(self, request: GenerateRequest, version: int) -> GenerateResponse:
         from vllm.sampling_params import RequestOutputKind
 
-        from agentrl.inference.vllm_server import (
-            cache_salt,
-            engine_prompt,
-            generate_response,
-            kept_set_cap,
-            sampling_params,
-        )
+        from agentrl.inference.vllm_server import generate_response, kept_set_cap, sampling_params
 
         if self.broken is not None:
             raise InferenceError(f"the colocated vLLM engine failed earlier: {self.broken!r}")
         params = sampling_params(request)
         params.output_kind = RequestOutputKind.FINAL_ONLY  # no per-step outputs to build and discard
         request_id = f"{request.session_id or 'anon'}-{uuid.uuid4().hex[:12]}"
-        done: Future[Any] = Future()
-
-        def add() -> None:  # on the engine thread, so no load can come between the salt and the request
-            self._waiting[request_id] = done
-            prompt = engine_prompt(request.prompt_ids, cache_salt(version, self.weight_loads))
-            self._engine.add_request(request_id, prompt, params)
-
-        await self._call(add)
-        try:
-            final = await asyncio.wrap_future(done)
-        except asyncio.CancelledError:
-            self._commands.put((lambda: self._abort([request_id]), Future()))
-            raise
+        final = await self._final_output(request.prompt_ids, params, request_id, version)
         if final is not None and final.num_cached_tokens is not None:
             self._cache_queries += len(request.prompt_ids)
             self._cache_hits += final.num_cached_tokens
@@ -307,27 +289,34 @@ class InProcessVLLM(ServerEngine):
         """The ids' prompt logprobs, as `vllm_server.VLLMEngine.score` asks vLLM for them."""
         from vllm.sampling_params import RequestOutputKind
 
-        from agentrl.inference.vllm_server import cache_salt, engine_prompt, prompt_scores, score_params
+        from agentrl.inference.vllm_server import prompt_scores, score_params
 
         if self.broken is not None:
             raise InferenceError(f"the colocated vLLM engine failed earlier: {self.broken!r}")
         params = score_params()
         params.output_kind = RequestOutputKind.FINAL_ONLY
         request_id = f"score-{request.session_id or 'anon'}-{uuid.uuid4().hex[:12]}"
+        final = await self._final_output(request.token_ids, params, request_id, version)
+        return ScoreResponse(logprobs=prompt_scores(final, request.token_ids, request.start), weight_version=version)
+
+    async def _final_output(self, token_ids: list[int], params: Any, request_id: str, version: int) -> Any:
+        """Add one request to the engine (on its thread, so no weight load comes between the cache salt
+        and the request) and wait for its final output (None: aborted). Cancelling the caller aborts it."""
+        from agentrl.inference.vllm_server import cache_salt, engine_prompt
+
         done: Future[Any] = Future()
 
         def add() -> None:
             self._waiting[request_id] = done
-            prompt = engine_prompt(request.token_ids, cache_salt(version, self.weight_loads))
+            prompt = engine_prompt(token_ids, cache_salt(version, self.weight_loads))
             self._engine.add_request(request_id, prompt, params)
 
         await self._call(add)
         try:
-            final = await asyncio.wrap_future(done)
+            return await asyncio.wrap_future(done)
         except asyncio.CancelledError:
             self._commands.put((lambda: self._abort([request_id]), Future()))
             raise
-        return ScoreResponse(logprobs=prompt_scores(final, request.token_ids, request.start), weight_version=version)
 
     def _abort(self, request_ids: list[str]) -> None:
         self._engine.abort_request(request_ids)

@@ -176,10 +176,19 @@ class VLLMEngine(ServerEngine):
     async def generate(self, request: GenerateRequest, version: int) -> GenerateResponse:
         params = sampling_params(request)
         request_id = f"{request.session_id or 'anon'}-{uuid.uuid4().hex[:12]}"
+        final, aborted = await self._final_output(request.prompt_ids, params, request_id, version)
+        if final is not None and final.num_cached_tokens is not None:
+            self._cache_queries += len(request.prompt_ids)
+            self._cache_hits += final.num_cached_tokens
+        return generate_response(final, version, aborted=aborted, max_kept_set=kept_set_cap(request))
+
+    async def _final_output(self, token_ids: list[int], params: Any, request_id: str, version: int) -> tuple[Any, bool]:
+        """Run one request on the engine to its end: (its final output or None, whether `abort_all`
+        aborted it). Cancelling the caller aborts the request; a request vLLM refuses is `RequestRejected`."""
         self._inflight.add(request_id)
         final: Any = None
         try:
-            prompt = engine_prompt(request.prompt_ids, cache_salt(version, self.weight_loads))
+            prompt = engine_prompt(token_ids, cache_salt(version, self.weight_loads))
             async for out in self.llm.generate(prompt, params, request_id):
                 final = out
         except asyncio.CancelledError:
@@ -193,29 +202,11 @@ class VLLMEngine(ServerEngine):
             self._inflight.discard(request_id)
             aborted = request_id in self._aborted
             self._aborted.discard(request_id)
-        if final is not None and final.num_cached_tokens is not None:
-            self._cache_queries += len(request.prompt_ids)
-            self._cache_hits += final.num_cached_tokens
-        return generate_response(final, version, aborted=aborted, max_kept_set=kept_set_cap(request))
+        return final, aborted
 
     async def score(self, request: ScoreRequest, version: int) -> ScoreResponse:
         request_id = f"score-{request.session_id or 'anon'}-{uuid.uuid4().hex[:12]}"
-        self._inflight.add(request_id)
-        final: Any = None
-        try:
-            prompt = engine_prompt(request.token_ids, cache_salt(version, self.weight_loads))
-            async for out in self.llm.generate(prompt, score_params(), request_id):
-                final = out
-        except asyncio.CancelledError:
-            await self.llm.abort(request_id)
-            raise
-        except Exception as exc:
-            if _is_request_error(exc):
-                raise RequestRejected(str(exc)) from exc
-            raise
-        finally:
-            self._inflight.discard(request_id)
-            self._aborted.discard(request_id)
+        final, _ = await self._final_output(request.token_ids, score_params(), request_id, version)
         return ScoreResponse(logprobs=prompt_scores(final, request.token_ids, request.start), weight_version=version)
 
     async def abort_all(self) -> None:
