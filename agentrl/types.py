@@ -400,6 +400,20 @@ class Trajectory:
     drawn from (`Generation.kept_sets`; `[]`: the set overflowed the cap and was not recorded, and
     the trainer masks that token out of the loss). It is empty when the rollout kept the whole
     vocabulary: then nothing is stored and the trainer scores over the whole vocabulary.
+
+    Three typed extensions carry what objectives other than one end-of-episode reward read (empty
+    or None when unused; files written before them read as unused):
+    - `seat`: the seat (a player or role an environment declares) whose policy sampled this
+      trajectory's tokens. An episode played by several seats is recorded as one trajectory per
+      seat, sharing `episode_id` and `group_id`; advantages are computed per seat (each seat's
+      trajectories form their own groups). None: the environment has one policy.
+    - `teacher_logprobs`: parallel to `logprobs`, the logprob a teacher model gave each sampled
+      token in the same context (0.0 on every other token); the per-token distillation signal is
+      `teacher_logprobs - logprobs` on sampled tokens only. Empty: no teacher scored the episode
+      (an episode whose teacher failed is an infrastructure failure, never scored as 0).
+    - `turn_rewards`: the reward given for the action of each turn, `turn_rewards[k - 1]` for turn
+      k (the `turns` number of its sampled tokens), None where none was given or its source failed
+      (masked, never read as 0). Empty: the episode has only its final `reward`.
     """
 
     token_ids: list[int] = field(default_factory=list)
@@ -419,6 +433,9 @@ class Trajectory:
     info: dict[str, Any] = field(default_factory=dict)
     segment: Segment | None = None
     kept_sets: list[list[int]] = field(default_factory=list)
+    seat: str | None = None
+    teacher_logprobs: list[float] = field(default_factory=list)
+    turn_rewards: list[float | None] = field(default_factory=list)
 
     # ── building ────────────────────────────────────────────────────────────────────────────
     def extend(
@@ -539,6 +556,29 @@ class Trajectory:
             raise ValueError("turn numbers must never decrease along the ledger")
         if self.kept_sets:
             self._validate_kept_sets()
+        if self.teacher_logprobs:
+            self._validate_teacher_logprobs()
+        self._validate_turn_rewards()
+
+    def _validate_teacher_logprobs(self) -> None:
+        n = len(self.token_ids)
+        if len(self.teacher_logprobs) != n:
+            raise ValueError(f"ledger has {n} tokens but {len(self.teacher_logprobs)} teacher logprobs; "
+                             "give one per token (0.0 on tokens that were not sampled)")
+        sampled = int(TokenOrigin.SAMPLED)
+        for i, (o, lp) in enumerate(zip(self.origins, self.teacher_logprobs, strict=True)):
+            if o == sampled and (not math.isfinite(lp) or lp > 1e-6):
+                raise ValueError(f"sampled token {i} has teacher logprob {lp}; a logprob is finite and <= 0")
+            if o != sampled and lp != 0.0:
+                raise ValueError(f"non-sampled token {i} carries teacher logprob {lp}; only sampled tokens are scored")
+
+    def _validate_turn_rewards(self) -> None:
+        if len(self.turn_rewards) > self.num_turns:
+            raise ValueError(f"{len(self.turn_rewards)} turn rewards for an episode of {self.num_turns} turn(s); "
+                             "turn_rewards[k - 1] is the reward of turn k")
+        for k, r in enumerate(self.turn_rewards, start=1):
+            if r is not None and (isinstance(r, bool) or not isinstance(r, int | float) or not math.isfinite(r)):
+                raise ValueError(f"turn {k}'s reward is {r!r}; give a finite number, or None where none was given")
 
     def _validate_kept_sets(self) -> None:
         sampled = [t for t, o in zip(self.token_ids, self.origins, strict=True) if o == int(TokenOrigin.SAMPLED)]

@@ -21,6 +21,8 @@ One line (`format: "agentrl.trajectory/1"`):
 | `reward`, `finish_reason`, `fault`, `error` | how it ended (`fault`: `model`, `infra` or null) |
 | `num_tokens`, `num_sampled`, `num_turns` | sizes |
 | `segment` | `{"index": k, "of": n}` when the episode was recorded as n trajectories (an external agent that rewrote its history, `Trajectory.segment`), else null |
+| `seat` | the seat whose policy sampled the tokens (`Trajectory.seat`), else null |
+| `turn_rewards` | the reward of each turn's action, entry k-1 for turn k, null where none was given (`Trajectory.turn_rewards`); `[]` when the episode has only its final reward |
 | `metrics`, `info` | the episode's numbers (tool calls, tool errors by class, timings, env metrics) and env details |
 | `messages` | the conversation as chat messages, tool calls parsed |
 | `segments` | the token ledger, below |
@@ -31,7 +33,8 @@ order; their concatenation is the whole episode exactly as the model saw it:
 "text": decoded text, "ids": [token ids], "pieces": [the text of each token], "version": policy
 version (sampled only), "logprobs": [rollout logprob of each token] (sampled only), "kept": [the
 sorted kept-set ids of each token; [] when it overflowed] (sampled only, and only when the rollout
-truncated the vocabulary: `Trajectory.kept_sets`)}`, and in a
+truncated the vocabulary: `Trajectory.kept_sets`), "teacher_logprobs": [a teacher's logprob of each
+token] (sampled only, and only when a teacher scored the episode: `Trajectory.teacher_logprobs`)}`, and in a
 step's kept rollouts the trainer's view of the same tokens where the trainer scored them
 (`TrainerTokens`): `"trainer_logprobs"` (the old logprob the loss used, at the step that trained
 the episode) and `"trainer_entropy"` (the policy's entropy at that token), sampled segments only,
@@ -193,6 +196,8 @@ def _segments(t: Trajectory, pieces: list[str] | None, trainer: TrainerTokens | 
             if t.kept_sets:  # each sampled token's kept set ([]: overflowed); absent: whole vocabulary
                 seg["kept"] = t.kept_sets[kept_at : kept_at + end - start]
                 kept_at += end - start
+            if t.teacher_logprobs:
+                seg["teacher_logprobs"] = t.teacher_logprobs[start:end]
             if trainer is not None:
                 seg["trainer_logprobs"] = list(trainer.logprobs[start:end])
                 if trainer.entropy is not None:
@@ -242,6 +247,8 @@ def trajectory_record(
         "num_sampled": t.num_sampled,
         "num_turns": t.num_turns,
         "segment": {"index": t.segment.index, "of": t.segment.of} if t.segment is not None else None,
+        "seat": t.seat,
+        "turn_rewards": t.turn_rewards,
         "metrics": t.metrics,
         "info": t.info,
         "messages": t.messages,
@@ -261,8 +268,10 @@ def trajectory_from_record(record: dict[str, Any]) -> Trajectory:
         fault=record.get("fault"), error=record.get("error"), episode_id=record.get("episode_id", ""),
         group_id=record.get("group_id", ""), data_source=record.get("data_source", ""),
         metrics=dict(record.get("metrics") or {}), info=dict(record.get("info") or {}),
-        segment=Segment.from_dict(record.get("segment")),
+        segment=Segment.from_dict(record.get("segment")), seat=record.get("seat"),
+        turn_rewards=list(record.get("turn_rewards") or []),
     )  # fmt: skip
+    scored_by_teacher = any("teacher_logprobs" in seg for seg in record["segments"])
     for seg in record["segments"]:
         ids = seg["ids"]
         origin = _ORIGIN_OF[seg["origin"]]
@@ -273,9 +282,13 @@ def trajectory_from_record(record: dict[str, Any]) -> Trajectory:
             t.logprobs.extend(seg["logprobs"])
             t.versions.extend([seg["version"]] * len(ids))
             t.kept_sets.extend(seg.get("kept") or [])
+            if scored_by_teacher:
+                t.teacher_logprobs.extend(seg["teacher_logprobs"])
         else:
             t.logprobs.extend([0.0] * len(ids))
             t.versions.extend([-1] * len(ids))
+            if scored_by_teacher:
+                t.teacher_logprobs.extend([0.0] * len(ids))
     return t
 
 

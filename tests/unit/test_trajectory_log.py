@@ -300,3 +300,20 @@ def test_files_without_trainer_values_still_read_and_bad_ones_are_skipped(templa
     assert skipped == 1 and len(records) == 2
     assert all("trainer_logprobs" not in s for s in records[0]["segments"])
     assert any("trainer_logprobs" in s for s in records[1]["segments"])
+
+
+def test_seat_turn_rewards_and_teacher_logprobs_have_their_keys_and_read_back_exactly(template: ChatTemplate) -> None:
+    t = tool_episode(template)
+    sampled = int(TokenOrigin.SAMPLED)
+    t.seat, t.turn_rewards = "proposer", [0.25, None][: t.num_turns]
+    t.teacher_logprobs = [-0.5 - 0.01 * i if o == sampled else 0.0 for i, o in enumerate(t.origins)]
+    t.validate()
+    record = json.loads(json.dumps(trajectory_record(t, None, source="eval")))
+    assert record["seat"] == "proposer" and record["turn_rewards"] == t.turn_rewards
+    teacher = [s.get("teacher_logprobs") for s in record["segments"]]
+    assert [x is not None for x in teacher] == [s["origin"] == "sampled" for s in record["segments"]]
+    assert trajectory_from_record(record) == t
+    t.teacher_logprobs = []  # no teacher: no key, and it reads back as none
+    record = trajectory_record(t, None, source="eval")
+    assert all("teacher_logprobs" not in s for s in record["segments"])
+    assert trajectory_from_record(record).teacher_logprobs == []

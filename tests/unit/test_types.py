@@ -147,3 +147,35 @@ def test_sampling_params_know_when_they_truncate_the_vocabulary() -> None:
     assert not SamplingParams(temperature=0.0, top_k=20).truncates  # greedy is never replayed
     with pytest.raises(ValueError, match="min_p"):
         SamplingParams(min_p=1.0)
+
+
+def test_seat_teacher_logprobs_and_turn_rewards_are_typed_checked_and_round_trip() -> None:
+    t = _two_turn_ledger()
+    sampled = int(TokenOrigin.SAMPLED)
+    t.seat = "solver"
+    t.teacher_logprobs = [-0.25 if o == sampled else 0.0 for o in t.origins]
+    t.turn_rewards = [None, 0.5][: t.num_turns]
+    t.validate()
+    assert Trajectory.from_dict(t.to_dict()) == t
+    # A dict written before the fields existed reads as unused.
+    old = {k: v for k, v in t.to_dict().items() if k not in ("seat", "teacher_logprobs", "turn_rewards")}
+    back = Trajectory.from_dict(old)
+    assert (back.seat, back.teacher_logprobs, back.turn_rewards) == (None, [], [])
+
+    bad = Trajectory.from_dict(t.to_dict())
+    bad.teacher_logprobs = bad.teacher_logprobs[:-1]
+    with pytest.raises(ValueError, match="teacher logprobs"):
+        bad.validate()
+    bad.teacher_logprobs = [0.0 if o == sampled else -1.0 for o in t.origins]
+    with pytest.raises(ValueError, match="only sampled tokens are scored"):
+        bad.validate()
+    bad.teacher_logprobs = [float("nan") if o == sampled else 0.0 for o in t.origins]
+    with pytest.raises(ValueError, match="finite and <= 0"):
+        bad.validate()
+    bad.teacher_logprobs = []
+    bad.turn_rewards = [0.0] * (t.num_turns + 1)
+    with pytest.raises(ValueError, match="turn_rewards\\[k - 1\\]"):
+        bad.validate()
+    bad.turn_rewards = [float("inf")]
+    with pytest.raises(ValueError, match="turn 1's reward"):
+        bad.validate()
