@@ -147,7 +147,7 @@ def probe_trajectories(sequences: Sequence[Sequence[int]]) -> list[Trajectory]:
     for i, seq in enumerate(sequences):
         t = Trajectory(group_id=f"served-probe-{i}", reward=0.0)
         t.extend([seq[0]], TokenOrigin.PROMPT, 0)
-        t.extend(list(seq[1:]), TokenOrigin.SAMPLED, 0, logprobs=[0.0] * (len(seq) - 1))
+        t.extend(list(seq[1:]), TokenOrigin.SAMPLED, 0, logprobs=[0.0] * (len(seq) - 1), version=0)
         out.append(t)
     return out
 

@@ -206,6 +206,16 @@ class TrainerWorker:
             return {}
         return {i: self.last_tokens.of(i) for i in indices if 0 <= i < len(self.last_tokens.trained)}
 
+    def score_probe(self, sequences: list[list[int]]) -> list[list[float]]:
+        """The trainer's logprob of every id after the first of each sequence (temperature 1), at its
+        current weights: the trainer's side of the served-policy check (`served_policy`). Every rank
+        alike (the scoring is sharded)."""
+        from agentrl.orchestration.served_policy import probe_trajectories
+
+        rows = self.backend.compute_logprobs(probe_trajectories(sequences))
+        # the trainer's rows are shifted: position j holds the logprob of id j + 1 (`pad_trajectories`)
+        return [[float(x) for x in rows[i, : len(seq) - 1].tolist()] for i, seq in enumerate(sequences)]
+
     def _send(self, engine: Any, version: int) -> None:
         named = self.backend.export_weights()
         if self.rank == 0:
@@ -364,6 +374,9 @@ class ColocatedTrainerWorker:
 
     async def trainer_tokens(self, indices: list[int]) -> dict[int, tuple[list[float | None], list[float | None] | None]]:
         return self.trainer.trainer_tokens(indices)
+
+    async def score_probe(self, sequences: list[list[int]]) -> list[list[float]]:
+        return await asyncio.to_thread(self.trainer.score_probe, sequences)
 
     async def update_engines(self, version: int) -> float:
         """Stream the trainer's weights into this rank's engine as `version` (in memory, checksummed
@@ -644,6 +657,11 @@ class TrainerGroup:
         values: dict[int, tuple[list[float | None], list[float | None] | None]] = (
             await self._gather("trainer_tokens", [rank0.trainer_tokens.remote(indices)]))[0]
         return values
+
+    async def score_probe(self, sequences: list[list[int]]) -> list[list[float]]:
+        """The trainer's scores of the served-policy probe at its current weights (`TrainerWorker.score_probe`)."""
+        scores: list[list[float]] = await self._all("score_probe", sequences)
+        return scores
 
     async def save(self, path: str, data_position: dict[str, Any]) -> float:
         """Every rank saves; the shards of ranks on other nodes are copied into `path` here, a

@@ -48,6 +48,7 @@ from agentrl.orchestration.progress import ProgressTicker
 from agentrl.orchestration.prompt_length import PromptMeter
 from agentrl.orchestration.run_commands import resume_command
 from agentrl.orchestration.schedule import GroupResult, Scheduler, StepRecord, Verdict, default_classify
+from agentrl.orchestration.served_policy import served_check_for_run
 from agentrl.records.metrics import MetricsLogger, episode_metrics, segment_metrics
 from agentrl.records.run_files import append_text
 from agentrl.records.trajectory_log import RolloutLog, TrainerTokens
@@ -150,6 +151,12 @@ class TrainingSteps:
         self.last_saved_step = -1
         self.last_eval_step = -1
         self._trained_rows: tuple[int, dict[int, int]] = (-1, {})
+        # Is the served policy the trained one? Checked after every push, before the next batch samples.
+        self.served_check, served_note = served_check_for_run(
+            config, job.model_path, job.template, router, resume_command=books.resume_command,
+            device=job.plan.device if job.plan is not None else "cpu")
+        log.info("served-policy check: %s", served_note)
+        self._served_metrics: dict[str, float] = {}
         self.meter = PromptMeter(job.template, make_env, config.rollout.max_total_tokens)
         self.ticker = ProgressTicker()  # ticks while the console is one of the run's loggers
         self.scheduler = Scheduler(
@@ -253,7 +260,24 @@ class TrainingSteps:
             await self.trainer.update_engines(version)
             await self.router.check_health()
             self.router.set_version(version)
+        else:
+            await self._push_to_servers(version)
+        await self._check_served(version)
+
+    async def _check_served(self, version: int) -> None:
+        """The served-policy check of `version` (`served_policy`); a replica that fails stops the run."""
+        if self.served_check is None:
             return
+        start = time.perf_counter()
+        checks = await self.served_check.after_push(version, router=self.router, trainer=self.trainer)
+        seconds = time.perf_counter() - start
+        self._served_metrics = {"served/gap_max": max((c.gap for c in checks), default=0.0),
+                                "served/moved_gap_max": max((c.moved_gap for c in checks), default=0.0),
+                                "time/served_check_s": seconds}
+        log.debug("served-policy check of version %d in %.2f s: %s", version, seconds,
+                  "; ".join(c.describe() for c in checks))
+
+    async def _push_to_servers(self, version: int) -> None:
         source, token = self.trainer.weight_source(version)
         reports = await self.router.update_weights(source, version, token=token)
         done = [r for r in reports.values() if r is not None]
@@ -271,6 +295,7 @@ class TrainingSteps:
                                   group_versions=[g.version for g in record.groups])
         metrics.update(segment_metrics(record.trajectories))
         metrics.update(record.train_metrics)
+        metrics.update(self._served_metrics)  # the check of the last push (empty before the first)
         metrics.update({f"time/{k}": v for k, v in record.timings.items()})
         metrics["time/weight_sync_s"] = record.timings.get("weight_sync_s", 0.0) + record.train_metrics.get(
             "time/export_s", 0.0)

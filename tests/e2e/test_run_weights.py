@@ -7,7 +7,7 @@ driver's log and the server's counters show every pushed bucket verified, the se
 new version, and `weights/version-N` is a complete Hugging Face directory (config, generation
 config, tokenizer, the run's chat template) holding the trained weights, which `agentrl eval
 model.path=...` (here with the `hf` engine, which loads the directory with `from_pretrained`)
-loads and evaluates.
+loads and evaluates. The served-policy check after each push finds nothing (`served/gap_max`).
 """
 
 from __future__ import annotations
@@ -88,6 +88,10 @@ def test_a_run_verifies_every_push_and_exports_a_model_that_eval_loads(tmp_path,
     grad = [m.get("actor/grad_norm", 0.0) for m in map(json.loads, (Path(result.run_dir) / "metrics.jsonl").open())]
     assert any(g > 0 for g in grad), grad
     run_dir = Path(result.run_dir)
+    # The served-policy check ran after each push and found the server serving the trainer's weights
+    # (a failure would have stopped the run): gaps within float32's tol (docs/served-policy.md).
+    served = [m["served/gap_max"] for m in map(json.loads, (run_dir / "metrics.jsonl").open())]
+    assert len(served) == 2 and all(0.0 <= g <= 1e-3 for g in served), served
 
     # Every push was verified by the server, bucket by bucket.
     log = (run_dir / "driver.log").read_text()

@@ -50,6 +50,7 @@ class Fakes:
         self.metrics: list[dict[str, float]] = []
         self.gated: list[GatedRow] = []  # what the trainer's on-policy gate reports masked
         self.sinks = ["jsonl"]  # as the metrics logger: no console, so no progress ticker
+        self.servers: list[Any] = []  # as the router: no replica, so no served-policy check
 
     async def run_group(self, row: dict[str, Any], n: int, *, seed: int, group_id: str) -> list[Trajectory]:
         self.rolled_out.append(row)

@@ -105,6 +105,17 @@ def test_the_probe_is_seeded_rendered_by_the_run_template_and_holds_a_tool_call(
     assert all(20 < len(s) < 400 for s in probe.sequences)
 
 
+def test_the_probe_as_trajectories_puts_every_id_after_the_first_in_the_loss():
+    from agentrl.orchestration.served_policy import probe_trajectories
+    from agentrl.trainer.packing import pad_trajectories
+
+    trajs = probe_trajectories([(5, 6, 7), (8, 9)])
+    for t in trajs:
+        t.validate()
+    # the trainer's shifted rows: position j scores id j + 1, so every id after the first is in the loss
+    assert pad_trajectories(trajs).loss_mask.tolist() == [[1, 1, 0], [1, 0, 0]]
+
+
 class FakeTrainer:
     def __init__(self, scores):
         self.scores = scores
