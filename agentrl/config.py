@@ -520,6 +520,11 @@ class WeightSyncConfig(_Section):
     `broadcast` and `inprocess` are engines of `agentrl.weights` not wired into runs yet."""
     bucket_mb: int = Field(256, ge=1)
     """Size of one weight bucket in MiB: the unit of transfer, of checksumming and of retry."""
+    check_served: bool = True
+    """Check, at the start and after every push, that every replica serves the trainer's weights
+    (a probe scored by the trainer and by each replica; docs/served-policy.md), and serve a version
+    from a replica only once it passed there. false leaves only the buckets' checksums (they prove
+    the bytes arrived, not that the engine computes with them): for measuring what the check costs."""
 
 
 class RoleResourcesConfig(_Section):

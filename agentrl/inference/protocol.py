@@ -167,6 +167,11 @@ class WeightLoadReport(_Wire):
     bytes: int
     checksum: str | None
     seconds: float
+    """The load, from its first bucket to its last tensor in the engine (transfer and load overlap)."""
+    receive_seconds: float = 0.0
+    """Of `seconds`, the time spent waiting for buckets and checking them; the rest loaded them."""
+    pause_seconds: float = 0.0
+    """Before the load: the time the server waited for its requests in flight to finish."""
 
 
 class UpdateWeightsResponse(HealthResponse):

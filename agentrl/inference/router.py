@@ -32,6 +32,14 @@ Routing rules (DESIGN.md §4 Inference):
   whose load fails is asked again, and one that still fails stops the push with a WeightSyncError
   that names it and its reason; a server that dies during the push is re-synced when it is back.
 
+Verified serving (`require_verified`): a run that checks what each server serves after every weight
+push (`agentrl.orchestration.served_policy`) gives the router its check; from then on a server serves
+a weight version only once the check passed for that server at that version (`admit`). A server that
+loaded a push, came back from a restart or was re-synced is out of rotation until then: the router
+runs the check on it by itself whenever it answers /health with a version it was not admitted at
+(the run runs it on every server right after a push), so no request is admitted at a version the
+check has not passed, in any mode.
+
 Scoring (the logprobs of given ids, `protocol.ScoreRequest`) goes to one named server, whatever its
 eligibility (`score(..., server_id=...)`: the served-policy check scores a server that has just
 loaded a version before it serves it), to the least-loaded eligible server (`score`), or to every
@@ -52,18 +60,21 @@ import contextlib
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Any
 
 from agentrl.errors import InferenceError, InferenceRequestError, ServerUnavailableError, WeightSyncError
 from agentrl.inference.protocol import ScoreResponse
 from agentrl.types import Generation, SamplingParams
 
-__all__ = ["MAX_SERVER_ERRORS", "RoutedServer", "Router"]
+__all__ = ["MAX_SERVER_ERRORS", "RoutedServer", "Router", "ServedVerifier"]
 
 log = logging.getLogger(__name__)
 
 _DIED = object()
+
+ServedVerifier = Callable[[str, int], Awaitable[None]]
+"""`verify(server_id, version)`: check what one server serves at one weight version; admit it if it passes."""
 """`_push_one`'s answer for a server that died during the push."""
 
 MAX_SERVER_ERRORS = 3
@@ -85,6 +96,8 @@ class RoutedServer:
         "server_id",
         "sessions",
         "syncing",
+        "verified_version",
+        "verifying",
         "weight_version",
     )
 
@@ -101,6 +114,8 @@ class RoutedServer:
         self.restarting = False  # its supervisor is starting it again
         self.syncing = False  # a re-sync to the last pushed weights is under way
         self.given_up: str | None = None  # why it will not come back
+        self.verified_version: int | None = None  # the version the served-policy check admitted it at
+        self.verifying = False  # that check is under way
 
     @property
     def load(self) -> int:
@@ -156,6 +171,8 @@ class Router:
         """(source, version, token) of the last `update_weights`: what a returning server gets."""
         self.fatal: ServerUnavailableError | None = None
         """Set once every server was given up: why no request can be served any more."""
+        self._verify: ServedVerifier | None = None
+        self._verifies: set[asyncio.Task[None]] = set()
         self.counters = {
             "requests": 0,
             "new_sessions": 0,
@@ -171,6 +188,8 @@ class Router:
     # ── eligibility and load bookkeeping ────────────────────────────────────────────────────
     def _is_eligible(self, s: RoutedServer) -> bool:
         if not s.healthy or s.restarting or s.given_up is not None:
+            return False
+        if self._verify is not None and (s.weight_version is None or s.verified_version != s.weight_version):
             return False
         if self.current_version is None:
             return True
@@ -193,6 +212,43 @@ class Router:
         """Serve only from servers whose weight_version >= `version` (None: any version)."""
         self.current_version = version
         self._refresh_eligibility()
+
+    # ── verified serving ────────────────────────────────────────────────────────────────────
+    def require_verified(self, verify: ServedVerifier) -> None:
+        """From now on, serve a weight version from a server only once it was admitted at it (`admit`).
+        `verify(server_id, version)` checks one server at one version and admits it if it passes; the
+        router calls it (in the background) for a healthy server that answers with a version it was
+        not admitted at: after a restart, a re-sync, or a push whose check did not reach it."""
+        self._verify = verify
+        self._refresh_eligibility()
+
+    def admit(self, server_id: str, version: int) -> None:
+        """The served-policy check passed for `server_id` at weight `version`: it may serve it."""
+        s = next((x for x in self.servers if x.server_id == server_id), None)
+        if s is None:
+            raise InferenceError(f"No server {server_id!r} behind this router; known: {[x.server_id for x in self.servers]}")
+        s.verified_version = version
+        self._refresh_eligibility()
+
+    def _verify_later(self, s: RoutedServer) -> None:
+        if (self._verify is None or self._changed is None or s.verifying or s.syncing or s.restarting
+                or not s.healthy or s.given_up is not None or s.weight_version is None
+                or s.verified_version == s.weight_version or self._behind(s)):
+            return
+        s.verifying = True
+        task = asyncio.ensure_future(self._run_verify(self._verify, s, s.weight_version))
+        self._verifies.add(task)
+        task.add_done_callback(self._verifies.discard)
+
+    async def _run_verify(self, verify: ServedVerifier, s: RoutedServer, version: int) -> None:
+        try:
+            await verify(s.server_id, version)
+        except Exception:  # the check records its own failure; the server stays out of rotation
+            log.exception("the served-policy check of inference server %s at weights version %d failed",
+                          s.server_id, version)
+        finally:
+            s.verifying = False
+            self._refresh_eligibility()
 
     # ── the routing decision (synchronous, no I/O) ──────────────────────────────────────────
     def _least_loaded(self, exclude: Iterable[RoutedServer] = ()) -> RoutedServer | None:
@@ -399,6 +455,8 @@ class Router:
             task = asyncio.ensure_future(self.resync(s))
             self._syncs.add(task)
             task.add_done_callback(self._syncs.discard)
+        else:
+            self._verify_later(s)
 
     def _behind(self, s: RoutedServer) -> bool:
         return (
@@ -614,12 +672,13 @@ class Router:
         finally:
             s.syncing = False
             self._refresh_eligibility()
+            self._verify_later(s)
 
     # ── supervision (see serve.ServerSupervisor) ────────────────────────────────────────────
     def server_down(self, index: int) -> None:
         """Server `index` died and is being restarted: route around it until it is back and re-synced."""
         s = self.servers[index]
-        s.restarting, s.healthy = True, False
+        s.restarting, s.healthy, s.verified_version = True, False, None
         self._refresh_eligibility()
 
     def server_restarted(self, index: int) -> None:
@@ -658,9 +717,10 @@ class Router:
         }
 
     async def aclose(self) -> None:
-        for task in list(self._syncs):
+        tasks = [*self._syncs, *self._verifies]
+        for task in tasks:
             task.cancel()
-        await asyncio.gather(*self._syncs, return_exceptions=True)
+        await asyncio.gather(*tasks, return_exceptions=True)
         if self._health_task is not None:
             self._health_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):

@@ -43,6 +43,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import time
 from collections.abc import AsyncIterator
 from typing import Any, Literal
 
@@ -90,7 +91,7 @@ def weight_load_report(source: str, version: int, stats: dict[str, Any], seconds
     return WeightLoadReport(
         version=version, source=source, buckets=stats["buckets"], verified_buckets=stats["verified"],
         unverified_buckets=stats["unverified"], retried_buckets=stats["retried"], bytes=stats["bytes"],
-        checksum=stats["checksum"], seconds=seconds,
+        checksum=stats["checksum"], seconds=seconds, receive_seconds=stats.get("receive_seconds", 0.0),
     )  # fmt: skip
 
 
@@ -224,7 +225,9 @@ class ServerState:
         """Pause, load `version` from `source`, resume; see the module docstring for failures."""
         async with self._update_lock:
             was_paused = self.paused
+            paused_at = time.perf_counter()
             await self.pause(abort=False)
+            pause_seconds = time.perf_counter() - paused_at
             m = self.metrics
             try:
                 try:
@@ -237,6 +240,7 @@ class ServerState:
                     log.error("weight version %d from %s failed (%s): %s", version, source,
                               "weights incomplete, not serving" if exc.touched else "weights unchanged", exc)
                     raise
+                report = report.model_copy(update={"pause_seconds": pause_seconds})
                 self.weights_error = None
                 self.weight_version = version
                 m.weight_updates += 1

@@ -467,6 +467,8 @@ class Run:
             if not colocated:
                 await trainer.export(version)
             await steps.push(version)
+        else:  # the servers loaded the weights the trainer starts from: check that before the first batch
+            await steps.check_served(version)
         return steps
 
 

@@ -16,7 +16,12 @@ dataset rows are rolled out on the configured engine at `rollout.temperature`/`t
 - (e) `placement`: the same seeded probes sampled in split placement (the server process) and in
   colocated placement (the engine built in this process, given the trainer's tensors by an
   in-memory push): the logprob gap over the tokens both drew (`placement_check`);
-- (f) `dtype`: trainer scoring in bfloat16 vs float32 over the same tokens.
+- (f) `dtype`: trainer scoring in bfloat16 vs float32 over the same tokens;
+- (g) `served`: the check a run makes after every push (`served_policy`), on (d)'s push: the run's
+  probe scored by every server before and after the push against the base and the perturbed model
+  in this process, (i) the gap at the pushed version and (ii) the moves, within the dtype pair's
+  `tol`; with the push's phases as the servers report them (pause, transfer, load) and the check's
+  own seconds.
 
 Each check is PASS, FAIL or SKIP with its figures; the run fails when any check fails. It writes
 nothing into a run directory and trains nothing. What needs the servers, (a)'s rollouts, (e)'s split
@@ -51,6 +56,7 @@ from agentrl.orchestration.placement_check import (
     placement_skip_reason,
     placement_tolerance,
 )
+from agentrl.orchestration.served_policy import ServedProbe, build_probe, compare_served, served_tolerance
 from agentrl.rollout import RolloutWorker
 from agentrl.sampling import kept_set_rule, sampling_params
 from agentrl.types import Generation, Trajectory
@@ -110,7 +116,7 @@ def run_onpolicy_check(config: AgentRLConfig, *, rows: int = 4, bf16_vs_fp32: bo
     job = build_job(config, "run")
     skip_placement = "--no-placement was given" if not placement else placement_skip_reason(config)
     with tempfile.TemporaryDirectory(prefix="agentrl-check-") as tmp:
-        picked, trajs, tools, cache, probes, split = asyncio.run(
+        picked, trajs, tools, (cache, served), probes, split = asyncio.run(
             _on_servers(job, rows, Path(tmp), compare_placement=skip_placement is None))
     # the trainer's side, after the servers stopped and the job closed: it needs neither
     report = OnPolicyReport({
@@ -128,6 +134,7 @@ def run_onpolicy_check(config: AgentRLConfig, *, rows: int = 4, bf16_vs_fp32: bo
                          _check_placement(config, job.model_path, backend, probes, split))
     report.checks.append(_check_dtype(config, job.model_path, trajs, backend) if bf16_vs_fp32 else
                          CheckResult("dtype", "SKIP", detail="--no-dtype was given"))
+    report.checks.append(served)
     report.seconds = time.perf_counter() - start
     return report
 
@@ -139,11 +146,12 @@ def _restrictions(config: AgentRLConfig) -> dict[str, Any]:
 
 async def _on_servers(
     job: Job, rows: int, tmp: Path, *, compare_placement: bool
-) -> tuple[list[dict[str, Any]], list[Trajectory], list[Any], CheckResult, list[PlacementProbe], list[Generation]]:
+) -> tuple[list[dict[str, Any]], list[Trajectory], list[Any], tuple[CheckResult, CheckResult], list[PlacementProbe],
+           list[Generation]]:
     """Everything that needs the servers or the job's resources, on one event loop inside the job
     (`async with job`: closed however the check ends, then the servers stopped): the rows picked, the
     rollouts, the split side of the placement check (before the cache check pushes other weights),
-    then the cache check."""
+    then the cache and served-policy checks (one push)."""
     from agentrl.inference.serve import InferenceService, serve_from_config
 
     service: InferenceService | None = None
@@ -283,16 +291,22 @@ def _check_kept_set(config: AgentRLConfig, trajs: list[Trajectory], old: Any,
     return result
 
 
-async def _check_cache(config: AgentRLConfig, job: Job, router: Any, trajs: list[Trajectory], tmp: Path) -> CheckResult:
-    """Sample from one prefix, push perturbed weights, sample again: the server must use them."""
+async def _check_cache(config: AgentRLConfig, job: Job, router: Any, trajs: list[Trajectory],
+                       tmp: Path) -> tuple[CheckResult, CheckResult]:
+    """(d) Sample from one prefix, push perturbed weights, sample again: the server must use them;
+    and (g) the served-policy check on the same push."""
     if config.inference.engine == "external" or config.inference.urls:
-        return CheckResult("cache", "SKIP", detail="servers this check did not start are not given other weights")
+        why = "servers this check did not start are not given other weights"
+        return CheckResult("cache", "SKIP", detail=why), CheckResult("served", "SKIP", detail=why)
     prefix = list(trajs[0].token_ids[: trajs[0].prompt_length])
     # The reference logprob is over the whole vocabulary: so is the probe's.
     sampling = sampling_params(config.rollout, max_tokens=1, seed=config.run.seed, whole_vocabulary=True)
     before = await router.generate(prefix, sampling, session_id="check-cache")
+    probe = build_probe(job.template, seed=config.run.seed)
+    served_before = await _probe_scores(router, probe)
     perturbed, perturbed_dir = await asyncio.to_thread(_perturbed_copy, job.model_path, tmp / "perturbed", config.run.seed)
-    await router.update_weights(str(perturbed_dir), 1)
+    pushed = await router.update_weights(str(perturbed_dir), 1)
+    served = await _check_served(config, job, router, probe, served_before, perturbed, pushed)
     after = await router.generate(prefix, sampling, session_id="check-cache")
     reference = _next_token_logprob(perturbed, prefix, after.token_ids[0], config.rollout.temperature)
     base_lp = before.logprobs[0] if before.token_ids[0] == after.token_ids[0] else float("nan")
@@ -303,8 +317,65 @@ async def _check_cache(config: AgentRLConfig, job: Job, router: Any, trajs: list
     if not changed or figures["after_vs_perturbed_gap"] > gate.max_logprob_gap:
         return CheckResult("cache", "FAIL", figures, "after a weight push the server's logprob of the same prefix "
                            f"{'did not change' if not changed else 'does not match the pushed weights'}: it serves "
-                           "stale weights or a stale prefix cache. Check inference.prefix_caching and the weight push.")
-    return CheckResult("cache", "PASS", figures, "the pushed weights reached the server, prefix cache included")
+                           "stale weights or a stale prefix cache. Check inference.prefix_caching and the weight push."
+                           ), served
+    return CheckResult("cache", "PASS", figures, "the pushed weights reached the server, prefix cache included"), served
+
+
+async def _probe_scores(router: Any, probe: ServedProbe) -> dict[str, list[list[float]]]:
+    """Every healthy server's logprobs of each probe sequence, by server id."""
+    out: dict[str, list[list[float]]] = {}
+    for seq in probe.sequences:
+        for sid, answer in (await router.score_each(list(seq))).items():
+            out.setdefault(sid, []).append(list(answer.logprobs))
+    return out
+
+
+async def _check_served(config: AgentRLConfig, job: Job, router: Any, probe: ServedProbe,
+                        served_before: dict[str, list[list[float]]], perturbed: Any,
+                        pushed: dict[str, Any]) -> CheckResult:
+    """(g): the served-policy check of a run (`served_policy`) on the push of the perturbed weights."""
+    start = time.perf_counter()
+    served_after = await _probe_scores(router, probe)
+    seconds = time.perf_counter() - start
+    base, moved = await asyncio.to_thread(_reference_probe_scores, job.model_path, perturbed, probe)
+    trainer_dtype = "float32"  # the references are scored in float32 in this process
+    tol = served_tolerance(engine_dtype(config, job.model_path), trainer_dtype)
+    checks = [compare_served(replica=sid, version=1, served=served_after[sid], trainer=moved, tol=tol,
+                             previous=(0, served_before[sid], base))
+              for sid in sorted(set(served_after) & set(served_before))]
+    reports = [r for r in pushed.values() if r is not None]
+    figures = {"tol": tol, "gap_max": max(c.gap for c in checks), "moved_gap_max": max(c.moved_gap for c in checks),
+               "moved_tokens_min": float(min(c.moved_tokens for c in checks)),
+               **({"pause_s": max(r.pause_seconds for r in reports), "transfer_s": max(r.receive_seconds for r in reports),
+                   "load_s": max(r.seconds - r.receive_seconds for r in reports)} if reports else {}),
+               "verify_s": seconds}
+    failed = [c for c in checks if not c.ok]
+    if failed:
+        return CheckResult("served", "FAIL", figures, "after a weight push a server does not serve the pushed weights: "
+                           + " | ".join(c.describe() for c in failed))
+    return CheckResult("served", "PASS", figures, f"{len(checks)} server(s) serve the pushed weights: the probe's "
+                       f"{probe.scored_tokens} tokens within tol of the perturbed model, and moved with it")
+
+
+def _reference_probe_scores(model_path: str, perturbed: Any, probe: ServedProbe) -> tuple[list[list[float]],
+                                                                                        list[list[float]]]:
+    """The probe's logprobs under the base model and under `perturbed`, in float32 in this process."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+
+    def scores(model: Any) -> list[list[float]]:
+        out = []
+        with torch.no_grad():
+            for seq in probe.sequences:
+                logits = model(torch.tensor([list(seq)])).logits[0, :-1].float()
+                lp = torch.log_softmax(logits, -1).gather(-1, torch.tensor(seq[1:]).unsqueeze(-1)).squeeze(-1)
+                out.append([float(x) for x in lp.tolist()])
+        return out
+
+    return scores(base), scores(perturbed)
 
 
 def _check_placement(config: AgentRLConfig, model_path: str, backend: Any, probes: list[PlacementProbe],

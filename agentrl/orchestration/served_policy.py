@@ -27,13 +27,17 @@ weights, where an engine exposes its tensors, have no such limit; they are not b
 
 `ServedPolicyCheck` runs the two tests after a push: the trainer scores the probe at its new
 weights (`score_probe` of the trainer group), every healthy replica scores it through the router
-(`Router.score_each`), and each replica is compared with its own scores of the previous check. A
-replica that fails stops the run with `ServedPolicyError` naming it, the version and the figures.
-The run calls it from its push (`training.TrainingSteps.push`).
+(`Router.score` on each by name), and each replica is compared with its own scores of the previous
+check. The router serves a version from a replica only once the check admitted it there
+(`Router.require_verified`), and checks a replica that comes back after a restart or a re-sync by
+itself (`verify_replica`). A replica that fails stops the run with `ServedPolicyError` naming it, the
+version and the figures. The run calls it at its start and from its push (`training.TrainingSteps`).
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import math
 import random
 from collections.abc import Sequence
@@ -41,7 +45,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from agentrl.chat import ChatTemplate
-from agentrl.errors import ChatTemplateError, ServedPolicyError
+from agentrl.errors import ChatTemplateError, InferenceError, ServedPolicyError
 from agentrl.types import Message, TokenOrigin, ToolSchema, Trajectory
 
 __all__ = [
@@ -56,6 +60,8 @@ __all__ = [
     "served_check_for_run",
     "served_tolerance",
 ]
+
+log = logging.getLogger(__name__)
 
 TOLERANCES: dict[tuple[str, str], float] = {
     ("float32", "float32"): 1e-3,
@@ -250,7 +256,15 @@ def compare_served(
 
 
 class ServedPolicyCheck:
-    """The two tests after every push, over the run's probe; keeps each replica's last scores."""
+    """The two tests at every weight version a replica serves, over the run's probe.
+
+    `after_push` checks every healthy replica right after a push (and once at the start, before the
+    first batch); `verify_replica` checks one replica that came back (restarted, re-synced) at the
+    version the last `after_push` checked, against the trainer's scores kept from it. A replica that
+    passes is admitted at that version by the router (`Router.admit`), and only then serves it; one
+    that fails is never admitted. A failure found by `after_push` raises ServedPolicyError at once; one
+    found in the background is kept in `failure` and raised by `raise_if_failed`, which the run calls
+    before each batch is trained."""
 
     def __init__(self, probe: ServedProbe, tol: float, *, resume_command: str = "") -> None:
         self.probe = probe
@@ -258,34 +272,79 @@ class ServedPolicyCheck:
         self.resume_command = resume_command
         self.last: dict[str, tuple[int, list[list[float]], list[list[float]]]] = {}
         """(version, served, trainer) of each replica's last passed check, for test (ii)."""
+        self.trainer_at: tuple[int, list[list[float]]] | None = None
+        """The version `after_push` checked last and the trainer's scores of the probe at it."""
+        self.failure: ServedPolicyError | None = None
+        """A replica that failed a check run in the background (`verify_replica`)."""
 
     async def after_push(self, version: int, *, router: Any, trainer: Any) -> list[ServedCheck]:
-        """Score the probe on the trainer and on every healthy replica at `version`; compare; raise
-        ServedPolicyError naming every replica that fails (the others' results are logged by the caller)."""
+        """Score the probe on the trainer and on every healthy replica at `version`; compare; admit the
+        replicas that pass; raise ServedPolicyError naming every replica that fails (the caller logs the
+        others). A replica that stops answering meanwhile is left out (not admitted: the router checks it
+        when it is back)."""
         sequences = [list(s) for s in self.probe.sequences]
         trainer_scores: list[list[float]] = await trainer.score_probe(sequences)
-        answers = [await router.score_each(seq) for seq in sequences]
-        replicas = sorted(set.intersection(*(set(a) for a in answers)))
-        checks = []
-        for replica in replicas:
-            served = [list(a[replica].logprobs) for a in answers]
-            versions = sorted({a[replica].weight_version for a in answers})
-            check = compare_served(replica=replica, version=version, served=served, trainer=trainer_scores,
-                                   tol=self.tol, served_version=versions[0] if len(versions) == 1 else -1,
-                                   previous=self.last.get(replica))
-            checks.append(check)
-            if check.ok:
-                self.last[replica] = (version, served, trainer_scores)
+        targets = [s.server_id for s in router.servers if s.healthy and not s.restarting and s.given_up is None]
+        served_by = await asyncio.gather(*(self._served(router, sid) for sid in targets))
+        checks = [self._compare(router, sid, version, served, trainer_scores)
+                  for sid, served in zip(targets, served_by, strict=True) if served is not None]
+        self.trainer_at = (version, trainer_scores)
         failed = [c for c in checks if not c.ok]
         if failed:
-            then = f" Once the cause is fixed, resume with: {self.resume_command}" if self.resume_command else ""
-            raise ServedPolicyError(
-                f"After the push of weight version {version}, {len(failed)} of {len(checks)} inference replica(s) "
-                f"do not serve the trainer's weights: " + " | ".join(c.describe() for c in failed) + ". The run "
-                "stops before sampling from them. Likely causes: the engine's reload did not load (all of) the pushed "
-                "tensors, or a replica kept its old weights while reporting the new version; the checksums of the "
-                f"buckets only prove that the bytes arrived (docs/served-policy.md).{then}")
+            raise self._error(version, failed, len(checks))
         return checks
+
+    async def verify_replica(self, replica: str, version: int, *, router: Any) -> ServedCheck | None:
+        """Check one replica at `version` against the trainer's scores kept from the last `after_push`
+        (None, and nothing admitted, when that push's check has not run yet: it will check the replica)."""
+        if self.trainer_at is None or self.trainer_at[0] != version:
+            return None
+        served = await self._served(router, replica)
+        if served is None:
+            return None
+        check = self._compare(router, replica, version, served, self.trainer_at[1])
+        if not check.ok and self.failure is None:
+            self.failure = self._error(version, [check], 1)
+        return check
+
+    def raise_if_failed(self) -> None:
+        """Raise the failure a background check found, if any."""
+        if self.failure is not None:
+            raise self.failure
+
+    async def _served(self, router: Any, replica: str) -> list[tuple[int, list[float]]] | None:
+        """(weight version, logprobs) of each probe sequence on `replica`; None if it did not answer."""
+        out = []
+        for seq in self.probe.sequences:
+            try:
+                answer = await router.score(list(seq), server_id=replica)
+            except InferenceError as exc:
+                log.warning("inference replica %s did not score the served-policy probe (%s); it serves again "
+                            "once it answers and passes the check", replica, exc)
+                return None
+            out.append((answer.weight_version, list(answer.logprobs)))
+        return out
+
+    def _compare(self, router: Any, replica: str, version: int, served: list[tuple[int, list[float]]],
+                 trainer_scores: list[list[float]]) -> ServedCheck:
+        scores = [lp for _, lp in served]
+        versions = sorted({v for v, _ in served})
+        check = compare_served(replica=replica, version=version, served=scores, trainer=trainer_scores,
+                               tol=self.tol, served_version=versions[0] if len(versions) == 1 else -1,
+                               previous=self.last.get(replica))
+        if check.ok:
+            self.last[replica] = (version, scores, trainer_scores)
+            router.admit(replica, version)
+        return check
+
+    def _error(self, version: int, failed: list[ServedCheck], checked: int) -> ServedPolicyError:
+        then = f" Once the cause is fixed, resume with: {self.resume_command}" if self.resume_command else ""
+        return ServedPolicyError(
+            f"At weight version {version}, {len(failed)} of {checked} inference replica(s) checked "
+            f"do not serve the trainer's weights: " + " | ".join(c.describe() for c in failed) + ". The run "
+            "stops before sampling from them. Likely causes: the engine's reload did not load (all of) the pushed "
+            "tensors, or a replica kept its old weights while reporting the new version; the checksums of the "
+            f"buckets only prove that the bytes arrived (docs/served-policy.md).{then}")
 
 
 def served_check_for_run(config: Any, model_path: str, template: ChatTemplate, router: Any, *, device: str,
@@ -295,6 +354,8 @@ def served_check_for_run(config: Any, model_path: str, template: ChatTemplate, r
     server). `device` is where the trainer computes (`auto` dtype: float32 on CPU, bfloat16 on CUDA)."""
     from agentrl.orchestration.placement_check import engine_dtype
 
+    if not config.weights.check_served:
+        return None, "off (weights.check_served=false): only the buckets' checksums are checked after each push"
     if not router.servers:
         return None, "no inference replica behind the router to check"
     cannot = [s.server_id for s in router.servers if not hasattr(s.client, "score")]

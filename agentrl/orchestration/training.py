@@ -157,6 +157,9 @@ class TrainingSteps:
             device=job.plan.device if job.plan is not None else "cpu")
         log.info("served-policy check: %s", served_note)
         self._served_metrics: dict[str, float] = {}
+        self._sync_metrics: dict[str, float] = {}  # the last push's phases, as its servers report them
+        if self.served_check is not None:  # no replica serves a version the check has not admitted it at
+            router.require_verified(self._verify_replica)
         self.meter = PromptMeter(job.template, make_env, config.rollout.max_total_tokens)
         self.ticker = ProgressTicker()  # ticks while the console is one of the run's loggers
         self.scheduler = Scheduler(
@@ -236,6 +239,8 @@ class TrainingSteps:
 
     async def train(self, step: int, groups: list[GroupResult]) -> dict[str, float]:
         self.books.infra.check()  # a run whose episodes fail for infrastructure reasons stops before training
+        if self.served_check is not None:  # a replica that came back serving other weights (never sampled from)
+            self.served_check.raise_if_failed()
         # Infrastructure failures are masked out of the loss: they never reach the trainer at all.
         trajectories = [t for g in groups for t in g.trajectories if t.trainable]
         self.ticker.begin(f"step {step + 1}/{self.config.run.total_steps}: training on {len(trajectories)} episodes")
@@ -262,25 +267,42 @@ class TrainingSteps:
             self.router.set_version(version)
         else:
             await self._push_to_servers(version)
-        await self._check_served(version)
+        await self.check_served(version)
 
-    async def _check_served(self, version: int) -> None:
-        """The served-policy check of `version` (`served_policy`); a replica that fails stops the run."""
+    async def check_served(self, version: int) -> None:
+        """The served-policy check of `version` on every replica (`served_policy`): after each push, and at
+        the start of a run that pushes nothing first. A replica that fails stops the run; the ones that
+        pass serve `version` from then on."""
         if self.served_check is None:
             return
         start = time.perf_counter()
         checks = await self.served_check.after_push(version, router=self.router, trainer=self.trainer)
         seconds = time.perf_counter() - start
+        index = {server.server_id: i for i, server in enumerate(self.router.servers)}  # r<i>: inference.urls[i]
         self._served_metrics = {"served/gap_max": max((c.gap for c in checks), default=0.0),
                                 "served/moved_gap_max": max((c.moved_gap for c in checks), default=0.0),
-                                "time/served_check_s": seconds}
+                                "sync/verify_s": seconds,
+                                **{f"served/gap/r{index[c.replica]}": c.gap for c in checks}}
         log.debug("served-policy check of version %d in %.2f s: %s", version, seconds,
                   "; ".join(c.describe() for c in checks))
+
+    async def _verify_replica(self, replica: str, version: int) -> None:
+        """The router's check of one replica that came back (restarted, re-synced) at `version`."""
+        if self.served_check is None:
+            return
+        check = await self.served_check.verify_replica(replica, version, router=self.router)
+        if check is not None:
+            (log.info if check.ok else log.error)("served-policy check of a replica that came back: %s",
+                                                 check.describe())
 
     async def _push_to_servers(self, version: int) -> None:
         source, token = self.trainer.weight_source(version)
         reports = await self.router.update_weights(source, version, token=token)
         done = [r for r in reports.values() if r is not None]
+        if done:  # the slowest server's figures: the push waits for every server
+            self._sync_metrics = {"sync/pause_s": max(r.pause_seconds for r in done),
+                                  "sync/transfer_s": max(r.receive_seconds for r in done),
+                                  "sync/load_s": max(r.seconds - r.receive_seconds for r in done)}
         each = ", ".join(f"{sid} {r.verified_buckets}/{r.buckets}" if r is not None else f"{sid} (no report)"
                          for sid, r in reports.items())
         log.info("weight version %d on %d server(s) from %s: %s bucket(s) verified of %s [%s]", version, len(reports),
@@ -296,6 +318,7 @@ class TrainingSteps:
         metrics.update(segment_metrics(record.trajectories))
         metrics.update(record.train_metrics)
         metrics.update(self._served_metrics)  # the check of the last push (empty before the first)
+        metrics.update(self._sync_metrics)
         metrics.update({f"time/{k}": v for k, v in record.timings.items()})
         metrics["time/weight_sync_s"] = record.timings.get("weight_sync_s", 0.0) + record.train_metrics.get(
             "time/export_s", 0.0)

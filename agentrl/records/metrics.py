@@ -118,6 +118,13 @@ PANELS: tuple[Panel, ...] = (
     Panel("Grad norm", ("actor/grad_norm",)),
     Panel("Rollout / trainer mismatch", ("rollout/logprob_abs_diff",),
           "mean |trainer - rollout engine| logprob of the sampled tokens"),
+    Panel("Served policy", ("served/gap/*", "served/moved_gap_max"),
+          "after each push, the largest |served - trainer| logprob gap on the probe per replica (r<i>: "
+          "inference.urls[i]), and where the trainer moved, how differently the served scores moved; the run "
+          "stops above tol (docs/served-policy.md)"),
+    Panel("Weight sync", ("sync/pause_s", "sync/transfer_s", "sync/load_s", "sync/verify_s"),
+          "seconds of each push: the servers' wait for requests in flight, receiving and checking the buckets, "
+          "loading them, the served-policy check", stacked=True),
     Panel("Staleness", ("staleness/max", "staleness/mean"), "policy versions between sampling and training"),
     Panel("Time split", ("time/split/wait_rollout_s", "time/split/train_s", "time/split/weights_s",
                          "time/split/other_s"),

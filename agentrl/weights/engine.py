@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Generator, Iterable, Iterator
 from dataclasses import asdict, dataclass
@@ -72,6 +73,8 @@ class TransferStats:
     of their tensors were handed out; `unverified` those that carried no checksum (a foreign
     checkpoint directory, or an engine built with `checksum=None`); `retried` buckets fetched
     again after a failed check (the http engine re-fetches a corrupted bucket before giving up).
+    `receive_seconds` is the time the reader spent waiting for buckets and checking them (the
+    transfer as the loader saw it); the rest of a load's time is the loading itself.
     """
 
     buckets: int = 0
@@ -80,6 +83,7 @@ class TransferStats:
     retried: int = 0
     bytes: int = 0
     checksum: str | None = None
+    receive_seconds: float = 0.0
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -153,7 +157,9 @@ class WeightStream(Iterator[tuple[str, torch.Tensor]]):
         self._copy = copy
         self._verify = verify
         self.stats = stats if stats is not None else TransferStats()
+        start = time.perf_counter()
         self._first = items.get()
+        self.stats.receive_seconds += time.perf_counter() - start
         first = self._first
         self.version: int | None = (
             first.version if isinstance(first, PushEnd)
@@ -203,9 +209,11 @@ class WeightStream(Iterator[tuple[str, torch.Tensor]]):
                     return
                 held = item
                 meta = item.meta
+                start = time.perf_counter()
                 if self._verify:
                     verify_bucket(meta, item.data, item.received_checksum)
                 stats = self.stats
+                stats.receive_seconds += time.perf_counter() - start
                 stats.buckets += 1
                 stats.bytes += meta.nbytes
                 if self._verify and meta.checksum is not None and meta.checksum_kind is not None:
@@ -218,7 +226,9 @@ class WeightStream(Iterator[tuple[str, torch.Tensor]]):
                 # The caller asked past this bucket's last tensor: its buffer may be refilled now.
                 held = None
                 item.release()
+                start = time.perf_counter()
                 item = self._items.get()
+                stats.receive_seconds += time.perf_counter() - start
         finally:
             if held is not None:
                 held.release()

@@ -1,10 +1,11 @@
-"""The served-policy check in a real run: a server that reports each new version but keeps its old weights.
+"""The served-policy check in a real run: servers that report each new version but do not serve it.
 
-The run (tiny random Qwen2, ParityEnv, the trainer on CPU) talks to one `hf` server of its own whose
-reloads verify every bucket and load nothing (`stale_engine.StaleHFEngine`): every push is reported
-verified, and the server reports the pushed version. The check after the push that changed the
-policy stops the run with `ServedPolicyError`, naming the server, the version and the figures, and
-the command that resumes the run; nothing is sampled at that version.
+The run (tiny random Qwen2, ParityEnv, the trainer on CPU) talks to four `hf` servers of its own: one
+sound, and three whose reloads verify every bucket and then (`stale_engine`) load nothing, skip the
+embedding, or leave the LM head's "kernel copy" at the starting weights. Every push is reported
+verified and every server reports the pushed version. The check after the push that changed the
+policy stops the run with `ServedPolicyError` naming the three faulty servers (and not the sound one),
+the version and the figures, and the command that resumes the run; nothing is sampled at that version.
 """
 
 from __future__ import annotations
@@ -18,27 +19,39 @@ from fault_common import HERE, lines, make_config
 pytestmark = pytest.mark.slow
 
 
-def test_a_server_that_keeps_its_old_weights_stops_the_run_at_the_first_push(tmp_path: Path, assets: Path) -> None:
+def test_servers_that_load_nothing_skip_the_embedding_or_keep_a_stale_head_stop_the_run_the_sound_one_passes(
+        tmp_path: Path, assets: Path) -> None:
     from agentrl.errors import ServedPolicyError
     from agentrl.inference import launch_server
     from agentrl.orchestration.driver import run_training
 
     env = {"PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])}
-    server = launch_server("stale_engine:STALE_HF", str(assets / "tiny-random-qwen2"), startup_timeout_s=300, env=env)
+    model = str(assets / "tiny-random-qwen2")
+    servers = [launch_server("hf", model, startup_timeout_s=300, wait=False)] + [
+        launch_server("stale_engine:STALE_HF", model, startup_timeout_s=300, env=env, fault=f, wait=False)
+        for f in ("nothing", "skip-embedding", "stale-kernel")]
     try:
+        for s in servers:
+            s.wait_healthy(300)
         # 4 samples a prompt and a large step: some group has a reward spread, so a step moves the policy
         config = make_config(tmp_path, "stale", assets, "inference.engine=hf", "rollout.samples_per_prompt=4",
-                             "trainer.lr=1e-2", "run.total_steps=2", "weights.backend=files", url=server.url)
+                             "trainer.lr=1e-2", "run.total_steps=2", "weights.backend=files",
+                             url=",".join(s.url for s in servers))
         with pytest.raises(ServedPolicyError) as stopped:
             run_training(config)
     finally:
-        server.stop()
+        for s in servers:
+            s.stop()
     message = str(stopped.value)
     print(message)
-    assert f"replica {server.url} at weight version " in message and ": FAIL (" in message
+    sound, *faulty = servers
+    for s in faulty:
+        assert f"replica {s.url} at weight version " in message
+    assert f"replica {sound.url} " not in message, "the sound server passes"
     assert "(i) served and trainer scores differ by more than tol" in message and "(tol 0.001)" in message
-    assert "do not serve the trainer's weights" in message and "resume=true" in message
-    version = int(message.split("After the push of weight version ")[1].split(",")[0])
+    assert "3 of 4 inference replica(s) checked do not serve the trainer's weights" in message
+    assert "resume=true" in message
+    version = int(message.split("At weight version ")[1].split(",")[0])
     assert version in (1, 2)
     rows = lines(tmp_path / "stale" / "metrics.jsonl")
     # the failing push ends the step that trained `version`: no batch was sampled from it

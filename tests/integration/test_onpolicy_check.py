@@ -63,6 +63,10 @@ def test_check_passes_the_right_template_and_fails_the_planted_one(tmp_path: Pat
     placement = checks["placement"]["figures"]
     assert checks["placement"]["status"] == "PASS" and placement["identical"] == placement["probes"] == 2
     assert placement["compared_tokens"] > 0 and placement["max_gap"] < 1e-4 and placement["pushed_tensors"] > 0
+    served = checks["served"]["figures"]  # the check of a run's pushes, on the cache check's push
+    assert checks["served"]["status"] == "PASS" and served["tol"] == 1e-3 and served["gap_max"] < 1e-4
+    assert served["moved_tokens_min"] > 0 and served["moved_gap_max"] < 1e-4
+    assert served["verify_s"] > 0 and served["load_s"] > 0 and served["pause_s"] >= 0
 
     bad = agentrl(["check", "onpolicy", *base_args(assets, planted_template(tmp_path)), "--rows", "2", "--no-dtype",
                    "--no-placement"], tmp_path)

@@ -456,3 +456,50 @@ def test_once_every_server_is_given_up_requests_fail_at_once_with_the_reason():
 
     run(scenario())
     assert router.fatal is not None
+
+
+def test_with_verified_serving_a_server_serves_a_version_only_once_admitted_there_and_a_restarted_one_is_checked():
+    a, b = FakeServer("a"), FakeServer("b")
+    checked: list[tuple[str, int]] = []
+    release = asyncio.Event()
+    router = Router([a, b], health_interval_s=0.02)
+
+    async def verify(server_id: str, version: int) -> None:
+        checked.append((server_id, version))
+        await release.wait()
+        if not (server_id == "b" and version == 3):  # b fails its check at version 3
+            router.admit(server_id, version)
+
+    async def scenario():
+        await router.start()
+        await router.check_health()
+        router.require_verified(verify)
+        assert not any(s.eligible for s in router.servers), "nothing is admitted before its first check"
+        waiting = asyncio.create_task(router.generate([1], SP, session_id="s0", timeout_s=5))
+        await asyncio.sleep(0.1)
+        assert not waiting.done(), "no request is admitted before the check passed"
+        assert sorted(checked) == [("a", 0), ("b", 0)], "the router checks servers it has not admitted by itself"
+        release.set()
+        first = await waiting
+        checked.clear()
+        await router.update_weights("/w/v3", 3)  # loaded, not yet admitted at 3: the run checks right after
+        router.admit("a", 3)
+        eligible_after_push = [s.eligible for s in router.servers]
+        b.dead = True  # b dies, comes back with its first weights, is re-synced to 3, then fails its check
+        router.server_down(1)
+        b.dead, b.version = False, 0
+        router.server_restarted(1)
+        for _ in range(100):
+            await asyncio.sleep(0.02)
+            if ("b", 3) in checked and not router.servers[1].verifying:
+                break
+        gens = [await router.generate([1], SP, session_id=f"s{i}", timeout_s=5) for i in range(4)]
+        await router.aclose()
+        return first, eligible_after_push, gens
+
+    first, eligible_after_push, gens = run(scenario())
+    assert first.weight_version == 0
+    assert eligible_after_push == [True, False]
+    assert ("b", 3) in checked and b.version == 3, "re-synced, then checked at the version it was re-synced to"
+    assert [s.eligible for s in router.servers] == [True, False], "the server that failed its check serves nothing"
+    assert {g.weight_version for g in gens} == {3} and len(b.calls) <= 1  # b's one call at most, before the push

@@ -95,8 +95,10 @@ def test_update_weights_drains_swaps_and_reports_the_version():
         state = ServerState(engine, weight_version=0)
         before = asyncio.create_task(state.generate(req(5)))
         await asyncio.sleep(0.01)
-        await state.update_weights("/w/1", 1)
+        report = await state.update_weights("/w/1", 1)
         assert before.done() and before.result().weight_version == 0
+        # the request in flight had 4 of its 5 tokens (10 ms each) to go: the load waited for them
+        assert 0.02 <= report.pause_seconds < 1.0 and report.seconds == 0.01
         assert engine.loaded == ["/w/1"] and state.health().weight_version == 1
         assert not state.paused  # it resumes by itself when it was not paused before
         assert (await state.generate(req(1))).weight_version == 1

@@ -126,18 +126,30 @@ class FakeTrainer:
 
 
 class FakeFleet:
-    """`score_each` of a router over replicas whose scores are planted per sequence."""
+    """A router over replicas whose scores are planted per probe sequence: `score` by name and `admit`."""
 
-    def __init__(self, answers):
+    def __init__(self, answers, *, silent=()):
+        from types import SimpleNamespace
+
         self.answers = answers  # replica -> (version, [scores per sequence])
-        self.calls = 0
+        self.silent = set(silent)  # replicas that do not answer
+        self.servers = [SimpleNamespace(server_id=r, healthy=True, restarting=False, given_up=None) for r in answers]
+        self.sequences: list[tuple[int, ...]] = []
+        self.admitted: list[tuple[str, int]] = []
 
-    async def score_each(self, token_ids, *, start=1):
+    async def score(self, token_ids, *, start=1, server_id):
+        from agentrl.errors import ServerUnavailableError
         from agentrl.inference.protocol import ScoreResponse
 
-        i = self.calls
-        self.calls += 1
-        return {r: ScoreResponse(logprobs=scores[i], weight_version=v) for r, (v, scores) in self.answers.items()}
+        if server_id in self.silent:
+            raise ServerUnavailableError(f"{server_id} refused the connection")
+        if tuple(token_ids) not in self.sequences:
+            self.sequences.append(tuple(token_ids))
+        version, scores = self.answers[server_id]
+        return ScoreResponse(logprobs=scores[self.sequences.index(tuple(token_ids))], weight_version=version)
+
+    def admit(self, server_id, version):
+        self.admitted.append((server_id, version))
 
 
 def test_the_check_after_a_push_stops_on_the_replica_left_behind_and_keeps_the_good_ones():
@@ -148,15 +160,41 @@ def test_the_check_after_a_push_stops_on_the_replica_left_behind_and_keeps_the_g
 
     probe = ServedProbe(((1, 2, 3, 4), (5, 6, 7)), seed=0, with_tool_turn=True)
     check = ServedPolicyCheck(probe, TOL, resume_command="agentrl run runs/x/config.yaml resume=true run.name=x")
-    first = asyncio.run(check.after_push(1, router=FakeFleet({"a": (1, TRAINER_V1), "b": (1, TRAINER_V1)}),
-                                         trainer=FakeTrainer(TRAINER_V1)))
+    fleet = FakeFleet({"a": (1, TRAINER_V1), "b": (1, TRAINER_V1)})
+    first = asyncio.run(check.after_push(1, router=fleet, trainer=FakeTrainer(TRAINER_V1)))
     assert [c.ok for c in first] == [True, True] and set(check.last) == {"a", "b"}
+    assert fleet.admitted == [("a", 1), ("b", 1)]
     fleet = FakeFleet({"a": (2, TRAINER_V2), "b": (2, TRAINER_V1)})  # b reports version 2, serves version 1
     with pytest.raises(ServedPolicyError) as stopped:
         asyncio.run(check.after_push(2, router=fleet, trainer=FakeTrainer(TRAINER_V2)))
+    assert fleet.admitted == [("a", 2)], "the replica left behind is never admitted at the new version"
     message = str(stopped.value)
-    assert message.startswith("After the push of weight version 2, 1 of 2 inference replica(s) do not serve")
+    assert message.startswith("At weight version 2, 1 of 2 inference replica(s) checked do not serve")
     assert "replica b at weight version 2: FAIL" in message and "replica a" not in message
     assert "moved by more than 4 x tol since version 1" in message
     assert message.endswith("resume with: agentrl run runs/x/config.yaml resume=true run.name=x")
     assert check.last["a"][0] == 2 and check.last["b"][0] == 1  # a failed replica keeps its last good scores
+
+
+def test_a_replica_that_does_not_answer_is_left_out_and_one_that_comes_back_is_checked_against_the_kept_scores():
+    import asyncio
+
+    from agentrl.errors import ServedPolicyError
+    from agentrl.orchestration.served_policy import ServedPolicyCheck, ServedProbe
+
+    probe = ServedProbe(((1, 2, 3, 4), (5, 6, 7)), seed=0, with_tool_turn=True)
+    check = ServedPolicyCheck(probe, TOL)
+    fleet = FakeFleet({"a": (1, TRAINER_V1), "b": (1, TRAINER_V1)}, silent={"b"})
+    checks = asyncio.run(check.after_push(1, router=fleet, trainer=FakeTrainer(TRAINER_V1)))
+    assert [c.replica for c in checks] == ["a"] and fleet.admitted == [("a", 1)]
+    # b comes back: checked against the trainer's scores kept from the push's check, no trainer call needed
+    fleet.silent.clear()
+    back = asyncio.run(check.verify_replica("b", 1, router=fleet))
+    assert back is not None and back.ok and fleet.admitted[-1] == ("b", 1)
+    assert asyncio.run(check.verify_replica("b", 2, router=fleet)) is None, "a version not checked yet waits for it"
+    # b comes back again, serving other weights: not admitted, and the failure is kept for the run to raise
+    fleet.answers["b"] = (1, TRAINER_V2)
+    again = asyncio.run(check.verify_replica("b", 1, router=fleet))
+    assert again is not None and not again.ok and fleet.admitted[-1] == ("b", 1) and len(fleet.admitted) == 2
+    with pytest.raises(ServedPolicyError, match="replica b at weight version 1: FAIL"):
+        check.raise_if_failed()
