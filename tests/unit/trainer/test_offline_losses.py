@@ -117,3 +117,24 @@ def test_weighted_token_logprobs_give_the_same_gradient_as_the_loss_itself():
         weights = torch.cat([gc, gr])[:, None]
         (surrogate,) = torch.autograd.grad((weights * logprobs * mask).sum(), logits, retain_graph=True)
         torch.testing.assert_close(surrogate, direct, atol=1e-9, rtol=0)
+
+
+def test_sft_loss_of_a_multi_turn_row_counts_only_the_assistant_tokens():
+    """A row laid out as a ledger (prompt 3, call 2, template 1, tool 2, template 1, answer 2 tokens),
+    in the trainer's next-token alignment: the loss is the mean NLL of the four sampled tokens."""
+    from agentrl.trainer.packing import pad_trajectories
+    from agentrl.types import TokenOrigin, Trajectory
+
+    row = Trajectory()
+    row.extend([1, 2, 3], TokenOrigin.PROMPT, 0)
+    row.extend([10, 11], TokenOrigin.SAMPLED, 1, logprobs=[0.0, 0.0], version=0)
+    row.extend([4], TokenOrigin.TEMPLATE, 1)
+    row.extend([5, 6], TokenOrigin.TOOL, 1)
+    row.extend([7], TokenOrigin.TEMPLATE, 1)
+    row.extend([12, 13], TokenOrigin.SAMPLED, 2, logprobs=[0.0, 0.0], version=0)
+    padded = pad_trajectories([row])
+    # column t scores token t + 1: the sampled tokens 10, 11, 12, 13 sit at ledger positions 3, 4, 9, 10
+    assert padded.loss_mask[0].nonzero().flatten().tolist() == [2, 3, 8, 9]
+    logprobs = -torch.arange(1, 12, dtype=torch.float64)[None, :]  # -1 at column 0, ..., -11 at column 10
+    loss, _ = sft_loss(logprobs, padded.loss_mask)
+    close(loss, (3 + 4 + 9 + 10) / 4)  # 6.5: the prompt, template and tool tokens carry no loss
