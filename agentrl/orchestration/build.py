@@ -77,7 +77,10 @@ from agentrl.tools.mcp_shared import SharedMCPServers
 from agentrl.tools.parser_auto import AUTO_TOOL_PARSER, pick_tool_parser, template_source
 from agentrl.types import ActionParser, truncates_vocabulary
 
-__all__ = ["BUILTIN_TEMPLATES", "ENV_RESOURCES", "Job", "build_job", "build_sandbox", "env_arguments", "env_takes"]
+__all__ = [
+    "BUILTIN_TEMPLATES", "ENV_RESOURCES", "Job", "build_job", "build_sandbox", "env_arguments", "env_takes",
+    "model_and_template",
+]
 
 log = logging.getLogger(__name__)
 
@@ -251,6 +254,13 @@ def _close_quietly(job: Job) -> None:
 
 
 # ── the pieces ──────────────────────────────────────────────────────────────────────────────
+
+
+def model_and_template(config: AgentRLConfig) -> tuple[str, ChatTemplate]:
+    """The policy's model directory (resolved, with weights) and chat template, checked as `build_job` checks
+    them: for the jobs that train without an environment (`agentrl sft`, `agentrl dpo`)."""
+    model_path = _model_path(config, loads_weights=True)
+    return model_path, _template(config, model_path)
 
 
 def _check_objective(config: AgentRLConfig, purpose: Purpose) -> None:
