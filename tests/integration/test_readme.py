@@ -126,7 +126,8 @@ COMMANDS: dict[str, How] = {
         "(the built-in model converted on each, both vLLM servers pushed to), then resumes it"),
     # docs/preferences.md
     "agentrl sft data.train_files=[examples/data/demonstrations.jsonl] "
-    "data.val_files=[examples/data/demonstrations_val.jsonl] trainer.lr=1e-5 run.name=sft-demo": How(
+    "data.val_files=[examples/data/demonstrations_val.jsonl] trainer.lr=1e-5 trainer.micro_batch_tokens=1024 "
+    "run.name=sft-demo": How(
         "ELSEWHERE", where="tests/integration/test_offline_training.py runs it from the repository with the tiny "
         "random Qwen2 as model.path, 3 steps of 4 rows and a larger learning rate appended"),
     "agentrl run env=retool model.path=runs/sft-demo/weights/version-00000020 run.name=rl-after-sft": How(
@@ -134,7 +135,7 @@ COMMANDS: dict[str, How] = {
         "weights directory (`agentrl validate env=arithmetic model.path=...`) and scores them with transformers; "
         "the RL run itself is the README's `agentrl run env=retool`, which this module runs sized"),
     "agentrl dpo data.train_files=[examples/data/preferences.jsonl] data.val_files=[examples/data/preferences_val.jsonl] "
-    "algorithm.beta=0.1 trainer.lr=1e-6 run.name=dpo-demo": How(
+    "algorithm.beta=0.1 trainer.lr=1e-6 trainer.micro_batch_tokens=1024 run.name=dpo-demo": How(
         "ELSEWHERE", where="tests/integration/test_offline_training.py runs it from the repository with the tiny "
         "random Qwen2 as model.path, 3 steps of 4 pairs and a larger learning rate appended, resumes it, and runs "
         "it with algorithm.objective=ipo and dpo_norm"),
