@@ -139,6 +139,9 @@ COMMANDS: dict[str, How] = {
         "ELSEWHERE", where="tests/integration/test_offline_training.py runs it from the repository with the tiny "
         "random Qwen2 as model.path, 3 steps of 4 pairs and a larger learning rate appended, resumes it, and runs "
         "it with algorithm.objective=ipo and dpo_norm"),
+    "/work/venv-trl/bin/python bench/dpo_vs_trl.py": How(
+        "NOT_RUN", where="needs TRL 1.16 in its own environment (the script's docstring); three losses of three "
+        "steps on each side, about 4 minutes; its figures are dated on the page"),
     "agentrl plot runs/dpo-demo": How(
         "ELSEWHERE", where="tests/integration/test_offline_training.py plots the DPO run it trained"),
     # docs/onpolicy.md
