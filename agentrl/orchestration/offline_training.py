@@ -10,7 +10,9 @@ each (`trainer.offline_step`), in an order drawn from `run.seed` each epoch (`da
 
 What it writes is what a run writes, in a run directory (`run.output_dir`/`run.name`, default
 `sft-<time>` or `dpo-<time>`, owned through `run.lock`): the resolved config, `metrics.jsonl`
-(through `MetricsLogger`, so `agentrl plot` draws it), `eval.jsonl` with the held-out metrics
+(through `MetricsLogger`, so `agentrl plot` draws it), each step's rows as ledgers in
+`rollouts/step-N.jsonl` (`run.keep_rollouts` of them, for `agentrl view`: the assistant's tokens are the
+sampled ones, the ones that carried loss), `eval.jsonl` with the held-out metrics
 before the first step, every `run.eval_every` steps and after the last (SFT: the NLL of the
 held-out assistant tokens; preferences: the preference loss, margin, accuracy and the policy's own
 log-probability margin), checkpoints every `run.save_every` steps and at the end
@@ -47,6 +49,7 @@ from agentrl.orchestration.checkpoints import CheckpointStore
 from agentrl.orchestration.run_lock import RunLock
 from agentrl.records.metrics import MetricsLogger
 from agentrl.records.run_files import append_text, replace_text
+from agentrl.records.trajectory_log import RolloutLog
 from agentrl.types import Trajectory
 
 __all__ = ["COMMAND_OF", "REFERENCE_FILE", "OfflineResult", "check_offline_config", "run_offline"]
@@ -114,6 +117,19 @@ def _order(n: int, step: int, batch: int, seed: int, shuffle: bool) -> list[int]
             random.Random(seed * 1_000_003 + epoch).shuffle(perm)
         out.extend(perm[offset: offset + batch - len(out)])
     return out
+
+
+@dataclass(frozen=True)
+class _RowIndex:
+    index: int
+
+
+@dataclass(frozen=True)
+class _RowGroup:
+    """One row of a step as `RolloutLog` takes a group: a demonstration, or a pair's two ledgers."""
+
+    prompt: _RowIndex
+    trajectories: list[Trajectory]
 
 
 class _OfflineJob:
@@ -196,16 +212,29 @@ class _OfflineJob:
                  len(self.train), len(self.val), path, time.perf_counter() - start)
 
     # ── steps and evaluations ───────────────────────────────────────────────────────────────
+    def rows_of(self, step: int) -> list[int]:
+        """The train rows of step `step` (0-based)."""
+        config = self.config
+        batch = min(config.data.prompts_per_step, len(self.train))
+        return _order(len(self.train), step, batch, config.run.seed, config.data.shuffle)
+
     def step(self, step: int) -> dict[str, float]:
         from agentrl.trainer.offline_step import preference_step, sft_step
 
-        config = self.config
-        batch = min(config.data.prompts_per_step, len(self.train))
-        index = _order(len(self.train), step, batch, config.run.seed, config.data.shuffle)
+        config, index = self.config, self.rows_of(step)
         if self.command == "sft":
             return sft_step(self.backend, [self.train[i] for i in index], config.algorithm, config.trainer)
         return preference_step(self.backend, self.pairs([self.train[i] for i in index]), self.reference[index],
                                config.algorithm, config.trainer)
+
+    def groups_of(self, step: int) -> list[_RowGroup]:
+        """Step `step`'s rows as the groups `agentrl view` shows (a pair: chosen, then rejected)."""
+        out = []
+        for i in self.rows_of(step):
+            row = self.train[i]
+            trajectories = [row] if isinstance(row, Trajectory) else [row.chosen, row.rejected]
+            out.append(_RowGroup(_RowIndex(i), trajectories))
+        return out
 
     def heldout(self) -> dict[str, float]:
         from agentrl.trainer.offline_step import heldout_preferences, heldout_sft
@@ -254,6 +283,8 @@ def run_offline(config: AgentRLConfig, command: Command) -> OfflineResult:
         logger = MetricsLogger(run_dir, [s for s in run.loggers if s != "console"], total_steps=run.total_steps,
                                start_step=steps_done, run_name=run_dir.name)
         console = "console" in run.loggers
+        # Each step's rows, rendered, for `agentrl view` (which tokens carried loss), as `run.keep_rollouts` says.
+        rollouts = RolloutLog(run_dir, job.template.tokenizer, run.keep_rollouts, seed=run.seed)
         logger.truncate_after(steps_done - 1)
         before: dict[str, float] = {}
         try:
@@ -266,6 +297,7 @@ def run_offline(config: AgentRLConfig, command: Command) -> OfflineResult:
                 metrics["perf/step_s"] = time.perf_counter() - step_start
                 metrics["data/template_mismatch_rows"] = float(job.template_mismatches)
                 logger.log(step, metrics)
+                rollouts.write_step(step, job.groups_of(step))
                 if console:
                     log.info("step %d/%d  %s", step + 1, run.total_steps, _line(metrics))
                 done = step + 1

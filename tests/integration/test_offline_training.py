@@ -54,6 +54,13 @@ def test_sft_trains_the_assistant_tokens_and_writes_a_policy_agentrl_run_starts_
     steps = lines(run_dir / "metrics.jsonl")
     assert [s["step"] for s in steps] == [0, 1, 2]
     assert all(s["batch/rows"] == 4 and s["actor/updates"] == 1 for s in steps)
+    # each step's rows, as `agentrl view` shows them: the assistant's turns are the sampled (trained) tokens
+    shown = lines(run_dir / "rollouts" / "step-000001.jsonl")
+    assert len(shown) == 4 and all(r["trained"] and r["status"] == "trained" for r in shown)
+    sampled = [seg["text"] for seg in shown[0]["segments"] if seg["origin"] == "sampled"]
+    assert len(sampled) == 2 and sampled[0].startswith("<tool_call>") and sampled[1].startswith("The answer is")
+    assert [seg["origin"] for seg in shown[0]["segments"]] == ["prompt", "sampled", "template", "tool", "template",
+                                                               "sampled"]
     weights = run_dir / "weights" / "version-00000003"
     assert (weights / "config.json").is_file() and (weights / "tokenizer_config.json").is_file()
     # The directory holds the trained policy: a plain transformers load scores the held-out rows as the run did.
