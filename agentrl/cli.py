@@ -1,4 +1,4 @@
-"""The `agentrl` command line: run, eval, plot, view, serve, gateway, sandbox, swe, envs, tools, config, validate,
+"""The `agentrl` command line: run, eval, sft, dpo, plot, view, serve, gateway, sandbox, swe, envs, tools, config, validate,
 doctor, check, version.
 
 Each subcommand parses its arguments, builds what it needs from the layers below, and turns any
@@ -55,6 +55,14 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--show", action="store_true", help="print the resolved config as YAML")
         if name == "serve":
             p.add_argument("--log-dir", default=None, help="write each server's log here")
+
+    for name, help_text in (
+        ("sft", "supervised warm-up: train on demonstration rows, loss on the assistant's tokens only"),
+        ("dpo", "preference training (dpo, ipo, dpo_norm) on chosen/rejected rows against the initial weights"),
+    ):
+        p = sub.add_parser(name, help=help_text, description=f"{help_text}. The rows' formats, the math and the "
+                           "commands: docs/preferences.md.")
+        p.add_argument("args", nargs="*", metavar="CONFIG_OR_OVERRIDE", help=_CONFIG_HELP)
 
     p = sub.add_parser(
         "gateway", help="serve the policy behind an OpenAI-compatible API and record every agent's tokens",
@@ -317,6 +325,29 @@ def cmd_run(ns: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_offline(ns: argparse.Namespace) -> int:
+    """`agentrl sft` and `agentrl dpo`: `algorithm.objective` defaults to the command's own."""
+    from agentrl.orchestration.offline_training import run_offline
+
+    if not ns.args:
+        print(f"usage: agentrl {ns.command} [CONFIG] key=value ...   e.g. agentrl {ns.command} "
+              f"data.train_files=[{'demos' if ns.command == 'sft' else 'pairs'}.jsonl] (docs/preferences.md)",
+              file=sys.stderr)
+        return EXIT_USAGE
+    config, overrides = _split_config_args(ns.args)
+    if not any(o.startswith("algorithm.objective=") for o in overrides):
+        overrides = [f"algorithm.objective={ns.command}", *overrides]
+    from agentrl.config import load_config
+
+    cfg = load_config(config, overrides)
+    _log_to_console()
+    result = run_offline(cfg, ns.command)
+    print(result.summary())
+    print(f"metrics: {result.run_dir}/metrics.jsonl   plots: agentrl plot {result.run_dir}")
+    print(f"policy: {result.weights_dir}   (RL from it: agentrl run env=NAME model.path={result.weights_dir})")
+    return 0
+
+
 def cmd_plot(ns: argparse.Namespace) -> int:
     from agentrl.records.plot import plot_run
 
@@ -564,6 +595,8 @@ def cmd_version(ns: argparse.Namespace) -> int:
 _COMMANDS = {
     "run": cmd_run,
     "eval": cmd_eval,
+    "sft": cmd_offline,
+    "dpo": cmd_offline,
     "plot": cmd_plot,
     "view": cmd_view,
     "serve": cmd_serve,

@@ -404,7 +404,23 @@ class MismatchGateConfig(_Section):
     """Share of a step's sequences that may be gated before the run stops."""
 
 
+_RL_ONLY_KEYS = ("advantage", "policy_loss", "kl_coef", "kl_in_reward", "kl_target", "entropy_coef",
+                 "overlong_buffer_tokens", "stop_properly_penalty", "filter_groups")
+"""The `algorithm` keys only the `rl` objective reads: another objective refuses them set away from their defaults."""
+
+
 class AlgorithmConfig(_Section):
+    objective: Literal["rl", "sft", "dpo", "ipo", "dpo_norm"] = "rl"
+    """What the policy is trained to do. `rl` (`agentrl run`): maximise the environment's reward with the
+    `advantage` estimator and the `policy_loss`. `sft` (`agentrl sft`): minimise the negative log-likelihood of
+    demonstration rows' assistant tokens, averaged as `loss_agg` says. `dpo`, `ipo`, `dpo_norm` (`agentrl dpo`):
+    the preference losses on chosen/rejected rows against the initial weights as reference, with `beta`
+    (docs/preferences.md). The RL-only keys (advantage, policy_loss, KL, entropy, reward shaping,
+    filter_groups) are refused away from their defaults under another objective, as is `beta` outside the
+    preference objectives and `loss_agg` under them."""
+    beta: float = Field(0.1, gt=0.0)
+    """Preference objectives: how far from the reference the policy may move (DPO's beta; IPO's target
+    per-token margin is 1 / (2 beta))."""
     advantage: str = "grpo"
     """Advantage estimator: `gae`, `grpo`, `dr_grpo`, `rloo`, `reinforce_pp`, `reinforce_pp_baseline`."""
     policy_loss: Literal["ppo_clip", "gspo"] = "ppo_clip"
@@ -449,6 +465,27 @@ class AlgorithmConfig(_Section):
     """DAPO dynamic sampling: drop groups whose rewards are all equal."""
     mismatch_gate: MismatchGateConfig = Field(default_factory=MismatchGateConfig)
     """The on-policy mismatch gate: thresholds per sequence and the share that stops the run."""
+
+    @pydantic.model_validator(mode="after")
+    def _keys_of_the_objective(self) -> AlgorithmConfig:
+        # Read through __dict__: a check is not a reader (`trace_reads` counts attribute reads).
+        values, defaults = self.__dict__, type(self).model_fields
+        objective = values["objective"]
+        if objective != "rl":
+            moved = [k for k in _RL_ONLY_KEYS if values[k] != defaults[k].default]
+            if moved:
+                raise ValueError(
+                    f"algorithm.objective={objective} does not read {', '.join(f'algorithm.{k}' for k in moved)} "
+                    "(only objective=rl does); remove them or train with objective=rl."
+                )
+        preference = objective in ("dpo", "ipo", "dpo_norm")
+        if not preference and values["beta"] != defaults["beta"].default:
+            raise ValueError(f"algorithm.beta is read by the preference objectives (dpo, ipo, dpo_norm) only, "
+                             f"not by objective={objective}; remove it.")
+        if preference and values["loss_agg"] != defaults["loss_agg"].default:
+            raise ValueError(f"algorithm.loss_agg is not read by objective={objective} (its loss is a mean "
+                             "over pairs); remove it.")
+        return self
 
 
 class TrainerConfig(_Section):

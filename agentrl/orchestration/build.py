@@ -77,7 +77,10 @@ from agentrl.tools.mcp_shared import SharedMCPServers
 from agentrl.tools.parser_auto import AUTO_TOOL_PARSER, pick_tool_parser, template_source
 from agentrl.types import ActionParser, truncates_vocabulary
 
-__all__ = ["BUILTIN_TEMPLATES", "ENV_RESOURCES", "Job", "build_job", "build_sandbox", "env_arguments", "env_takes"]
+__all__ = [
+    "BUILTIN_TEMPLATES", "ENV_RESOURCES", "Job", "build_job", "build_sandbox", "env_arguments", "env_takes",
+    "model_and_template",
+]
 
 log = logging.getLogger(__name__)
 
@@ -197,6 +200,7 @@ def build_job(config: AgentRLConfig, purpose: Purpose, *, own_client: bool = Fal
     problem, with the key that causes it. Starts nothing. `own_client`: the caller generates with a
     client of its own (an eval given one), so no server will load the model's weights."""
     _check_budgets(config)
+    _check_objective(config, purpose)
     given_servers = config.inference.engine == "external" or bool(config.inference.urls)
     # the trainer loads the weights in every run; servers agentrl starts load them too
     loads_weights = purpose == "run" or not (own_client or given_servers)
@@ -250,6 +254,24 @@ def _close_quietly(job: Job) -> None:
 
 
 # ── the pieces ──────────────────────────────────────────────────────────────────────────────
+
+
+def model_and_template(config: AgentRLConfig) -> tuple[str, ChatTemplate]:
+    """The policy's model directory (resolved, with weights) and chat template, checked as `build_job` checks
+    them: for the jobs that train without an environment (`agentrl sft`, `agentrl dpo`)."""
+    model_path = _model_path(config, loads_weights=True)
+    return model_path, _template(config, model_path)
+
+
+def _check_objective(config: AgentRLConfig, purpose: Purpose) -> None:
+    """`agentrl run` learns from rewards: the objectives that learn from rows have their own commands."""
+    objective = config.algorithm.objective
+    if purpose == "run" and objective != "rl":
+        command = "sft" if objective == "sft" else "dpo"
+        raise ConfigError(
+            f"algorithm.objective={objective} trains on rows, not on the environment's rewards: run it with "
+            f"'agentrl {command}' (docs/preferences.md), or set algorithm.objective=rl for 'agentrl run'."
+        )
 
 
 def _check_budgets(config: AgentRLConfig) -> None:

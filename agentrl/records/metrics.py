@@ -126,6 +126,11 @@ PANELS: tuple[Panel, ...] = (
           "seconds of each push: the servers' wait for requests in flight, receiving and checking the buckets, "
           "loading them, the served-policy check", stacked=True),
     Panel("Staleness", ("staleness/max", "staleness/mean"), "policy versions between sampling and training"),
+    Panel("Supervised loss", ("actor/nll", "eval/nll"),
+          "NLL of the assistant's tokens: each step's rows, and the held-out rows of 'agentrl sft'"),
+    Panel("Preference margin", ("prefs/margin", "eval/margin", "eval/logp_margin"),
+          "the loss's margin on each step's pairs and the held-out pairs ('agentrl dpo'); the policy's own "
+          "log-probability margin, chosen - rejected"),
     Panel("Time split", ("time/split/wait_rollout_s", "time/split/train_s", "time/split/weights_s",
                          "time/split/other_s"),
           "seconds of each step: waiting for rollouts, training, exporting and pushing weights, the rest",

@@ -1,7 +1,9 @@
 """The trainer layer (DESIGN.md §4): RL algorithms, batch packing, backends and the training step.
 
 `algos` holds advantage estimators, policy and value losses, KL estimators and controllers,
-loss aggregation, rollout/trainer importance corrections and reward shaping; `packing` turns a
+loss aggregation, rollout/trainer importance corrections and reward shaping; `offline_losses` the
+SFT and preference (DPO, IPO, length-normalised DPO) losses, `offline_objective` their micro-batch
+loss in the shared update loop and `offline_step` their steps over rendered rows; `packing` turns a
 list of `Trajectory` into padding-free model inputs; `objective` assembles one micro-batch's loss;
 `backend` is the interface every backend implements and the update loop they share, `fsdp2` the
 FSDP2 backend and `megatron` the Megatron-core one (each imported on first use, each filling the

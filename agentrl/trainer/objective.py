@@ -27,6 +27,7 @@ import torch
 
 from agentrl.config import AlgorithmConfig
 from agentrl.trainer import algos
+from agentrl.trainer.offline_objective import offline_objective
 from agentrl.trainer.packing import PackedBatch
 from agentrl.types import Trajectory
 
@@ -72,7 +73,7 @@ def zero_loss_rows(advantages: torch.Tensor, loss_mask: torch.Tensor, algorithm:
     """(batch,) bool: the trajectories whose policy loss and gradient are exactly zero, because
     every loss token has advantage 0 (a GRPO group whose rewards are all equal); None when the
     loss has another term that still moves them (an entropy bonus, a KL loss)."""
-    if algorithm.entropy_coef or (algorithm.kl_coef > 0 and not algorithm.kl_in_reward):
+    if algorithm.objective == "sft" or algorithm.entropy_coef or (algorithm.kl_coef > 0 and not algorithm.kl_in_reward):
         return None
     return ~((advantages != 0) & (loss_mask > 0)).any(-1)
 
@@ -86,7 +87,8 @@ def policy_objective(
     entropy: torch.Tensor | None = None,
     max_len: int | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Policy loss (+ KL loss, - entropy bonus) of one micro-batch and its metrics.
+    """Policy loss (+ KL loss, - entropy bonus) of one micro-batch and its metrics
+    (with `algorithm.objective` other than `rl`, `offline_objective.offline_objective`'s instead).
 
     `tokens` holds `loss_mask`, `advantages`, `old_logprobs`, `segment_ids` and optionally
     `ref_logprobs` and `is_weights`, all `(1, N)`. `entropy` is required when
@@ -99,6 +101,8 @@ def policy_objective(
     against `tokens["rollout_logprobs"]`; masking corrections (ICEPOP, seq-mask-TIS) change the
     loss's normaliser, so they need the old logprobs before the update and are refused here.
     """
+    if algorithm.objective != "rl":  # SFT and the DPO family: their own micro-batch loss, same update loop
+        return offline_objective(logprobs, tokens, algorithm, denominator=denominator, entropy=entropy, max_len=max_len)
     mask = tokens["loss_mask"]
     if tokens.get("old_logprobs") is None:
         tokens = {**tokens, "old_logprobs": logprobs.detach()}

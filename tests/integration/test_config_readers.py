@@ -29,6 +29,8 @@ DATA = REPO / "tests" / "data" / "verl"
 # Fields that no run or eval on this CPU machine reads, and why. Keep it short: every entry is a
 # knob a CPU user could set and see nothing happen.
 ONLY_ELSEWHERE: dict[str, str] = {
+    "algorithm.beta": "read by the preference objectives only (`agentrl dpo`), which `agentrl run` refuses; "
+                      "tests/integration/test_offline_training.py runs them",
     "rollout.gateway_max_request_mb": "read by the agent gateway on each request (env=agent, `agentrl gateway`), "
                                       "which these runs do not start; tests/unit/test_gateway_limits.py checks it",
 }

@@ -124,6 +124,26 @@ COMMANDS: dict[str, How] = {
         "ELSEWHERE", where="tests/e2e/test_cluster_run.py::test_the_readme_cluster_run_trains_the_built_in_model_"
         "on_two_fresh_hosts runs it as written, RUN_SIZE appended, on two fresh namespace hosts with token auth "
         "(the built-in model converted on each, both vLLM servers pushed to), then resumes it"),
+    # docs/preferences.md
+    "agentrl sft data.train_files=[examples/data/demonstrations.jsonl] "
+    "data.val_files=[examples/data/demonstrations_val.jsonl] trainer.lr=1e-5 trainer.micro_batch_tokens=1024 "
+    "run.name=sft-demo": How(
+        "ELSEWHERE", where="tests/integration/test_offline_training.py runs it from the repository with the tiny "
+        "random Qwen2 as model.path, 3 steps of 4 rows and a larger learning rate appended"),
+    "agentrl run env=retool model.path=runs/sft-demo/weights/version-00000020 run.name=rl-after-sft": How(
+        "ELSEWHERE", where="tests/integration/test_offline_training.py builds `agentrl run`'s job on the SFT run's "
+        "weights directory (`agentrl validate env=arithmetic model.path=...`) and scores them with transformers; "
+        "the RL run itself is the README's `agentrl run env=retool`, which this module runs sized"),
+    "agentrl dpo data.train_files=[examples/data/preferences.jsonl] data.val_files=[examples/data/preferences_val.jsonl] "
+    "algorithm.beta=0.1 trainer.lr=1e-6 trainer.micro_batch_tokens=1024 run.name=dpo-demo": How(
+        "ELSEWHERE", where="tests/integration/test_offline_training.py runs it from the repository with the tiny "
+        "random Qwen2 as model.path, 3 steps of 4 pairs and a larger learning rate appended, resumes it, and runs "
+        "it with algorithm.objective=ipo and dpo_norm"),
+    "/work/venv-trl/bin/python bench/dpo_vs_trl.py": How(
+        "NOT_RUN", where="needs TRL 1.16 in its own environment (the script's docstring); three losses of three "
+        "steps on each side, about 4 minutes; its figures are dated on the page"),
+    "agentrl plot runs/dpo-demo": How(
+        "ELSEWHERE", where="tests/integration/test_offline_training.py plots the DPO run it trained"),
     # docs/onpolicy.md
     "agentrl check onpolicy configs/retool.yaml": How(
         "ELSEWHERE", where="not on the retool preset: tests/integration/test_onpolicy_check.py runs `agentrl check "
