@@ -247,6 +247,10 @@ def teacher_for_job(config: AgentRLConfig, student_tokenizer: Any, student_name:
         raise ConfigError("distill with algorithm.advantage=gae: the critic learns the env's returns, while "
                           "distillation's signal is a per-token advantage; use an outcome estimator (grpo, "
                           "dr_grpo, rloo, reinforce_pp_baseline) with distill.")
+    if config.algorithm.filter_groups and distill.mode == "advantage":
+        raise ConfigError("algorithm.filter_groups with distill.mode=advantage would drop every group whose rewards "
+                          "are equal, though the teacher's signal on their tokens does not depend on the reward; "
+                          "turn algorithm.filter_groups off, or use distill.mode=mixed.")
     teacher_config = distill.teacher
     try:
         teacher = Teacher(teacher_config)

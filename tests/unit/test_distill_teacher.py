@@ -85,12 +85,14 @@ def test_a_teacher_whose_tokenizer_differs_is_refused_naming_both(assets: Path, 
                                      "trainer.device=cpu", f"distill.teacher.model_path={other_template}"]), "run")
 
 
-def test_distillation_with_a_critic_is_refused(assets: Path) -> None:
+def test_distillation_with_a_critic_or_with_group_filtering_alone_is_refused(assets: Path) -> None:
     tiny = str(assets / "tiny-random-qwen2")
+    base = ["env=arithmetic", f"model.path={tiny}", "inference.engine=hf", "trainer.device=cpu",
+            f"distill.teacher.model_path={tiny}"]
     with pytest.raises(ConfigError, match="distill with algorithm.advantage=gae"):
-        build_job(load_config(None, ["env=arithmetic", f"model.path={tiny}", "inference.engine=hf",
-                                     "trainer.device=cpu", f"distill.teacher.model_path={tiny}",
-                                     "algorithm.advantage=gae"]), "run")
+        build_job(load_config(None, [*base, "algorithm.advantage=gae"]), "run")
+    with pytest.raises(ConfigError, match="algorithm.filter_groups with distill.mode=advantage"):
+        build_job(load_config(None, [*base, "algorithm.filter_groups=true"]), "run")
 
 
 def _episode(prompt: list[int], turns: list[tuple[list[int], list[int]]]) -> Trajectory:
