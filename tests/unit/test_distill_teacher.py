@@ -165,3 +165,21 @@ def test_a_teacher_that_fails_makes_infra_failures_that_stop_the_run_naming_it()
         monitor.check()
     assert "4 of the last 4 episodes" in str(stopped.value)
     assert "Fix: the teacher model (distill.teacher, named above with its log)" in str(stopped.value)
+
+
+def test_a_resume_that_adds_or_changes_the_teacher_is_refused_naming_it(tmp_path: Path) -> None:
+    from agentrl.orchestration.run_identity import check_resume, run_identity, write_identity
+
+    run_dir = tmp_path / "r"
+    run_dir.mkdir()
+    plain = load_config(None, [])
+    # an identity recorded before distillation existed had no distill keys: a plain resume still matches
+    legacy = {k: v for k, v in run_identity(plain).items() if not k.startswith("distill.")}
+    write_identity(run_dir, legacy)
+    check_resume(load_config(None, ["resume=true"]), run_dir)
+    with pytest.raises(ConfigError, match=r"distill\.teacher: null -> \"/m/teacher\"") as refused:
+        check_resume(load_config(None, ["resume=true", "distill.teacher.model_path=/m/teacher"]), run_dir)
+    assert "distill.mode: null -> \"advantage\"" in str(refused.value)
+    allowed = check_resume(load_config(None, ["resume=true", "distill.teacher.model_path=/m/teacher",
+                                              "run.resume_allow=[distill]"]), run_dir)
+    assert set(allowed.allowed) == {"distill.teacher", "distill.mode", "distill.coef"}
