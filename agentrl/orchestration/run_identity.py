@@ -67,10 +67,12 @@ def run_identity(config: AgentRLConfig) -> dict[str, Any]:
         identity[f"model.{key}"] = dumped["model"][key]
     for key, value in dumped["algorithm"].items():
         identity[f"algorithm.{key}"] = value
-    distill = config.distill
-    identity["distill.teacher"] = (distill.teacher.model_path or distill.teacher.url) if distill else None
-    identity["distill.mode"] = distill.mode if distill else None
-    identity["distill.coef"] = distill.coef if distill else None
+    # from the dump, as every key above: the identity is not one of a field's readers
+    distill = dumped["distill"] or {}
+    teacher = distill.get("teacher") or {}
+    identity["distill.teacher"] = teacher.get("model_path") or teacher.get("url")
+    identity["distill.mode"] = distill.get("mode")
+    identity["distill.coef"] = distill.get("coef")
     return identity
 
 
