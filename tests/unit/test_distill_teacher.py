@@ -183,3 +183,51 @@ def test_a_resume_that_adds_or_changes_the_teacher_is_refused_naming_it(tmp_path
     allowed = check_resume(load_config(None, ["resume=true", "distill.teacher.model_path=/m/teacher",
                                               "run.resume_allow=[distill]"]), run_dir)
     assert set(allowed.allowed) == {"distill.teacher", "distill.mode", "distill.coef"}
+
+
+def _preflight_job(assets: Path, teacher: Teacher):  # type: ignore[no-untyped-def]
+    from types import SimpleNamespace
+
+    from agentrl.chat import ChatTemplate
+    from agentrl.models import TOOL_CHATML_TEMPLATE
+
+    tiny = str(assets / "tiny-random-qwen2")
+    template = ChatTemplate.from_pretrained(tiny, template=TOOL_CHATML_TEMPLATE)
+    return SimpleNamespace(teacher=teacher, template=template, config=load_config(None, []), model_path=tiny)
+
+
+def test_preflight_scores_a_probe_and_checks_the_tokenizer_a_url_teacher_serves(assets: Path) -> None:
+    from agentrl.orchestration.preflight import _check_teacher
+
+    scored: list[int] = []
+
+    def serving(model: str):  # type: ignore[no-untyped-def]
+        def handler(request: httpx.Request) -> httpx.Response:
+            if request.url.path == "/health":
+                return httpx.Response(200, json={"status": "ok", "weight_version": 0, "model": model,
+                                                 "engine": "hf", "load": 0})
+            body = json.loads(request.content)
+            scored.append(len(body["token_ids"]))
+            return httpx.Response(200, json={"logprobs": [-1.0] * (len(body["token_ids"]) - 1), "weight_version": 0})
+        return handler
+
+    check = _check_teacher(_preflight_job(assets, _teacher_on(serving(str(assets / "tiny-random-qwen2")))))
+    assert check is not None and check.ok
+    assert check.detail == (f"scored {scored[0] - 1} probe tokens (mean logprob -1.000), tokenizer of "
+                            f"{assets / 'tiny-random-qwen2'} checked")
+    elsewhere = _check_teacher(_preflight_job(assets, _teacher_on(serving("org/some-model"))))
+    assert elsewhere is not None and elsewhere.ok
+    assert "its tokenizer was not checked: it serves 'org/some-model', which is no directory here" in elsewhere.detail
+
+
+def test_preflight_refuses_a_teacher_that_does_not_answer(assets: Path) -> None:
+    from agentrl.orchestration.preflight import _check_teacher
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        raise httpx.ConnectError("connection refused")
+
+    check = _check_teacher(_preflight_job(assets, _teacher_on(handler)))
+    assert check is not None and not check.ok
+    assert check.detail.startswith("the distillation teacher at http://teacher.test:9 (distill.teacher.url) could "
+                                   "not score a probe of ")
+    assert "distill.teacher" in check.fix
