@@ -644,7 +644,7 @@ class RunConfig(_Section):
     """Seed of every random choice (data order, sampling seeds, initialisation)."""
     resume: bool = False
     """Continue from the last checkpoint in the run directory. The config that shapes the run's data
-    and model (env, data files and their content, data keys, run.seed, model, algorithm) must match
+    and model (env, data files and their content, data keys, run.seed, model, algorithm, distill) must match
     what the run recorded when it started (`run_identity.json`); a difference is refused, naming each
     key, before anything starts."""
     resume_allow: list[str] = Field(default_factory=list)
