@@ -78,7 +78,6 @@ class Teacher:
     """The run's teacher: started on first use (model_path) or reached (url); scores episodes."""
 
     def __init__(self, config: TeacherConfig) -> None:
-        self.config = config
         self.model_path: str | None = None
         if config.model_path is not None:
             self.model_path = resolve_model_path(config.model_path)
@@ -99,10 +98,6 @@ class Teacher:
             return f"the distillation teacher at {self.url} (distill.teacher.url)"
         where = f"; its log is {self.server.log_path}" if self.server is not None else ""
         return f"the distillation teacher the run serves ({self.model_path}, engine {self.engine}{where})"
-
-    @property
-    def log_path(self) -> Path | None:
-        return self.server.log_path if self.server is not None else None
 
     def start(self) -> str:
         """Start the teacher's server if the run serves it and it is not started (blocks until it
@@ -166,9 +161,10 @@ class Teacher:
                                         timeout_s=self.timeout_s)
             scores = fill_teacher_logprobs(t, start, answer.logprobs)
         except Exception as exc:
-            dead = self.server is not None and not self.server.alive
-            why = self._death() if dead else f"{type(exc).__name__}: {exc}"
-            _fail(t, f"{self.describe()} could not score the episode: {why}")
+            if self.server is not None and not self.server.alive:
+                _fail(t, self._death())
+            else:
+                _fail(t, f"{self.describe()} could not score the episode: {type(exc).__name__}: {exc}")
             return
         t.teacher_logprobs = scores
 
