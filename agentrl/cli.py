@@ -199,6 +199,8 @@ def cmd_validate(ns: argparse.Namespace) -> int:
               f"engine={cfg.inference.engine} mode={cfg.run.mode} steps={cfg.run.total_steps} "
               f"sandbox={sandbox} rows={rows}")
         print(f"tool parser: {job.parser_choice}")
+        if job.teacher is not None:  # its tokenizer was checked against the policy's by the build
+            print(f"teacher: {job.teacher.describe()}, its tokenizer the policy's; started by pre-flight")
         lines = job.plan.describe() if job.plan is not None else []
         if job.plan is not None and job.plan.cluster is not None:
             from agentrl.orchestration.cluster import (

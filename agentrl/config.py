@@ -33,6 +33,7 @@ __all__ = [
     "AlgorithmConfig",
     "ClusterConfig",
     "DataConfig",
+    "DistillConfig",
     "EnvConfig",
     "EvalConfig",
     "InferenceConfig",
@@ -44,6 +45,7 @@ __all__ = [
     "RunConfig",
     "SandboxConfig",
     "ServerResourcesConfig",
+    "TeacherConfig",
     "TrainerConfig",
     "TrainerResourcesConfig",
     "WeightSyncConfig",
@@ -218,6 +220,51 @@ class RewardPartConfig(_Section):
     """`rule` (reward.function), `judge` (reward.judge) or `model` (reward.model)."""
     weight: float = 1.0
     """This part's weight in the sum."""
+
+
+class TeacherConfig(_Section):
+    url: str | None = None
+    """An agentrl inference server that runs already and scores token ids (`POST /score`: `agentrl
+    serve`, or any hf / vLLM server agentrl started), as its base URL, e.g. `http://127.0.0.1:8100`.
+    None: the teacher is `model_path`, which the run serves itself."""
+    model_path: str | None = None
+    """The teacher model, served by the run itself when `url` is not given: a Hugging Face directory or
+    a built-in model name, started (`engine`) under the run's lifeline before pre-flight scores with it,
+    and stopped with the run (`agentrl.orchestration.teacher`). Its tokenizer must be the policy's
+    (vocabulary, special tokens and chat template), or `agentrl validate` refuses it."""
+    engine: Literal["vllm", "hf"] = "vllm"
+    """The inference engine of the teacher the run serves (`model_path`)."""
+    startup_timeout_s: float = Field(600.0, gt=0)
+    """Deadline for the teacher the run serves (`model_path`) to load and answer /health."""
+    timeout_s: float = Field(120.0, gt=0)
+    """Deadline of scoring one episode's ids; past it (or when the teacher cannot be reached) the
+    episode is an infrastructure failure: masked, counted against `run.max_infra_failure_rate`."""
+
+    @pydantic.model_validator(mode="after")
+    def _one_teacher(self) -> TeacherConfig:
+        if (self.url is None) == (self.model_path is None):
+            raise ValueError("distill.teacher needs exactly one of url (a scoring server that runs already, e.g. "
+                             "http://127.0.0.1:8100) and model_path (a teacher model the run serves itself)")
+        serving = {name for name in ("engine", "startup_timeout_s")
+                   if getattr(self, name) != type(self).model_fields[name].get_default(call_default_factory=True)}
+        if self.url is not None and serving:
+            raise ValueError(f"distill.teacher.{', distill.teacher.'.join(sorted(serving))} only apply to a teacher "
+                             "the run serves (distill.teacher.model_path); with distill.teacher.url they would do "
+                             "nothing")
+        return self
+
+
+class DistillConfig(_Section):
+    teacher: TeacherConfig
+    """The teacher that scores every sampled token: `url` or `model_path` (with `engine`,
+    `startup_timeout_s`), and `timeout_s`."""
+    mode: Literal["advantage", "mixed"] = "advantage"
+    """How the per-token signal `d_t = log pi_teacher(t) - log pi_student(t)` (sampled tokens only, the
+    student's being the rollout logprob) becomes the advantage of token t: `advantage`, A_t = coef * d_t
+    alone (the env's reward is not used); `mixed`, A_t = coef * d_t + A_env (the configured estimator's
+    advantage of the episode's reward, e.g. GRPO's group-normalised one). docs/distillation.md has the math."""
+    coef: float = Field(1.0, gt=0.0)
+    """The weight of the teacher's signal in the advantage (see `mode`)."""
 
 
 class RewardConfig(_Section):
@@ -639,7 +686,7 @@ class RunConfig(_Section):
     """Seed of every random choice (data order, sampling seeds, initialisation)."""
     resume: bool = False
     """Continue from the last checkpoint in the run directory. The config that shapes the run's data
-    and model (env, data files and their content, data keys, run.seed, model, algorithm) must match
+    and model (env, data files and their content, data keys, run.seed, model, algorithm, distill) must match
     what the run recorded when it started (`run_identity.json`); a difference is refused, naming each
     key, before anything starts."""
     resume_allow: list[str] = Field(default_factory=list)
@@ -681,6 +728,11 @@ class AgentRLConfig(_Section):
     """The environment the agent acts in."""
     reward: RewardConfig = Field(default_factory=RewardConfig)
     """How a final answer is scored (envs that score one against the row's ground truth)."""
+    distill: DistillConfig | None = None
+    """On-policy distillation: a teacher model scores each sampled token and the per-token reverse KL
+    becomes the advantage (alone or beside the reward). Sub-keys `teacher.url` | `teacher.model_path`,
+    `teacher.engine`, `teacher.startup_timeout_s`, `teacher.timeout_s`, `mode`, `coef`; e.g.
+    `distill.teacher.model_path=runs/NAME/weights/version-00000006`. None: no teacher."""
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     """Episode budgets and sampling."""
     inference: InferenceConfig = Field(default_factory=InferenceConfig)

@@ -69,6 +69,7 @@ from agentrl.orchestration.job_resources import (
 )
 from agentrl.orchestration.placement import PlacementPlan, build_plan
 from agentrl.orchestration.sandbox_hosts import SandboxHostsPlan, plan_sandbox_hosts
+from agentrl.orchestration.teacher import Teacher, teacher_for_job
 from agentrl.registry import ADVANTAGE_ESTIMATORS, ENVS, INFERENCE_ENGINES, TOOL_PARSERS
 from agentrl.rollout import AgentLoop, GenerateClient
 from agentrl.rollout.agent_loop import end_of_turn_ids
@@ -133,6 +134,10 @@ class Job:
     sandbox_hosts: SandboxHostsPlan | None = None
     """On a cluster with `cluster.sandbox_hosts`: the hosts the run starts, whose client replaces
     `sandbox` for the run's envs (`make_env(sandbox=...)`); None otherwise."""
+    teacher: Teacher | None = None
+    """A run's distillation teacher (`distill.teacher`; its tokenizer checked against the policy's),
+    started by pre-flight, used by the run to score each episode, stopped with the job; None without
+    `distill` and for an eval."""
 
     @property
     def sandbox(self) -> Sandbox | None:
@@ -186,8 +191,10 @@ class Job:
 
     async def aclose(self) -> None:
         """Close every resource of the job, in reverse order of the table, each even when another failed
-        (then `ResourceCloseError` names each failure). Closing twice is harmless."""
+        (then `ResourceCloseError` names each failure), and the teacher. Closing twice is harmless."""
         try:
+            if self.teacher is not None:
+                await asyncio.to_thread(self.teacher.close)
             await self.resources.aclose()
         finally:
             for row, _ in self.resources.made():  # an env made after this gets none of the closed ones
@@ -228,6 +235,7 @@ def build_job(config: AgentRLConfig, purpose: Purpose, *, own_client: bool = Fal
             job.sandbox_hosts = plan_sandbox_hosts(config)
         if purpose == "run":
             _check_tensor_parallel(config, model_path)
+            job.teacher = teacher_for_job(config, template.tokenizer, config.model.tokenizer or model_path)
         if purpose == "run":
             train = _rows(config, env_cls, "train", job.env_kwargs)
             job.train_rows, job.train_skipped, job.sources["train"] = train.by_index(), train.skipped, train.sources

@@ -23,6 +23,9 @@ __all__ = ["InfraMonitor", "describe_infra_failures", "fix_for"]
 
 # What to do about the commonest causes, found by what their error text says.
 _FIXES: tuple[tuple[str, str], ...] = (
+    (r"the distillation teacher", "the teacher model (distill.teacher, named above with its log) died, is too "
+                                  "slow or refused the episode's ids: see its log; check distill.teacher.model_path "
+                                  "/ url and engine, and raise distill.teacher.timeout_s if it is only slow"),
     (r"the reward judge the run serves", "the judge model the run serves (reward.judge.model_path) did not start, "
                                          "died, is too slow or answers in a form its verdict schema cannot read: "
                                          "see its log named above; check reward.judge.model_path, engine, "

@@ -19,6 +19,10 @@ cheap (seconds):
   the answer) within its deadline; a judge that cannot be reached, answers an HTTP error or times
   out is refused here, one whose verdict cannot be read is named as a warning (its episodes would be
   masked, `reward/missing_parse`).
+- `distillation teacher`: with `distill`, the teacher starts (the run serves it: `model_path`) or
+  answers (`url`), and scores the run's served-policy probe (ids of the run's own template, a tool
+  call included) with one finite logprob <= 0 per position; a teacher given by `url` whose model is a
+  directory here has its tokenizer checked against the policy's as `validate` checks a `model_path`.
 - `prompt lengths`: rows whose first prompt (rendered as the AgentLoop renders it at reset) leaves
   no room under `rollout.max_total_tokens`, on a sample of up to 512 rows: named as a warning (they
   will be filtered, never rolled out), refused when every row checked is too long.
@@ -98,11 +102,12 @@ def run_checks(job: Job) -> list[Check]:
     """Every pre-flight check of `job`, passed or not (see the module docstring). The inference check
     waits on child processes (a python importing torch, and vLLM): it runs in a thread while the
     others run here, so a run pays for the longest, not for the sum."""
-    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="preflight-inference") as pool:
+    with ThreadPoolExecutor(max_workers=2, thread_name_prefix="preflight-inference") as pool:
         inference = pool.submit(_check_inference, job)
+        teacher = pool.submit(_check_teacher, job)  # starting a teacher takes as long as an engine
         sandbox = _check_sandbox(job)
         checks = [sandbox, inference.result(), _check_env(job), _check_rows(job), _check_judge(job),
-                  _check_prompt_lengths(job)]
+                  teacher.result(), _check_prompt_lengths(job)]
     if job.purpose == "run":
         checks.append(_check_disk(job))
     if job.plan is None or job.plan.cluster is None:  # on a cluster, Ray's reservation checks memory
@@ -365,6 +370,23 @@ def _check_judge(job: Job) -> Check | None:
         return Check(name, True, f"answered, but {exc.detail}; such episodes are masked (reward/missing_"
                      f"{exc.cause}): fix reward.judge.prompt / verdict_regex or use a stronger judge", warning=True)
     return Check(name, True, f"scored a row's own answer {score:g}")
+
+
+def _check_teacher(job: Job) -> Check | None:
+    teacher = job.teacher
+    if teacher is None:
+        return None
+    from agentrl.orchestration.served_policy import build_probe
+
+    probe = build_probe(job.template, seed=0, conversations=1).sequences[0]
+    student = job.config.model.tokenizer or job.model_path
+    try:
+        detail = asyncio.run(teacher.check(probe, job.template.tokenizer, student))
+    except AgentRLError as exc:
+        return Check("distillation teacher", False, str(exc),
+                     "fix distill.teacher (model_path and engine, or url: a running server that answers POST /score); "
+                     "raise distill.teacher.startup_timeout_s if it only needs longer to load")
+    return Check(f"distillation teacher ({teacher.url})", True, detail)
 
 
 def _check_prompt_lengths(job: Job) -> Check | None:

@@ -5,8 +5,9 @@ model. `run_identity(config)` is that config as flat dotted keys: the env (`env.
 `env.kwargs`), every `data.*` key (the train and val files as given, and
 `data.train_files.sha256` / `data.val_files.sha256`, the SHA-256 of each file's content, so a
 different file under the same name or size is seen), `run.seed`, the model (`model.path`,
-`model.tokenizer`, `model.chat_template`, `model.tool_parser`, `model.dtype`) and every
-`algorithm.*` key. Budgets, logging and step counts are not in it: a resume may change those.
+`model.tokenizer`, `model.chat_template`, `model.tool_parser`, `model.dtype`), every
+`algorithm.*` key and the distillation objective (`distill.teacher`: the teacher's model_path or url,
+`distill.mode`, `distill.coef`; None each without `distill`, as in identities recorded before them). Budgets, logging and step counts are not in it: a resume may change those.
 
 A run's first start writes it into `run_identity.json` in the run directory. `check_resume(config,
 run_dir)` compares a resume's identity with it before anything starts (the `Run` calls it before
@@ -66,6 +67,12 @@ def run_identity(config: AgentRLConfig) -> dict[str, Any]:
         identity[f"model.{key}"] = dumped["model"][key]
     for key, value in dumped["algorithm"].items():
         identity[f"algorithm.{key}"] = value
+    # from the dump, as every key above: the identity is not one of a field's readers
+    distill = dumped["distill"] or {}
+    teacher = distill.get("teacher") or {}
+    identity["distill.teacher"] = teacher.get("model_path") or teacher.get("url")
+    identity["distill.mode"] = distill.get("mode")
+    identity["distill.coef"] = distill.get("coef")
     return identity
 
 

@@ -193,7 +193,7 @@ class TrainerWorker:
             self.backend, trajectories, self.config.algorithm, self.config.trainer,
             temperature=self.config.rollout.temperature, max_response_tokens=self.max_response_tokens,
             kl_controller=self.kl_controller, kept_rule=kept_set_rule(self.config.rollout),
-            policy_version=policy_version, allowed_staleness=allowed_staleness,
+            policy_version=policy_version, allowed_staleness=allowed_staleness, distill=self.config.distill,
         )  # fmt: skip
         self.last_tokens = tokens if self.rank == 0 else None
         return report

@@ -6,7 +6,8 @@ from the checkpoint by `restore`), the infrastructure-failure monitor and the ro
 `TrainingSteps` is made by the `Run` (`driver.py`) from the books and the pieces it started (the
 trainer group, the router, the rollout worker, the metrics logger); it holds the `Scheduler` and
 the hooks it calls: whether a prompt may be rolled out (not when its first prompt leaves no room
-under `rollout.max_total_tokens`: `PromptMeter`), a group's rollout and its verdict, the update, the push of new weights, and
+under `rollout.max_total_tokens`: `PromptMeter`), a group's rollout (with `distill`, scored by the
+job's teacher before it is counted: `teacher.Teacher.score_group`) and its verdict, the update, the push of new weights, and
 after each step the metrics, the held-out evaluation and the checkpoint; while a step or an
 evaluation runs, a `ProgressTicker` says where it stands on the console. It starts and closes
 nothing: the `Run` owns every process and connection these hooks use.
@@ -210,6 +211,8 @@ class TrainingSteps:
         index = ref.epoch * len(books.train_rows) + ref.index
         seed = group_seed(self.config.run.seed, index * 16 + ref.attempt)
         group = await self.worker.run_group(row, self.config.rollout.samples_per_prompt, seed=seed, group_id=ref.key)
+        if self.job.teacher is not None:  # distillation: the teacher scores the group's sampled tokens
+            await self.job.teacher.score_group(group)
         self.ticker.advance(len(group))
         books.infra.record(final_segments(group))  # an agent episode in segments is one episode
         try:

@@ -9,7 +9,8 @@ list of `Trajectory` into padding-free model inputs; `objective` assembles one m
 FSDP2 backend and `megatron` the Megatron-core one (each imported on first use, each filling the
 loop's hooks); `step.train_step` is one RL step for any backend (`train_step_with_tokens` returns
 the step's `agentrl.types.StepReport`, its metrics and the on-policy gate's per-row decisions, and
-the trainer's per-token logprobs and entropy, `StepTokens`); `distributed` joins or spawns ranks.
+the trainer's per-token logprobs and entropy, `StepTokens`); `distill` turns a teacher's per-token
+logprobs in the ledger into advantages (on-policy distillation); `distributed` joins or spawns ranks.
 This package imports torch, so nothing below the trainer layer may import it.
 
 Layer L4 (DESIGN.md §2): it sees `Trajectory` batches only. It may import `agentrl.weights` and
@@ -46,6 +47,7 @@ from agentrl.trainer.algos import (
     value_loss,
 )
 from agentrl.trainer.backend import CriticBatch, PolicyBatch, TrainerBackend, UpdateResult, make_backend
+from agentrl.trainer.distill import distill_advantages, teacher_gaps
 from agentrl.trainer.distributed import launch
 from agentrl.trainer.packing import (
     PackedBatch,
@@ -80,6 +82,7 @@ __all__ = [
     "block_causal_mask",
     "compute_entropy",
     "compute_token_logprobs",
+    "distill_advantages",
     "dr_grpo",
     "dynamic_group_filter",
     "gae",
@@ -105,6 +108,7 @@ __all__ = [
     "rollout_correction",
     "split_micro_batches",
     "stop_properly_penalty",
+    "teacher_gaps",
     "train_step",
     "train_step_with_tokens",
     "value_loss",

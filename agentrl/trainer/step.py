@@ -5,7 +5,8 @@ trajectories (infrastructure failures are masked out, never scored 0); shape the
 overlong penalty, stop-properly penalty for episodes truncated at the length limit); score the
 batch with the current policy (old logprobs, unless the update scores them itself), the reference
 (when `kl_coef > 0`) and the critic (GAE); put the KL penalty in the reward if asked; form
-advantages with the configured estimator (`ADVANTAGE_ESTIMATORS`); weigh the rollout/trainer
+advantages with the configured estimator (`ADVANTAGE_ESTIMATORS`), with `distill` the teacher's
+per-token signal in them (`distill.apply_distillation`); weigh the rollout/trainer
 mismatch and mask the sequences the on-policy gate finds too far off (`mismatch_gate`, which then
 needs the old logprobs before the update); then hand the batch to the backend's update loop
 (`TrainerBackend.update`). It returns the metrics an RL practitioner watches, named `group/metric`
@@ -44,12 +45,13 @@ from typing import Any
 
 import torch
 
-from agentrl.config import AlgorithmConfig, TrainerConfig
+from agentrl.config import AlgorithmConfig, DistillConfig, TrainerConfig
 from agentrl.errors import ConfigError, TrainerError
 from agentrl.registry import ADVANTAGE_ESTIMATORS
 from agentrl.sampling import KeptSetRule
 from agentrl.trainer import algos
 from agentrl.trainer.backend import CriticBatch, PolicyBatch, TrainerBackend, UpdateResult
+from agentrl.trainer.distill import apply_distillation
 from agentrl.trainer.mismatch_gate import gate_sequences
 from agentrl.trainer.packing import PaddedBatch, pad_trajectories
 from agentrl.types import FinishReason, GatedRow, StepReport, Trajectory
@@ -114,6 +116,7 @@ def train_step(
     kept_rule: KeptSetRule | None = None,
     policy_version: int | None = None,
     allowed_staleness: int = 0,
+    distill: DistillConfig | None = None,
 ) -> dict[str, float]:
     """Train the backend's policy (and critic) on one batch; return the step's metrics.
 
@@ -123,7 +126,7 @@ def train_step(
     report, _ = _train_step(backend, trajectories, algorithm, trainer, temperature=temperature,
                             max_response_tokens=max_response_tokens, kl_controller=kl_controller,
                             kept_rule=kept_rule, policy_version=policy_version,
-                            allowed_staleness=allowed_staleness, with_tokens=False)
+                            allowed_staleness=allowed_staleness, distill=distill, with_tokens=False)
     return report.metrics
 
 
@@ -139,6 +142,7 @@ def train_step_with_tokens(
     kept_rule: KeptSetRule | None = None,
     policy_version: int | None = None,
     allowed_staleness: int = 0,
+    distill: DistillConfig | None = None,
 ) -> tuple[StepReport, StepTokens | None]:
     """`train_step`'s step as a `StepReport` (its metrics and the on-policy gate's per-row
     decisions), and what the trainer computed per token (None when nothing was trained).
@@ -157,17 +161,20 @@ def train_step_with_tokens(
     trajectories recorded whether or not it is given (`Trajectory.kept_sets`).
     `policy_version` (the trainer version this step trains at) and `allowed_staleness` (how many
     versions older a sampled token may be) let the mismatch gate check the ledger's versions.
+    `distill` (the run's `distill` section, None without a teacher) turns each trajectory's teacher
+    logprobs into the per-token advantage its `mode` and `coef` say (`trainer.distill`).
     """
     return _train_step(backend, trajectories, algorithm, trainer, temperature=temperature,
                        max_response_tokens=max_response_tokens, kl_controller=kl_controller,
                        kept_rule=kept_rule, policy_version=policy_version,
-                       allowed_staleness=allowed_staleness, with_tokens=True)
+                       allowed_staleness=allowed_staleness, distill=distill, with_tokens=True)
 
 
 def _train_step(
     backend: TrainerBackend, trajectories: Sequence[Trajectory], algorithm: AlgorithmConfig, trainer: TrainerConfig,
     *, temperature: float, max_response_tokens: int | None, kl_controller: KLController | None,
     kept_rule: KeptSetRule | None, policy_version: int | None, allowed_staleness: int, with_tokens: bool,
+    distill: DistillConfig | None = None,
 ) -> tuple[StepReport, StepTokens | None]:  # fmt: skip
     kl_coef = _kl_coefficient(algorithm, kl_controller)
     start = time.perf_counter()
@@ -191,6 +198,9 @@ def _train_step(
 
     rewards, kl = _kl_in_reward(scores, old_logprobs, ref_logprobs, layout.loss_mask, algorithm, kl_coef, metrics)
     advantages, returns, values = _advantages(backend, trajs, rewards, layout.loss_mask, algorithm, metrics)
+    if distill is not None:  # the teacher's per-token signal, alone or beside the reward's advantage
+        advantages = apply_distillation(trajs, advantages, layout.loss_mask, distill, metrics)
+        metrics.update(_stats("adv", advantages, layout.loss_mask))
 
     policy_batch, critic_batch, gated = _update_batches(
         trajs, layout, advantages, returns, values, old_logprobs, ref_logprobs, algorithm, metrics,

@@ -82,8 +82,11 @@ def test_every_config_field_is_read_by_run_or_eval(tmp_path: Path, vllm_server, 
         "rollout.max_turns=1", "rollout.max_total_tokens=128", "trainer.device=cpu", "data.num_val_rows=2",
         "eval.k=1", f"run.output_dir={tmp_path / 'runs'}", "rollout.extra_stop_token_ids=[0,10,20]",
     ]  # fmt: skip
-    # A: sync GRPO with a KL controller and shaping, on a server the run starts; then resumed (on the shared one).
+    # A: sync GRPO with a KL controller and shaping, on a server the run starts, distilling a teacher the run
+    # serves beside the reward; then resumed (on the shared one).
     sync = [*common, "run.name=sync", "inference.max_model_len=256", "inference.cpu_kv_cache_gb=0.25",
+            f"distill.teacher.model_path={tiny}", "distill.teacher.engine=hf", "distill.teacher.startup_timeout_s=600",
+            "distill.teacher.timeout_s=120", "distill.mode=mixed", "distill.coef=0.5",
             "algorithm.kl_coef=0.01", "algorithm.kl_target=0.05", "algorithm.rollout_is=icepop",
             "algorithm.overlong_buffer_tokens=2", "algorithm.stop_properly_penalty=0.5",
             "run.save_every=1", "run.eval_every=1", "run.loggers=[console,jsonl,tensorboard]"]

@@ -83,6 +83,13 @@ COMMANDS: dict[str, How] = {
     "agentrl validate env=arithmetic trainer.lr=1e-6 rollout.max_turns=4": How("QUICK"),
     "agentrl validate env=arithmetic --show": How("QUICK"),
     "agentrl config trainer": How("QUICK"),
+    # docs/distillation.md
+    "agentrl validate env=arithmetic distill.teacher.model_path=smollm2-135m-instruct": How("QUICK"),
+    "agentrl run env=retool distill.teacher.model_path=runs/teacher/weights/version-00000020 distill.mode=mixed "
+    "distill.coef=0.5": How(
+        "ELSEWHERE", where="tests/integration/test_distill_run.py runs `agentrl run` with distill.mode=mixed "
+        "distill.coef=0.5 on the tiny random Qwen2 (hf engine, ParityEnv, one step), a noisy copy of it as the "
+        "teacher (distill.teacher.engine=hf); tests/faults/test_teacher_faults.py kills that teacher mid-run"),
     "agentrl eval env=retool eval.k=4 eval.max_rows=50": How("SHARED", EVAL_SIZE),
     "agentrl eval env=retool model.path=/path/to/hf/model inference.engine=hf": How("SIZED", EVAL_SIZE),
     "agentrl eval env=retool inference.engine=external inference.urls=[http://127.0.0.1:8000]":
@@ -336,6 +343,13 @@ def test_configure_commands(tmp_path: Path) -> None:
     assert "name: arithmetic" in shown and "total_steps: 20" in shown
     reference = run("agentrl config trainer", tmp_path).stdout
     assert "trainer.lr (float, default 1e-06)" in reference and "trainer.backend" in reference
+
+
+def test_distillation_validate_command(tmp_path: Path) -> None:
+    out = run("agentrl validate env=arithmetic distill.teacher.model_path=smollm2-135m-instruct", tmp_path).stdout
+    assert out.startswith("Config OK for 'agentrl run': env=arithmetic")
+    assert "teacher: the distillation teacher the run serves (" in out
+    assert "smollm2-135m-instruct, engine vllm), its tokenizer the policy's; started by pre-flight" in out
 
 
 def test_swe_scripted_agent_example(tmp_path: Path) -> None:
