@@ -50,6 +50,7 @@ __all__ = [
     "final_segments",
     "is_final_segment",
     "is_first_segment",
+    "label_segments",
     "truncates_vocabulary",
 ]
 
@@ -362,6 +363,27 @@ class Segment:
     def from_dict(cls, d: dict[str, Any] | None) -> Segment | None:
         """The segment a `{"index": k, "of": n}` mapping describes (None stays None)."""
         return None if d is None else cls(index=int(d["index"]), of=int(d["of"]))
+
+
+def label_segments(
+    trajectories: Sequence[Trajectory], *, reward: float | None, finish_reason: FinishReason, fault: Fault | None = None,
+    error: str | None = None, number_one: bool = True,
+) -> list[Trajectory]:
+    """Close an episode recorded as `trajectories` (one per context, in order): each gets the episode's
+    reward, finish reason, fault and error, and its `Segment(index=k, of=n)`; an episode in one piece
+    is numbered `Segment(0, 1)` only with `number_one` (the gateway's: its agent may rewrite; the
+    AgentLoop leaves an episode it played in one context unnumbered, as it always has).
+
+    The one place segments are numbered: the gateway's sessions (an agent that rewrote its history) and
+    the AgentLoop's compaction (a context closed when it was full) both end their episodes here.
+    """
+    out = list(trajectories)
+    n = len(out)
+    for k, t in enumerate(out):
+        t.reward, t.finish_reason, t.fault, t.error = reward, finish_reason, fault, error
+        if n > 1 or number_one:
+            t.segment = Segment(index=k, of=n)
+    return out
 
 
 def is_final_segment(t: Trajectory) -> bool:
