@@ -488,7 +488,7 @@ class AlgorithmConfig(_Section):
     value_clip: float = Field(0.2, gt=0.0)
     """PPO value clipping: the critic's new values stay within this distance of the old ones (GAE)."""
     gamma: float = Field(1.0, ge=0.0, le=1.0)
-    """Discount factor (GAE, REINFORCE++)."""
+    """Discount factor (GAE, REINFORCE++; and over turns for per-turn rewards with the group estimators)."""
     lam: float = Field(1.0, ge=0.0, le=1.0)
     """GAE lambda."""
     rollout_is: Literal["none", "tis", "icepop", "seq_mask_tis"] = "tis"

@@ -33,8 +33,9 @@ def template(assets: Path) -> ChatTemplate:
 class RecallClient:
     """Plays `scripted_recall_turn` on the decoded prompt; keeps every request and every generation."""
 
-    def __init__(self, template: ChatTemplate, summary_prompt: str | None = None) -> None:
+    def __init__(self, template: ChatTemplate, summary_prompt: str | None = None, *, pages: int = PAGES) -> None:
         self.tok = template.tokenizer
+        self.pages = pages
         self.summary_prompt = summary_prompt
         self.end = self.tok.convert_tokens_to_ids("<|im_end|>")
         self.requests: list[list[int]] = []
@@ -43,7 +44,7 @@ class RecallClient:
     async def generate(self, prompt_ids: list[int], sampling: SamplingParams, *, session_id: str,
                        timeout_s: float | None = None) -> Generation:
         self.requests.append(list(prompt_ids))
-        text = scripted_recall_turn(self.tok.decode(prompt_ids), pages=PAGES, summary_prompt=self.summary_prompt)
+        text = scripted_recall_turn(self.tok.decode(prompt_ids), pages=self.pages, summary_prompt=self.summary_prompt)
         ids = (self.tok.encode(text, add_special_tokens=False) + [self.end])[: sampling.max_tokens]
         self.generations.append(ids)
         return Generation(ids, [-0.5] * len(ids), "stop", 3)
