@@ -499,7 +499,6 @@ class Trajectory:
         self.turns.extend([turn] * n)
 
     def _extend_kept_sets(self, n: int, kept_sets: Sequence[Sequence[int]] | None) -> None:
-        had_sampled = self.num_sampled > 0
         if kept_sets is None:
             if self.kept_sets:
                 raise ValueError(f"{n} sampled tokens come without kept sets, but this ledger records them; "
@@ -507,7 +506,9 @@ class Trajectory:
             return
         if len(kept_sets) != n:
             raise ValueError(f"{n} sampled tokens need {n} kept sets, got {len(kept_sets)}")
-        if had_sampled and not self.kept_sets:
+        # Counting the sampled tokens walks the ledger: only where it can matter (no kept set recorded yet),
+        # so that a turn's append costs the same at turn 100 as at turn 2.
+        if not self.kept_sets and self.num_sampled > 0:
             raise ValueError("sampled tokens with kept sets follow tokens sampled without; every "
                              "generation of an episode must be sampled with the same settings")
         self.kept_sets.extend([int(t) for t in kept] for kept in kept_sets)

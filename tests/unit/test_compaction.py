@@ -180,3 +180,20 @@ def test_the_rule_truncates_oldest_first_then_drops_and_keeps_the_latest_turn() 
     out, cut = dropped_tool_outputs(messages, count=count, count_text=len, low_tokens=0, keep_chars=10)
     assert cut == 2 and out[6] == messages[6]  # the latest turn's output stays whole, whatever the budget
     assert out[2]["content"] == out[4]["content"] == "[tool output of 100 characters dropped to save context]"
+
+
+def test_eval_and_the_dashboard_report_segments_and_compactions_per_episode(template: ChatTemplate) -> None:
+    from agentrl.config import AgentRLConfig
+    from agentrl.orchestration.evaluate import summarise
+    from agentrl.records.metrics import segment_metrics
+
+    compacted, _ = _play(template, _config("drop_tool_outputs"))
+    (whole,), _ = _play(template, _config("off"))  # one context: it runs out of room
+    n = len(compacted)
+    report = summarise(AgentRLConfig(), [compacted, [whole]], 1.0)
+    assert (report.episodes, report.segments_per_episode, report.compactions_per_episode) == (2, (n + 1) / 2,
+                                                                                              (n - 1) / 2)
+    assert report.mean_sampled_tokens == sum(t.num_sampled for t in [*compacted, whole]) / 2  # every segment's
+    assert f"segments/episode {(n + 1) / 2:.2f}" in report.summary()
+    assert segment_metrics(compacted)["rollout/segments_per_episode"] == n
+    assert segment_metrics(compacted)["rollout/compactions_per_episode"] == n - 1
