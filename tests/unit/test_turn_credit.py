@@ -124,3 +124,33 @@ def test_an_env_steps_turn_reward_lands_in_the_turns_entry(template: ChatTemplat
     # turns 1-3 read a new page each (1.0); turn 4 answers: its step gives no turn reward (the outcome scores it)
     assert (traj.reward, traj.num_turns, traj.turn_rewards) == (1.0, 4, [1.0, 1.0, 1.0])
     traj.validate()
+
+
+class _JudgedRecall(RecallEnv):
+    """Per-turn rewards from a judge that failed on turn 2 (None), and on turn 3 gave no number at all."""
+
+    def __init__(self, third: object) -> None:
+        super().__init__(pages=3, turn_rewards=True)
+        self.third = third
+
+    async def astep(self, action):  # type: ignore[no-untyped-def]
+        obs, reward, terminated, truncated, info = await super().astep(action)
+        if info.get("turn") == 2:
+            info["turn_reward"] = None
+        if info.get("turn") == 3:
+            info["turn_reward"] = self.third
+        return obs, reward, terminated, truncated, info
+
+
+def test_a_missing_turn_reward_stays_missing_and_a_bad_one_masks_the_episode(template: ChatTemplate) -> None:
+    from test_compaction import RecallClient
+
+    def play(third: object) -> Trajectory:
+        loop = AgentLoop(RecallClient(template, pages=3), template, HermesParser(), RolloutConfig(max_turns=10))
+        return asyncio.run(loop.run_episode(_JudgedRecall(third), row=make_recall_row(1, pages=3)))
+
+    traj = play(0.25)
+    assert (traj.reward, traj.turn_rewards) == (1.0, [1.0, None, 0.25])
+    bad = play("good")
+    assert (bad.fault, bad.reward, bad.trainable) == ("infra", None, False)
+    assert "info['turn_reward'] must be a finite number" in (bad.error or "")
