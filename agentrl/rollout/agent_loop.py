@@ -78,7 +78,7 @@ import logging
 import math
 import time
 import uuid
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -454,11 +454,13 @@ class AgentLoop:
         ep.conv = ConversationTokenizer(self.template, new, verify=self.config.verify_template)
         ep.conv.start(messages, ep.tools)
 
-    def _context_tokens(self, ep: _Episode) -> Any:
+    def _context_tokens(self, ep: _Episode) -> Callable[[Sequence[Message]], int]:
+        """Counts the tokens of a context of the episode's tools and `messages`, rendered whole."""
         tools = ep.conv.tools
         return lambda messages: len(self.template.encode_prompt(messages, tools))
 
     def _text_tokens(self, text: str) -> int:
+        """Counts the tokens of one message's text."""
         return len(self.template.tokenizer.encode(text, add_special_tokens=False))
 
     # ── helpers ─────────────────────────────────────────────────────────────────────────────
