@@ -646,6 +646,11 @@ class ConversationTokenizer:
 
     def add_messages(self, messages: Sequence[Message]) -> list[int]:
         """Append new messages after the last sampled turn; return the ids to send next."""
+        return self.add_delta(self.preview(messages), messages)
+
+    def preview(self, messages: Sequence[Message]) -> TokenDelta:
+        """The delta `add_messages(messages)` would append, without appending it (a caller that decides
+        by its length, such as the AgentLoop's compaction, then appends it with `add_delta`)."""
         if not self._started:
             raise ValueError("call ConversationTokenizer.start() before add_messages()")
         if not self._after_generation:
@@ -656,9 +661,14 @@ class ConversationTokenizer:
             )
         first = self.trajectory.messages[0] if self.trajectory.messages else None
         system = first if first is not None and first.get("role") == "system" else None
-        delta = self.template.encode_delta(
+        return self.template.encode_delta(
             messages, sampled_ids=self.trajectory.token_ids, tools=self.tools, system=system
         )
+
+    def add_delta(self, delta: TokenDelta, messages: Sequence[Message]) -> list[int]:
+        """Append `delta`, which `preview(messages)` gave for the ledger as it is; return the ids to send next."""
+        if not self._after_generation:
+            raise ValueError("add_delta() appends one delta after each generation; preview the messages again")
         for origin, ids in delta.runs():
             self.trajectory.extend(ids, origin, self.turn, ints=True)
         self._after_generation = False

@@ -32,6 +32,7 @@ __all__ = [
     "AgentRLConfig",
     "AlgorithmConfig",
     "ClusterConfig",
+    "CompactionConfig",
     "DataConfig",
     "DistillConfig",
     "EnvConfig",
@@ -329,6 +330,40 @@ class RewardConfig(_Section):
         return value
 
 
+class CompactionConfig(_Section):
+    """Context compaction in the AgentLoop (docs/long-horizon.md). Off by default: then nothing
+    changes. On, `rollout.max_total_tokens` is the budget of one context, and the episode's own
+    budgets are `rollout.max_turns`, `rollout.episode_timeout_s` and `max_sampled_tokens`."""
+
+    policy: Literal["off", "drop_tool_outputs", "summary"] = "off"
+    """How a full context is compacted. `drop_tool_outputs`: a rule that truncates the oldest tool
+    outputs (all but the latest turn's) until the context is under `low_watermark`, then goes on in
+    a new context. `summary`: the policy is asked (`summary_prompt`) to summarise its history in a
+    sampled turn, trained like any other; the new context holds the system prompt, the task and the
+    summary. Each context is a trajectory segment (`Trajectory.segment`); all share the episode's
+    reward."""
+    high_watermark: float = Field(0.75, gt=0.0, lt=1.0)
+    """Share of `rollout.max_total_tokens` at which a context is compacted (checked when a tool
+    result is appended). With room for a whole turn after it (`rollout.max_tokens_per_turn`, and
+    `summary_max_tokens` for `summary`), or the config is refused."""
+    low_watermark: float = Field(0.4, gt=0.0, lt=1.0)
+    """Share of `rollout.max_total_tokens` the `drop_tool_outputs` rule compacts down to (below
+    `high_watermark`, so a new context does not open at every turn)."""
+    tool_output_chars: int = Field(200, ge=0)
+    """Characters of a tool output the `drop_tool_outputs` rule keeps (then a note of how many it
+    dropped); 0 drops the whole output."""
+    summary_prompt: str = (
+        "Your context is nearly full. Summarise your work so far: the task, every fact you found that "
+        "you still need, and what is left to do. Do not call a tool in this turn."
+    )
+    """The user message that asks the policy for its summary (`summary`)."""
+    summary_max_tokens: int = Field(256, ge=1)
+    """Most tokens sampled in the summary turn (`summary`)."""
+    max_sampled_tokens: int | None = Field(None, ge=1)
+    """The episode's budget of sampled tokens over all its contexts (None: no budget but the
+    turns'); past it the episode ends as `max_length`."""
+
+
 class RolloutConfig(_Section):
     samples_per_prompt: int = Field(4, ge=1)
     """Episodes per prompt (the GRPO group size)."""
@@ -338,7 +373,8 @@ class RolloutConfig(_Section):
     max_tokens_per_turn: int = Field(256, ge=1)
     """Most tokens sampled in one assistant turn."""
     max_total_tokens: int = Field(2048, ge=16)
-    """Most tokens in the whole episode (prompt, responses and tool output); ends as `max_length`."""
+    """Most tokens in the whole episode (prompt, responses and tool output); ends as `max_length`.
+    With `rollout.compaction` on, the budget of one context instead."""
     temperature: float = Field(1.0, ge=0.0)
     """Sampling temperature (the trainer computes logprobs at the same temperature)."""
     top_p: float = Field(1.0, gt=0.0, le=1.0)
@@ -387,6 +423,25 @@ class RolloutConfig(_Section):
     """Largest request body, in MB, the agent gateway (`env=agent`, `agentrl gateway`) reads; a larger
     one is refused with 413 before it is read, parsed or tokenised. 4 MB holds far more than a
     128k-token conversation; raise it only for bigger `max_total_tokens`."""
+    compaction: CompactionConfig = Field(default_factory=CompactionConfig)
+    """Context compaction for long episodes (off by default)."""
+
+    @pydantic.model_validator(mode="after")
+    def _compaction_fits(self) -> RolloutConfig:
+        c = self.compaction
+        if c.policy == "off":
+            return self
+        if c.low_watermark >= c.high_watermark:
+            raise ValueError(f"rollout.compaction.low_watermark ({c.low_watermark}) must be below high_watermark "
+                             f"({c.high_watermark}), or every turn would open a new context")
+        turn = max(self.max_tokens_per_turn, c.summary_max_tokens if c.policy == "summary" else 0)
+        high = int(c.high_watermark * self.max_total_tokens)
+        if high + turn > self.max_total_tokens:
+            raise ValueError(
+                f"rollout.compaction.high_watermark={c.high_watermark} leaves {self.max_total_tokens - high} of "
+                f"rollout.max_total_tokens={self.max_total_tokens} for a turn of up to {turn} tokens; lower the "
+                "watermark, or raise max_total_tokens, or lower max_tokens_per_turn / summary_max_tokens")
+        return self
 
 
 class InferenceConfig(_Section):
@@ -496,7 +551,7 @@ class AlgorithmConfig(_Section):
     value_clip: float = Field(0.2, gt=0.0)
     """PPO value clipping: the critic's new values stay within this distance of the old ones (GAE)."""
     gamma: float = Field(1.0, ge=0.0, le=1.0)
-    """Discount factor (GAE, REINFORCE++)."""
+    """Discount factor (GAE, REINFORCE++; and over turns for per-turn rewards with the group estimators)."""
     lam: float = Field(1.0, ge=0.0, le=1.0)
     """GAE lambda."""
     rollout_is: Literal["none", "tis", "icepop", "seq_mask_tis"] = "tis"

@@ -208,6 +208,10 @@ ENVS = Registry(
             "agentrl.envs.openenv_env:OpenEnvEnv",
             "An OpenEnv environment server (env.kwargs.url, or a command agentrl starts per episode).",
         ),
+        "recall": (
+            "agentrl.envs.recall:RecallEnv",
+            "Facts scattered over a log longer than one context, recalled at the end (needs rollout.compaction).",
+        ),
         "retool": (
             "agentrl.envs.retool:RetoolEnv",
             "Math problems solved with a sandboxed Python interpreter (ReTool); answers checked exactly.",

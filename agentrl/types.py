@@ -50,6 +50,7 @@ __all__ = [
     "final_segments",
     "is_final_segment",
     "is_first_segment",
+    "label_segments",
     "truncates_vocabulary",
 ]
 
@@ -364,6 +365,27 @@ class Segment:
         return None if d is None else cls(index=int(d["index"]), of=int(d["of"]))
 
 
+def label_segments(
+    trajectories: Sequence[Trajectory], *, reward: float | None, finish_reason: FinishReason, fault: Fault | None = None,
+    error: str | None = None, number_one: bool = True,
+) -> list[Trajectory]:
+    """Close an episode recorded as `trajectories` (one per context, in order): each gets the episode's
+    reward, finish reason, fault and error, and its `Segment(index=k, of=n)`; an episode in one piece
+    is numbered `Segment(0, 1)` only with `number_one` (the gateway's: its agent may rewrite; the
+    AgentLoop leaves an episode it played in one context unnumbered, as it always has).
+
+    The one place segments are numbered: the gateway's sessions (an agent that rewrote its history) and
+    the AgentLoop's compaction (a context closed when it was full) both end their episodes here.
+    """
+    out = list(trajectories)
+    n = len(out)
+    for k, t in enumerate(out):
+        t.reward, t.finish_reason, t.fault, t.error = reward, finish_reason, fault, error
+        if n > 1 or number_one:
+            t.segment = Segment(index=k, of=n)
+    return out
+
+
 def is_final_segment(t: Trajectory) -> bool:
     """True for the last segment of an episode (and for every trajectory that has no segments)."""
     return t.segment is None or t.segment.index == t.segment.of - 1
@@ -477,7 +499,6 @@ class Trajectory:
         self.turns.extend([turn] * n)
 
     def _extend_kept_sets(self, n: int, kept_sets: Sequence[Sequence[int]] | None) -> None:
-        had_sampled = self.num_sampled > 0
         if kept_sets is None:
             if self.kept_sets:
                 raise ValueError(f"{n} sampled tokens come without kept sets, but this ledger records them; "
@@ -485,7 +506,9 @@ class Trajectory:
             return
         if len(kept_sets) != n:
             raise ValueError(f"{n} sampled tokens need {n} kept sets, got {len(kept_sets)}")
-        if had_sampled and not self.kept_sets:
+        # Counting the sampled tokens walks the ledger: only where it can matter (no kept set recorded yet),
+        # so that a turn's append costs the same at turn 100 as at turn 2.
+        if not self.kept_sets and self.num_sampled > 0:
             raise ValueError("sampled tokens with kept sets follow tokens sampled without; every "
                              "generation of an episode must be sampled with the same settings")
         self.kept_sets.extend([int(t) for t in kept] for kept in kept_sets)

@@ -242,7 +242,8 @@ class TurnBackend(Protocol):
 
 class EpisodeLoop(TurnBackend, Protocol):
     """The rollout's `AgentLoop` as `ExternalAgentEnv.arun_episode` is given it: a `TurnBackend`
-    that can also play an episode the usual way (`run_episode`, for an env that hands one back)."""
+    that can also play an episode the usual way (`run_episode_segments`, for an env that hands one back:
+    one trajectory per context, several when `rollout.compaction` compacted it)."""
 
     async def run_episode(
         self,
@@ -253,6 +254,16 @@ class EpisodeLoop(TurnBackend, Protocol):
         episode_id: str | None = None,
         group_id: str = "",
     ) -> Trajectory: ...
+
+    async def run_episode_segments(
+        self,
+        env: Env,
+        *,
+        row: dict[str, Any] | None = None,
+        seed: int | None = None,
+        episode_id: str | None = None,
+        group_id: str = "",
+    ) -> list[Trajectory]: ...
 
 
 @runtime_checkable
@@ -266,7 +277,7 @@ class ExternalAgentEnv(Protocol):
     rewrote its history (they share the episode's reward, finish reason and `episode_id`). Like
     `AgentLoop.run_episode` it never raises for an episode failure (it records the failure in the
     trajectories, as a fault when the machinery failed) and it closes the env. An env may hand an
-    episode back to the loop with `return [await loop.run_episode(self, ...)]`.
+    episode back to the loop with `return await loop.run_episode_segments(self, ...)`.
     """
 
     async def arun_episode(

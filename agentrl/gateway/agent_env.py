@@ -240,7 +240,8 @@ class AgentEnv(Env, ExternalAgentEnv):
         rollout calls in place of `loop.run_episode`); never raises for an episode failure. Without an
         agent the episode is handed back to the loop."""
         if not self.runs_agent:
-            return [await loop.run_episode(self, row=row, seed=seed, episode_id=episode_id, group_id=group_id)]
+            return await loop.run_episode_segments(self, row=row, seed=seed, episode_id=episode_id,
+                                                     group_id=group_id)
         started = time.perf_counter()
         row = row if row is not None else self.generate_row(seed)
         timeout = min(loop.config.episode_timeout_s, self.timeout_s or math.inf)

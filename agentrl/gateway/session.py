@@ -44,7 +44,8 @@ stop string and the sampled tokens are kept up to the one that completed it (the
 text stops), so the ledger holds exactly what the model sampled and saw.
 
 `trajectories()` ends the session: one `Trajectory` per segment, all sharing the episode's reward,
-finish reason and fault, each with its `segment` (`agentrl.types.Segment(index=k, of=n)`) and
+finish reason and fault, each with its `segment` (`agentrl.types.Segment(index=k, of=n)`, numbered by
+`agentrl.types.label_segments`, as the AgentLoop's compacted contexts are) and
 `info["tools"]`, the tool schemas its prompt rendered; the episode's
 metrics (calls, segments, rewrites, tool calls, parse errors, refusals) are on the last segment.
 This module knows nothing of HTTP (`server.py`) or of how the agent is run (`agent_env.py`).
@@ -69,9 +70,9 @@ from agentrl.types import (
     FinishReason,
     Generation,
     Message,
-    Segment,
     TokenOrigin,
     Trajectory,
+    label_segments,
 )
 
 if TYPE_CHECKING:
@@ -357,17 +358,14 @@ class GatewaySession:
         self.close()
         self.handed_over = True
         self.counters["late_calls"] += self.in_flight  # they can only finish late now: dropped then
-        out = []
-        n = len(self.segments)
-        for k, seg in enumerate(self.segments):
+        out = label_segments([seg.trajectory for seg in self.segments], reward=reward, finish_reason=finish_reason,
+                             fault=fault, error=error)
+        for seg in self.segments:
             t = seg.trajectory
-            t.reward, t.finish_reason, t.fault, t.error = reward, finish_reason, fault, error
-            t.segment = Segment(index=k, of=n)
             if seg.tools:
                 t.info["tools"] = seg.tools  # what the prompt rendered: a re-render needs them
             t.metrics.update({"turns": float(seg.turn), "sampled_tokens": float(t.num_sampled),
                               "total_tokens": float(len(t))})
-            out.append(t)
         if out:
             last = out[-1]
             last.metrics.update({k: float(v) for k, v in self.counters.items()})

@@ -79,7 +79,8 @@ class VerifiersAgentEnv(VerifiersEnv, AgentEnv):
                            episode_id: str, group_id: str) -> list[Trajectory]:
         try:
             if await self.aplays_turns() is None:
-                return [await loop.run_episode(self, row=row, seed=seed, episode_id=episode_id, group_id=group_id)]
+                return await loop.run_episode_segments(self, row=row, seed=seed, episode_id=episode_id,
+                                                     group_id=group_id)
             if self.max_turns is None:
                 self.max_turns = loop.config.max_turns
             return await AgentEnv.arun_episode(self, loop, row=row, seed=seed, episode_id=episode_id,

@@ -88,6 +88,11 @@ class EvalReport:
     reward_missing: dict[str, int] = field(default_factory=dict)
     """Episodes whose reward could not be measured, by cause (`infra`, `timeout`, `parse`,
     `truncated`; counted in `infra_failed_episodes` too: masked, never scored 0)."""
+    segments_per_episode: float = 1.0
+    """Trajectories per episode: contexts the AgentLoop's compaction opened (`rollout.compaction`), or
+    conversations an external agent held through the gateway."""
+    compactions_per_episode: float = 0.0
+    """Times the AgentLoop compacted an episode's context (`rollout.compaction`)."""
 
     @property
     def measured(self) -> bool:
@@ -104,7 +109,10 @@ class EvalReport:
             f"{self.env} | {self.model} | {self.problems} problems x {self.k} samples: "
             f"pass@1 {self.pass_at_1:.3f}, pass@{self.k} {self.pass_at_k:.3f}, mean reward {self.mean_reward:.3f}"
             + (f", resolved {self.resolved_rate:.3f}" if self.resolved_rate is not None else "")
-            + f", tool calls/episode {self.tool_calls_per_episode:.2f}, infra failures "
+            + f", tool calls/episode {self.tool_calls_per_episode:.2f}"
+            + (f", segments/episode {self.segments_per_episode:.2f}, compactions/episode "
+               f"{self.compactions_per_episode:.2f}" if self.segments_per_episode > 1 else "")
+            + ", infra failures "
             f"{self.infra_failed_episodes}/{self.episodes}, {self.seconds:.0f} s"
         )
 
@@ -128,7 +136,8 @@ def summarise(
     config: AgentRLConfig, groups: list[list[Trajectory]], seconds: float, out_dir: str = "",
     *, reports_resolved: bool = False,
 ) -> EvalReport:
-    groups = [final_segments(g) for g in groups]  # an agent episode in segments counts once
+    every_segment = [t for g in groups for t in g]
+    groups = [final_segments(g) for g in groups]  # an episode in segments counts once
     trajs = [t for g in groups for t in g]
     valid = [t for t in trajs if t.trainable]
     n = max(len(trajs), 1)
@@ -159,7 +168,7 @@ def summarise(
         tool_errors_model_per_episode=per_episode("tool_errors_model"),
         tool_errors_infra_per_episode=per_episode("tool_errors_infra"),
         parse_errors_per_episode=per_episode("parse_errors"),
-        mean_sampled_tokens=sum(t.num_sampled for t in trajs) / n,
+        mean_sampled_tokens=sum(t.num_sampled for t in every_segment) / n,
         seconds=seconds,
         by_data_source=breakdown,
         resolved_rate=(sum(t.metrics.get("resolved", 0.0) for t in valid) / len(valid)
@@ -167,6 +176,8 @@ def summarise(
         output_dir=out_dir,
         reward_missing=dict(Counter(str(t.info["reward_missing"].get("cause")) for t in trajs
                                     if isinstance(t.info.get("reward_missing"), dict))),
+        segments_per_episode=len(every_segment) / n if trajs else 1.0,
+        compactions_per_episode=per_episode("compactions"),
     )
 
 

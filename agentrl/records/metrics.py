@@ -7,7 +7,8 @@ tool error rates by class (model / infrastructure), the step's attempted tool ca
 (`tools/parse/<status>`, counts, from envs that type them), episodes whose reward is missing by cause
 (`reward/missing_<cause>`, from the trajectory's `info["reward_missing"]`), staleness in policy versions, and the time
 episodes spent generating and in the environment. `segment_metrics` adds, for episodes an external
-agent played through the gateway, its segments, rewrites and model calls per episode. The trainer's own numbers (KL, entropy, clip
+agent played through the gateway, its segments, rewrites and model calls per episode, and for episodes
+the AgentLoop compacted (`rollout.compaction`), their segments, compactions and summary turns. The trainer's own numbers (KL, entropy, clip
 fraction, grad norm, rollout/trainer mismatch) come from `train_step` and are merged in as they are.
 
 `MetricsLogger` writes each step to its sinks: the console (a progress bar on a terminal, one log
@@ -300,13 +301,21 @@ def episode_metrics(
 
 
 def segment_metrics(trajectories: Sequence[Trajectory]) -> dict[str, float]:
-    """Dashboard numbers of gateway episodes: segments, rewrites and model calls per episode ({} if none)."""
-    episodes = [t for t in final_segments(trajectories) if "llm_calls" in t.metrics]
+    """Dashboard numbers of episodes in segments: for gateway episodes their segments, rewrites and model calls
+    per episode; for episodes the AgentLoop compacted (`rollout.compaction`), their segments and compactions
+    per episode ({} if none)."""
+    finals = final_segments(trajectories)
+    out: dict[str, float] = {}
+    compacted = [t for t in finals if "compactions" in t.metrics]
+    if compacted:
+        out = {f"rollout/{k}_per_episode": sum(t.metrics.get(k, 0.0) for t in compacted) / len(compacted)
+               for k in ("segments", "compactions", "summary_turns")}
+    episodes = [t for t in finals if "llm_calls" in t.metrics]
     if not episodes:
-        return {}
+        return out
     n = len(episodes)
-    out = {f"gateway/{k}_per_episode": sum(t.metrics.get(k, 0.0) for t in episodes) / n
-           for k in ("segments", "rewrites", "new_conversations", "llm_calls", "parse_errors", "server_errors")}
+    out.update({f"gateway/{k}_per_episode": sum(t.metrics.get(k, 0.0) for t in episodes) / n
+                for k in ("segments", "rewrites", "new_conversations", "llm_calls", "parse_errors", "server_errors")})
     out["gateway/rewritten_frac"] = sum(t.metrics.get("rewrites", 0.0) > 0 for t in episodes) / n
     return out
 

@@ -1,6 +1,9 @@
 """The AgentLoop: one episode of a model acting in an environment, as an explicit state machine.
 
     PENDING ──► GENERATING ──► PROCESSING_TOOLS ──► GENERATING ──► ... ──► TERMINATED
+                                      │    ▲
+                                      ▼    │  (rollout.compaction on, the context is full)
+                                    COMPACTING
 
 PENDING resets the env and renders the first prompt; GENERATING sends the ledger's ids to the
 inference client (token in, token out) and appends the sampled ids exactly as returned;
@@ -48,6 +51,21 @@ not on a thread, paced by a `CpuGate`: when thousands of episodes become ready t
 in slices of `cpu_slice_s` with socket and timer polls in between, so the loop never stalls much
 longer than a slice and no work hops between threads.
 
+Long episodes (`rollout.compaction`, `agentrl.rollout.compaction`): when a tool result would take the
+context past the policy's high watermark, PROCESSING_TOOLS hands it to COMPACTING, which closes the
+context as a trajectory segment and opens the next (a rule that truncates old tool outputs, or a
+sampled summary turn first). `run_episode_segments` returns every segment, numbered by
+`agentrl.types.label_segments` as the gateway's are, all with the episode's reward, finish reason and
+fault. `rollout.max_total_tokens` is then one context's budget; the episode's are `rollout.max_turns`
+(summary turns count), `rollout.episode_timeout_s` and `rollout.compaction.max_sampled_tokens`. The
+last segment carries the episode's metrics (`turns` and `sampled_tokens` of the whole episode,
+`segments`, `compactions`); an earlier one its own `turns`, `sampled_tokens` and `total_tokens`.
+
+Per-turn rewards: a step whose info has `turn_reward` (a number, or None where its source failed)
+gives the reward of the turn it answered; it lands in `trajectory.turn_rewards[k - 1]` for turn k of
+the segment's ledger (None for turns without one, never 0). The step's `reward` is the episode's
+outcome as always (summed over steps).
+
 It knows nothing of training, batching or weight pushes; `RolloutWorker` runs many loops at once.
 """
 
@@ -57,15 +75,17 @@ import asyncio
 import dataclasses
 import enum
 import logging
+import math
 import time
 import uuid
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from agentrl.chat import ChatTemplate, ConversationTokenizer
 from agentrl.config import RolloutConfig
 from agentrl.errors import AgentRLError, InferenceRequestError, RewardMissingError
+from agentrl.rollout.compaction import Compaction, dropped_tool_outputs, summary_context, task_messages
 from agentrl.rollout.pacing import CpuGate
 from agentrl.sampling import sampling_params
 from agentrl.types import (
@@ -78,7 +98,9 @@ from agentrl.types import (
     Generation,
     Message,
     TokenOrigin,
+    ToolSchema,
     Trajectory,
+    label_segments,
 )
 
 if TYPE_CHECKING:
@@ -97,6 +119,7 @@ class EpisodeState(enum.Enum):
     PENDING = "pending"
     GENERATING = "generating"
     PROCESSING_TOOLS = "processing_tools"
+    COMPACTING = "compacting"
     TERMINATED = "terminated"
 
 
@@ -105,7 +128,7 @@ AgentLoopConfig = RolloutConfig
 the loop reads can be set from YAML and there is no second copy to keep in step. The loop reads
 `max_turns`, `max_tokens_per_turn`, `max_total_tokens`, the sampling fields (through
 `agentrl.sampling.sampling_params`: `temperature`, `top_p`, `top_k`, `min_p`, `max_kept_set`), `episode_timeout_s`, `request_timeout_s`, `close_timeout_s`, `truncate_timeout_s`, `verify_template`,
-`max_starting` and `cpu_slice_s`."""
+`max_starting`, `cpu_slice_s` and `compaction` (through `Compaction.from_config`)."""
 
 
 def end_of_turn_ids(tokenizer: Any) -> tuple[int, ...]:
@@ -138,6 +161,17 @@ class _Episode:
     graded: bool = False  # the env settled an episode a loop budget ended (`atruncate`): its reward was measured
     last_info: dict[str, Any] = field(default_factory=dict)
     timings: dict[str, float] = field(default_factory=lambda: {"generate_s": 0.0, "env_s": 0.0})
+    sampled: int = 0
+    """Tokens sampled in the episode, over all its contexts."""
+    closed: list[Trajectory] = field(default_factory=list)
+    """The contexts compaction closed, in order (the current one is `conv`'s)."""
+    tools: list[ToolSchema] | None = None
+    task: list[Message] = field(default_factory=list)
+    """The episode's first messages (system prompt, task): what a summary's new context starts from."""
+    pending: list[Message] = field(default_factory=list)
+    """A tool result that takes the context past the high watermark, for COMPACTING to place."""
+    counts: dict[str, float] = field(default_factory=lambda: {"summary_turns": 0.0, "tool_outputs_cut": 0.0})
+    """What compaction did, for the last segment's metrics."""
 
     @property
     def trajectory(self) -> Trajectory:
@@ -179,10 +213,12 @@ class AgentLoop:
         self.stop_token_ids = stop_token_ids if stop_token_ids is not None else end_of_turn_ids(tokenizer)
         self._starting: asyncio.Semaphore | None = None
         self.gate = CpuGate(self.config.cpu_slice_s)
+        self.compaction = Compaction.from_config(self.config)
         self._handlers = {
             EpisodeState.PENDING: self._on_pending,
             EpisodeState.GENERATING: self._on_generating,
             EpisodeState.PROCESSING_TOOLS: self._on_processing_tools,
+            EpisodeState.COMPACTING: self._on_compacting,
         }
 
     # ── driver ──────────────────────────────────────────────────────────────────────────────
@@ -195,7 +231,25 @@ class AgentLoop:
         episode_id: str | None = None,
         group_id: str = "",
     ) -> Trajectory:
-        """Play one episode to the end; never raises for an episode failure (see the module doc)."""
+        """Play one episode to the end and return its trajectory; never raises for an episode failure (see
+        the module doc). An episode compaction played in several contexts raises ValueError (after it
+        ended): call `run_episode_segments` when `rollout.compaction` is on."""
+        segments = await self.run_episode_segments(env, row=row, seed=seed, episode_id=episode_id, group_id=group_id)
+        if len(segments) != 1:
+            raise ValueError(f"episode {segments[0].episode_id} was played in {len(segments)} contexts "
+                             "(rollout.compaction); call run_episode_segments to get every segment")
+        return segments[0]
+
+    async def run_episode_segments(
+        self,
+        env: Env,
+        *,
+        row: dict[str, Any] | None = None,
+        seed: int | None = None,
+        episode_id: str | None = None,
+        group_id: str = "",
+    ) -> list[Trajectory]:
+        """Play one episode to the end: its trajectory, or one per context when compaction closed some."""
         cfg = self.config
         trajectory = Trajectory(episode_id=episode_id or uuid.uuid4().hex, group_id=group_id)
         if row is not None:
@@ -231,8 +285,8 @@ class AgentLoop:
             self._finish(ep, FinishReason.ERROR, "infra", f"{type(exc).__name__}: {exc}")
         finally:
             await self._close_env(ep)
-            trajectory.metrics["episode_s"] = time.perf_counter() - started
-        return trajectory
+            ep.trajectory.metrics["episode_s"] = time.perf_counter() - started
+        return [*ep.closed, ep.trajectory]
 
     # ── handlers, one per state ─────────────────────────────────────────────────────────────
     async def _on_pending(self, ep: _Episode) -> EpisodeState:
@@ -241,8 +295,10 @@ class AgentLoop:
             options["row"] = ep.row
         messages, info = await self._await(ep, ep.env.areset(seed=ep.seed, options=options), "env reset")
         ep.env_open = True
+        ep.tools = info.get("tools") or None
+        ep.task = task_messages(messages)
         async with self.gate:
-            ids = ep.conv.start(messages, info.get("tools") or None)
+            ids = ep.conv.start(messages, ep.tools)
         if len(ids) >= self.config.max_total_tokens:
             # Nothing was sampled, so there is nothing the policy did to score: the episode is a
             # refused request (masked, its prompt filtered), not a 0 reward, and the env has no work
@@ -253,10 +309,35 @@ class AgentLoop:
         return EpisodeState.GENERATING
 
     async def _on_generating(self, ep: _Episode) -> EpisodeState:
-        cfg = self.config
-        budget = min(cfg.max_tokens_per_turn, cfg.max_total_tokens - len(ep.trajectory))
+        budget, which = self._turn_budget(ep, self.config.max_tokens_per_turn, "rollout.max_tokens_per_turn")
+        generation = await self._generate(ep, budget)
+        async with self.gate:
+            text = self.template.decode_turn(generation.token_ids)
+            ep.action = self._parse(text, generation.token_ids)
+            ep.turn_start = len(ep.trajectory)
+            ep.conv.add_generation(generation, ep.action.to_message())
+        ep.turns += 1
+        ep.sampled += len(generation.token_ids)
+        if generation.finish_reason == "length":
+            # The turn was cut by a token budget: a half-written turn is not an action (verl and
+            # DAPO treat it as a truncated response, which the overlong penalty can then shape).
+            raise _EpisodeOver(FinishReason.MAX_LENGTH, budget=which)
+        return EpisodeState.PROCESSING_TOOLS
+
+    def _turn_budget(self, ep: _Episode, cap: int, cap_key: str) -> tuple[int, str]:
+        """(most tokens the next turn may sample, the budget's config key that sets it); ends the episode
+        when a budget is spent."""
+        limits = [(cap, cap_key), (self.config.max_total_tokens - len(ep.trajectory), "rollout.max_total_tokens")]
+        if self.compaction is not None and self.compaction.max_sampled_tokens is not None:
+            limits.append((self.compaction.max_sampled_tokens - ep.sampled, "rollout.compaction.max_sampled_tokens"))
+        budget, which = min(limits, key=lambda limit: limit[0])
         if budget <= 0:
-            raise _EpisodeOver(FinishReason.MAX_LENGTH, budget="rollout.max_total_tokens")
+            raise _EpisodeOver(FinishReason.MAX_LENGTH, budget=which)
+        return budget, which
+
+    async def _generate(self, ep: _Episode, budget: int) -> Generation:
+        """One generation on the current context's ids, under the episode's deadline."""
+        cfg = self.config
         sampling = sampling_params(cfg, max_tokens=budget, stop_token_ids=self.stop_token_ids)
         timeout = min(cfg.request_timeout_s, ep.time_left())
         if timeout <= 0:
@@ -280,18 +361,7 @@ class AgentLoop:
             raise _EpisodeOver(FinishReason.ERROR, "infra", "the server aborted the generation")
         if not generation.token_ids:
             generation = Generation([], [], generation.finish_reason, generation.weight_version)
-        async with self.gate:
-            text = self.template.decode_turn(generation.token_ids)
-            ep.action = self._parse(text, generation.token_ids)
-            ep.turn_start = len(ep.trajectory)
-            ep.conv.add_generation(generation, ep.action.to_message())
-        ep.turns += 1
-        if generation.finish_reason == "length":
-            # The turn was cut by a token budget: a half-written turn is not an action (verl and
-            # DAPO treat it as a truncated response, which the overlong penalty can then shape).
-            which = "rollout.max_tokens_per_turn" if budget >= cfg.max_tokens_per_turn else "rollout.max_total_tokens"
-            raise _EpisodeOver(FinishReason.MAX_LENGTH, budget=which)
-        return EpisodeState.PROCESSING_TOOLS
+        return generation
 
     async def _on_processing_tools(self, ep: _Episode) -> EpisodeState:
         assert ep.action is not None  # set by _on_generating, the only way into this state
@@ -303,6 +373,8 @@ class AgentLoop:
         ep.reward += float(reward)
         ep.last_info = info if isinstance(info, dict) else {}
         self._record_outcomes(ep)
+        if "turn_reward" in ep.last_info:
+            _record_turn_reward(ep.trajectory, ep.conv.turn, ep.last_info["turn_reward"])
         if terminated or truncated:
             ep.env_open = False
         if terminated:
@@ -311,11 +383,85 @@ class AgentLoop:
             raise _EpisodeOver(FinishReason.MAX_TURNS)  # the env's own reason is its info["truncated_by"]
         if ep.turns >= self.config.max_turns:
             raise _EpisodeOver(FinishReason.MAX_TURNS, budget="rollout.max_turns")
+        messages = _as_messages(obs)
+        if self.compaction is None:
+            async with self.gate:
+                ids = ep.conv.add_messages(messages)
+            if len(ids) >= self.config.max_total_tokens:
+                raise _EpisodeOver(FinishReason.MAX_LENGTH, budget="rollout.max_total_tokens")
+            return EpisodeState.GENERATING
         async with self.gate:
-            ids = ep.conv.add_messages(_as_messages(obs))
-        if len(ids) >= self.config.max_total_tokens:
+            delta = ep.conv.preview(messages)
+            if len(ep.trajectory) + len(delta.token_ids) < self.compaction.high_tokens:
+                ep.conv.add_delta(delta, messages)
+                return EpisodeState.GENERATING
+        ep.pending = messages
+        return EpisodeState.COMPACTING
+
+    async def _on_compacting(self, ep: _Episode) -> EpisodeState:
+        """Close the full context as a segment and open the next (`agentrl.rollout.compaction`)."""
+        assert self.compaction is not None  # the only way into this state
+        pending, ep.pending = ep.pending, []
+        if self.compaction.kind == "summary":
+            messages = summary_context(ep.task, await self._summarise(ep, pending))
+            if ep.turns >= self.config.max_turns:  # the summary was the last turn the episode had
+                raise _EpisodeOver(FinishReason.MAX_TURNS, budget="rollout.max_turns")
+        else:
+            async with self.gate:
+                messages, dropped = dropped_tool_outputs(
+                    [*ep.trajectory.messages, *pending], count=self._context_tokens(ep), count_text=self._text_tokens,
+                    low_tokens=self.compaction.low_tokens, keep_chars=self.compaction.tool_output_chars)
+            ep.counts["tool_outputs_cut"] += dropped
+        async with self.gate:
+            self._open_context(ep, messages)
+        if len(ep.trajectory) >= self.compaction.high_tokens:
+            # What the policy keeps (the task, the latest tool result, a summary) fills a context by itself.
             raise _EpisodeOver(FinishReason.MAX_LENGTH, budget="rollout.max_total_tokens")
         return EpisodeState.GENERATING
+
+    async def _summarise(self, ep: _Episode, pending: list[Message]) -> str:
+        """Ask for a summary after the tool result in the full context; its turn is sampled (and trained)."""
+        assert self.compaction is not None
+        messages = [*pending, self.compaction.summary_request()]
+        async with self.gate:
+            delta = ep.conv.preview(messages)
+            if len(ep.trajectory) + len(delta.token_ids) >= self.config.max_total_tokens:
+                raise _EpisodeOver(FinishReason.MAX_LENGTH, budget="rollout.max_total_tokens")
+            ep.conv.add_delta(delta, messages)
+        budget, which = self._turn_budget(ep, self.compaction.summary_max_tokens,
+                                          "rollout.compaction.summary_max_tokens")
+        generation = await self._generate(ep, budget)
+        async with self.gate:
+            text = self.template.decode_turn(generation.token_ids)
+            ep.turn_start = len(ep.trajectory)
+            ep.conv.add_generation(generation, {"role": "assistant", "content": text})
+        ep.turns += 1
+        ep.sampled += len(generation.token_ids)
+        ep.counts["summary_turns"] += 1
+        if generation.finish_reason == "length" and which != "rollout.compaction.summary_max_tokens":
+            raise _EpisodeOver(FinishReason.MAX_LENGTH, budget=which)
+        return text.strip()  # a summary cut by its own budget is still the summary the policy wrote
+
+    def _open_context(self, ep: _Episode, messages: list[Message]) -> None:
+        """Close the current context (a segment of the episode) and start the next one on `messages`."""
+        old = ep.trajectory
+        if ep.conv.verify and old.origins and old.origins[-1] == TokenOrigin.SAMPLED:
+            ep.conv.check(prefix=True)
+        old.metrics.update({"turns": float(ep.conv.turn), "sampled_tokens": float(old.num_sampled),
+                            "total_tokens": float(len(old))})
+        ep.closed.append(old)
+        new = Trajectory(episode_id=old.episode_id, group_id=old.group_id, data_source=old.data_source)
+        ep.conv = ConversationTokenizer(self.template, new, verify=self.config.verify_template)
+        ep.conv.start(messages, ep.tools)
+
+    def _context_tokens(self, ep: _Episode) -> Callable[[Sequence[Message]], int]:
+        """Counts the tokens of a context of the episode's tools and `messages`, rendered whole."""
+        tools = ep.conv.tools
+        return lambda messages: len(self.template.encode_prompt(messages, tools))
+
+    def _text_tokens(self, text: str) -> int:
+        """Counts the tokens of one message's text."""
+        return len(self.template.tokenizer.encode(text, add_special_tokens=False))
 
     # ── helpers ─────────────────────────────────────────────────────────────────────────────
     def _parse(self, text: str, token_ids: list[int]) -> Action:
@@ -407,14 +553,12 @@ class AgentLoop:
 
     def _finish(self, ep: _Episode, reason: FinishReason, fault: Fault | None, error: str | None) -> None:
         t = ep.trajectory
-        t.finish_reason = reason
-        t.fault = fault
-        t.error = error
         # Not measured (a reward source failed, or the episode broke for infrastructure reasons or on a
         # refused request before the env graded it, whatever it had collected): no number, never 0. An
         # episode the env graded after a budget ended it keeps that grade, masked or not.
         unmeasured = "reward_missing" in t.info or (fault in ("infra", "request") and not ep.graded)
-        t.reward = None if unmeasured else ep.reward
+        label_segments([*ep.closed, t], reward=None if unmeasured else ep.reward, finish_reason=reason, fault=fault,
+                       error=error, number_one=False)
         env_metrics = ep.last_info.get("metrics", {}) if isinstance(ep.last_info, dict) else {}
         t.metrics.update({k: float(v) for k, v in env_metrics.items() if isinstance(v, (int, float))})
         if isinstance(ep.last_info, dict):
@@ -423,8 +567,12 @@ class AgentLoop:
                     t.info[key] = ep.last_info[key]
         t.metrics.update(ep.timings)
         t.metrics["turns"] = float(ep.turns)
-        t.metrics["sampled_tokens"] = float(t.num_sampled)
+        t.metrics["sampled_tokens"] = float(ep.sampled)
         t.metrics["total_tokens"] = float(len(t))
+        if self.compaction is not None:
+            t.metrics["segments"] = float(len(ep.closed) + 1)
+            t.metrics["compactions"] = float(len(ep.closed))
+            t.metrics.update(ep.counts)
         if ep.conv.verify and t.origins and t.origins[-1] == TokenOrigin.SAMPLED:
             # The last turn was sampled and never followed by a delta, so no re-render covered it yet.
             ep.conv.check(prefix=True)
@@ -449,6 +597,17 @@ def _note_reward_missing(trajectory: Trajectory, exc: BaseException) -> None:
 def prompt_too_long(tokens: int, max_total_tokens: int) -> str:
     """Why a prompt of `tokens` tokens is not rolled out: no room is left to sample a token."""
     return f"prompt of {tokens} tokens over rollout.max_total_tokens={max_total_tokens}"
+
+
+def _record_turn_reward(trajectory: Trajectory, turn: int, value: object) -> None:
+    """Put a step's `info["turn_reward"]` at `turn_rewards[turn - 1]` (None: given as missing, kept so)."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int | float)
+                              or not math.isfinite(value)):
+        raise AgentRLError(f"an env step's info['turn_reward'] must be a finite number, or None where its source "
+                           f"failed; got {value!r}")
+    rewards = trajectory.turn_rewards
+    rewards.extend([None] * (turn - len(rewards)))
+    rewards[turn - 1] = None if value is None else float(value)
 
 
 def _as_messages(obs: object) -> list[Message]:

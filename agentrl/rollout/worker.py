@@ -14,7 +14,8 @@ runs a user's OpenAI-API agent through the gateway): the worker calls it in plac
 `loop.run_episode`, and the env plays its episode itself with the worker's AgentLoop as its
 inference backend. It may return several trajectories for one episode (segments, when the agent
 rewrote its history; they share the episode's reward and `episode_id`, and `Trajectory.segment`
-numbers them). A group's list then holds every segment of its episodes, in sample order.
+numbers them); so may an episode the AgentLoop compacted (`rollout.compaction`: one trajectory per
+context). A group's list then holds every segment of its episodes, in sample order.
 Placement on Ray, weight pushes and staleness belong to the orchestration layer, not here.
 
 Garbage collection. A rollout process holds a large, long-lived heap (transformers, the tokenizer,
@@ -154,7 +155,8 @@ class RolloutWorker:
     async def run_episode_segments(
         self, row: dict[str, Any] | None, *, seed: int, group_id: str, episode_id: str
     ) -> list[Trajectory]:
-        """Every trajectory of one episode: one from the AgentLoop, one per segment from an external agent."""
+        """Every trajectory of one episode: one per context (one, unless `rollout.compaction` closed some) from
+        the AgentLoop, one per segment from an external agent."""
         async with self._slots:
             self.in_flight += 1
             if self.freeze_gc and not self._pacing:
@@ -166,8 +168,8 @@ class RolloutWorker:
                 if isinstance(env, ExternalAgentEnv):
                     return await env.arun_episode(self.loop, row=row, seed=seed, episode_id=episode_id,
                                                   group_id=group_id)
-                return [await self.loop.run_episode(env, row=row, seed=seed, group_id=group_id,
-                                                    episode_id=episode_id)]
+                return await self.loop.run_episode_segments(env, row=row, seed=seed, group_id=group_id,
+                                                            episode_id=episode_id)
             finally:
                 self.in_flight -= 1
                 if self.in_flight == 0 and self._pacing:

@@ -7,6 +7,12 @@ with a handful of numbers worked out by hand. Token-level tensors are `(batch, s
 when the mask is empty. Group-relative estimators take `index`, one group id per sequence (a
 tensor of ints, or any hashable ids such as `Trajectory.group_id` strings).
 
+Per-turn rewards (`Trajectory.turn_rewards`) reach the group estimators as `turns=TurnRewards(...)`:
+each turn's tokens get, besides the outcome advantage, the discounted sum over that turn and the later
+ones of each turn's reward minus its group baseline at that turn position (`turn_advantages`; a missing
+reward is NaN and is masked: it is in no baseline and adds nothing, never a 0). The token-level
+estimators (gae, reinforce_pp) take them as token rewards on each turn's last token (`turn_token_rewards`).
+
 This module is not the training loop: which of these run, in what order and with which
 coefficients is decided by the trainer backend and its config.
 """
@@ -15,6 +21,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -22,6 +29,7 @@ __all__ = [
     "LOSS_AGG_MODES",
     "AdaptiveKLController",
     "FixedKLController",
+    "TurnRewards",
     "aggregate_loss",
     "apply_kl_penalty",
     "dr_grpo",
@@ -41,6 +49,8 @@ __all__ = [
     "rloo",
     "rollout_correction",
     "stop_properly_penalty",
+    "turn_advantages",
+    "turn_token_rewards",
     "value_loss",
 ]
 
@@ -217,6 +227,99 @@ def _broadcast(per_seq: torch.Tensor, response_mask: torch.Tensor) -> tuple[torc
     return adv, adv
 
 
+@dataclass(frozen=True)
+class TurnRewards:
+    """Per-turn rewards of a batch, for the group estimators' `turns` (see `turn_advantages`).
+
+    `rewards` is (episodes, turns): entry [e, k - 1] is the reward of episode e's turn k, NaN where none was
+    given or its source failed (masked, never read as 0). `token_turns` is (batch, seq_len), aligned with
+    the estimator's `response_mask`: the episode turn (1-based) of each token, 0 where there is none.
+    `episode_of` (batch,) names the episode of each sequence when an episode comes in several segments
+    (None: sequence b is episode b). `gamma` discounts later turns.
+    """
+
+    rewards: torch.Tensor
+    token_turns: torch.Tensor
+    episode_of: torch.Tensor | None = None
+    gamma: float = 1.0
+
+
+def turn_advantages(
+    turns: TurnRewards,
+    index: torch.Tensor | Sequence[Hashable],
+    *,
+    norm_by_std: bool = False,
+    leave_one_out: bool = False,
+    eps: float = 1e-6,
+) -> torch.Tensor:
+    """(batch, seq_len) per-turn advantages: A_{e,k} = Σ_{j≥k} γ^{j-k} (r_{e,j} - b_{g,j}) on turn k's tokens.
+
+    b_{g,j} is the mean reward at turn position j over the episodes of group g (`index`, one id per sequence)
+    that were given one; with `norm_by_std` each term is divided by that position's unbiased std (+ eps),
+    as GRPO does, and with `leave_one_out` the baseline leaves the episode itself out (RLOO). A position
+    where fewer than two episodes of the group have a reward contributes 0, as a group of one does in GRPO.
+    A missing reward (NaN) is in no baseline and contributes nothing: it is masked, not a reward of 0, which
+    would be scored below its group's mean. Baselining each turn position, rather than the returns, keeps a
+    missing reward out of every sum, and compares turn k with the turns k of the other samples of the same
+    prompt (the natural first choice for a group estimator with no critic; per matching state needs a
+    notion of state the trajectories do not carry).
+    """
+    rewards = turns.rewards.float()
+    n_episodes, n_turns = rewards.shape
+    device = rewards.device
+    episode_of = (torch.arange(turns.token_turns.shape[0], device=device) if turns.episode_of is None
+                  else turns.episode_of.to(device).long())
+    rows_gid = _group_index(index, episode_of.shape[0], device)
+    gid = torch.zeros(n_episodes, dtype=torch.long, device=device).scatter_(0, episode_of, rows_gid)
+    n_groups = int(gid.max().item()) + 1 if gid.numel() else 0
+    given = ~torch.isnan(rewards)
+    values = torch.where(given, rewards, torch.zeros_like(rewards))
+    flat = (gid[:, None] * n_turns + torch.arange(n_turns, device=device)[None, :]).reshape(-1)
+    size = n_groups * n_turns
+    counts = torch.zeros(size, device=device).index_add(0, flat, given.float().reshape(-1))
+    sums = torch.zeros(size, device=device).index_add(0, flat, values.reshape(-1))
+    means = (sums / counts.clamp(min=1.0))[flat].reshape(rewards.shape)
+    n = counts[flat].reshape(rewards.shape)
+    centred = torch.where(given, values - means, torch.zeros_like(values))
+    if norm_by_std:
+        sq = torch.zeros(size, device=device).index_add(0, flat, (centred * centred).reshape(-1))
+        std = (sq / (counts - 1).clamp(min=1.0)).sqrt()[flat].reshape(rewards.shape)
+        centred = centred / (std + eps)
+    if leave_one_out:
+        centred = centred * n / (n - 1).clamp(min=1.0)
+    per_turn = torch.where(given & (n > 1), centred, torch.zeros_like(centred))
+    returns = torch.zeros_like(per_turn)
+    running = per_turn.new_zeros(n_episodes)
+    for k in reversed(range(n_turns)):
+        running = per_turn[:, k] + turns.gamma * running
+        returns[:, k] = running
+    token_turns = turns.token_turns.to(device).long()
+    if token_turns.numel() and int(token_turns.max().item()) > n_turns:
+        raise ValueError(f"token_turns names turn {int(token_turns.max().item())} but rewards has {n_turns} turns; "
+                         "give a reward (or NaN) for every turn of every episode")
+    padded = torch.cat([returns.new_zeros(n_episodes, 1), returns], dim=1)  # column 0: no turn
+    return padded[episode_of[:, None], token_turns]
+
+
+def turn_token_rewards(turns: TurnRewards) -> torch.Tensor:
+    """(batch, seq_len) token rewards: each given turn reward on the last token of its turn (NaN: none), for
+    the token-level estimators. Needs one sequence per episode (`episode_of` None)."""
+    if turns.episode_of is not None:
+        raise ValueError("turn_token_rewards places per-turn rewards in one sequence per episode; "
+                         "segments are placed in their own sequences (episode_of must be None)")
+    token_turns = turns.token_turns.long()
+    rewards = torch.nan_to_num(turns.rewards.float(), nan=0.0)  # a missing reward places nothing
+    out = torch.zeros(token_turns.shape, dtype=rewards.dtype, device=token_turns.device)
+    positions = torch.arange(token_turns.shape[1], device=token_turns.device)
+    for k in range(1, rewards.shape[1] + 1):
+        in_turn = token_turns == k
+        last = torch.where(in_turn, positions, torch.full_like(positions, -1)).max(-1).values
+        has = last >= 0
+        rows = has.nonzero().squeeze(-1)
+        out[rows, last[has]] += rewards[rows, k - 1].to(out.device)
+    return out
+
+
 def grpo(
     rewards: torch.Tensor,
     response_mask: torch.Tensor,
@@ -224,13 +327,15 @@ def grpo(
     *,
     eps: float = 1e-6,
     norm_by_std: bool = True,
+    turns: TurnRewards | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """GRPO outcome advantage (Shao et al. 2024, DeepSeekMath): A_i = (r_i - mean_g) / (std_g + eps).
 
     mean and std (unbiased) are over the group g of samples answering the same prompt, and A_i is
     given to every response token of sample i. Groups of one sample, and groups whose rewards are
     all equal, get advantage 0. Returns (advantages, returns), both (batch, seq_len); the returns
-    of an outcome estimator are the advantages.
+    of an outcome estimator are the advantages. With per-turn rewards (`turns`), each turn's tokens
+    also get `turn_advantages` (normalised per turn position as the outcome is, with `norm_by_std`).
     """
     scores = _sequence_scores(rewards)
     gid = _group_index(index, scores.shape[0], scores.device)
@@ -239,33 +344,44 @@ def grpo(
     if norm_by_std:
         adv = adv / (std + eps)
     adv = torch.where(counts > 1, adv, torch.zeros_like(adv))
-    return _broadcast(adv, response_mask)
+    if turns is None:
+        return _broadcast(adv, response_mask)
+    out = (adv.unsqueeze(-1) + turn_advantages(turns, index, norm_by_std=norm_by_std, eps=eps))
+    out = out * response_mask.to(out.dtype)
+    return out, out
 
 
 def dr_grpo(
-    rewards: torch.Tensor, response_mask: torch.Tensor, index: torch.Tensor | Sequence[Hashable]
+    rewards: torch.Tensor, response_mask: torch.Tensor, index: torch.Tensor | Sequence[Hashable], *,
+    turns: TurnRewards | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Dr. GRPO advantage (Liu et al. 2025, "Understanding R1-Zero-Like Training"): A_i = r_i - mean_g.
 
     GRPO without the std division, which over-weights groups of nearly equal rewards. Pair it with
-    `seq-mean-token-sum-norm` aggregation to also remove the length bias.
+    `seq-mean-token-sum-norm` aggregation to also remove the length bias. Per-turn rewards (`turns`) are
+    centred per turn position the same way (`turn_advantages`).
     """
-    return grpo(rewards, response_mask, index, norm_by_std=False)
+    return grpo(rewards, response_mask, index, norm_by_std=False, turns=turns)
 
 
 def rloo(
-    rewards: torch.Tensor, response_mask: torch.Tensor, index: torch.Tensor | Sequence[Hashable]
+    rewards: torch.Tensor, response_mask: torch.Tensor, index: torch.Tensor | Sequence[Hashable], *,
+    turns: TurnRewards | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """REINFORCE leave-one-out (Kool et al. 2019; Ahmadian et al. 2024): A_i = r_i - mean_{j≠i} r_j.
 
-    Over a group of n samples this equals n/(n-1)·(r_i - mean_g). Groups of one sample get 0.
+    Over a group of n samples this equals n/(n-1)·(r_i - mean_g). Groups of one sample get 0. Per-turn
+    rewards (`turns`) get a leave-one-out baseline per turn position (`turn_advantages`).
     """
     scores = _sequence_scores(rewards)
     gid = _group_index(index, scores.shape[0], scores.device)
     counts, mean, _ = _group_stats(scores, gid)
     adv = (scores - mean) * counts / (counts - 1).clamp(min=1.0)
     adv = torch.where(counts > 1, adv, torch.zeros_like(adv))
-    return _broadcast(adv, response_mask)
+    if turns is None:
+        return _broadcast(adv, response_mask)
+    out = (adv.unsqueeze(-1) + turn_advantages(turns, index, leave_one_out=True)) * response_mask.to(adv.dtype)
+    return out, out
 
 
 def _discounted_returns(
@@ -326,15 +442,17 @@ def reinforce_pp_baseline(
     *,
     divide_std: bool = True,
     eps: float = 1e-8,
+    turns: TurnRewards | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """REINFORCE++-baseline (Hu 2025): A_i = (r_i - mean_g) / std_batch.
 
     The group mean is the baseline; the result is then divided by the std over all response tokens
     of the batch. It is not re-centred: the group baseline already centres each group, and
     re-centring on the token-weighted batch mean would give equal-reward groups a non-zero
-    advantage. Groups of one sample and equal-reward groups get 0.
+    advantage. Groups of one sample and equal-reward groups get 0. Per-turn rewards (`turns`) are centred
+    per turn position (`turn_advantages`) and added before the division.
     """
-    centred, _ = dr_grpo(rewards, response_mask, index)
+    centred, _ = dr_grpo(rewards, response_mask, index, turns=turns)
     if not divide_std:
         return centred, centred
     adv = masked_whiten(centred, response_mask, shift_mean=False, eps=eps)

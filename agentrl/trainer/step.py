@@ -22,6 +22,13 @@ one reward per episode and every segment's tokens get its episode's advantage (t
 more in its group. Token-level estimators (gae, reinforce_pp) see each segment as a sequence that
 ends with the episode's reward.
 
+Per-turn rewards (`Trajectory.turn_rewards`, None where missing) reach the estimators when any
+trajectory of the batch has them (`_turn_rewards`): the group estimators add each turn's discounted
+sum of per-position-baselined rewards to the outcome advantage (`algos.turn_advantages`), numbering
+an episode's turns across its segments (segment k's turns follow segment k-1's), with `algorithm.gamma`
+as the discount over turns; the token-level ones get each reward on its turn's last token
+(`algos.turn_token_rewards`). A missing reward is masked (NaN), never 0.
+
 `train_step_with_tokens` does the same and returns the step's `StepReport` (its metrics and the
 on-policy gate's per-row decisions, `GatedRow`: which sequences were masked, why, their figures),
 which the run reads to ledger and police the gate, and what the trainer computed per token
@@ -348,10 +355,26 @@ def _advantages(
         kwargs = {"gamma": algorithm.gamma}
     groups = [t.group_id for t in trajs]
     episode_of = _episode_index(trajs)
-    if episode_of is not None and algorithm.advantage in _PER_EPISODE_ESTIMATORS:
+    group_estimator = algorithm.advantage in _PER_EPISODE_ESTIMATORS
+    turns = _turn_rewards(trajs, mask, episode_of if group_estimator else None, algorithm.gamma)
+    if turns is not None:
+        metrics["batch/turn_rewards_given"] = float((~torch.isnan(turns.rewards)).sum().item())
+        if not group_estimator:
+            if algorithm.advantage not in _TOKEN_ESTIMATORS:
+                raise ConfigError(
+                    f"the batch has per-turn rewards, which algorithm.advantage={algorithm.advantage!r} does not "
+                    f"read; use one of {', '.join(_PER_EPISODE_ESTIMATORS + _TOKEN_ESTIMATORS)}")
+            token = algos.turn_token_rewards(turns)
+            rewards = (_on_last_token(rewards, mask) if rewards.dim() == 1 else rewards) + token
+    if episode_of is not None and group_estimator:
         advantages, returns = _per_episode_advantages(estimator, rewards, mask, groups, episode_of)
+        if turns is not None:  # the per-turn part alone: every episode's outcome set to 0
+            per_turn, _ = estimator(torch.zeros(len(trajs)), mask, groups, turns=turns)
+            advantages = returns = advantages + per_turn
         metrics["batch/segments"] = float(len(trajs))
         metrics["batch/episodes"] = float(max(episode_of) + 1)
+    elif turns is not None and group_estimator:
+        advantages, returns = estimator(rewards, mask, groups, turns=turns, **kwargs)
     else:
         advantages, returns = estimator(rewards, mask, groups, **kwargs)
     metrics.update(_stats("adv", advantages, mask))
@@ -361,6 +384,39 @@ def _advantages(
 
 
 _PER_EPISODE_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_pp_baseline")
+_TOKEN_ESTIMATORS = ("gae", "reinforce_pp")
+
+
+def _turn_rewards(
+    trajs: Sequence[Trajectory], mask: torch.Tensor, episode_of: list[int] | None, gamma: float
+) -> algos.TurnRewards | None:
+    """The batch's per-turn rewards (None when no trajectory has any): one row per episode, its segments'
+    turns numbered in segment order, or one row per sequence when `episode_of` is None."""
+    if not any(t.turn_rewards for t in trajs):
+        return None
+    of = episode_of if episode_of is not None else list(range(len(trajs)))
+    per_episode: list[list[float | None]] = [[] for _ in range(max(of) + 1)]
+    offset = [0] * len(trajs)
+    def position(i: int) -> tuple[int, int]:
+        segment = trajs[i].segment
+        return of[i], 0 if segment is None else segment.index
+
+    for i in sorted(range(len(trajs)), key=position):
+        t = trajs[i]
+        offset[i] = len(per_episode[of[i]])
+        per_episode[of[i]].extend([*t.turn_rewards, *[None] * (t.num_turns - len(t.turn_rewards))])
+    width = max(1, max(len(r) for r in per_episode))
+    table = torch.full((len(per_episode), width), float("nan"))
+    for e, values in enumerate(per_episode):
+        for k, r in enumerate(values):
+            if r is not None:
+                table[e, k] = float(r)
+    token_turns = torch.zeros(mask.shape, dtype=torch.long)
+    for i, t in enumerate(trajs):
+        local = torch.tensor(t.turns[1:], dtype=torch.long)  # column c predicts token c + 1
+        token_turns[i, : len(local)] = torch.where(local > 0, local + offset[i], 0)
+    token_turns = token_turns * (mask > 0).long()
+    return algos.TurnRewards(table, token_turns, None if episode_of is None else torch.tensor(of), gamma)
 
 
 def _episode_index(trajs: Sequence[Trajectory]) -> list[int] | None:

@@ -94,6 +94,10 @@ COMMANDS: dict[str, How] = {
     "agentrl eval env=retool model.path=/path/to/hf/model inference.engine=hf": How("SIZED", EVAL_SIZE),
     "agentrl eval env=retool inference.engine=external inference.urls=[http://127.0.0.1:8000]":
         How("SIZED", EVAL_SIZE),
+    # docs/long-horizon.md
+    "agentrl validate env=recall rollout.compaction.policy=summary": How("QUICK"),
+    "agentrl eval env=recall rollout.compaction.policy=drop_tool_outputs inference.engine=hf": How("SIZED", EVAL_SIZE),
+    "python bench/agent_loop_turns.py --repeats 2 --turns 30": How("QUICK"),
     "python examples/mcp_tools.py": How("QUICK"),
     "python examples/judged_reward.py --judge /path/to/hf/model": How("QUICK"),
     "agentrl eval env=mcp inference.engine=hf": How("SIZED", EVAL_SIZE),
@@ -352,6 +356,17 @@ def test_distillation_validate_command(tmp_path: Path) -> None:
     assert "smollm2-135m-instruct, engine vllm), its tokenizer the policy's; started by pre-flight" in out
 
 
+@pytest.mark.slow
+def test_long_horizon_commands(tmp_path: Path) -> None:
+    out = run("agentrl validate env=recall rollout.compaction.policy=summary", tmp_path).stdout
+    assert out.startswith("Config OK for 'agentrl run': env=recall")
+    bench = run("python bench/agent_loop_turns.py --repeats 2 --turns 30", REPO, timeout=600).stdout
+    rows = {line.split()[0]: line.split() for line in bench.splitlines() if line.split()[:1] in (
+        ["off"], ["drop_tool_outputs"], ["summary"])}
+    assert set(rows) == {"off", "drop_tool_outputs", "summary"}  # every policy finished and scored its episodes
+    assert int(rows["summary"][2]) > 1  # the summary policy compacted (segments > 1)
+
+
 def test_swe_scripted_agent_example(tmp_path: Path) -> None:
     out = run("python examples/swe_scripted_agent.py", REPO, timeout=300).stdout.splitlines()
     assert out[-2:] == ["reference fix agent: resolved 2/2 (rate 1.00)", "do nothing agent: resolved 0/2 (rate 0.00)"]
@@ -470,6 +485,14 @@ def test_eval_with_the_hf_engine(tmp_path: Path) -> None:
     model = resolve_model_path("smollm2-135m-instruct")  # a Hugging Face directory on disk
     command = "agentrl eval env=retool model.path=/path/to/hf/model inference.engine=hf"
     _check_eval(run(command, tmp_path, filled=command.replace("/path/to/hf/model", model)), tmp_path, 4)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(3600)
+def test_eval_of_the_recall_env_with_compaction(tmp_path: Path) -> None:
+    command = "agentrl eval env=recall rollout.compaction.policy=drop_tool_outputs inference.engine=hf"
+    report = _check_eval(run(command, tmp_path), tmp_path, 4)
+    assert report["segments_per_episode"] >= 1.0 and report["compactions_per_episode"] >= 0.0
 
 
 def test_mcp_example(tmp_path: Path) -> None:

@@ -381,3 +381,45 @@ def test_the_agent_loop_masks_an_episode_whose_test_command_cannot_start(assets:
     traj = run(lambda: loop.run_episode(env, row=task_row(broken)), env)
     assert (traj.finish_reason, traj.fault, traj.trainable, traj.reward) == (FinishReason.ERROR, "infra", False, None)
     assert "The test command could not start" in (traj.error or "") and "swe" not in traj.info
+
+
+@pytest.mark.slow
+def test_the_swe_env_resolves_with_compaction_dropping_long_tool_outputs(assets: Path) -> None:
+    import json as _json
+
+    from agentrl.chat import ChatTemplate
+    from agentrl.config import RolloutConfig
+    from agentrl.rollout import AgentLoop
+    from agentrl.tools.parsers import HermesParser
+
+    template = ChatTemplate.from_pretrained(assets / "qwen2.5-0.5b-instruct")
+    tok = template.tokenizer
+    end = tok.convert_tokens_to_ids("<|im_end|>")
+    task = TASKS["pager__page-count-remainder"]
+    # long outputs first (each about 700 tokens), then the reference fix and submit: the scripted SWE agent
+    actions = [call("bash", command="seq 100000 100140")] * 4 + reference_fix_actions(task)
+
+    class Scripted:
+        turn = 0
+
+        async def generate(self, prompt_ids: list[int], sampling: SamplingParams, *, session_id: str,
+                           timeout_s: float | None = None) -> Generation:
+            action = actions[self.turn]
+            self.turn += 1
+            (c,) = action.tool_calls
+            text = f"{action.text}\n<tool_call>\n{_json.dumps({'name': c.name, 'arguments': c.arguments})}\n</tool_call>"
+            ids = tok.encode(text, add_special_tokens=False) + [end]
+            return Generation(ids, [-0.1] * len(ids), "stop", 1)
+
+    env = SweEnv()  # its own budgets: 30 turns, outputs cut at 8,000 characters
+    config = RolloutConfig(max_turns=30, max_total_tokens=3072, max_tokens_per_turn=512, verify_template=True,
+                           compaction={"policy": "drop_tool_outputs", "tool_output_chars": 0})
+    loop = AgentLoop(Scripted(), template, HermesParser(), config)
+    segments = run(lambda: loop.run_episode_segments(env, row=task_row(task)), env)
+    last = segments[-1]
+    assert len(segments) >= 2 and last.metrics["compactions"] == len(segments) - 1
+    assert {(t.finish_reason, t.reward) for t in segments} == {(FinishReason.DONE, 1.0)}, last.error
+    assert last.metrics["resolved"] == 1.0 and last.info["swe"]["model_patch"].startswith("diff --git")
+    assert all(t.metrics["template_mismatch"] == 0.0 and len(t) <= 3072 for t in segments)
+    dropped = [m for m in segments[-1].messages if m["role"] == "tool" and "dropped to save context" in m["content"]]
+    assert dropped  # the old `seq` outputs were dropped in the last context

@@ -10,7 +10,8 @@ when the prompt holds assistant messages (the retool preset's worked examples, a
 row), a bidi override that reorders nothing after its token, lines that are not episodes counted,
 the stopped-run file, and reward, pass@k and infrastructure failures drawn at 0. A run with a ~2 MB
 tool output (`make_big_run`): its episode comes gzip-compressed and draws folded at once, and the
-page answers clicks while the rest is drawn; the off-policy overlay colours the token whose trainer
+page answers clicks while the rest is drawn; a 200-turn episode compaction played in three contexts
+(`long_eval`): each segment shows as such, every turn and token drawn; the off-policy overlay colours the token whose trainer
 logprob was set apart from the rollout's. A run directory with only its config: a waiting page
 that fills in when the first kept rollouts are written.
 """
@@ -419,3 +420,73 @@ def test_a_run_that_has_written_only_its_config_shows_a_waiting_page_that_fills_
         _open(browser, 0)
         check_tokens_match_ledger(browser, read_trajectory_file(run / "rollouts" / "step-000001.jsonl")[0])
         assert page_errors(browser) == []
+
+
+@pytest.fixture(scope="module")
+def long_eval(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """An `agentrl eval` directory holding one 200-turn recall episode that compaction played in three
+    contexts (the scripted note-taking agent of `agentrl.envs.recall`, cutting old tool outputs)."""
+    import asyncio
+
+    from agentrl.chat import ChatTemplate
+    from agentrl.config import RolloutConfig
+    from agentrl.envs.recall import RecallEnv, make_recall_row, scripted_recall_turn
+    from agentrl.records.trajectory_log import write_eval_trajectories
+    from agentrl.rollout import AgentLoop
+    from agentrl.tools.parsers import HermesParser
+    from agentrl.types import Generation
+
+    template = ChatTemplate.from_pretrained(QWEN25)
+    tok = template.tokenizer
+    end = tok.convert_tokens_to_ids("<|im_end|>")
+
+    class Agent:
+        async def generate(self, prompt_ids, sampling, *, session_id, timeout_s=None):  # type: ignore[no-untyped-def]
+            ids = tok.encode(scripted_recall_turn(tok.decode(prompt_ids), pages=199), add_special_tokens=False)
+            return Generation([*ids, end], [-0.2] * (len(ids) + 1), "stop", 1)
+
+    config = RolloutConfig(max_turns=400, max_total_tokens=32768, max_tokens_per_turn=2048, episode_timeout_s=3600,
+                           compaction={"policy": "drop_tool_outputs", "tool_output_chars": 0})
+    row = make_recall_row(0, pages=199, page_chars=300)
+    loop = AgentLoop(Agent(), template, HermesParser(), config)
+    segments = asyncio.run(loop.run_episode_segments(RecallEnv(max_turns=400, pages=199, page_chars=300), row=row,
+                                                     episode_id="long", group_id="g0"))
+    assert [s.segment.of for s in segments] == [3, 3, 3] and segments[-1].metrics["turns"] == 200  # type: ignore[union-attr]
+    out = tmp_path_factory.mktemp("viewer") / "eval-recall"
+    out.mkdir()
+    write_eval_trajectories(out / "trajectories.jsonl", [segments], [row], tok)
+    return out
+
+
+def test_a_200_turn_episode_in_three_segments_is_shown_whole_with_its_compactions(browser, long_eval: Path) -> None:
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    from agentrl.records.trajectory_log import read_trajectory_file
+
+    records = read_trajectory_file(long_eval / "trajectories.jsonl")
+    assert sum(r["num_turns"] for r in records) == 200
+    with agentrl_view(long_eval) as url:
+        browser.get(url)
+        wait_ready(browser)
+        assert browser.find_element(By.ID, "episode-count").text == "3 of 3 episodes"
+        for k, record in enumerate(records):
+            browser.find_element(By.CSS_SELECTOR, f"#episodes tr.row[data-index='{k}']").click()
+            WebDriverWait(browser, 60).until(
+                lambda d, k=k: f"segment: {k + 1} of 3" in d.find_element(By.CSS_SELECTOR, "#episode .chips").text)
+            # where the compaction happened: segment k+1 opens on the cut context, as its prompt
+            assert f"turns: {record['num_turns']}" in browser.find_element(By.CSS_SELECTOR, "#episode .chips").text
+            assistant = browser.find_elements(By.CSS_SELECTOR, "#episode .turn[data-side='assistant']")
+            assert len(assistant) == record["num_turns"]  # every turn drawn, none folded away
+            # a block over 2,000 tokens (a later segment's prompt: the compacted context) is folded: open it
+            for button in browser.find_elements(By.CSS_SELECTOR, "#episode .fold button"):
+                button.click()
+            try:
+                WebDriverWait(browser, 120).until(  # drawn in slices, the page answering in between
+                    lambda d, n=record["num_tokens"]: len(d.find_elements(By.CSS_SELECTOR, "#episode .tok")) >= n)
+            except Exception:
+                drawn = len(browser.find_elements(By.CSS_SELECTOR, "#episode .tok"))
+                raise AssertionError(f"segment {k + 1}: {drawn} of {record['num_tokens']} tokens drawn") from None
+            check_tokens_match_ledger(browser, record)
+        assert not page_errors(browser)
+        screenshot(browser, "viewer-long-episode")
