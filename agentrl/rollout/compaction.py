@@ -19,6 +19,8 @@ steps an env or touches a ledger: the AgentLoop does.
 
 from __future__ import annotations
 
+import copy
+
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -97,7 +99,7 @@ def dropped_tool_outputs(
     its tokens; `count_text` counts one text's, to choose how many outputs to cut before rendering again
     (a render per guess, not per output).
     """
-    out = [dict(m) for m in messages]
+    out = [copy.copy(m) for m in messages]  # shallow copies, typed as the messages are
     last_assistant = max((i for i, m in enumerate(out) if m.get("role") == "assistant"), default=-1)
     old = [i for i, m in enumerate(out[:last_assistant]) if m.get("role") == "tool" and isinstance(m.get("content"), str)]
     original = {i: str(out[i]["content"]) for i in old}
@@ -105,7 +107,7 @@ def dropped_tool_outputs(
     if keep_chars > 0:
         steps += [(i, _truncated(original[i], 0)) for i in old]
     cut: set[int] = set()
-    total = count(out)  # type: ignore[arg-type]  # plain dict copies of the messages
+    total = count(out)
     done = 0
     while total > low_tokens and done < len(steps):
         excess = total - low_tokens
@@ -115,5 +117,5 @@ def dropped_tool_outputs(
             out[i]["content"] = short
             cut.add(i)
             done += 1
-        total = count(out)  # type: ignore[arg-type]
-    return out, len(cut)  # type: ignore[return-value]
+        total = count(out)
+    return out, len(cut)
