@@ -20,7 +20,6 @@ steps an env or touches a ledger: the AgentLoop does.
 from __future__ import annotations
 
 import copy
-
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
