@@ -119,9 +119,14 @@ def test_the_probe_as_trajectories_puts_every_id_after_the_first_in_the_loss():
 class FakeTrainer:
     def __init__(self, scores):
         self.scores = scores
+        self.probe = None
 
-    async def score_probe(self, sequences):
+    async def set_probe(self, sequences):
         assert [len(s) - 1 for s in sequences] == [len(r) for r in self.scores]
+        self.probe = sequences
+
+    async def probe_scores_at(self, version):
+        assert self.probe is not None, "the probe is set before its scores are asked for"
         return self.scores
 
 
@@ -161,12 +166,14 @@ def test_the_check_after_a_push_stops_on_the_replica_left_behind_and_keeps_the_g
     probe = ServedProbe(((1, 2, 3, 4), (5, 6, 7)), seed=0, with_tool_turn=True)
     check = ServedPolicyCheck(probe, TOL, resume_command="agentrl run runs/x/config.yaml resume=true run.name=x")
     fleet = FakeFleet({"a": (1, TRAINER_V1), "b": (1, TRAINER_V1)})
-    first = asyncio.run(check.after_push(1, router=fleet, trainer=FakeTrainer(TRAINER_V1)))
+    trainer = FakeTrainer(TRAINER_V1)
+    first = asyncio.run(check.after_push(1, router=fleet, trainer=trainer))
     assert [c.ok for c in first] == [True, True] and set(check.last) == {"a", "b"}
     assert fleet.admitted == [("a", 1), ("b", 1)]
     fleet = FakeFleet({"a": (2, TRAINER_V2), "b": (2, TRAINER_V1)})  # b reports version 2, serves version 1
     with pytest.raises(ServedPolicyError) as stopped:
-        asyncio.run(check.after_push(2, router=fleet, trainer=FakeTrainer(TRAINER_V2)))
+        trainer.scores = TRAINER_V2
+        asyncio.run(check.after_push(2, router=fleet, trainer=trainer))
     assert fleet.admitted == [("a", 2)], "the replica left behind is never admitted at the new version"
     message = str(stopped.value)
     assert message.startswith("At weight version 2, 1 of 2 inference replica(s) checked do not serve")
