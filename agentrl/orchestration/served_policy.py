@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from agentrl.chat import ChatTemplate
-from agentrl.errors import ChatTemplateError, InferenceError, ServedPolicyError
+from agentrl.errors import ChatTemplateError, InferenceError, ServedPolicyError, ServerUnavailableError
 from agentrl.types import Message, TokenOrigin, ToolSchema, Trajectory
 
 __all__ = [
@@ -193,6 +193,8 @@ class ServedCheck:
                  f"|Δserved - Δtrainer| there {self.moved_gap:.3g}")
         head = f"replica {self.replica} at weight version {self.version}: {self.status}"
         why = f" ({'; '.join(self.reasons)})" if self.reasons else ""
+        if math.isnan(self.gap):  # it scored nothing
+            return head + why
         return (f"{head}{why}; largest |served - trainer| logprob gap {self.gap:.3g} nats at sequence "
                 f"{self.gap_at[0]} token {self.gap_at[1]} (tol {self.tol:g}); {moved}")
 
@@ -316,21 +318,28 @@ class ServedPolicyCheck:
         if self.failure is not None:
             raise self.failure
 
-    async def _served(self, router: Any, replica: str) -> list[tuple[int, list[float]]] | None:
-        """(weight version, logprobs) of each probe sequence on `replica`; None if it did not answer."""
+    async def _served(self, router: Any, replica: str) -> list[tuple[int, list[float]]] | InferenceError | None:
+        """(weight version, logprobs) of each probe sequence on `replica`; None if it did not answer (it
+        is down: checked when it is back); the error if it answered that it could not score."""
         out = []
         for seq in self.probe.sequences:
             try:
                 answer = await router.score(list(seq), server_id=replica)
-            except InferenceError as exc:
+            except ServerUnavailableError as exc:
                 log.warning("inference replica %s did not score the served-policy probe (%s); it serves again "
                             "once it answers and passes the check", replica, exc)
                 return None
+            except InferenceError as exc:  # it answered: it cannot compute with the weights it holds
+                return exc
             out.append((answer.weight_version, list(answer.logprobs)))
         return out
 
-    def _compare(self, router: Any, replica: str, version: int, served: list[tuple[int, list[float]]],
+    def _compare(self, router: Any, replica: str, version: int,
+                 served: list[tuple[int, list[float]]] | InferenceError,
                  trainer_scores: list[list[float]]) -> ServedCheck:
+        if isinstance(served, InferenceError):
+            return ServedCheck(replica=replica, version=version, status="FAIL", tol=self.tol, gap=math.nan,
+                               gap_at=(0, 0), reasons=(f"it could not score the probe: {served}",))
         scores = [lp for _, lp in served]
         versions = sorted({v for v, _ in served})
         check = compare_served(replica=replica, version=version, served=scores, trainer=trainer_scores,

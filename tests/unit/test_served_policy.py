@@ -133,11 +133,12 @@ class FakeTrainer:
 class FakeFleet:
     """A router over replicas whose scores are planted per probe sequence: `score` by name and `admit`."""
 
-    def __init__(self, answers, *, silent=()):
+    def __init__(self, answers, *, silent=(), broken=()):
         from types import SimpleNamespace
 
         self.answers = answers  # replica -> (version, [scores per sequence])
         self.silent = set(silent)  # replicas that do not answer
+        self.broken = set(broken)  # replicas that answer that they cannot score
         self.servers = [SimpleNamespace(server_id=r, healthy=True, restarting=False, given_up=None) for r in answers]
         self.sequences: list[tuple[int, ...]] = []
         self.admitted: list[tuple[str, int]] = []
@@ -148,6 +149,10 @@ class FakeFleet:
 
         if server_id in self.silent:
             raise ServerUnavailableError(f"{server_id} refused the connection")
+        if server_id in self.broken:
+            from agentrl.errors import InferenceError
+
+            raise InferenceError("the colocated vLLM engine failed: its weights are released")
         if tuple(token_ids) not in self.sequences:
             self.sequences.append(tuple(token_ids))
         version, scores = self.answers[server_id]
@@ -205,3 +210,18 @@ def test_a_replica_that_does_not_answer_is_left_out_and_one_that_comes_back_is_c
     assert again is not None and not again.ok and fleet.admitted[-1] == ("b", 1) and len(fleet.admitted) == 2
     with pytest.raises(ServedPolicyError, match="replica b at weight version 1: FAIL"):
         check.raise_if_failed()
+
+
+def test_a_replica_that_answers_it_cannot_score_fails_the_check_naming_why():
+    import asyncio
+
+    from agentrl.errors import ServedPolicyError
+    from agentrl.orchestration.served_policy import ServedPolicyCheck, ServedProbe
+
+    probe = ServedProbe(((1, 2, 3, 4), (5, 6, 7)), seed=0, with_tool_turn=True)
+    fleet = FakeFleet({"a": (1, TRAINER_V1), "b": (1, TRAINER_V1)}, broken={"b"})
+    with pytest.raises(ServedPolicyError) as stopped:
+        asyncio.run(ServedPolicyCheck(probe, TOL).after_push(1, router=fleet, trainer=FakeTrainer(TRAINER_V1)))
+    assert fleet.admitted == [("a", 1)]
+    assert ("replica b at weight version 1: FAIL (it could not score the probe: the colocated vLLM engine failed: "
+            "its weights are released)") in str(stopped.value)
