@@ -25,8 +25,9 @@ noise, so a stale replica after a step that moved no probe token by more than `t
 tests (that step's change is below what the dtype pair resolves). Tensor digests of the loaded
 weights, where an engine exposes its tensors, have no such limit; they are not built here.
 
-`ServedPolicyCheck` runs the two tests after a push: the trainer scores the probe at its new
-weights (`score_probe` of the trainer group), every healthy replica scores it through the router
+`ServedPolicyCheck` runs the two tests after a push: the trainer's scores of the probe at the pushed
+version (`probe_scores_at` of the trainer group: kept when that version was exported or pushed, since
+in `async` mode the next update may already be under way when the check runs), every healthy replica scores it through the router
 (`Router.score` on each by name), and each replica is compared with its own scores of the previous
 check. The router serves a version from a replica only once the check admitted it there
 (`Router.require_verified`), and checks a replica that comes back after a restart or a re-sync by
@@ -45,7 +46,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from agentrl.chat import ChatTemplate
-from agentrl.errors import ChatTemplateError, InferenceError, ServedPolicyError
+from agentrl.errors import ChatTemplateError, InferenceError, ServedPolicyError, ServerUnavailableError
 from agentrl.types import Message, TokenOrigin, ToolSchema, Trajectory
 
 __all__ = [
@@ -192,6 +193,8 @@ class ServedCheck:
                  f"|Δserved - Δtrainer| there {self.moved_gap:.3g}")
         head = f"replica {self.replica} at weight version {self.version}: {self.status}"
         why = f" ({'; '.join(self.reasons)})" if self.reasons else ""
+        if math.isnan(self.gap):  # it scored nothing
+            return head + why
         return (f"{head}{why}; largest |served - trainer| logprob gap {self.gap:.3g} nats at sequence "
                 f"{self.gap_at[0]} token {self.gap_at[1]} (tol {self.tol:g}); {moved}")
 
@@ -276,14 +279,17 @@ class ServedPolicyCheck:
         """The version `after_push` checked last and the trainer's scores of the probe at it."""
         self.failure: ServedPolicyError | None = None
         """A replica that failed a check run in the background (`verify_replica`)."""
+        self._probe_set = False
 
     async def after_push(self, version: int, *, router: Any, trainer: Any) -> list[ServedCheck]:
         """Score the probe on the trainer and on every healthy replica at `version`; compare; admit the
         replicas that pass; raise ServedPolicyError naming every replica that fails (the caller logs the
         others). A replica that stops answering meanwhile is left out (not admitted: the router checks it
         when it is back)."""
-        sequences = [list(s) for s in self.probe.sequences]
-        trainer_scores: list[list[float]] = await trainer.score_probe(sequences)
+        if not self._probe_set:  # the trainer scores it at every export or push from now on
+            await trainer.set_probe([list(s) for s in self.probe.sequences])
+            self._probe_set = True
+        trainer_scores: list[list[float]] = await trainer.probe_scores_at(version)
         targets = [s.server_id for s in router.servers if s.healthy and not s.restarting and s.given_up is None]
         served_by = await asyncio.gather(*(self._served(router, sid) for sid in targets))
         checks = [self._compare(router, sid, version, served, trainer_scores)
@@ -312,21 +318,28 @@ class ServedPolicyCheck:
         if self.failure is not None:
             raise self.failure
 
-    async def _served(self, router: Any, replica: str) -> list[tuple[int, list[float]]] | None:
-        """(weight version, logprobs) of each probe sequence on `replica`; None if it did not answer."""
+    async def _served(self, router: Any, replica: str) -> list[tuple[int, list[float]]] | InferenceError | None:
+        """(weight version, logprobs) of each probe sequence on `replica`; None if it did not answer (it
+        is down: checked when it is back); the error if it answered that it could not score."""
         out = []
         for seq in self.probe.sequences:
             try:
                 answer = await router.score(list(seq), server_id=replica)
-            except InferenceError as exc:
+            except ServerUnavailableError as exc:
                 log.warning("inference replica %s did not score the served-policy probe (%s); it serves again "
                             "once it answers and passes the check", replica, exc)
                 return None
+            except InferenceError as exc:  # it answered: it cannot compute with the weights it holds
+                return exc
             out.append((answer.weight_version, list(answer.logprobs)))
         return out
 
-    def _compare(self, router: Any, replica: str, version: int, served: list[tuple[int, list[float]]],
+    def _compare(self, router: Any, replica: str, version: int,
+                 served: list[tuple[int, list[float]]] | InferenceError,
                  trainer_scores: list[list[float]]) -> ServedCheck:
+        if isinstance(served, InferenceError):
+            return ServedCheck(replica=replica, version=version, status="FAIL", tol=self.tol, gap=math.nan,
+                               gap_at=(0, 0), reasons=(f"it could not score the probe: {served}",))
         scores = [lp for _, lp in served]
         versions = sorted({v for v, _ in served})
         check = compare_served(replica=replica, version=version, served=scores, trainer=trainer_scores,

@@ -151,6 +151,8 @@ class TrainerWorker:
         self.backend = make_backend(self.config, model_path)
         self.weights = weights
         self.version: int | None = None  # the version of the last export
+        self.probe: list[list[int]] | None = None  # the served-policy probe (`set_probe`)
+        self.probe_scores: tuple[int, list[list[float]]] | None = None  # (version, its scores of the probe)
         self.files: Any = None  # rank 0: weights/version-N directories
         self.http: Any = None  # rank 0 with the http engine: the endpoint servers pull from
         self.nonce = ""
@@ -208,13 +210,31 @@ class TrainerWorker:
 
     def score_probe(self, sequences: list[list[int]]) -> list[list[float]]:
         """The trainer's logprob of every id after the first of each sequence (temperature 1), at its
-        current weights: the trainer's side of the served-policy check (`served_policy`). Every rank
-        alike (the scoring is sharded)."""
+        current weights. Every rank alike (the scoring is sharded)."""
         from agentrl.orchestration.served_policy import probe_trajectories
 
         rows = self.backend.compute_logprobs(probe_trajectories(sequences))
         # the trainer's rows are shifted: position j holds the logprob of id j + 1 (`pad_trajectories`)
         return [[float(x) for x in rows[i, : len(seq) - 1].tolist()] for i, seq in enumerate(sequences)]
+
+    def set_probe(self, sequences: list[list[int]]) -> None:
+        """The served-policy probe (`served_policy`): from now on every export scores it at the
+        weights it publishes, before any later update can move them."""
+        self.probe = sequences
+
+    def keep_probe_scores(self, version: int) -> None:
+        if self.probe is not None:
+            self.probe_scores = (version, self.score_probe(self.probe))
+
+    def probe_scores_at(self, version: int) -> list[list[float]]:
+        """The trainer's side of the served-policy check at `version`: the scores kept when `version`
+        was exported or pushed, or, for a version that has not been (the weights the trainer started
+        from, before any update), scored now."""
+        if self.probe is None:
+            raise RuntimeError("set_probe comes before probe_scores_at")
+        if self.probe_scores is None or self.probe_scores[0] != version:
+            self.probe_scores = (version, self.score_probe(self.probe))
+        return self.probe_scores[1]
 
     def _send(self, engine: Any, version: int) -> None:
         named = self.backend.export_weights()
@@ -230,6 +250,7 @@ class TrainerWorker:
         start = time.perf_counter()
         self._send(self.http or self.files, version)
         self.version = version
+        self.keep_probe_scores(version)  # at the weights just published, before an update moves them
         source = "" if self.rank else (self.http.url if self.http is not None else str(self.files.path_for(version)))
         return source, time.perf_counter() - start
 
@@ -375,27 +396,36 @@ class ColocatedTrainerWorker:
     async def trainer_tokens(self, indices: list[int]) -> dict[int, tuple[list[float | None], list[float | None] | None]]:
         return self.trainer.trainer_tokens(indices)
 
-    async def score_probe(self, sequences: list[list[int]]) -> list[list[float]]:
-        return await asyncio.to_thread(self.trainer.score_probe, sequences)
+    async def set_probe(self, sequences: list[list[int]]) -> None:
+        self.trainer.set_probe(sequences)
 
-    async def update_engines(self, version: int) -> float:
+    async def probe_scores_at(self, version: int) -> list[list[float]]:
+        return await asyncio.to_thread(self.trainer.probe_scores_at, version)
+
+    async def update_engines(self, version: int) -> dict[str, float]:
         """Stream the trainer's weights into this rank's engine as `version` (in memory, checksummed
-        buckets); return the seconds it took. Requests running on the old weights finish first."""
+        buckets). Requests running on the old weights finish first. Returns the push's phases in
+        seconds: `pause_s` (waiting for those requests), `load_s` (sending and loading, which run at
+        once), `total_s`."""
         from agentrl.weights import make_checkpoint_engine
 
         start = time.perf_counter()
         sender = make_checkpoint_engine("inprocess", bucket_bytes=self.trainer.config.weights.bucket_mb << 20)
         async with self.server.weight_update(version):
+            paused = time.perf_counter()
             # Sender and receiver run at once on two threads; buckets are copied out as they land
             # (vLLM holds a layer's tensors until the layer is complete).
             await asyncio.gather(
                 asyncio.to_thread(sender.send, self.trainer.backend.export_weights(), version),
                 self.server.engine.load_tensors(lambda: sender.receive(copy=True)),
             )
+            loaded = time.perf_counter()
+            # inside the block: no update can start before the engine serves `version`
+            await asyncio.to_thread(self.trainer.keep_probe_scores, version)
         self.trainer_version = version
         if self._pushed is not None:
             self._pushed.set()
-        return time.perf_counter() - start
+        return {"pause_s": paused - start, "load_s": loaded - paused, "total_s": time.perf_counter() - start}
 
     async def export(self, version: int) -> tuple[str, float]:
         return await asyncio.to_thread(self.trainer.export, version)
@@ -658,9 +688,13 @@ class TrainerGroup:
             await self._gather("trainer_tokens", [rank0.trainer_tokens.remote(indices)]))[0]
         return values
 
-    async def score_probe(self, sequences: list[list[int]]) -> list[list[float]]:
-        """The trainer's scores of the served-policy probe at its current weights (`TrainerWorker.score_probe`)."""
-        scores: list[list[float]] = await self._all("score_probe", sequences)
+    async def set_probe(self, sequences: list[list[int]]) -> None:
+        """Every rank keeps the served-policy probe and scores it at each export or push (`TrainerWorker.set_probe`)."""
+        await self._all("set_probe", sequences)
+
+    async def probe_scores_at(self, version: int) -> list[list[float]]:
+        """The trainer's scores of the served-policy probe at weight `version` (`TrainerWorker.probe_scores_at`)."""
+        scores: list[list[float]] = await self._all("probe_scores_at", version)
         return scores
 
     async def save(self, path: str, data_position: dict[str, Any]) -> float:
@@ -749,9 +783,11 @@ class TrainerGroup:
         raise TrainerError(f"The watch on trainer rank {rank} ended unexpectedly ({error!r}); the trainer may still "
                            f"run. Continue with: {self.resume_command}") from error
 
-    async def update_engines(self, version: int) -> float:
-        """Every rank's engine loads that rank's trainer weights as `version`, in memory."""
-        return float(await self._all("update_engines", version))
+    async def update_engines(self, version: int) -> dict[str, float]:
+        """Every rank's engine loads that rank's trainer weights as `version`, in memory; the phases
+        of the slowest rank's push (`ColocatedTrainerWorker.update_engines`)."""
+        phases: list[dict[str, float]] = await self._all_results("update_engines", version)
+        return max(phases, key=lambda p: p["total_s"])
 
     async def load(self, path: str) -> dict[str, Any]:
         """Every rank loads the checkpoint at `path`; ranks on other nodes get its files from here."""

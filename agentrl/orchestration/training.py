@@ -265,7 +265,8 @@ class TrainingSteps:
 
     async def push(self, version: int) -> None:
         if self.colocated:
-            await self.trainer.update_engines(version)
+            phases = await self.trainer.update_engines(version)
+            self._sync_metrics = {"sync/pause_s": phases["pause_s"], "sync/load_s": phases["load_s"]}
             await self.router.check_health()
             self.router.set_version(version)
         else:

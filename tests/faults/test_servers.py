@@ -52,6 +52,8 @@ def test_sync_a_server_killed_mid_step_is_restarted_resynced_then_given_up_and_t
     run_dir = tmp_path / "sync"
     log = (run_dir / "driver.log").read_text()
     assert "restarting it (restart 1 of at most 1)" in log and "re-synced to weights version 1" in log
+    # served again only once the served-policy check passed on it at the version it was re-synced to
+    assert "served-policy check of a replica that came back: replica " in log and " at weight version 1: PASS" in log
     assert "is back after" in log and "is given up" in log
     metrics = {m["step"]: m for m in lines(run_dir / "metrics.jsonl")}
     assert sorted(metrics) == [0, 1, 2]
@@ -83,6 +85,7 @@ def test_async_a_server_killed_mid_step_is_restarted_and_no_episode_is_lost(tmp_
     assert result.steps_done == 3 and result.policy_version == 3 and result.max_staleness <= 1
     log = (run_dir / "driver.log").read_text()
     assert "restarting it (restart 1 of at most 3)" in log and "is back after" in log
+    assert "served-policy check of a replica that came back: replica " in log and ": PASS" in log
     metrics = lines(run_dir / "metrics.jsonl")
     assert [m["step"] for m in metrics] == [0, 1, 2]
     assert sum(m["episodes/infra_failed"] for m in metrics) == 0

@@ -119,20 +119,26 @@ def test_the_probe_as_trajectories_puts_every_id_after_the_first_in_the_loss():
 class FakeTrainer:
     def __init__(self, scores):
         self.scores = scores
+        self.probe = None
 
-    async def score_probe(self, sequences):
+    async def set_probe(self, sequences):
         assert [len(s) - 1 for s in sequences] == [len(r) for r in self.scores]
+        self.probe = sequences
+
+    async def probe_scores_at(self, version):
+        assert self.probe is not None, "the probe is set before its scores are asked for"
         return self.scores
 
 
 class FakeFleet:
     """A router over replicas whose scores are planted per probe sequence: `score` by name and `admit`."""
 
-    def __init__(self, answers, *, silent=()):
+    def __init__(self, answers, *, silent=(), broken=()):
         from types import SimpleNamespace
 
         self.answers = answers  # replica -> (version, [scores per sequence])
         self.silent = set(silent)  # replicas that do not answer
+        self.broken = set(broken)  # replicas that answer that they cannot score
         self.servers = [SimpleNamespace(server_id=r, healthy=True, restarting=False, given_up=None) for r in answers]
         self.sequences: list[tuple[int, ...]] = []
         self.admitted: list[tuple[str, int]] = []
@@ -143,6 +149,10 @@ class FakeFleet:
 
         if server_id in self.silent:
             raise ServerUnavailableError(f"{server_id} refused the connection")
+        if server_id in self.broken:
+            from agentrl.errors import InferenceError
+
+            raise InferenceError("the colocated vLLM engine failed: its weights are released")
         if tuple(token_ids) not in self.sequences:
             self.sequences.append(tuple(token_ids))
         version, scores = self.answers[server_id]
@@ -161,12 +171,14 @@ def test_the_check_after_a_push_stops_on_the_replica_left_behind_and_keeps_the_g
     probe = ServedProbe(((1, 2, 3, 4), (5, 6, 7)), seed=0, with_tool_turn=True)
     check = ServedPolicyCheck(probe, TOL, resume_command="agentrl run runs/x/config.yaml resume=true run.name=x")
     fleet = FakeFleet({"a": (1, TRAINER_V1), "b": (1, TRAINER_V1)})
-    first = asyncio.run(check.after_push(1, router=fleet, trainer=FakeTrainer(TRAINER_V1)))
+    trainer = FakeTrainer(TRAINER_V1)
+    first = asyncio.run(check.after_push(1, router=fleet, trainer=trainer))
     assert [c.ok for c in first] == [True, True] and set(check.last) == {"a", "b"}
     assert fleet.admitted == [("a", 1), ("b", 1)]
     fleet = FakeFleet({"a": (2, TRAINER_V2), "b": (2, TRAINER_V1)})  # b reports version 2, serves version 1
     with pytest.raises(ServedPolicyError) as stopped:
-        asyncio.run(check.after_push(2, router=fleet, trainer=FakeTrainer(TRAINER_V2)))
+        trainer.scores = TRAINER_V2
+        asyncio.run(check.after_push(2, router=fleet, trainer=trainer))
     assert fleet.admitted == [("a", 2)], "the replica left behind is never admitted at the new version"
     message = str(stopped.value)
     assert message.startswith("At weight version 2, 1 of 2 inference replica(s) checked do not serve")
@@ -198,3 +210,18 @@ def test_a_replica_that_does_not_answer_is_left_out_and_one_that_comes_back_is_c
     assert again is not None and not again.ok and fleet.admitted[-1] == ("b", 1) and len(fleet.admitted) == 2
     with pytest.raises(ServedPolicyError, match="replica b at weight version 1: FAIL"):
         check.raise_if_failed()
+
+
+def test_a_replica_that_answers_it_cannot_score_fails_the_check_naming_why():
+    import asyncio
+
+    from agentrl.errors import ServedPolicyError
+    from agentrl.orchestration.served_policy import ServedPolicyCheck, ServedProbe
+
+    probe = ServedProbe(((1, 2, 3, 4), (5, 6, 7)), seed=0, with_tool_turn=True)
+    fleet = FakeFleet({"a": (1, TRAINER_V1), "b": (1, TRAINER_V1)}, broken={"b"})
+    with pytest.raises(ServedPolicyError) as stopped:
+        asyncio.run(ServedPolicyCheck(probe, TOL).after_push(1, router=fleet, trainer=FakeTrainer(TRAINER_V1)))
+    assert fleet.admitted == [("a", 1)]
+    assert ("replica b at weight version 1: FAIL (it could not score the probe: the colocated vLLM engine failed: "
+            "its weights are released)") in str(stopped.value)
