@@ -6,9 +6,9 @@ overlong penalty, stop-properly penalty for episodes truncated at the length lim
 batch with the current policy (old logprobs, unless the update scores them itself), the reference
 (when `kl_coef > 0`) and the critic (GAE); put the KL penalty in the reward if asked; form
 advantages with the configured estimator (`ADVANTAGE_ESTIMATORS`); weigh the rollout/trainer
-mismatch and mask the sequences the on-policy gate finds too far off (`mismatch_gate`, which then
-needs the old logprobs before the update); then hand the batch to the backend's update loop
-(`TrainerBackend.update`). It returns the metrics an RL practitioner watches, named `group/metric`
+mismatch and mask the sequences the on-policy gate finds too far off (`mismatch_gate`: here when
+the old logprobs were scored first, else inside the update, from its own forward); then hand the
+batch to the backend's update loop (`TrainerBackend.update`). It returns the metrics an RL practitioner watches, named `group/metric`
 (numbers only; the gate's per-row decisions travel typed, see below). The KL coefficient comes from a
 controller (`make_kl_controller`) that the caller keeps across steps: fixed, or adaptive when
 `algorithm.kl_target` is set, updated after each step with the batch's KL to the reference.
@@ -50,7 +50,7 @@ from agentrl.registry import ADVANTAGE_ESTIMATORS
 from agentrl.sampling import KeptSetRule
 from agentrl.trainer import algos
 from agentrl.trainer.backend import CriticBatch, PolicyBatch, TrainerBackend, UpdateResult
-from agentrl.trainer.mismatch_gate import gate_sequences
+from agentrl.trainer.mismatch_gate import SequenceGate, gate_sequences
 from agentrl.trainer.packing import PaddedBatch, pad_trajectories
 from agentrl.types import FinishReason, GatedRow, StepReport, Trajectory
 
@@ -178,8 +178,7 @@ def _train_step(
     scores = _shaped_scores(trajs, algorithm, max_response_tokens, metrics)
     layout = pad_trajectories(trajs)
 
-    gate = algorithm.mismatch_gate
-    in_update = backend.scores_old_logprobs(trainer) and not _needs_old_logprobs_first(algorithm) and not gate.enabled
+    in_update = backend.scores_old_logprobs(trainer) and not _needs_old_logprobs_first(algorithm)
     metrics["batch/scored_in_update"] = float(in_update)
     metrics.update(kept_set_metrics(trajs))
     rule = kept_rule if kept_rule is not None and kept_rule.truncates else None
@@ -206,6 +205,10 @@ def _train_step(
     update_s = time.perf_counter() - update_start
 
     metrics.update(result.metrics)
+    if result.gate is not None:  # decided in the update, from its own forward
+        metrics.update(result.gate.metrics)
+        gated = result.gate.gated
+        metrics["batch/loss_tokens"] = float((policy_batch.loss_mask * result.gate.keep[:, None]).sum().item())
     if rule is not None and (disagreement := backend.take_kept_set_disagreement()) is not None:
         metrics["onpolicy/kept_set_disagreement"] = disagreement
     if in_update:
@@ -422,11 +425,15 @@ def _update_batches(
             metrics.update(decision.metrics)
             gated = decision.gated
             loss_mask = loss_mask * decision.keep[:, None].to(loss_mask.dtype)
+    in_update_gate = None
+    if old_logprobs is None and algorithm.mismatch_gate.enabled:  # the update gates from its own forward
+        in_update_gate = SequenceGate(trajs, layout.rollout_logprobs, mask, algorithm.mismatch_gate,
+                                      policy_version=gate[0], allowed_staleness=gate[1])
     max_len = max_len or max(1, int(mask.sum(-1).max().item()))
     policy = PolicyBatch(
         trajectories=trajs, loss_mask=loss_mask, advantages=advantages, old_logprobs=old_logprobs,
         rollout_logprobs=layout.rollout_logprobs, ref_logprobs=ref_logprobs, is_weights=is_weights,
-        temperature=temperature, max_len=max_len, kept_rule=kept_rule,
+        temperature=temperature, max_len=max_len, kept_rule=kept_rule, gate=in_update_gate,
     )  # fmt: skip
     critic = None
     if values is not None:
