@@ -481,7 +481,8 @@ class TrainerConfig(_Section):
     their loss and gradient are exactly 0. `train`: forward and backward like any other row.
     `score`: a forward without a graph, for the update's metrics (entropy, ratios, clip fraction,
     rollout mismatch) and no backward, about a third of their cost. `skip`: nothing at all; the
-    metrics then cover the trained rows only (none when every group is flat). In all three they
+    metrics then cover the trained rows only (none when every group is flat), but where the
+    on-policy gate is decided in the update, which judges every row: they are scored then. In all three they
     still count in the loss's normaliser and the optimizer still steps, so the weights come out the
     same; `batch/zero_adv_skipped` counts them. Unlike `algorithm.filter_groups` (DAPO), this
     changes nothing in what is learned."""
