@@ -240,7 +240,8 @@ class TrainingSteps:
                                                       allowed_staleness(self.config))
         metrics = report.metrics
         if report.masked_tokens:  # one entry per trajectory handed over: every one is trainable
-            self._masked_tokens[step] = {id(t): dict(m) for t, m in zip(trajectories, report.masked_tokens, strict=True)}
+            self._masked_tokens[step] = {id(t): {str(cause): n for cause, n in m.items()}
+                                         for t, m in zip(trajectories, report.masked_tokens, strict=True)}
         # The on-policy gate: the sequences the trainer masked go into each group's ledger line, and
         # a step where too many tripped stops the run (its groups are closed as unfinished).
         sizes = [sum(t.trainable for t in g.trajectories) for g in groups]
