@@ -193,8 +193,8 @@ def test_the_gate_decided_in_the_update_equals_a_separate_scoring_pass(case):
     are flat groups (no backward); 32-token micro-batches put them in several."""
     gate = {"max_logprob_gap": 2.0, "min_ess": 0.999 if case == "batch_ess" else 0.5}
     algo = _AlgorithmConfig(rollout_is="tis", mismatch_gate=gate)
-    probe = fsdp2()
-    old = probe.compute_logprobs(with_flat_groups())
+    fused, separate = fsdp2(algo={"rollout_is": "tis"}), fsdp2(algo={"rollout_is": "tis"})
+    old = fused.compute_logprobs(with_flat_groups())  # both start from the same weights
     if case == "rows":  # four reasons, two rows that learn and two flat ones; the rest kept
         trajs = near_policy(with_flat_groups(), old, shifts={0: [0.0, 2.5], 2: [0.3] * 6, 7: [1e-3, -1e-3]},
                             versions={13: 1}, templates={5: 1.0})
@@ -203,7 +203,6 @@ def test_the_gate_decided_in_the_update_equals_a_separate_scoring_pass(case):
                             versions={}, templates={})
     else:
         trajs = near_policy(with_flat_groups(), old, shifts={}, versions={}, templates={})
-    fused, separate = fsdp2(algo={"rollout_is": "tis"}), fsdp2(algo={"rollout_is": "tis"})
     rf, tf = train_step_with_tokens(fused, trajs, algo, TrainerConfig(), policy_version=0)
     rs, ts = train_step_with_tokens(separate, trajs, algo, TrainerConfig(score_in_update=False), policy_version=0)
     assert rf.metrics["batch/scored_in_update"] == 1.0 and rs.metrics["batch/scored_in_update"] == 0.0
