@@ -487,7 +487,8 @@ class MismatchGateConfig(_Section):
     `max_gated_share` of the sequences trip stops the run (docs/onpolicy.md)."""
 
     enabled: bool = True
-    """Gate every training batch (needs the old logprobs before the update: one scoring pass)."""
+    """Gate every training batch. With one optimizer step per batch (`trainer.score_in_update`) the
+    update's own forward gives the old logprobs the gate compares; otherwise they are scored first."""
     max_logprob_gap: float = Field(2.0, gt=0.0)
     """Largest |rollout - trainer| logprob gap of one sampled token a sequence may have (nats)."""
     max_mean_logprob_gap: float = Field(0.1, gt=0.0)
@@ -610,16 +611,17 @@ class TrainerConfig(_Section):
     score_in_update: bool = True
     """On-policy shortcut: when a batch gets exactly one optimizer step (ppo_epochs=1,
     mini_batches=1), take the old logprobs from the update's own forward instead of a separate
-    scoring pass over the batch (the same values, one forward fewer). Applies with rollout_is
-    'none' or 'tis' and without a KL penalty in the reward; otherwise, or when False, the old
-    logprobs are scored first."""
+    scoring pass over the batch (the same values, one forward fewer); the on-policy gate is then
+    decided in the update too. Applies with rollout_is 'none' or 'tis' and without a KL penalty in
+    the reward; otherwise, or when False, the old logprobs are scored first."""
     zero_advantage_rows: Literal["train", "score", "skip"] = "score"
     """What the update does with trajectories whose every loss token has advantage 0 (a GRPO group
     whose rewards are all equal) when the loss has no other term (no entropy bonus, no KL loss):
     their loss and gradient are exactly 0. `train`: forward and backward like any other row.
     `score`: a forward without a graph, for the update's metrics (entropy, ratios, clip fraction,
     rollout mismatch) and no backward, about a third of their cost. `skip`: nothing at all; the
-    metrics then cover the trained rows only (none when every group is flat). In all three they
+    metrics then cover the trained rows only (none when every group is flat), but where the
+    on-policy gate is decided in the update, which judges every row: they are scored then. In all three they
     still count in the loss's normaliser and the optimizer still steps, so the weights come out the
     same; `batch/zero_adv_skipped` counts them. Unlike `algorithm.filter_groups` (DAPO), this
     changes nothing in what is learned."""

@@ -25,6 +25,7 @@ from typing import Any, Literal, Protocol, TypedDict, get_args, runtime_checkabl
 
 __all__ = [
     "GATE_REASONS",
+    "MASK_CAUSES",
     "PARSE_STATUSES",
     "Action",
     "ActionParser",
@@ -36,6 +37,7 @@ __all__ = [
     "GatedRow",
     "GenerateClient",
     "Generation",
+    "MaskCause",
     "Message",
     "ParseStatus",
     "Role",
@@ -660,12 +662,27 @@ class GatedRow:
     """Chat-template re-render mismatches `rollout.verify_template` counted in the episode."""
 
 
+MaskCause = Literal["unpredicted", "kept_set_overflow", "rollout_is", "gate"]
+MASK_CAUSES: tuple[MaskCause, ...] = get_args(MaskCause)
+"""Why a sampled token of a trained trajectory is not in the loss, in the order the trainer applies
+them (a token is counted under the first that takes it out): `unpredicted` (the ledger's first
+token, which no logit predicts), `kept_set_overflow` (its kept set overflowed `rollout.max_kept_set`,
+so it cannot be scored over the set it was drawn from), `rollout_is` (a masking rollout correction:
+`icepop` tokens, `seq_mask_tis` sequences), `gate` (the on-policy gate masked its sequence)."""
+
+
 @dataclass
 class StepReport:
-    """What one training step reports to the run: its metrics (numbers only, named `group/metric`)
-    and the on-policy gate's per-row decisions (`gated`, empty when the gate is off or kept every
-    row). The orchestration writes the decisions into each prompt's ledger line and stops a run
-    whose share of gated rows is over its threshold."""
+    """What one training step reports to the run: its metrics (numbers only, named `group/metric`),
+    the on-policy gate's per-row decisions (`gated`, empty when the gate is off or kept every row)
+    and, per row, the sampled tokens taken out of the loss by cause (`masked_tokens`). The
+    orchestration writes the decisions into each prompt's ledger line, stops a run whose share of
+    gated rows is over its threshold, and writes each trained episode's masked tokens into the
+    step's rollout file."""
 
     metrics: dict[str, float]
     gated: list[GatedRow] = field(default_factory=list)
+    masked_tokens: list[dict[MaskCause, int]] = field(default_factory=list)
+    """Per trainable trajectory of the batch, in order: its sampled tokens out of the loss by cause
+    (`MASK_CAUSES`, causes with none left out). Its sampled tokens less these are its loss tokens,
+    and their sum over the batch is the metric `batch/loss_tokens`."""

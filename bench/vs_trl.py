@@ -4,7 +4,8 @@
 
 Options: `--variants single,tool,scale`, `--placements split,colocated`, `--sides agentrl,trl`,
 `--steps 3` (timed steps after one warm-up), `--quick` (the tiny random Qwen2, 2 prompts x 2
-samples, 8 tokens: checks the plumbing). TRL lives only in the benchmark's own virtual environment,
+samples, 8 tokens: checks the plumbing), `--score-in-update false` (agentrl scores the old logprobs
+and decides the on-policy gate in a pass before the update, as every step did before 2026-12-07). TRL lives only in the benchmark's own virtual environment,
 never beside agentrl's:
     python -m venv --system-site-packages /work/venv-trl
     /work/venv-trl/bin/pip install --no-deps -e .   &&   /work/venv-trl/bin/pip install trl==1.16.0
@@ -235,7 +236,7 @@ async def agentrl_run(variant: str, s: dict[str, Any], steps: int, placement: st
         "inference": {"max_model_len": 2048, "cpu_kv_cache_gb": s["kv_cache_gb"]},
         "algorithm": {"advantage": "grpo", "kl_coef": 0.0},
         "trainer": {"backend": "fsdp2", "device": "cpu", "lr": 1e-6, "micro_batch_tokens": s["micro_batch_tokens"],
-                    "zero_advantage_rows": s["zero_advantage_rows"]},
+                    "zero_advantage_rows": s["zero_advantage_rows"], "score_in_update": s["score_in_update"]},
         "placement": placement,
     })  # fmt: skip
     tmp = Path(tempfile.mkdtemp(prefix="vs_trl_agentrl_"))
@@ -532,6 +533,7 @@ def run_child(side: str, variant: str, args: argparse.Namespace) -> dict[str, An
            "--steps", str(args.steps if variant != "scale" else args.scale_steps), "--out", str(out),
            "--micro-batch-tokens", str(args.micro_batch_tokens), "--kv-cache-gb", str(args.kv_cache_gb),
            "--trl-accumulation", str(args.trl_accumulation), "--zero-advantage-rows", args.zero_advantage_rows,
+           "--score-in-update", args.score_in_update,
            "--scale-prompts", str(args.scale_prompts)]
     proc = subprocess.Popen([*cmd, *(["--quick"] if args.quick else [])])
     memory = TreeMemory(proc.pid)
@@ -613,6 +615,8 @@ def main() -> None:
                         help="agentrl trainer.micro_batch_tokens (packed tokens per forward/backward)")
     parser.add_argument("--kv-cache-gb", type=float, default=0.5,
                         help="agentrl's vLLM-CPU KV cache, GiB (inference.cpu_kv_cache_gb)")
+    parser.add_argument("--score-in-update", choices=["true", "false"], default="true",
+                        help="agentrl trainer.score_in_update (false: the old logprobs and the gate in a scoring pass first)")
     parser.add_argument("--zero-advantage-rows", choices=["train", "score", "skip"], default="score",
                         help="agentrl trainer.zero_advantage_rows (rows of flat groups: no backward by default)")
     parser.add_argument("--trl-accumulation", type=int, default=0,
@@ -625,7 +629,7 @@ def main() -> None:
     if args.worker:
         s = {**settings(args.quick, args.variant, args.scale_prompts), "micro_batch_tokens": args.micro_batch_tokens,
              "kv_cache_gb": args.kv_cache_gb, "trl_accumulation": args.trl_accumulation,
-             "zero_advantage_rows": args.zero_advantage_rows}
+             "zero_advantage_rows": args.zero_advantage_rows, "score_in_update": args.score_in_update == "true"}
         variant = "single" if args.variant == "scale" else args.variant
         if args.worker == "agentrl":
             result = asyncio.run(agentrl_run(variant, s, args.steps + 1, args.placement))

@@ -47,7 +47,9 @@ text stops), so the ledger holds exactly what the model sampled and saw.
 finish reason and fault, each with its `segment` (`agentrl.types.Segment(index=k, of=n)`, numbered by
 `agentrl.types.label_segments`, as the AgentLoop's compacted contexts are) and
 `info["tools"]`, the tool schemas its prompt rendered; the episode's
-metrics (calls, segments, rewrites, tool calls, parse errors, refusals) are on the last segment.
+metrics (calls, segments, rewrites, tool calls, parse errors, refusals) are on the last segment,
+but for `template_mismatch`, which each segment carries for itself (the trainer's on-policy gate
+masks the segment whose re-render differed, and only it).
 This module knows nothing of HTTP (`server.py`) or of how the agent is run (`agent_env.py`).
 """
 
@@ -101,6 +103,7 @@ class _Segment:
     keys: list[str] = field(default_factory=list)
     turn: int = 0
     busy: bool = False
+    template_mismatches: int = 0  # this segment's, for the trainer's gate (the session counts them all)
 
 
 class GatewaySession:
@@ -338,6 +341,7 @@ class GatewaySession:
             same = False
         if not same:
             self.counters["template_mismatch"] += 1
+            seg.template_mismatches += 1
 
     def store_response(self, response_id: str, conversation: list[Message]) -> None:
         """Keep a Responses API conversation for `previous_response_id` (the latest 64 per session)."""
@@ -372,6 +376,10 @@ class GatewaySession:
             last.metrics.update(metrics or {})
             if info:
                 last.info.update(info)
+        for seg, t in zip(self.segments, out, strict=True):
+            # Per segment, not the episode's total on its last one: the on-policy gate masks the
+            # segment whose ledger a re-render does not give, and only that one.
+            t.metrics["template_mismatch"] = float(seg.template_mismatches)
         return out
 
 

@@ -161,6 +161,8 @@ class TrainingSteps:
         self._sync_metrics: dict[str, float] = {}  # the last push's phases, as its servers report them
         if self.served_check is not None:  # no replica serves a version the check has not admitted it at
             router.require_verified(self._verify_replica)
+        # By step: each trained trajectory's sampled tokens out of the loss, by cause (by `id`).
+        self._masked_tokens: dict[int, dict[int, dict[str, int]]] = {}
         self.meter = PromptMeter(job.template, make_env, config.rollout.max_total_tokens)
         self.ticker = ProgressTicker()  # ticks while the console is one of the run's loggers
         self.scheduler = Scheduler(
@@ -252,6 +254,9 @@ class TrainingSteps:
         report: StepReport = await self.trainer.train(trajectories, self.scheduler.trainer_version,
                                                       allowed_staleness(self.config))
         metrics = report.metrics
+        if report.masked_tokens:  # one entry per trajectory handed over: every one is trainable
+            self._masked_tokens[step] = {id(t): {str(cause): n for cause, n in m.items()}
+                                         for t, m in zip(trajectories, report.masked_tokens, strict=True)}
         # The on-policy gate: the sequences the trainer masked go into each group's ledger line, and
         # a step where too many tripped stops the run (its groups are closed as unfinished).
         sizes = [sum(t.trainable for t in g.trajectories) for g in groups]
@@ -337,8 +342,9 @@ class TrainingSteps:
         metrics["episodes/infra_failed_total"] = float(books.infra.failed)
         metrics.update({f"ledger/{k}": float(v) for k, v in books.ledger.summary().items()})
         trainer_tokens = await self._trainer_tokens(step, books.rollouts.kept_trained(step, record.groups, record.discarded))
+        masked = self._masked_tokens.pop(step, {})
         books.rollouts.write_step(step, record.groups, record.discarded, books.train_rows,  # for `agentrl view`
-                                  trainer=lambda t: trainer_tokens.get(id(t)))
+                                  trainer=lambda t: trainer_tokens.get(id(t)), masked=lambda t: masked.get(id(t)))
         metrics["time/rollout_log_s"] = books.rollouts.last_seconds
         self.steps_done = step + 1
         last = step + 1 >= self.config.run.total_steps

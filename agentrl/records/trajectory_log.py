@@ -17,6 +17,7 @@ One line (`format: "agentrl.trajectory/1"`):
 | `status` | what became of the episode's group: `trained`, `filtered` (not trained: e.g. equal rewards), `infra` (every episode failed for infrastructure reasons), `eval` |
 | `kept_as` | why the step's sample holds this group: `best`, `worst`, `infra`, `sample`, `all`; `stopped` in `step-N-stopped.jsonl` (the infrastructure-failed episodes the run stopped on) |
 | `trained` | true when its sampled tokens were in the loss (status `trained` and not an infra fault) |
+| `loss_tokens`, `masked_tokens` | trained episodes of a run's step: how many of its sampled tokens were in the loss, and the others by cause (`agentrl.types.MASK_CAUSES`: `unpredicted`, `kept_set_overflow`, `rollout_is`, `gate`; causes with none left out), so that `num_sampled` = `loss_tokens` + the masked ones; absent where not trained, in eval files and in files written before they existed |
 | `episode_id`, `group_id`, `data_source`, `ground_truth` | where it came from (`ground_truth`: the row's `reward_model.ground_truth`) |
 | `reward`, `finish_reason`, `fault`, `error` | how it ended (`fault`: `model`, `infra` or null) |
 | `num_tokens`, `num_sampled`, `num_turns` | sizes |
@@ -59,7 +60,7 @@ import logging
 import math
 import random
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Protocol
@@ -217,24 +218,31 @@ def trajectory_record(
     kept_as: Sequence[str] = (),
     ground_truth: Any = None,
     trainer: TrainerTokens | None = None,
+    masked_tokens: Mapping[str, int] | None = None,
 ) -> dict[str, Any]:
     """One line of a trajectory file (see the module docstring).
 
     `kept_as` is a sequence of reasons; a bare string is refused (it would be written letter by letter).
-    `trainer`: the trainer's logprob and entropy of each token, for a trained episode."""
+    `trainer`: the trainer's logprob and entropy of each token, for a trained episode;
+    `masked_tokens`: its sampled tokens the step left out of the loss, by cause."""
     if isinstance(kept_as, str):
         raise TypeError(f"kept_as takes a sequence of reasons, such as ({kept_as!r},), not a bare string")
     if trainer is not None and (len(trainer.logprobs) != len(t.token_ids) or (
             trainer.entropy is not None and len(trainer.entropy) != len(t.token_ids))):
         raise ValueError(f"the trainer's values cover {len(trainer.logprobs)} tokens, the ledger of episode "
                          f"{t.episode_id!r} has {len(t.token_ids)}; pass one value (or None) per ledger token")
+    trained = status == "trained" and t.trainable
+    books: dict[str, Any] = {}
+    if trained and masked_tokens is not None:
+        books = {"loss_tokens": t.num_sampled - sum(masked_tokens.values()), "masked_tokens": dict(masked_tokens)}
     return {
         "format": FORMAT,
         "source": source,
         "step": step,
         "status": status,
         "kept_as": list(kept_as),
-        "trained": status == "trained" and t.trainable,
+        "trained": trained,
+        **books,
         "episode_id": t.episode_id,
         "group_id": t.group_id,
         "data_source": t.data_source,
@@ -505,13 +513,14 @@ class RolloutLog:
 
     def write_step(self, step: int, trained: Sequence[StepGroup], discarded: Sequence[StepGroup] = (),
                    rows: Sequence[dict[str, Any] | None] | None = None,
-                   trainer: Callable[[Trajectory], TrainerTokens | None] | None = None) -> Path | None:
+                   trainer: Callable[[Trajectory], TrainerTokens | None] | None = None,
+                   masked: Callable[[Trajectory], Mapping[str, int] | None] | None = None) -> Path | None:
         """Write step `step`'s sample (`step` 0-based as the scheduler counts; the file is 1-based).
 
         `trained` and `discarded` are the step's `GroupResult`s (trained, and filtered or failed);
         `rows` the training rows their `prompt.index` points into; `trainer` gives the trainer's
-        per-token values of a kept trained trajectory (None: not measured). Returns the file, or
-        None when `keep` is 0.
+        per-token values of a kept trained trajectory (None: not measured), `masked` its sampled
+        tokens out of the loss by cause (None: not known). Returns the file, or None when `keep` is 0.
         """
         if self.keep == 0:
             return None
@@ -521,7 +530,8 @@ class RolloutLog:
         write_trajectories(path, (
             trajectory_record(t, self.pieces, source="train", step=step + 1, status=groups[i].status,
                               kept_as=why, ground_truth=_ground_truth(groups[i].row),
-                              trainer=trainer(t) if trainer is not None and groups[i].status == "trained" else None)
+                              trainer=trainer(t) if trainer is not None and groups[i].status == "trained" else None,
+                              masked_tokens=masked(t) if masked is not None and groups[i].status == "trained" else None)
             for i, why in chosen.items() for t in groups[i].trajectories
         ), run_dir=self.run_dir)  # fmt: skip
         self.last_seconds = time.perf_counter() - start

@@ -45,6 +45,7 @@ from agentrl.config import AgentRLConfig, AlgorithmConfig, TrainerConfig
 from agentrl.errors import TrainerError, UnknownNameError
 from agentrl.registry import closest_names, import_object
 from agentrl.sampling import KeptSetRule
+from agentrl.trainer.mismatch_gate import GateDecision, SequenceGate
 from agentrl.trainer.objective import (
     MetricSums,
     ScoredRows,
@@ -128,6 +129,10 @@ class PolicyBatch:
     kept_rule: KeptSetRule | None = None
     """The rollout's truncation settings, for the update's forward to measure the kept-set
     disagreement (`TrainerBackend.take_kept_set_disagreement`); None: not measured there."""
+    gate: SequenceGate | None = None
+    """The on-policy gate to decide from the update's own forward (with `old_logprobs` None, one
+    optimizer step): each row it gates is masked out of the loss before its micro-batch's backward,
+    and the loss is normalised by the tokens kept (`UpdateResult.gate` is its decision)."""
 
     def select(self, idx: Sequence[int]) -> PolicyBatch:
         return _select(self, idx)
@@ -187,12 +192,14 @@ class UpdateResult:
     `entropy` (batch, max_len), asked for with `PolicyBatch.keep_entropy`, is the policy's entropy
     at each token its forward scored; None unless the update was one optimizer step (after more,
     the later steps' forwards saw a policy the earlier steps had already changed).
+    `gate` is the on-policy gate's decision when the batch asked for it (`PolicyBatch.gate`).
     """
 
     metrics: dict[str, float] = field(default_factory=dict)
     old_logprobs: torch.Tensor | None = None
     scored_rows: torch.Tensor | None = None
     entropy: torch.Tensor | None = None
+    gate: GateDecision | None = None
 
 
 class TrainerBackend(abc.ABC):
@@ -331,10 +338,18 @@ class TrainerBackend(abc.ABC):
                 "that scores in its update (ppo_epochs=1, mini_batches=1, score_in_update=True); "
                 "pass the old logprobs from compute_logprobs."
             )
+        if batch.gate is not None and batch.old_logprobs is not None:
+            raise TrainerError(
+                "PolicyBatch.gate decides the on-policy gate from the update's own forward, which needs "
+                "old_logprobs=None (one optimizer step); with old logprobs given, gate the batch before "
+                "the update (mismatch_gate.gate_sequences, as train_step does)."
+            )
         metrics: dict[str, float] = {}
         skip = zero_loss_rows(batch.advantages, batch.loss_mask, algorithm)
         if skip is not None and trainer.zero_advantage_rows != "train":
-            batch = replace(batch, skip_rows=skip, score_skipped=trainer.zero_advantage_rows == "score")
+            # A gate judges every row, so rows without a loss are still scored (without a graph).
+            score = trainer.zero_advantage_rows == "score" or batch.gate is not None
+            batch = replace(batch, skip_rows=skip, score_skipped=score)
             metrics["batch/zero_adv_skipped"] = float(skip.sum().item())
         steps: list[dict[str, float]] = []
         result = UpdateResult()
@@ -361,12 +376,23 @@ class TrainerBackend(abc.ABC):
         accumulate, with the loss normalised by the whole batch's count (over all ranks); the
         gradient norm is clipped and the optimizer and LR schedule step. Metrics are combined over
         the batch. With `batch.old_logprobs` None the result carries the logprobs it scored.
+
+        With `batch.gate` each micro-batch's rows are judged by the gate right after their forward
+        and the rows it gates leave the loss before the backward. The loss is normalised by the
+        tokens before the gate and the accumulated gradient rescaled by (that count / the count
+        kept) before clipping: the loss is linear in 1 / its normaliser, so this is the gradient
+        of the loss over the kept tokens, without a second forward. When the batch's ESS gates
+        every row still kept, the gradient is dropped and no optimizer step is taken, as for a
+        batch with no loss token.
         """
         # Infrastructure failures never reach the loss, whatever mask the caller built.
         loss_mask = batch.loss_mask * _trainable_rows(batch.trajectories)
         denominator = loss_denominator(loss_mask, algorithm.loss_agg)
+        gate = batch.gate
         if denominator == 0:
             # Nothing to learn from (all masked): no optimizer step, on every rank alike.
+            if gate is not None:  # nothing to score: the rows are judged on their ledgers alone
+                return UpdateResult({"skipped": 1.0}, gate=_ungated(gate))
             return UpdateResult({"skipped": 1.0})
         self.policy.train()
         scored = ScoredRows(batch.trajectories) if batch.old_logprobs is None else None
@@ -389,6 +415,10 @@ class TrainerBackend(abc.ABC):
             )
             if scored is not None and real:
                 scored.add(packed, logprobs)
+                if gate is not None:  # judged before the backward: a gated row leaves the loss now
+                    gate.judge(packed.indices, scored.rows)
+                    keep = packed.gather(gate.keep[:, None].expand_as(loss_mask)).to(self.device)
+                    tokens["loss_mask"] = tokens["loss_mask"] * keep
             if entropies is not None and entropy is None:
                 no_entropy.append(True)
             elif entropies is not None and real and entropy is not None:
@@ -400,9 +430,18 @@ class TrainerBackend(abc.ABC):
             )
 
         sums = self._accumulate(plan, batch.objective_inputs(loss_mask), forward)
+        decision, loss_scale = None, 1.0
+        if gate is not None and scored is not None:
+            decision = gate.decide(self._all_reduce)
+            kept = loss_denominator(loss_mask * decision.keep[:, None], algorithm.loss_agg)
+            if kept == 0:  # the batch's ESS (or every row's own figures) gated everything
+                self.optimizer.zero_grad(set_to_none=True)
+                return UpdateResult({"skipped": 1.0}, scored.result(self._all_reduce), gate=decision)
+            loss_scale = denominator / kept
+            _scale_gradients(self.policy, loss_scale)
         metrics = self._optimizer_step(self.policy, self.optimizer, self.scheduler)
         self._step += 1
-        metrics.update(sums.reduce(self._all_reduce))
+        metrics.update(sums.reduce(self._all_reduce, loss_scale=loss_scale))
         entropy = entropies.result(self._all_reduce) if entropies is not None else None
         if no_entropy:
             entropy = None
@@ -410,7 +449,7 @@ class TrainerBackend(abc.ABC):
         scored_rows = ~skipped if skipped is not None and not batch.score_skipped else None
         if scored is None:
             return UpdateResult(metrics, entropy=entropy, scored_rows=scored_rows if entropy is not None else None)
-        return UpdateResult(metrics, scored.result(self._all_reduce), scored_rows, entropy)
+        return UpdateResult(metrics, scored.result(self._all_reduce), scored_rows, entropy, decision)
 
     def update_critic(self, batch: CriticBatch, algorithm: AlgorithmConfig) -> dict[str, float]:
         """One optimizer step of the critic on `batch`; metrics prefixed `critic/`."""
@@ -456,7 +495,10 @@ class TrainerBackend(abc.ABC):
     ) -> MetricSums:
         """Run `forward(micro_batch, real, tokens) -> (loss, metrics)` over `plan`'s (micro-batch,
         real, backward) entries, back-propagating where `backward` (gradients accumulate), with
-        `tokens` the rows of `tensors` laid out like the micro-batch; combine the metrics."""
+        `tokens` the rows of `tensors` laid out like the micro-batch; combine the metrics, each
+        weighted by the micro-batch's loss tokens. `forward` may narrow `tokens["loss_mask"]` (the
+        on-policy gate drops rows it judges from the forward's own logprobs): the weight is the
+        mask it leaves."""
         sums = MetricSums()
         for packed, real, backward in plan:
             tokens: dict[str, torch.Tensor] = {"segment_ids": packed.segment_ids.to(self.device)}
@@ -573,6 +615,21 @@ class TrainerBackend(abc.ABC):
 
 def _trainable_rows(trajectories: Sequence[Trajectory]) -> torch.Tensor:
     return torch.tensor([[1.0 if t.trainable else 0.0] for t in trajectories])
+
+
+def _scale_gradients(model: nn.Module, scale: float) -> None:
+    """Multiply the accumulated gradient by `scale` (the loss's normaliser corrected after the fact)."""
+    if scale != 1.0:
+        for p in model.parameters():
+            if p.grad is not None:
+                p.grad.mul_(scale)
+
+
+def _ungated(gate: SequenceGate) -> GateDecision:
+    """The gate's decision on a batch without a loss token: no row has a logprob to compare, so
+    every rank judges every row on its ledger alone (templates, versions)."""
+    gate.judge(range(len(gate.trajectories)), torch.zeros_like(gate.mask))
+    return gate.decide()
 
 
 class BackendFactory(Protocol):

@@ -225,8 +225,9 @@ class MetricSums:
                 self.weighted[name] = self.weighted.get(name, 0.0) + v * tokens
                 self.weights[name] = self.weights.get(name, 0.0) + tokens
 
-    def reduce(self, all_reduce: AllReduce | None = None) -> dict[str, float]:
+    def reduce(self, all_reduce: AllReduce | None = None, *, loss_scale: float = 1.0) -> dict[str, float]:
         """The combined metrics; `all_reduce(tensor, op)` (if given) combines ranks in place.
+        `loss_scale` multiplies the loss shares (the normaliser they were divided by, corrected).
 
         Every rank must hold the same metric names (they run the same objective)."""
         names = sorted(self.weighted)
@@ -239,7 +240,7 @@ class MetricSums:
         for i, n in enumerate(names):
             w = sums[len(names) + i].item()
             if n in _SUM_METRICS:
-                out[n] = sums[i].item()
+                out[n] = sums[i].item() * loss_scale
             elif w > 0:  # a mean over no token (every row skipped) is left out, not reported as 0
                 out[n] = sums[i].item() / w
         for n in sorted(set(_MAX_METRICS) | set(_MIN_METRICS)):

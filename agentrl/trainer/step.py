@@ -7,9 +7,9 @@ batch with the current policy (old logprobs, unless the update scores them itsel
 (when `kl_coef > 0`) and the critic (GAE); put the KL penalty in the reward if asked; form
 advantages with the configured estimator (`ADVANTAGE_ESTIMATORS`), with `distill` the teacher's
 per-token signal in them (`distill.apply_distillation`); weigh the rollout/trainer
-mismatch and mask the sequences the on-policy gate finds too far off (`mismatch_gate`, which then
-needs the old logprobs before the update); then hand the batch to the backend's update loop
-(`TrainerBackend.update`). It returns the metrics an RL practitioner watches, named `group/metric`
+mismatch and mask the sequences the on-policy gate finds too far off (`mismatch_gate`: here when
+the old logprobs were scored first, else inside the update, from its own forward); then hand the
+batch to the backend's update loop (`TrainerBackend.update`). It returns the metrics an RL practitioner watches, named `group/metric`
 (numbers only; the gate's per-row decisions travel typed, see below). The KL coefficient comes from a
 controller (`make_kl_controller`) that the caller keeps across steps: fixed, or adaptive when
 `algorithm.kl_target` is set, updated after each step with the batch's KL to the reference.
@@ -59,9 +59,9 @@ from agentrl.sampling import KeptSetRule
 from agentrl.trainer import algos
 from agentrl.trainer.backend import CriticBatch, PolicyBatch, TrainerBackend, UpdateResult
 from agentrl.trainer.distill import apply_distillation
-from agentrl.trainer.mismatch_gate import gate_sequences
+from agentrl.trainer.mismatch_gate import SequenceGate, gate_sequences
 from agentrl.trainer.packing import PaddedBatch, pad_trajectories
-from agentrl.types import FinishReason, GatedRow, StepReport, Trajectory
+from agentrl.types import MASK_CAUSES, FinishReason, GatedRow, MaskCause, StepReport, Trajectory
 
 __all__ = ["StepTokens", "kept_set_metrics", "make_kl_controller", "train_step", "train_step_with_tokens"]
 
@@ -192,8 +192,7 @@ def _train_step(
     scores = _shaped_scores(trajs, algorithm, max_response_tokens, metrics)
     layout = pad_trajectories(trajs)
 
-    gate = algorithm.mismatch_gate
-    in_update = backend.scores_old_logprobs(trainer) and not _needs_old_logprobs_first(algorithm) and not gate.enabled
+    in_update = backend.scores_old_logprobs(trainer) and not _needs_old_logprobs_first(algorithm)
     metrics["batch/scored_in_update"] = float(in_update)
     metrics.update(kept_set_metrics(trajs))
     rule = kept_rule if kept_rule is not None and kept_rule.truncates else None
@@ -209,7 +208,7 @@ def _train_step(
         advantages = apply_distillation(trajs, advantages, layout.loss_mask, distill, metrics)
         metrics.update(_stats("adv", advantages, layout.loss_mask))
 
-    policy_batch, critic_batch, gated = _update_batches(
+    policy_batch, critic_batch, gated, corrected = _update_batches(
         trajs, layout, advantages, returns, values, old_logprobs, ref_logprobs, algorithm, metrics,
         temperature=temperature, max_len=max_response_tokens, kept_rule=rule if in_update else None,
         gate=(policy_version, allowed_staleness),
@@ -223,6 +222,12 @@ def _train_step(
     update_s = time.perf_counter() - update_start
 
     metrics.update(result.metrics)
+    trained_mask = policy_batch.loss_mask
+    if result.gate is not None:  # decided in the update, from its own forward
+        metrics.update(result.gate.metrics)
+        gated = result.gate.gated
+        trained_mask = trained_mask * result.gate.keep[:, None]
+    masked_tokens = _token_books(trajs, layout.loss_mask, corrected, trained_mask, metrics)
     if rule is not None and (disagreement := backend.take_kept_set_disagreement()) is not None:
         metrics["onpolicy/kept_set_disagreement"] = disagreement
     if in_update:
@@ -238,7 +243,7 @@ def _train_step(
     metrics["perf/update_tokens_per_s"] = tokens * trainer.ppo_epochs / max(update_s, 1e-9)
     metrics["perf/step_s"] = step_s
     metrics["perf/step_tokens_per_s"] = tokens / max(step_s, 1e-9)
-    report = StepReport(metrics, gated)
+    report = StepReport(metrics, gated, masked_tokens)
     if not with_tokens:
         return report, None
     # Rows a skipping update left out (`zero_advantage_rows=skip`) were not scored in the update.
@@ -473,33 +478,65 @@ def _update_batches(
     algorithm: AlgorithmConfig, metrics: dict[str, float], *, temperature: float, max_len: int | None,
     kept_rule: KeptSetRule | None = None,
     gate: tuple[int | None, int] = (None, 0),
-) -> tuple[PolicyBatch, CriticBatch | None, list[GatedRow]]:  # fmt: skip
+) -> tuple[PolicyBatch, CriticBatch | None, list[GatedRow], torch.Tensor]:  # fmt: skip
     """The policy batch (with the rollout correction and the mismatch gate when the old logprobs
-    are known), for GAE the critic batch, and the rows the gate masked. `max_len` None: the batch's
+    are known), for GAE the critic batch, the rows the gate masked, and the loss mask after the
+    rollout correction, before the gate (for the step's books). `max_len` None: the batch's
     longest response. `gate`: (the policy version this step trains at, the staleness it allows)."""
     mask = layout.loss_mask
     is_weights, loss_mask = None, mask
     gated: list[GatedRow] = []
+    corrected = mask
     if old_logprobs is not None:
         is_weights, loss_mask = _rollout_mismatch(metrics, old_logprobs, layout.rollout_logprobs, mask, algorithm)
+        corrected = loss_mask
         if algorithm.mismatch_gate.enabled:
             decision = gate_sequences(trajs, old_logprobs, layout.rollout_logprobs, mask, algorithm.mismatch_gate,
                                       policy_version=gate[0], allowed_staleness=gate[1])
             metrics.update(decision.metrics)
             gated = decision.gated
             loss_mask = loss_mask * decision.keep[:, None].to(loss_mask.dtype)
+    in_update_gate = None
+    if old_logprobs is None and algorithm.mismatch_gate.enabled:  # the update gates from its own forward
+        in_update_gate = SequenceGate(trajs, layout.rollout_logprobs, mask, algorithm.mismatch_gate,
+                                      policy_version=gate[0], allowed_staleness=gate[1])
     max_len = max_len or max(1, int(mask.sum(-1).max().item()))
     policy = PolicyBatch(
         trajectories=trajs, loss_mask=loss_mask, advantages=advantages, old_logprobs=old_logprobs,
         rollout_logprobs=layout.rollout_logprobs, ref_logprobs=ref_logprobs, is_weights=is_weights,
-        temperature=temperature, max_len=max_len, kept_rule=kept_rule,
+        temperature=temperature, max_len=max_len, kept_rule=kept_rule, gate=in_update_gate,
     )  # fmt: skip
     critic = None
     if values is not None:
         critic = CriticBatch(trajs, loss_mask=mask, returns=returns, old_values=values, max_len=max_len)
-    tokens = sum(len(t.token_ids) for t in trajs)
-    metrics.update({"batch/loss_tokens": float(loss_mask.sum().item()), "batch/tokens": float(tokens)})
-    return policy, critic, gated
+    metrics["batch/tokens"] = float(sum(len(t.token_ids) for t in trajs))
+    return policy, critic, gated, corrected
+
+
+def _token_books(
+    trajs: list[Trajectory], packed: torch.Tensor, corrected: torch.Tensor, trained: torch.Tensor,
+    metrics: dict[str, float],
+) -> list[dict[MaskCause, int]]:  # fmt: skip
+    """Account for every sampled token of the batch: in the loss, or out of it with its cause
+    (`MASK_CAUSES`). `packed` is the loss mask the batch was laid out with (sampled tokens but the
+    first and the kept-set overflows), `corrected` that mask after the rollout correction, `trained`
+    the mask the loss was taken over (after the gate). Records `batch/sampled_tokens`,
+    `batch/masked_tokens/<cause>` and `batch/loss_tokens` (the first less the others, exactly);
+    returns each row's causes (those with none left out)."""
+    in_packed, in_corrected, in_loss = (m.sum(-1).round().long().tolist() for m in (packed, corrected, trained))
+    rows: list[dict[MaskCause, int]] = []
+    for t, a, b, c in zip(trajs, in_packed, in_corrected, in_loss, strict=True):
+        first = t.response_mask[0] if t.token_ids else 0
+        counts: dict[MaskCause, int] = {
+            "unpredicted": first, "kept_set_overflow": t.num_sampled - first - a, "rollout_is": a - b, "gate": b - c,
+        }  # fmt: skip
+        rows.append({cause: n for cause, n in counts.items() if n})
+    sampled = sum(t.num_sampled for t in trajs)
+    metrics["batch/sampled_tokens"] = float(sampled)
+    for cause in MASK_CAUSES:
+        metrics[f"batch/masked_tokens/{cause}"] = float(sum(r.get(cause, 0) for r in rows))
+    metrics["batch/loss_tokens"] = float(trained.sum().item())
+    return rows
 
 
 def _measured_in_update(

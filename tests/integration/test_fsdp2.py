@@ -71,8 +71,11 @@ def train_two_steps(out: str) -> dict[str, Any]:
 
 
 def train_two_ways(out: str) -> dict[str, Any]:
-    """Both comparisons of 1 rank vs 2 in one launch per rank count (a launch spawns and imports torch)."""
-    return {"two_steps": train_two_steps(out), "flat": train_with_flat_groups(out)}
+    """The comparisons of 1 rank vs 2 in one launch per rank count (a launch spawns and imports torch)."""
+    from gate_paths import gate_both_ways
+
+    gate = gate_both_ways(_backend, toy_batch())
+    return {"two_steps": train_two_steps(out), "flat": train_with_flat_groups(out), "gate": gate}
 
 
 @pytest.fixture(scope="module")
@@ -102,6 +105,21 @@ def test_one_and_two_processes_give_the_same_losses_and_weights(one_and_two_rank
     worst = max((w1[k] - w2[k]).abs().max().item() for k in w1)
     assert worst < 1e-5, worst
     (tmp_path / "report.txt").write_text(f"max weight diff {worst}\n")
+
+
+def test_the_gate_decided_in_the_update_equals_a_separate_pass_on_one_and_two_ranks(one_and_two_ranks) -> None:
+    """Two ranks judge their own rows in the update and combine them: the same gated rows, figures,
+    loss and weights as a separate scoring pass, and as one rank."""
+    from gate_paths import assert_same_gate
+
+    _, one, two = one_and_two_ranks
+    for result in (one[0]["gate"], two[0]["gate"], two[1]["gate"]):
+        # Adam's first step moves each weight by lr·sign(g) = 5e-5 (lr 1e-4 warming up over 2 steps):
+        # a row wrongly kept or dropped flips many signs, a 1e-4 change; summation order flips none here
+        assert_same_gate(result, weight_atol=1e-5)
+    assert two[0]["gate"]["gated"] == two[1]["gate"]["gated"]
+    for a, b in zip(one[0]["gate"]["gated"][0], two[0]["gate"]["gated"][0], strict=True):
+        assert a[:2] == b[:2] and max(abs(x - y) for x, y in zip(a[2:], b[2:], strict=True)) <= 1e-5
 
 
 def train_with_flat_groups(out: str) -> dict[str, Any]:

@@ -200,9 +200,12 @@ def megatron_run(model_dir: str, tp: int, steps: int) -> dict[str, Any]:
 
 def gqa_work(model_dir: str, tp: int, kept: bool, ckpt: str | None) -> dict[str, Any]:
     """What one launch on the GQA model does for the tests below: the two-step run, the kept-set
-    replay (`kept`) and, given a checkpoint directory (tensor_parallel=2 only), the exact resume and
+    replay (`kept`), the on-policy gate in the update against a separate pass and, given a checkpoint directory (tensor_parallel=2 only), the exact resume and
     a tensor_parallel=2 checkpoint for the refusal test (`ckpt`/resume and `ckpt`/tp2)."""
-    done = {"run": megatron_run(model_dir, tp, 2)}
+    from gate_paths import gate_both_ways
+
+    done = {"run": megatron_run(model_dir, tp, 2),
+            "gate": gate_both_ways(lambda: _megatron(model_dir, tensor_parallel=tp), toy_batch())}  # fmt: skip
     if kept:
         done["kept"] = megatron_kept(model_dir, tp)
     if ckpt is not None:
@@ -255,6 +258,19 @@ def test_two_processes_match_one(gqa_model: Path, one_process: dict[str, Any], g
             assert m1[key] == pytest.approx(m2[key], abs=1e-5), (key, m1[key], m2[key])
     worst = max((rank0["final"][k] - one_process["final"][k]).abs().max().item() for k in original)
     assert worst < 1e-5, worst
+
+
+@pytest.mark.parametrize("layout", ["one", "tp2", "dp2"])
+def test_the_gate_decided_in_the_update_equals_a_separate_pass(gqa_launches: dict[str, Any], layout: str) -> None:
+    """Replicas judge their own rows in the update and combine them, tensor-parallel ranks judge the
+    same rows alike: the same gated rows, figures, loss and weights as a separate scoring pass."""
+    from gate_paths import assert_same_gate
+
+    ranks = [r["gate"] for r in gqa_launches[layout]]
+    for result in ranks:
+        # lr 1e-3: Adam's first step moves a weight by 1e-3·sign(g); summation order moves a few by ~1e-4
+        assert_same_gate(result, weight_atol=2e-4)
+    assert all(r["gated"] == ranks[0]["gated"] for r in ranks)
 
 
 # ── resume ──────────────────────────────────────────────────────────────────────────────────────

@@ -193,6 +193,7 @@ COMMANDS: dict[str, How] = {
         "command, which tests/e2e/test_fresh_machine.py and this module (sized) run"),
     "python bench/vs_trl.py": How("NOT_RUN", where="needs TRL; GRPO steps of minutes each side; no test runs it"),
     "python bench/trainer.py": How("NOT_RUN", where="minutes of forward and backward passes; no test runs it"),
+    "python bench/gate_pass.py": How("NOT_RUN", where="eight GRPO steps of SmolLM2, minutes; no test runs it"),
     "python bench/weight_sync.py": How("NOT_RUN", where="several processes and GBs of transfers; no test runs it"),
     "python bench/weight_sync.py --http-only": How("NOT_RUN", where="GBs of transfers; no test runs it"),
     "sudo python bench/cluster.py": How(

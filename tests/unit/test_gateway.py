@@ -278,6 +278,36 @@ def test_a_rewritten_history_starts_a_new_exact_segment(template: ChatTemplate) 
     assert all(t.reward == 1.0 and t.episode_id == "ep" and t.group_id == "g" for t in segments)
 
 
+def test_a_template_mismatch_stays_on_the_segment_it_happened_in(template: ChatTemplate, monkeypatch) -> None:
+    """With `verify_template`, a segment whose re-render differs carries the count, not the episode's
+    last segment: the trainer's gate masks the segment whose ledger it cannot trust, and only it."""
+    model = ScriptedModel(template, [CALLS, "Noted.<|im_end|>", ANSWER])
+    render = template.encode_prompt
+
+    def planted(messages: Any, tools: Any = None, **kw: Any) -> list[int]:  # differs once a tool answered
+        ids = render(messages, tools, **kw)
+        return [*ids, 0] if any(m.get("role") == "tool" for m in messages) else ids
+
+    async def run() -> list[Trajectory]:
+        gateway = Gateway()
+        session = gateway.open_session(_loop(template, model, verify_template=True), episode_id="ep", group_id="g")
+        client = await _client(gateway, session)
+        messages: list[Any] = [{"role": "user", "content": "What is 1+2 plus 30+4?"}]
+        first = (await client.chat.completions.create(model="m", messages=messages, tools=TOOLS)).choices[0].message
+        messages += [first.model_dump(exclude_none=True), *_tool_results(first)]
+        monkeypatch.setattr(template, "encode_prompt", planted)  # the check after the second call re-renders
+        second = (await client.chat.completions.create(model="m", messages=messages, tools=TOOLS)).choices[0].message
+        summary = [messages[0], {"role": "user", "content": "Notes: 1+2=3, 30+4=34."},
+                   second.model_dump(exclude_none=True), {"role": "user", "content": "Now answer."}]
+        await client.chat.completions.create(model="m", messages=summary, tools=TOOLS)
+        return session.trajectories(reward=1.0, finish_reason=FinishReason.DONE)
+
+    first, second = asyncio.run(run())
+    assert [t.segment for t in (first, second)] == [Segment(index=0, of=2), Segment(index=1, of=2)]
+    assert first.metrics["template_mismatch"] == 1.0 and second.metrics["template_mismatch"] == 0.0
+    assert second.metrics["llm_calls"] == 3 and second.metrics["segments"] == 2  # the episode's counters stay
+
+
 def test_budgets_and_outages_are_openai_errors_that_record_nothing(template: ChatTemplate) -> None:
     model = ScriptedModel(template, [ANSWER], fail_first=1)
 

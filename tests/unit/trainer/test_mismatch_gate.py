@@ -13,9 +13,10 @@ import math
 
 import pytest
 import torch
-from test_step import FakeBackend
+from test_step import FakeBackend, fsdp2, needs_model, weights, with_flat_groups
 
 from agentrl.config import AgentRLConfig, AlgorithmConfig, MismatchGateConfig, TrainerConfig
+from agentrl.config import AlgorithmConfig as _AlgorithmConfig
 from agentrl.orchestration.onpolicy_gate import (
     LIKELY_CAUSES,
     OnPolicyMismatchError,
@@ -110,7 +111,7 @@ def test_train_step_masks_the_gated_sequence_out_of_the_loss():
     assert batch.loss_mask.sum(-1).tolist() == [2.0, 2.0, 2.0, 0.0]
     m = report.metrics
     assert m["onpolicy/gated_sequences"] == 1.0 and m["onpolicy/gated_sequences/template"] == 1.0
-    assert m["batch/scored_in_update"] == 0.0  # the gate needs the old logprobs before the update
+    assert m["batch/scored_in_update"] == 0.0  # the fake backend cannot score in its update
     assert report.gated == [GatedRow(row=3, reason="template", logprob_gap=0.0, mean_logprob_gap=0.0,
                                      log_ratio_spread=0.0, ess=1.0, template_mismatches=2.0)]
     assert not any(k.startswith("onpolicy/gated_row") for k in m)
@@ -161,3 +162,77 @@ def test_tokens_of_an_older_allowed_version_do_not_count_as_mismatch():
              allowed_staleness=1)
     assert d.reasons == [None, None] and d.metrics["onpolicy/mean_logprob_gap_max"] == 0.0
     assert gate([stale], shift={0: [0.5, 0.5, 0.5]}).reasons == ["mean_logprob_gap"]  # versions unknown: all count
+
+
+# ── the gate decided in the update's own forward against a separate scoring pass ────────────────
+def near_policy(trajs: list[Trajectory], old: torch.Tensor, shifts: dict[int, list[float]],
+                versions: dict[int, int], templates: dict[int, float]) -> list[Trajectory]:  # fmt: skip
+    """`trajs` rebuilt with rollout logprobs equal to the trainer's `old` ones (B, L) plus `shifts`
+    per row (one per sampled token, the rest 0), a row's version, a row's template mismatches."""
+    out = []
+    for i, t in enumerate(trajs):
+        start = t.response_mask.index(1)
+        n = t.num_sampled
+        deltas = [*shifts.get(i, []), *[0.0] * n][:n]
+        logprobs = [old[i, start - 1 + k].item() + d for k, d in enumerate(deltas)]
+        new = Trajectory(reward=t.reward, group_id=t.group_id)
+        new.extend(t.token_ids[:start], TokenOrigin.PROMPT, 0)
+        new.extend(t.token_ids[start:], TokenOrigin.SAMPLED, 0, logprobs=logprobs, version=versions.get(i, 0))
+        if i in templates:
+            new.metrics["template_mismatch"] = templates[i]
+        out.append(new)
+    return out
+
+
+@needs_model
+@pytest.mark.parametrize("case", ["rows", "batch_ess", "none"])
+def test_the_gate_decided_in_the_update_equals_a_separate_scoring_pass(case):
+    """With one optimizer step the update's own forward gives the gate's old logprobs: the same
+    decisions and figures (1e-6) as a separate pass, the same loss over the kept tokens (its
+    normaliser corrected after the backward) and the same weights. Rows 0-3 and 12-15 learn, 4-11
+    are flat groups (no backward); 32-token micro-batches put them in several."""
+    gate = {"max_logprob_gap": 2.0, "min_ess": 0.999 if case == "batch_ess" else 0.5}
+    algo = _AlgorithmConfig(rollout_is="tis", mismatch_gate=gate)
+    fused, separate = fsdp2(algo={"rollout_is": "tis"}), fsdp2(algo={"rollout_is": "tis"})
+    old = fused.compute_logprobs(with_flat_groups())  # both start from the same weights
+    if case == "rows":  # four reasons, two rows that learn and two flat ones; the rest kept
+        trajs = near_policy(with_flat_groups(), old, shifts={0: [0.0, 2.5], 2: [0.3] * 6, 7: [1e-3, -1e-3]},
+                            versions={13: 1}, templates={5: 1.0})
+    elif case == "batch_ess":  # each row even on its own, but the rows' weights differ: all gated
+        trajs = near_policy(with_flat_groups(), old, shifts={i: [0.04 * (i % 3)] * 8 for i in range(16)},
+                            versions={}, templates={})
+    else:
+        trajs = near_policy(with_flat_groups(), old, shifts={}, versions={}, templates={})
+    rf, tf = train_step_with_tokens(fused, trajs, algo, TrainerConfig(), policy_version=0)
+    rs, ts = train_step_with_tokens(separate, trajs, algo, TrainerConfig(score_in_update=False), policy_version=0)
+    assert rf.metrics["batch/scored_in_update"] == 1.0 and rs.metrics["batch/scored_in_update"] == 0.0
+
+    assert [(g.row, g.reason) for g in rf.gated] == [(g.row, g.reason) for g in rs.gated]
+    for a, b in zip(rf.gated, rs.gated, strict=True):
+        for name in ("logprob_gap", "mean_logprob_gap", "log_ratio_spread", "ess", "template_mismatches"):
+            assert getattr(a, name) == pytest.approx(getattr(b, name), abs=1e-6), (a.row, name)
+        assert a.out_of_window_tokens == b.out_of_window_tokens
+    figures = [k for k in rs.metrics if k.startswith("onpolicy/")]
+    assert figures and sorted(figures) == sorted(k for k in rf.metrics if k.startswith("onpolicy/"))
+    for name in figures:
+        assert rf.metrics[name] == pytest.approx(rs.metrics[name], abs=1e-6), name
+    expected = {"rows": [(0, "logprob_gap"), (2, "mean_logprob_gap"), (5, "template"), (13, "version")],
+                "batch_ess": [(i, "ess") for i in range(16)], "none": []}[case]  # fmt: skip
+    assert [(g.row, g.reason) for g in rf.gated] == expected
+    assert rf.metrics["batch/loss_tokens"] == rs.metrics["batch/loss_tokens"]
+    assert tf is not None and ts is not None
+    torch.testing.assert_close(tf.old_logprobs * ts.mask, ts.old_logprobs * ts.mask, atol=1e-6, rtol=0)
+
+    if case == "batch_ess":  # nothing left to learn from: no optimizer step on either path
+        assert rf.metrics["actor/skipped"] == rs.metrics["actor/skipped"] == 1.0
+        assert fused.global_step == separate.global_step == 0
+    else:
+        # the gradient before clipping, the loss and its metrics over the kept tokens
+        for name in ("actor/grad_norm", "actor/pg_loss", "actor/loss", "actor/entropy", "actor/ratio_mean",
+                     "rollout/is_ratio_mean", "rollout/logprob_abs_diff"):  # fmt: skip
+            assert rf.metrics[name] == pytest.approx(rs.metrics[name], rel=1e-5, abs=1e-7), name
+    wf, ws = weights(fused), weights(separate)
+    for name in ws:
+        # Adam's first step is lr·sign(g) (lr 1e-3): a row wrongly kept or dropped moves weights by
+        # ~1e-3, while the summation order moves the few entries with |g| near eps by ~1e-4 at most.
+        torch.testing.assert_close(wf[name], ws[name], atol=2e-4, rtol=0)
