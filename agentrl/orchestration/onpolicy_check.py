@@ -302,7 +302,7 @@ async def _check_cache(config: AgentRLConfig, job: Job, router: Any, trajs: list
     # The reference logprob is over the whole vocabulary: so is the probe's.
     sampling = sampling_params(config.rollout, max_tokens=1, seed=config.run.seed, whole_vocabulary=True)
     before = await router.generate(prefix, sampling, session_id="check-cache")
-    probe = build_probe(job.template, seed=config.run.seed)
+    probe = build_probe(job.template, seed=config.run.seed, max_len=config.rollout.max_total_tokens)
     served_before = await _probe_scores(router, probe)
     perturbed, perturbed_dir = await asyncio.to_thread(_perturbed_copy, job.model_path, tmp / "perturbed", config.run.seed)
     pushed = await router.update_weights(str(perturbed_dir), 1)

@@ -128,12 +128,15 @@ def _conversation(rng: random.Random, with_tool_turn: bool) -> list[Message]:
     return [question, call, result, answer]
 
 
-def build_probe(template: ChatTemplate, *, seed: int, conversations: int = 3) -> ServedProbe:
+def build_probe(template: ChatTemplate, *, seed: int, conversations: int = 3, max_len: int | None = None) -> ServedProbe:
     """The run's probe: `conversations` seeded conversations (a tool-call turn included where the
     template renders one) rendered to ids by the run's own template. Same template and seed, same
-    probe."""
+    probe. A sequence longer than `max_len` keeps its last `max_len` ids (the turns, not the tool
+    definitions the template puts first): every engine must fit it in its context."""
     if conversations < 1:
         raise ValueError(f"conversations must be >= 1, got {conversations}")
+    if max_len is not None and max_len < 2:
+        raise ValueError(f"max_len must be >= 2 (one id to score after the first), got {max_len}")
     rng_of = [random.Random(f"served-probe-{seed}-{i}") for i in range(conversations)]
     try:
         sequences = [template.encode_prompt(_conversation(rng, True), [_PYTHON_TOOL], add_generation_prompt=False)
@@ -144,7 +147,8 @@ def build_probe(template: ChatTemplate, *, seed: int, conversations: int = 3) ->
         sequences = [template.encode_prompt(_conversation(rng, False), add_generation_prompt=False)
                      for rng in rng_of]
         with_tool_turn = False
-    return ServedProbe(tuple(tuple(s) for s in sequences), seed, with_tool_turn)
+    cut = [s[-max_len:] if max_len is not None else s for s in sequences]
+    return ServedProbe(tuple(tuple(s) for s in cut), seed, with_tool_turn)
 
 
 def probe_trajectories(sequences: Sequence[Sequence[int]]) -> list[Trajectory]:
@@ -378,8 +382,8 @@ def served_check_for_run(config: Any, model_path: str, template: ChatTemplate, r
     trainer_dtype = config.model.dtype if config.model.dtype != "auto" else (
         "float32" if device == "cpu" else "bfloat16")
     tol = served_tolerance(engine_dtype(config, model_path), trainer_dtype)
-    probe = build_probe(template, seed=config.run.seed)
+    probe = build_probe(template, seed=config.run.seed, max_len=config.rollout.max_total_tokens)
     return ServedPolicyCheck(probe, tol, resume_command=resume_command), (
-        f"after each push, {len(probe.sequences)} probe sequences ({probe.scored_tokens} tokens"
+        f"at the start and after each push, {len(probe.sequences)} probe sequences ({probe.scored_tokens} tokens"
         f"{', a tool-call turn included' if probe.with_tool_turn else ''}) are scored by the trainer and every "
         f"replica; tol {tol:g}")

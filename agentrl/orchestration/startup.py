@@ -92,7 +92,9 @@ def init_ray(cluster_address: str | None, then: str = "") -> None:
     address = cluster_address or os.environ.get("RAY_ADDRESS")
 
     def init() -> None:
-        ray.init(address=address, include_dashboard=False, log_to_driver=True, configure_logging=False,
+        # no address given: "local", a Ray of this run's own. Left to Ray (None), it would join the
+        # cluster `ray start` last left on this machine (/tmp/ray/ray_current_cluster), another job's.
+        ray.init(address=address or "local", include_dashboard=False, log_to_driver=True, configure_logging=False,
                  ignore_reinit_error=True)
 
     if cluster_address:

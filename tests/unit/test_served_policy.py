@@ -103,6 +103,13 @@ def test_the_probe_is_seeded_rendered_by_the_run_template_and_holds_a_tool_call(
     assert text.count("<|im_start|>assistant") == 2
     assert probe.scored_tokens == sum(len(s) for s in probe.sequences) - 3
     assert all(20 < len(s) < 400 for s in probe.sequences)
+    # a context shorter than a sequence: its last ids, the turns (the tool definitions come first)
+    short = build_probe(template, seed=7, max_len=96)
+    assert [len(s) for s in short.sequences] == [min(96, len(s)) for s in probe.sequences]
+    assert all(c == s[-len(c):] for c, s in zip(short.sequences, probe.sequences, strict=True))
+    assert "<tool_response>" in template.tokenizer.decode(list(short.sequences[0]))
+    with pytest.raises(ValueError, match="max_len must be >= 2"):
+        build_probe(template, seed=7, max_len=1)
 
 
 def test_the_probe_as_trajectories_puts_every_id_after_the_first_in_the_loss():
