@@ -241,6 +241,7 @@ def test_worker_paces_young_collections_only_while_episodes_run(
 
     slow = ScriptedClient(template, _tool_then_answer(rows[0]), delay_s=0.15)
     other = RolloutWorker(AgentLoop(slow, template, HermesParser()), ArithmeticEnv)
+    worker_module._freeze_gc_once()  # once per process (it raises the oldest generation's threshold for good)
     threshold_before = gc.get_threshold()
 
     async def go() -> tuple[bool, int, int]:

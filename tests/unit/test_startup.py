@@ -56,7 +56,7 @@ def fake_ray(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
 def test_a_transient_ray_timeout_is_retried_once_after_ending_what_it_started(fake_ray) -> None:
     ray = fake_ray(failures=1)
     init_ray(None, THEN)
-    assert ray.calls == [None, None] and ray.shutdowns == 1
+    assert ray.calls == ["local", "local"] and ray.shutdowns == 1  # a Ray of its own, never a stray cluster
 
 
 def test_ray_failing_twice_names_the_temp_folder_its_space_and_the_fixes(fake_ray, tmp_path: Path) -> None:
