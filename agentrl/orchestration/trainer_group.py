@@ -74,6 +74,10 @@ __all__ = ["ColocatedTrainerWorker", "TrainerGroup", "TrainerWorker", "export_as
 log = logging.getLogger(__name__)
 
 SHIP_PIECE_BYTES = 64 << 20
+
+_PROBE_VERSIONS_KEPT = 4
+"""The served-policy probe's scores are kept for this many recent versions: an `async` run exports
+the next version while the last push is still being checked, never more than one ahead."""
 """Largest piece of a checkpoint file sent between the driver and a rank of another node in one
 Ray call: a shard never passes whole through the object store."""
 
@@ -152,7 +156,7 @@ class TrainerWorker:
         self.weights = weights
         self.version: int | None = None  # the version of the last export
         self.probe: list[list[int]] | None = None  # the served-policy probe (`set_probe`)
-        self.probe_scores: tuple[int, list[list[float]]] | None = None  # (version, its scores of the probe)
+        self.probe_scores: dict[int, list[list[float]]] = {}  # the probe's scores at each recent version
         self.files: Any = None  # rank 0: weights/version-N directories
         self.http: Any = None  # rank 0 with the http engine: the endpoint servers pull from
         self.nonce = ""
@@ -224,17 +228,22 @@ class TrainerWorker:
 
     def keep_probe_scores(self, version: int) -> None:
         if self.probe is not None:
-            self.probe_scores = (version, self.score_probe(self.probe))
+            self.probe_scores[version] = self.score_probe(self.probe)
+            for old in sorted(self.probe_scores)[:-_PROBE_VERSIONS_KEPT]:
+                del self.probe_scores[old]
 
     def probe_scores_at(self, version: int) -> list[list[float]]:
         """The trainer's side of the served-policy check at `version`: the scores kept when `version`
-        was exported or pushed, or, for a version that has not been (the weights the trainer started
-        from, before any update), scored now."""
+        was exported or pushed (in `async` mode the next export may come before this push's check), or,
+        for the weights the trainer holds now and never published (those it started from), scored now."""
         if self.probe is None:
             raise RuntimeError("set_probe comes before probe_scores_at")
-        if self.probe_scores is None or self.probe_scores[0] != version:
-            self.probe_scores = (version, self.score_probe(self.probe))
-        return self.probe_scores[1]
+        if version not in self.probe_scores:
+            if self.probe_scores and version < max(self.probe_scores):
+                raise TrainerError(f"the trainer's probe scores at weight version {version} were not kept (it "
+                                   f"keeps versions {sorted(self.probe_scores)}): they cannot be scored again")
+            self.keep_probe_scores(version)
+        return self.probe_scores[version]
 
     def _send(self, engine: Any, version: int) -> None:
         named = self.backend.export_weights()
