@@ -7,14 +7,15 @@
 Each run is the default job as shipped (`agentrl run env=retool`), shortened to `--steps` steps with
 no held-out evaluation, with `weights.check_served=true` or `false`; runs alternate (on, off, on, off,
 ...) one at a time, so load from anything else on the machine falls on both sides alike. From each
-run's `metrics.jsonl` it reads every step's `time/step_s` and, with the check on, `sync/verify_s`
-(the check's own seconds, inside the push, which the step awaits). The first step of each run is
+run's `metrics.jsonl` it reads every step's `time/step_s`, `time/split/weights_s` (the push, which the
+step awaits: it holds the check and, colocated, the trainer's scoring of the probe) and, with the check
+on, `sync/verify_s` (the replicas' side of the check). The first step of each run is
 left out (it pays for warm-up). Printed: per placement and side, the median step time over all
 kept steps, the median check time, and the cost: median step time on over off, minus 1, beside
-the check's share of the step measured directly (median verify_s / median step time on).
+the push's median seconds with the check on minus off, and that as a share of the step.
 
 Target: the check adds at most 5% to the default job's step time. The load average is printed;
-on a busy machine the step-time ratio moves by more than the check costs, and the direct share is
+a step's time moves by tens of percent with what the policy samples, so the push's difference is
 the steadier figure.
 """
 
@@ -42,42 +43,51 @@ def run_one(out: Path, placement: str, check: bool, index: int, steps: int) -> P
     return out / name
 
 
-def read_run(run_dir: Path) -> tuple[list[float], list[float]]:
-    """(step seconds, check seconds) of every step after the first; empty if the run did not finish."""
+def read_run(run_dir: Path) -> tuple[list[float], list[float], list[float]]:
+    """(step seconds, check seconds, push seconds) of every step after the first; empty if the run did
+    not finish. The push's seconds (`time/split/weights_s`) hold the check and, colocated, the trainer's
+    scoring of the probe inside the push."""
     metrics = run_dir / "metrics.jsonl"
     if not metrics.is_file():
-        return [], []
+        return [], [], []
     rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
     rows = [r for r in rows if "time/step_s" in r][1:]
-    return [r["time/step_s"] for r in rows], [r["sync/verify_s"] for r in rows if "sync/verify_s" in r]
+    return ([r["time/step_s"] for r in rows], [r["sync/verify_s"] for r in rows if "sync/verify_s" in r],
+            [r["time/split/weights_s"] for r in rows if "time/split/weights_s" in r])
 
 
 def report(out: Path, placements: list[str]) -> str:
-    lines = ["| placement | check | runs | steps | median step | median check | cost (step on/off - 1) | "
-             "check's share of the step |", "|---|---|---|---|---|---|---|---|"]
+    lines = ["| placement | check | runs | steps | median step | median push | median check | cost (step on/off - 1) | "
+             "push on - off, share of the step |", "|---|---|---|---|---|---|---|---|---|"]
     for placement in placements:
         sides = {}
         for check in ("on", "off"):
             runs = sorted(out.glob(f"{placement}-{check}-*/"))
             steps: list[float] = []
             verify: list[float] = []
+            pushes: list[float] = []
             for r in runs:
-                s, v = read_run(r)
+                s, v, p = read_run(r)
                 steps += s
                 verify += v
-            sides[check] = (len(runs), steps, verify)
+                pushes += p
+            sides[check] = (len(runs), steps, verify, pushes)
         off = sides["off"]
-        for check, (n, steps, verify) in sides.items():
+        for check, (n, steps, verify, pushes) in sides.items():
             if not steps:
-                lines.append(f"| {placement} | {check} | {n} | 0 | not measured (no finished run) | | | |")
+                lines.append(f"| {placement} | {check} | {n} | 0 | not measured (no finished run) | | | | |")
                 continue
             step = statistics.median(steps)
             cost = share = ""
             if check == "on" and off[1]:
                 cost = f"{step / statistics.median(off[1]) - 1:+.1%}"
-                share = f"{statistics.median(verify) / step:.1%}" if verify else "no sync/verify_s logged"
+                if pushes and off[3]:
+                    extra = statistics.median(pushes) - statistics.median(off[3])
+                    share = f"{extra:+.2f} s, {extra / step:.1%}"
             check_s = f"{statistics.median(verify):.2f} s" if verify else ""
-            lines.append(f"| {placement} | {check} | {n} | {len(steps)} | {step:.1f} s | {check_s} | {cost} | {share} |")
+            push_s = f"{statistics.median(pushes):.2f} s" if pushes else ""
+            lines.append(f"| {placement} | {check} | {n} | {len(steps)} | {step:.1f} s | {push_s} | {check_s} | {cost} | "
+                         f"{share} |")
     return "\n".join(lines)
 
 
